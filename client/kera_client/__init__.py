@@ -1,0 +1,10 @@
+"""Python client for kera: producers, consumers, admin, and the Spark data source."""
+
+from .admin import Admin, AsyncAdmin, open_admin
+from .consumer import AsyncConsumer, Chunk, Consumer, Record, open_consumer
+from .producer import AsyncProducer, ProduceError, Producer, open_producer
+
+__all__ = [
+    "Admin", "AsyncAdmin", "AsyncConsumer", "AsyncProducer", "Chunk", "Consumer", "ProduceError",
+    "Producer", "Record", "open_admin", "open_consumer", "open_producer",
+]

@@ -1,0 +1,82 @@
+"""Admin operations against the coordinator."""
+
+from __future__ import annotations
+
+import os
+from contextlib import asynccontextmanager
+
+from kera.rpc import open_pool
+
+from .portal import Portal
+
+DEFAULT_COORDINATOR = "127.0.0.1:7700"
+
+
+def default_coordinator() -> str:
+    return os.environ.get("KERA_COORDINATOR", DEFAULT_COORDINATOR)
+
+
+class AsyncAdmin:
+    def __init__(self, pool, coordinator: str | None = None, timeout: float = 30.0):
+        self.pool = pool
+        self.coordinator = coordinator or default_coordinator()
+        self.timeout = timeout
+
+    async def call(self, method: str, **meta):
+        r, _ = await self.pool.call(self.coordinator, method, meta, timeout=self.timeout)
+        return r
+
+    async def create_stream(self, name: str, streamlets: int | None = None, groups: int | None = None,
+                            replication: int | None = None, vlogs: str | None = None, **extra) -> dict:
+        r = await self.call("create_stream", name=name, streamlets=streamlets, groups=groups,
+                            replication=replication, vlogs=vlogs, **extra)
+        return r["stream"]
+
+    async def list_streams(self, pattern: str | None = None) -> list[dict]:
+        return (await self.call("list_streams", pattern=pattern))["streams"]
+
+    async def describe_stream(self, name: str) -> dict:
+        return (await self.call("describe_stream", name=name))["stream"]
+
+    async def delete_stream(self, name: str) -> None:
+        await self.call("delete_stream", name=name)
+
+    async def status(self) -> dict:
+        return await self.call("status")
+
+
+@asynccontextmanager
+async def open_admin(coordinator: str | None = None):
+    async with open_pool() as pool:
+        yield AsyncAdmin(pool, coordinator)
+
+
+class Admin:
+    """Synchronous admin client: ``Admin().create_stream("s", streamlets=4)``."""
+
+    def __init__(self, coordinator: str | None = None):
+        self.portal = Portal("kera-admin")
+        self._admin = self.portal.start(self._serve, coordinator)
+
+    async def _serve(self, coordinator, task_status):
+        async with open_admin(coordinator) as a:
+            task_status.started(a)
+            await trio_sleep_forever()
+
+    def __getattr__(self, name):
+        fn = getattr(self._admin, name)
+        return lambda *a, **k: self.portal.call(lambda: fn(*a, **k))
+
+    def close(self) -> None:
+        self.portal.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+async def trio_sleep_forever():
+    import trio
+    await trio.sleep_forever()

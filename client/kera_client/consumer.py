@@ -1,0 +1,270 @@
+"""Consumers: one pull per broker covering all its streamlets, chunks out.
+
+A position in a streamlet is ``{"low": g, "groups": {group: pos}}``: groups
+below ``low`` are read to their end, a group absent from ``groups`` is read
+from its start, and ``pos`` packs (segment << 32 | offset), or -1 once a
+closed group was read to its end. Positions are what the broker wrote in the
+chunk headers, so they stay valid when a streamlet is recovered elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import namedtuple
+from contextlib import asynccontextmanager
+
+import trio
+
+from kera import chunk as chunkfmt
+from kera.errors import KeraError, UnknownStream
+from kera.rpc import open_pool
+
+from .admin import default_coordinator
+from .portal import Portal
+
+DONE = -1
+Record = namedtuple("Record", "stream streamlet key value timestamp")
+
+
+class Chunk:
+    """A chunk as received: where it came from, and zero-copy access to its records."""
+
+    __slots__ = ("stream", "streamlet", "group", "position", "view")
+
+    def __init__(self, stream, streamlet, group, position, view):
+        self.stream, self.streamlet, self.group, self.position, self.view = \
+            stream, streamlet, group, position, view
+
+    def __len__(self):
+        return len(self.view)
+
+    @property
+    def producer(self) -> int:
+        return self.view.header.producer_id
+
+    @property
+    def sequence(self) -> int:
+        return self.view.header.sequence
+
+    def values(self) -> list[bytes]:
+        return self.view.values()
+
+    def records(self):
+        for k, v, t in self.view.records():
+            yield Record(self.stream, self.streamlet, k, v, t)
+
+
+def _compact(p: dict) -> None:
+    g = p["groups"]
+    while g.get(p["low"]) == DONE:
+        del g[p["low"]]
+        p["low"] += 1
+
+
+class AsyncConsumer:
+    def __init__(self, pool, coordinator: str, streams=None, pattern: str | None = None,
+                 start="earliest", group: str | None = None, max_bytes: int = 8 << 20,
+                 max_wait_ms: int = 200):
+        if not streams and not pattern:
+            raise ValueError("give streams or a pattern")
+        self.pool = pool
+        self.coordinator = coordinator
+        self.names = list(streams or [])
+        self.pattern = pattern
+        self.start = start
+        self.group = group
+        self.max_bytes = max_bytes
+        self.max_wait_ms = max_wait_ms
+        self.streams: dict[str, dict] = {}
+        self.by_id: dict[int, dict] = {}
+        self.positions: dict[tuple, dict] = {}  # (name, streamlet) -> position
+        self.records_read = 0
+
+    async def _metadata(self) -> None:
+        r, _ = await self.pool.call(self.coordinator, "metadata",
+                                    {"names": self.names, "pattern": self.pattern}, timeout=30)
+        if r.get("missing"):
+            raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
+        new = []
+        for s in r["streams"]:
+            if s["name"] not in self.streams:
+                new.append(s)
+            self.streams[s["name"]] = s
+            self.by_id[s["id"]] = s
+        if new:
+            await self._init_positions(new)
+
+    async def _init_positions(self, streams) -> None:
+        saved = {}
+        if self.group:
+            r, _ = await self.pool.call(self.coordinator, "positions", {"group": self.group}, timeout=30)
+            saved = r["positions"]
+        latest = []
+        for s in streams:
+            for i in range(s["streamlets"]):
+                key = f"{s['name']}/{i}"
+                if isinstance(self.start, dict) and (s["name"], i) in self.start:
+                    self.positions[(s["name"], i)] = _copy(self.start[(s["name"], i)])
+                elif key in saved:
+                    p = saved[key]
+                    self.positions[(s["name"], i)] = {"low": p["low"],
+                                                      "groups": {int(g): v for g, v in p["groups"].items()}}
+                elif self.start == "latest":
+                    latest.append((s, i))
+                else:
+                    self.positions[(s["name"], i)] = {"low": 0, "groups": {}}
+        if latest:
+            by_addr: dict[str, list] = {}
+            for s, i in latest:
+                by_addr.setdefault(s["addrs"][i], []).append([s["id"], i])
+            for addr, sls in by_addr.items():
+                r, _ = await self.pool.call(addr, "offsets", {"streamlets": sls}, timeout=30)
+                for sid, i, low, pos in r["offsets"]:
+                    self.positions[(self.by_id[sid]["name"], i)] = {"low": low, "groups": dict(pos)}
+
+    def position(self) -> dict:
+        """Current positions, JSON-friendly: ``{"stream/streamlet": {"low", "groups"}}``."""
+        return {f"{n}/{i}": {"low": p["low"], "groups": {str(g): v for g, v in p["groups"].items()}}
+                for (n, i), p in self.positions.items()}
+
+    async def commit(self) -> None:
+        if not self.group:
+            raise ValueError("commit needs a consumer group name")
+        await self.pool.call(self.coordinator, "commit", {"group": self.group,
+                                                          "positions": self.position()}, timeout=30)
+
+    async def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
+        """Chunks after the current positions, from every broker at once (zero-copy views)."""
+        if not self.streams or self.pattern:
+            await self._metadata()
+        deadline = trio.current_time() + timeout
+        while True:
+            by_addr: dict[str, list] = {}
+            stale = [False]  # some streamlet has no live owner, or a broker refused: ask again
+            for (name, i), p in self.positions.items():
+                s = self.streams[name]
+                addr = s["addrs"][i]
+                if addr is None:
+                    stale[0] = True
+                else:
+                    by_addr.setdefault(addr, []).append([s["id"], i, p["low"], p["groups"]])
+            out: list[Chunk] = []
+            wait = max(0, int((deadline - trio.current_time()) * 1000))
+
+            async def pull(addr, sls):
+                try:
+                    r, payload = await self.pool.call(addr, "pull", {
+                        "streamlets": sls, "max_bytes": self.max_bytes,
+                        "max_wait_ms": min(wait, self.max_wait_ms)}, timeout=wait / 1000 + 30)
+                except KeraError:
+                    stale[0] = True
+                    self.pool.drop(addr)
+                    return
+                if r["errors"]:
+                    stale[0] = True
+                self._absorb(r["entries"], payload, out)
+
+            async with trio.open_nursery() as n:
+                for addr, sls in by_addr.items():
+                    n.start_soon(pull, addr, sls)
+            if stale[0]:
+                try:
+                    await self._metadata()
+                except KeraError:
+                    pass
+            if out or trio.current_time() >= deadline:
+                return out
+            if stale[0]:
+                await trio.sleep(0.05)
+
+    def _absorb(self, entries, payload, out) -> None:
+        at = 0
+        for sid, i, gid, si, off, n, nxt in entries:
+            s = self.by_id.get(sid)
+            if s is None:
+                at += n
+                continue
+            p = self.positions[(s["name"], i)]
+            if n:
+                buf = payload[at:at + n]
+                at += n
+                pos = (si << 32) | off
+                for h, o in chunkfmt.scan(buf):
+                    out.append(Chunk(s["name"], i, gid, pos + o, chunkfmt.ChunkView(buf, o, h)))
+                    self.records_read += h.record_count
+            p["groups"][gid] = nxt
+            _compact(p)
+
+    async def poll(self, timeout: float = 1.0) -> list[Record]:
+        out = []
+        for c in await self.poll_chunks(timeout):
+            out.extend(c.records())
+        return out
+
+
+def _copy(p):
+    return {"low": p["low"], "groups": dict(p["groups"])}
+
+
+@asynccontextmanager
+async def open_consumer(streams=None, coordinator: str | None = None, **kw):
+    """``async with open_consumer(["s"], start="earliest") as c: chunks = await c.poll_chunks()``."""
+    async with open_pool() as pool:
+        c = AsyncConsumer(pool, coordinator or default_coordinator(), streams, **kw)
+        await c._metadata()
+        yield c
+
+
+class Consumer:
+    """Synchronous consumer: ``for record in Consumer(["s"]).records(timeout=5): ...``."""
+
+    def __init__(self, streams=None, coordinator: str | None = None, **kw):
+        self.portal = Portal("kera-consumer")
+        try:
+            self._c: AsyncConsumer = self.portal.start(self._serve, streams, coordinator, kw)
+        except BaseException:
+            self.portal.close()
+            raise
+
+    async def _serve(self, streams, coordinator, kw, task_status):
+        async with open_consumer(streams, coordinator, **kw) as c:
+            task_status.started(c)
+            await trio.sleep_forever()
+
+    def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
+        return self.portal.call(self._c.poll_chunks, timeout)
+
+    def poll(self, timeout: float = 1.0) -> list[Record]:
+        return self.portal.call(self._c.poll, timeout)
+
+    def records(self, timeout: float = 5.0, max_records: int | None = None):
+        """Iterate records until ``timeout`` seconds pass with nothing new (or max_records)."""
+        n = 0
+        idle_since = time.monotonic()
+        while max_records is None or n < max_records:
+            got = self.poll(min(1.0, timeout))
+            if got:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since >= timeout:
+                return
+            for r in got:
+                yield r
+                n += 1
+                if max_records is not None and n >= max_records:
+                    return
+
+    def position(self) -> dict:
+        return self._c.position()
+
+    def commit(self) -> None:
+        self.portal.call(self._c.commit)
+
+    def close(self) -> None:
+        self.portal.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+

@@ -1,0 +1,487 @@
+"""Producers: records -> chunks (one per streamlet) -> requests (one per broker).
+
+``send`` appends a record to its streamlet's open chunk; a chunk is sealed
+when it reaches ``chunk.size`` or has waited ``linger.ms``; sealed chunks get
+the next sequence of their (producer, streamlet) and leave in requests of up
+to ``request.size`` bytes, one per broker, at most ``max.in.flight`` requests
+per broker. A streamlet is in at most one request at a time, so a retry
+(after a moved streamlet, a dead broker, a timeout) resends its chunks in
+sequence order and the broker's sequence check drops duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from contextlib import asynccontextmanager
+
+import numpy as np
+import trio
+
+from kera import chunk as chunkfmt
+from kera.errors import KeraError, UnknownStream
+from kera.rpc import open_pool
+
+from .admin import default_coordinator
+from .partitioner import RoundRobin, key_streamlet
+from .portal import Portal
+
+log = logging.getLogger("kera.producer")
+
+RETRIABLE = {"not_owner", "recovering", "fenced", "out_of_order_sequence", "unavailable",
+             "not_enough_backups", "backup", "internal"}
+
+DEFAULTS = {
+    "acks": "all",
+    "linger.ms": 5.0,
+    "chunk.size": 16384,
+    "request.size": 1 << 20,
+    "max.in.flight": 4,
+    "partitioner": "round-robin",
+    "buffer.memory": 256 << 20,
+    "delivery.timeout.ms": 120_000,
+    "request.timeout.ms": 30_000,
+}
+
+
+def _config(config: dict | None, kw: dict) -> dict:
+    cfg = dict(DEFAULTS)
+    for src in (config or {}), kw:
+        for k, v in src.items():
+            k = k.replace("_", ".")
+            if k not in cfg:
+                raise ValueError(f"unknown producer option {k!r}; known: {', '.join(cfg)}")
+            cfg[k] = v
+    if cfg["acks"] not in ("all", "leader", "none"):
+        raise ValueError("acks must be all, leader or none")
+    if cfg["partitioner"] not in ("round-robin", "key"):
+        raise ValueError("partitioner must be round-robin or key")
+    return cfg
+
+
+class ProduceError(KeraError):
+    code = "produce"
+
+
+class _Batch:
+    __slots__ = ("values", "keys", "ts", "size", "deadline")
+
+    def __init__(self, deadline: float):
+        self.values: list[bytes] = []
+        self.keys: list[bytes | None] | None = None
+        self.ts: list[int] = []
+        self.size = 0
+        self.deadline = deadline
+
+
+class _Sealed:
+    __slots__ = ("key", "seq", "data", "records", "created")
+
+    def __init__(self, key, seq, data, records, created):
+        self.key, self.seq, self.data, self.records, self.created = key, seq, data, records, created
+
+
+class AsyncProducer:
+    """The trio-native producer. Use ``open_producer`` (or ``Producer`` from sync code)."""
+
+    def __init__(self, pool, nursery, coordinator: str, cfg: dict):
+        self.pool = pool
+        self.nursery = nursery
+        self.coordinator = coordinator
+        self.cfg = cfg
+        self.acks = cfg["acks"]
+        self.linger = float(cfg["linger.ms"]) / 1000
+        self.chunk_size = int(cfg["chunk.size"])
+        self.request_size = int(cfg["request.size"])
+        self.max_in_flight = int(cfg["max.in.flight"])
+        self.buffer_memory = int(cfg["buffer.memory"])
+        self.delivery_timeout = cfg["delivery.timeout.ms"] / 1000
+        self.request_timeout = cfg["request.timeout.ms"] / 1000
+        self.by_key = cfg["partitioner"] == "key"
+        self.producer_id = 0
+        self.streams: dict[str, dict] = {}
+        self.by_id: dict[int, dict] = {}
+        self.rr = RoundRobin()
+        self.batches: dict[tuple, _Batch] = {}
+        self.linger_q: deque = deque()
+        self.seq: dict[tuple, int] = {}
+        self.ready: dict[tuple, deque] = {}
+        self.inflight_keys: set = set()
+        self.inflight: dict[str, int] = {}
+        self.retry_at: dict[tuple, float] = {}
+        self.stale: set[str] = set()
+        self.buffered = 0
+        self.outstanding = 0     # records not yet acknowledged nor failed
+        self.acked = 0           # records acknowledged
+        self.failed = 0          # records given up on
+        self.errors: list[str] = []
+        self.latencies: deque = deque(maxlen=100_000)  # seconds, chunk sealed -> ack
+        self.lock = threading.RLock()
+        self.space = threading.Condition(self.lock)
+        self._wake = trio.Event()
+        self._progress = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        self._loop_thread = threading.get_ident()
+
+    # -- metadata ----------------------------------------------------------------
+    async def _load(self, names) -> None:
+        r, _ = await self.pool.call(self.coordinator, "metadata", {"names": list(names)},
+                                    timeout=self.request_timeout)
+        with self.lock:
+            for s in r["streams"]:
+                self.streams[s["name"]] = s
+                self.by_id[s["id"]] = s
+        if r.get("missing"):
+            raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
+
+    async def stream(self, name: str) -> dict:
+        s = self.streams.get(name)
+        if s is None:
+            await self._load([name])
+            s = self.streams[name]
+        return s
+
+    # -- accumulation (any thread) ------------------------------------------------
+    def _notify(self) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._wake.set()
+        else:
+            self._token.run_sync_soon(self._wake.set)
+
+    def _append(self, s: dict, value: bytes, key, timestamp) -> None:
+        """Add one record to its streamlet's open chunk (caller holds the lock)."""
+        n = s["streamlets"]
+        if key is not None and self.by_key:
+            sl = key_streamlet(key, n)
+        else:
+            sl = self.rr.streamlet(s["id"], n)
+        k = (s["id"], sl)
+        b = self.batches.get(k)
+        if b is None:
+            b = self.batches[k] = _Batch(time.monotonic() + self.linger)
+            self.linger_q.append((b.deadline, k, b))
+            if len(self.linger_q) == 1:
+                self._notify()
+        if key is not None and b.keys is None:
+            b.keys = [None] * len(b.values)
+        b.values.append(value)
+        if b.keys is not None:
+            b.keys.append(key)
+        b.ts.append(timestamp or int(time.time() * 1000))
+        b.size += len(value) + (len(key) if key else 0) + 16
+        self.buffered += len(value) + 16
+        self.outstanding += 1
+        if b.size >= self.chunk_size:
+            self._seal(k, b)
+            self._notify()
+
+    def _seal(self, k: tuple, b: _Batch) -> None:
+        del self.batches[k]
+        self._enqueue(k, chunkfmt.build(k[0], k[1], self.producer_id, self._next_seq(k),
+                                        b.values, b.keys, b.ts), len(b.values))
+        if not self.by_key:
+            self.rr.sealed(k[0], self.by_id[k[0]]["streamlets"])
+
+    def _next_seq(self, k) -> int:
+        seq = self.seq.get(k, 0)
+        self.seq[k] = seq + 1
+        return seq
+
+    def _enqueue(self, k, data: bytes, records: int) -> None:
+        q = self.ready.get(k)
+        if q is None:
+            q = self.ready[k] = deque()
+        q.append(_Sealed(k, self.seq[k] - 1, data, records, time.monotonic()))
+
+    def _wait_space(self) -> None:
+        """Block the calling (non-loop) thread while the buffer is full."""
+        while self.buffered >= self.buffer_memory:
+            self.space.wait(0.1)
+
+    async def send(self, stream: str, value: bytes, key: bytes | None = None,
+                   timestamp: int | None = None) -> None:
+        s = self.streams.get(stream) or await self.stream(stream)
+        while self.buffered >= self.buffer_memory:
+            await self._progress.wait()
+        with self.lock:
+            self._append(s, value, key, timestamp)
+
+    async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None) -> None:
+        """Send many records at once, packed into chunks with numpy.
+
+        ``values`` is a list of bytes or a 2-D uint8 array (one row per record);
+        all records go to ``streamlet`` (default: round-robin per chunk).
+        """
+        s = self.streams.get(stream) or await self.stream(stream)
+        for k, data, n in self._pack_many(s, values, keys, streamlet):
+            while self.buffered >= self.buffer_memory:
+                await self._progress.wait()
+            with self.lock:
+                self.buffered += len(data)
+                self.outstanding += n
+                self._next_seq(k)
+                self._enqueue(k, data, n)
+            self._notify()
+
+    def _pack_many(self, s, values, keys, streamlet):
+        arr = values if isinstance(values, np.ndarray) else None
+        n = len(values)
+        if arr is not None:
+            if arr.ndim != 2 or arr.dtype != np.uint8:
+                raise ValueError("values array must be 2-D uint8 (one row per record)")
+            size = arr.shape[1]
+        else:
+            size = max(1, sum(map(len, values[:64])) // max(1, min(n, 64)))
+        per = max(1, self.chunk_size // (size + 16))
+        now = int(time.time() * 1000)
+        sl_fixed = streamlet
+        for start in range(0, n, per):
+            stop = min(n, start + per)
+            sl = sl_fixed if sl_fixed is not None else self.rr.streamlet(s["id"], s["streamlets"])
+            if sl_fixed is None:
+                self.rr.sealed(s["id"], s["streamlets"])
+            k = (s["id"], sl)
+            seq = self.seq.get(k, 0)
+            kslice = None if keys is None else keys[start:stop]
+            if arr is not None and kslice is None:
+                m = stop - start
+                voff = np.arange(0, (m + 1) * size, size, dtype=np.uint32)
+                data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, np.full(m, now, np.int64),
+                                             np.zeros(m + 1, np.uint32), b"", voff, arr[start:stop].tobytes())
+            else:
+                vals = [bytes(r) for r in arr[start:stop]] if arr is not None else values[start:stop]
+                data = chunkfmt.build(k[0], sl, self.producer_id, seq, vals, kslice, [now] * (stop - start))
+            yield k, data, stop - start
+
+    # -- sending (loop thread) ----------------------------------------------------
+    def _seal_expired(self, now: float) -> None:
+        q = self.linger_q
+        while q and q[0][0] <= now:
+            _, k, b = q.popleft()
+            if self.batches.get(k) is b:
+                self._seal(k, b)
+
+    def seal_all(self) -> None:
+        with self.lock:
+            for k, b in list(self.batches.items()):
+                self._seal(k, b)
+            self.linger_q.clear()
+
+    def _dispatch(self, now: float) -> float:
+        """Start requests for brokers with ready chunks; returns the next retry time."""
+        next_retry = math.inf
+        plans: dict[str, list] = {}
+        sizes: dict[str, int] = {}
+        with self.lock:
+            for k in list(self.ready):
+                q = self.ready[k]
+                if not q:
+                    del self.ready[k]
+                    continue
+                if k in self.inflight_keys:
+                    continue
+                t = self.retry_at.get(k, 0)
+                if t > now:
+                    next_retry = min(next_retry, t)
+                    continue
+                s = self.by_id.get(k[0])
+                addr = s["addrs"][k[1]] if s is not None else None
+                if addr is None:
+                    if s is not None:
+                        self.stale.add(s["name"])
+                    self.retry_at[k] = now + 0.05
+                    next_retry = min(next_retry, now + 0.05)
+                    continue
+                if self.inflight.get(addr, 0) >= self.max_in_flight:
+                    continue
+                if sizes.get(addr, 0) >= self.request_size:
+                    continue
+                items = plans.setdefault(addr, [])
+                taken = len(items)
+                while q and (sizes.get(addr, 0) == 0 or sizes[addr] + len(q[0].data) <= self.request_size):
+                    c = q.popleft()
+                    if now - c.created > self.delivery_timeout:
+                        self._give_up([c], "delivery timeout")
+                        continue
+                    items.append(c)
+                    sizes[addr] = sizes.get(addr, 0) + len(c.data)
+                if len(items) > taken:
+                    self.inflight_keys.add(k)
+                if not q:
+                    del self.ready[k]
+            for addr, items in plans.items():
+                if items:
+                    self.inflight[addr] = self.inflight.get(addr, 0) + 1
+                    self.nursery.start_soon(self._request, addr, items)
+        if self.stale:
+            self.nursery.start_soon(self._refresh)
+        return next_retry
+
+    async def _refresh(self) -> None:
+        names, self.stale = self.stale, set()
+        if not names:
+            return
+        try:
+            await self._load(names)
+        except KeraError as e:
+            log.warning("metadata refresh failed: %s", e)
+
+    async def _request(self, addr: str, items: list) -> None:
+        try:
+            r, _ = await self.pool.call(addr, "produce", {"producer": self.producer_id, "acks": self.acks},
+                                        parts=[c.data for c in items], timeout=self.request_timeout)
+            results = r["results"]
+        except KeraError as e:
+            log.info("produce to %s failed: %s", addr, e)
+            results = [e.code] * len(items)
+            self.pool.drop(addr)
+        now = time.monotonic()
+        with self.lock:
+            self.inflight[addr] -= 1
+            retry: dict[tuple, list] = {}
+            for c, res in zip(items, results):
+                self.inflight_keys.discard(c.key)
+                if res is None:
+                    self.acked += c.records
+                    self.outstanding -= c.records
+                    self.buffered -= len(c.data)
+                    self.latencies.append(now - c.created)
+                elif res in RETRIABLE:
+                    retry.setdefault(c.key, []).append(c)
+                else:
+                    self._give_up([c], res)
+            for k, cs in retry.items():
+                q = self.ready.setdefault(k, deque())
+                q.extendleft(reversed(cs))
+                self.retry_at[k] = now + 0.1
+                s = self.by_id.get(k[0])
+                if s is not None:
+                    self.stale.add(s["name"])
+            self.space.notify_all()
+        self._progress.set()
+        self._progress = trio.Event()
+        self._wake.set()
+
+    def _give_up(self, cs, why: str) -> None:
+        for c in cs:
+            self.failed += c.records
+            self.outstanding -= c.records
+            self.buffered -= len(c.data)
+        if len(self.errors) < 100:
+            self.errors.append(why)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        r, _ = await self.pool.call(self.coordinator, "producer_id", {}, timeout=self.request_timeout)
+        self.producer_id = r["id"]
+        task_status.started()
+        while True:
+            now = time.monotonic()
+            with self.lock:
+                self._seal_expired(now)
+            next_retry = self._dispatch(now)
+            deadline = min(next_retry, self.linger_q[0][0] if self.linger_q else math.inf)
+            with trio.move_on_after(max(0.0, deadline - time.monotonic())):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+    async def flush(self) -> None:
+        """Wait until every record sent so far is acknowledged (or failed)."""
+        self.seal_all()
+        self._wake.set()
+        while self.outstanding > 0:
+            await self._progress.wait()
+        if self.failed:
+            raise ProduceError(f"{self.failed} records failed: {'; '.join(self.errors[:3])}")
+
+
+@asynccontextmanager
+async def open_producer(coordinator: str | None = None, config: dict | None = None, **kw):
+    """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``."""
+    cfg = _config(config, kw)
+    async with open_pool() as pool:
+        async with trio.open_nursery() as nursery:
+            p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
+            await nursery.start(p.run)
+            try:
+                yield p
+                await p.flush()
+            finally:
+                nursery.cancel_scope.cancel()
+
+
+class Producer:
+    """Synchronous producer for ordinary scripts; the network runs in a background thread.
+
+    ``send`` never blocks on the network (only when ``buffer.memory`` is full);
+    ``flush`` waits for acknowledgements.
+    """
+
+    def __init__(self, coordinator: str | None = None, config: dict | None = None, **kw):
+        self.portal = Portal("kera-producer")
+        try:
+            self._p: AsyncProducer = self.portal.start(self._serve, coordinator, config, kw)
+        except BaseException:
+            self.portal.close()
+            raise
+
+    async def _serve(self, coordinator, config, kw, task_status):
+        cfg = _config(config, kw)
+        async with open_pool() as pool:
+            async with trio.open_nursery() as nursery:
+                p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
+                await nursery.start(p.run)
+                task_status.started(p)
+
+    def _stream(self, name: str) -> dict:
+        s = self._p.streams.get(name)
+        if s is None:
+            self.portal.call(self._p.stream, name)
+            s = self._p.streams[name]
+        return s
+
+    def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None) -> None:
+        p = self._p
+        s = p.streams.get(stream) or self._stream(stream)
+        with p.lock:
+            if p.buffered >= p.buffer_memory:
+                p._wait_space()
+            p._append(s, value, key, timestamp)
+
+    def send_many(self, stream: str, values, keys=None, streamlet: int | None = None) -> None:
+        self.portal.call(self._p.send_many, stream, values, keys, streamlet)
+
+    def flush(self, timeout: float | None = None) -> None:
+        async def go():
+            with trio.fail_after(timeout if timeout is not None else math.inf):
+                await self._p.flush()
+        self.portal.call(go)
+
+    @property
+    def acked(self) -> int:
+        return self._p.acked
+
+    @property
+    def failed(self) -> int:
+        return self._p.failed
+
+    @property
+    def latencies(self):
+        return self._p.latencies
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self.portal.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+        else:
+            self.portal.close()

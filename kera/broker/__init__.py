@@ -1,0 +1,1 @@
+"""The broker: streams -> streamlets -> groups -> segments, all in memory."""

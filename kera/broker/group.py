@@ -1,0 +1,88 @@
+"""Group: a sub-partition of a streamlet, made of up to G segments.
+
+An active group accepts appends; once its G-th segment is full it closes and
+becomes immutable. A consumer position in a group is (segment, offset),
+packed in one int: ``segment << 32 | offset``. The same placement is written
+in every chunk header, so positions survive recovery.
+"""
+
+from __future__ import annotations
+
+from .segment import Segment
+
+DONE = -1  # position of a group read to its end after it closed
+
+
+def pack(segment: int, offset: int) -> int:
+    return (segment << 32) | offset
+
+
+def unpack(pos: int) -> tuple[int, int]:
+    return pos >> 32, pos & 0xFFFFFFFF
+
+
+class Group:
+    __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed")
+
+    def __init__(self, id: int, slot: int, segment_size: int, max_segments: int):
+        self.id = id
+        self.slot = slot  # the active-group slot (producer id % Q) it was opened for
+        self.segment_size = segment_size
+        self.max_segments = max_segments
+        self.segments: list[Segment] = []
+        self.closed = False
+
+    def append(self, chunk) -> tuple[Segment, int] | None:
+        """Append one chunk; None if the group is full (it is then closed)."""
+        n = len(chunk)
+        seg = self.segments[-1] if self.segments else None
+        if seg is None or seg.room() < n:
+            if len(self.segments) >= self.max_segments:
+                self.closed = True
+                return None
+            seg = Segment(len(self.segments), self.segment_size)
+            self.segments.append(seg)
+        return seg, seg.append(chunk)
+
+    def place(self, segment: int, offset: int, chunk) -> Segment | None:
+        """Recovery append at a recorded placement; None if already there (a replayed copy)."""
+        while len(self.segments) <= segment:
+            self.segments.append(Segment(len(self.segments), self.segment_size))
+        seg = self.segments[segment]
+        if offset < seg.head:
+            return None
+        if offset != seg.head:
+            raise ValueError(f"gap in group {self.id} segment {segment}: {offset} != {seg.head}")
+        seg.append(chunk)
+        return seg
+
+    def durable_end(self) -> int:
+        if not self.segments:
+            return 0
+        seg = self.segments[-1]
+        return pack(seg.id, seg.durable)
+
+    def finished(self) -> bool:
+        """Closed, and everything in it is durable: a reader at its end is done."""
+        return self.closed and all(s.durable == s.head for s in self.segments)
+
+    def read(self, pos: int, max_bytes: int):
+        """(segment, offset, length, next_pos) of the durable chunks after ``pos``.
+
+        ``length`` may be 0 when there is nothing new; ``next_pos`` is DONE
+        when the group is finished and fully read.
+        """
+        si, off = unpack(pos)
+        while si < len(self.segments):
+            seg = self.segments[si]
+            n = seg.readable(off, max_bytes)
+            if n:
+                return si, off, n, pack(si, off + n)
+            if off >= seg.head and seg.durable == seg.head and si + 1 < len(self.segments):
+                si, off = si + 1, 0
+                continue
+            break
+        if self.finished() and (si >= len(self.segments) - 1) and \
+                (not self.segments or off >= self.segments[-1].head):
+            return si, off, 0, DONE
+        return si, off, 0, pack(si, off)

@@ -1,0 +1,307 @@
+"""BrokerService: the broker process.
+
+Producer requests carry chunks for many streamlets; each chunk is verified,
+appended with one copy into its streamlet's active group, stamped with its
+placement, and referenced in its virtual log. The request then waits (for
+``acks=all``) until every vlog it touched is durable past its chunks. Pulls
+return durable chunks of many streamlets as slices of the segments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import time
+
+import trio
+
+from .. import chunk, metafile
+from ..errors import (
+    Fenced, InvalidArgument, KeraError, NotOwner, Unavailable,
+)
+from ..rpc import Pool, Service
+from ..vlog import VirtualLog, VlogMapping
+from .streamlet import ProducerState, Streamlet
+
+log = logging.getLogger("kera.broker")
+
+MAX_PULL_BYTES = 32 << 20
+MAX_PULL_WAIT = 30.0
+HEARTBEAT = 0.5
+
+
+class BrokerService(Service):
+    def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
+                 vseg_size: int = 8 << 20):
+        self.coordinator = coordinator
+        self.data_dir = data_dir
+        self.node = node
+        self.mapping = mapping
+        self.vseg_size = vseg_size
+        os.makedirs(data_dir, exist_ok=True)
+        self.id_path = os.path.join(data_dir, "broker.id")
+        ident = metafile.load(self.id_path) or {}
+        self.broker_id: int | None = ident.get("id")
+        self.epoch = 0
+        self.addr = ""
+        self.streams: dict[int, dict] = {}
+        self.streamlets: dict[tuple[int, int], Streamlet] = {}
+        self.vlogs: dict[tuple, VirtualLog] = {}
+        self.backups: dict[int, dict] = {}
+        self.backup_load: dict[int, int] = {}
+        self.membership_changed = trio.Event()
+        self.durable_event = trio.Event()
+        self.pool: Pool | None = None
+        self.nursery: trio.Nursery | None = None
+        self.requests = 0
+        self.fenced = False
+
+    # -- cluster interface used by virtual logs --------------------------------
+    def notify_durable(self) -> None:
+        self.durable_event.set()
+        self.durable_event = trio.Event()
+
+    def backup_addr(self, backup_id: int) -> str:
+        b = self.backups.get(backup_id)
+        if b is None:
+            raise Unavailable(f"backup {backup_id} is not alive")
+        return b["addr"]
+
+    def choose_backups(self, vs, k: int) -> list[int]:
+        """k more backups for a virtual segment: distinct nodes, not ours, least loaded first."""
+        used_nodes = {self.node} | {self.backups[b]["node"] for b in vs.copies if b in self.backups}
+        cands = [b for b in self.backups.values()
+                 if b["id"] not in vs.copies and b["id"] not in vs.failed and b["node"] not in used_nodes]
+        random.shuffle(cands)
+        cands.sort(key=lambda b: self.backup_load.get(b["id"], 0))
+        out = []
+        for b in cands:
+            if len(out) == k:
+                break
+            if b["node"] in used_nodes:
+                continue
+            used_nodes.add(b["node"])
+            out.append(b["id"])
+            self.backup_load[b["id"]] = self.backup_load.get(b["id"], 0) + 1
+        return out
+
+    def vlog_for(self, stream: dict, streamlet: int, group: int) -> VirtualLog:
+        key = self.mapping.key(stream, streamlet, group)
+        v = self.vlogs.get(key)
+        if v is None:
+            v = self.vlogs[key] = VirtualLog(len(self.vlogs), stream["replication"], self.vseg_size, self)
+            self.nursery.start_soon(v.run)
+        return v
+
+    # -- control -----------------------------------------------------------------
+    def _check_epoch(self, meta) -> None:
+        if self.fenced or meta.get("epoch") != self.epoch:
+            raise Fenced(f"broker {self.broker_id} is at epoch {self.epoch}, request for {meta.get('epoch')}")
+
+    def rpc_assign(self, meta, payload):
+        self._check_epoch(meta)
+        s = meta.get("stream")
+        if not isinstance(s, dict) or not isinstance(meta.get("streamlets"), list):
+            raise InvalidArgument("assign needs a stream and streamlets")
+        self.streams[s["id"]] = s
+        for i in meta["streamlets"]:
+            self.streamlets.setdefault((s["id"], i), Streamlet(s, i))
+        return {}
+
+    def rpc_unassign(self, meta, payload):
+        sid = meta.get("stream_id")
+        self.streams.pop(sid, None)
+        for key in [k for k in self.streamlets if k[0] == sid]:
+            del self.streamlets[key]
+        return {}
+
+    # -- produce -------------------------------------------------------------------
+    def _streamlet(self, stream_id, index) -> Streamlet:
+        sl = self.streamlets.get((stream_id, index))
+        if sl is None:
+            raise NotOwner(f"stream {stream_id} streamlet {index} is not on broker {self.broker_id}")
+        return sl
+
+    def rpc_produce(self, meta, payload):
+        if self.fenced:
+            raise Fenced("this broker was fenced")
+        acks = meta.get("acks", "all")
+        if acks not in ("all", "leader", "none"):
+            raise InvalidArgument(f"acks must be all, leader or none, not {acks!r}")
+        chunks = chunk.scan(payload)  # every checksum verified before anything is stored
+        self.requests += 1
+        results = []
+        waits: dict[VirtualLog, int] = {}
+        for h, off in chunks:
+            try:
+                sl = self._streamlet(h.stream_id, h.streamlet)
+                dup = sl.check_sequence(h.producer_id, h.sequence)
+                if dup is not None:
+                    if dup.vlog is not None and waits.get(dup.vlog, 0) < dup.ref:
+                        waits[dup.vlog] = dup.ref
+                    results.append(None)
+                    continue
+                g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
+                chunk.place(seg.view, soff, g.id, seg.id, soff)
+                vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g.id)
+                idx = vlog.append(seg, soff, h.size, h.body_checksum)
+                sl.producers[h.producer_id] = ProducerState(h.sequence, vlog, idx)
+                waits[vlog] = idx
+                results.append(None)
+            except KeraError as e:
+                results.append(e.code)
+        if acks != "all" or not waits:
+            return {"results": results}
+        return self._acked_when_durable(waits, results)
+
+    async def _acked_when_durable(self, waits, results):
+        for vlog, idx in waits.items():
+            await vlog.wait_durable(idx)
+        return {"results": results}
+
+    # -- consume ---------------------------------------------------------------------
+    async def rpc_pull(self, meta, payload):
+        reqs = meta.get("streamlets")
+        if not isinstance(reqs, list):
+            raise InvalidArgument("pull needs a list of streamlets")
+        max_bytes = meta.get("max_bytes", 1 << 20)
+        wait = meta.get("max_wait_ms", 0)
+        if not isinstance(max_bytes, int) or not isinstance(wait, (int, float)):
+            raise InvalidArgument("max_bytes and max_wait_ms must be numbers")
+        max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
+        deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
+        while True:
+            event = self.durable_event
+            entries, parts, errors, moved = self._collect(reqs, max_bytes)
+            if parts or errors or moved or trio.current_time() >= deadline:
+                return {"entries": entries, "errors": errors}, parts
+            with trio.move_on_at(deadline):
+                await event.wait()
+
+    def _collect(self, reqs, max_bytes):
+        entries, parts, errors = [], [], []
+        moved = False
+        budget = max_bytes
+        for r in reqs:
+            try:
+                stream_id, index, low, positions = r
+                if not isinstance(positions, dict) or not isinstance(low, int):
+                    raise InvalidArgument("pull entry is [stream_id, streamlet, low, {group: position}]")
+                sl = self._streamlet(stream_id, index)
+            except KeraError as e:
+                errors.append([r[0] if isinstance(r, list) and r else None,
+                               r[1] if isinstance(r, list) and len(r) > 1 else None, e.code])
+                continue
+            except (TypeError, ValueError):
+                errors.append([None, None, InvalidArgument.code])
+                continue
+            if budget <= 0:
+                continue
+            for gid, si, off, n, nxt in sl.read(low, positions, budget):
+                entries.append([stream_id, index, gid, si, off, n, nxt])
+                if n:
+                    parts.append(sl.groups[gid].segments[si].view[off:off + n])
+                    budget -= n
+                else:
+                    moved = True
+        return entries, parts, errors, moved
+
+    def rpc_offsets(self, meta, payload):
+        """Latest durable positions of streamlets: where a consumer 'from latest' starts."""
+        out, errors = [], []
+        for stream_id, index in meta.get("streamlets") or []:
+            try:
+                low, pos = self._streamlet(stream_id, index).latest()
+                out.append([stream_id, index, low, pos])
+            except KeraError as e:
+                errors.append([stream_id, index, e.code])
+        return {"offsets": out, "errors": errors}
+
+    def stats(self) -> dict:
+        vl = []
+        for key, v in self.vlogs.items():
+            vl.append({"vlog": v.id, "replication": v.replication, "appended": v.appended,
+                       "durable": v.durable, "lag": v.lag(), "rpcs": v.rpcs,
+                       "failures": v.failures, **v.copies_held()})
+        return {"chunks": sum(s.appended_chunks for s in self.streamlets.values()),
+                "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
+                "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl}
+
+    def rpc_stats(self, meta, payload):
+        return {"broker": self.broker_id, **self.stats()}
+
+    # -- membership ------------------------------------------------------------------
+    async def _register(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                r, _ = await self.pool.call(self.coordinator, "register", {
+                    "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
+                }, timeout=5)
+                break
+            except KeraError as e:
+                log.info("coordinator not reachable yet: %s", e)
+                await trio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        self.broker_id, self.epoch = r["id"], r["epoch"]
+        metafile.save(self.id_path, {"id": self.broker_id})
+
+    async def _heartbeats(self) -> None:
+        while True:
+            try:
+                r, _ = await self.pool.call(self.coordinator, "heartbeat", {
+                    "role": "broker", "id": self.broker_id, "epoch": self.epoch,
+                    "stats": self.stats()}, timeout=5)
+                self._set_backups(r.get("backups") or [])
+            except Fenced:
+                log.error("broker %d was fenced by the coordinator: it stops serving", self.broker_id)
+                self.fenced = True
+                raise
+            except KeraError as e:
+                log.warning("heartbeat failed: %s", e)
+            await trio.sleep(HEARTBEAT)
+
+    def _set_backups(self, live: list[dict]) -> None:
+        new = {b["id"]: b for b in live}
+        if new.keys() == self.backups.keys() and all(new[k]["addr"] == self.backups[k]["addr"] for k in new):
+            return
+        lost = [b for b in self.backups if b not in new or new[b]["epoch"] != self.backups[b]["epoch"]]
+        self.backups = new
+        for b in lost:
+            log.warning("backup %d lost: re-replicating its virtual segments", b)
+            for v in self.vlogs.values():
+                v.backup_lost(b)
+        self.membership_changed.set()
+        self.membership_changed = trio.Event()
+
+    async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self.nursery = nursery
+            self.pool = Pool(nursery)
+            bound = await nursery.start(self.serve, host, port)
+            self.addr = f"{host}:{bound}"
+            await self._register()
+            nursery.start_soon(self._heartbeats)
+            task_status.started(bound)
+            print(f"broker {self.broker_id} listening on {self.addr}", flush=True)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="kera broker")
+    ap.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR", "127.0.0.1:7700"))
+    ap.add_argument("--data", default="kera-data/broker")
+    ap.add_argument("--node", default="")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
+    ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
+    ap.add_argument("--vseg-size", type=int, default=8 << 20, help="virtual segment capacity, bytes")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
+    svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
+                        VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size)
+
+    from ..process import run_until_signal
+    run_until_signal(svc.run, args.host, args.port)

@@ -1,0 +1,119 @@
+"""Streamlet: a partition of a stream, with up to Q active groups.
+
+Producer p appends to active group ``p % Q``; when that group fills up it
+closes and a new group (next id) takes its slot. Per producer, the last
+sequence seen makes retries idempotent: a sequence already appended is
+acknowledged again, never stored twice; a sequence that skips ahead is
+refused so the producer resends in order.
+"""
+
+from __future__ import annotations
+
+from ..errors import InvalidArgument, OutOfOrderSequence
+from .group import DONE, Group
+
+
+class ProducerState:
+    __slots__ = ("last_seq", "vlog", "ref")
+
+    def __init__(self, last_seq: int, vlog, ref: int):
+        self.last_seq, self.vlog, self.ref = last_seq, vlog, ref
+
+
+class Streamlet:
+    def __init__(self, stream: dict, index: int):
+        self.stream_id = stream["id"]
+        self.index = index
+        self.q = stream["groups"]
+        self.segment_size = stream["segment_size"]
+        self.max_segments = stream["group_segments"]
+        self.groups: dict[int, Group] = {}
+        self.active: list[Group | None] = [None] * self.q
+        self.next_group = 0
+        self.producers: dict[int, ProducerState] = {}
+        self.appended_chunks = 0
+        self.appended_bytes = 0
+
+    def _new_group(self, slot: int, gid: int | None = None) -> Group:
+        if gid is None:
+            gid = self.next_group
+        g = Group(gid, slot, self.segment_size, self.max_segments)
+        self.groups[gid] = g
+        self.next_group = max(self.next_group, gid + 1)
+        return g
+
+    def check_sequence(self, producer: int, seq: int) -> ProducerState | None:
+        """The state of a duplicate (already appended), None for the next chunk."""
+        st = self.producers.get(producer)
+        if st is None or seq == st.last_seq + 1:
+            return None
+        if seq <= st.last_seq:
+            return st
+        raise OutOfOrderSequence(
+            f"producer {producer} sent sequence {seq} after {st.last_seq} on "
+            f"stream {self.stream_id} streamlet {self.index}")
+
+    def append(self, chunk, producer: int):
+        """Append one chunk to its active group: returns (group, segment, offset)."""
+        if len(chunk) > self.segment_size:
+            raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds segment size {self.segment_size}")
+        slot = producer % self.q
+        g = self.active[slot]
+        while True:
+            if g is None or g.closed:
+                g = self.active[slot] = self._new_group(slot)
+            placed = g.append(chunk)
+            if placed is not None:
+                break
+        seg, off = placed
+        self.appended_chunks += 1
+        self.appended_bytes += len(chunk)
+        return g, seg, off
+
+    def place(self, chunk, producer: int, group: int, segment: int, offset: int):
+        """Recovery append at the placement recorded in the chunk header."""
+        g = self.groups.get(group) or self._new_group(producer % self.q, group)
+        seg = g.place(segment, offset, chunk)
+        if seg is not None:
+            self.appended_chunks += 1
+            self.appended_bytes += len(chunk)
+        return g, seg
+
+    def read(self, low: int, positions: dict, max_bytes: int):
+        """Entries (group, segment, offset, length, next_pos) of durable data to pull.
+
+        Groups are read in id order; a group not read to its end holds back
+        the later groups of its slot, so one producer's records come out in
+        the order they were sent.
+        """
+        out = []
+        budget = max_bytes
+        blocked = set()
+        for gid in sorted(self.groups):
+            if gid < low or budget <= 0:
+                continue
+            g = self.groups[gid]
+            pos = positions.get(gid, 0)
+            if pos == DONE:
+                continue
+            if g.slot in blocked:
+                continue
+            while budget > 0:
+                si, off, n, nxt = g.read(pos, budget)
+                if n == 0 and nxt == pos:
+                    break
+                out.append((gid, si, off, n, nxt))
+                budget -= n
+                pos = nxt
+                if nxt == DONE:
+                    break
+            if pos != DONE:
+                blocked.add(g.slot)
+        return out
+
+    def latest(self) -> tuple[int, dict]:
+        """Positions at the durable end of every group: a consumer starting 'latest'."""
+        positions = {}
+        for gid, g in self.groups.items():
+            positions[gid] = DONE if g.finished() else g.durable_end()
+        return 0, positions

@@ -1,0 +1,213 @@
+"""The chunk: a producer-built batch of records for one streamlet.
+
+Layout (little endian), 8-byte aligned so numpy views work in place:
+
+    header (88 bytes, see HEADER)
+    timestamps  int64[n]       milliseconds since the epoch
+    key_offsets uint32[n + 1]  into the key bytes (a record without key has an empty key)
+    val_offsets uint32[n + 1]  into the value bytes
+    keys, values, zero padding to a multiple of 8
+
+The offsets arrays have Arrow's binary layout, so a chunk becomes an Arrow
+batch without copying. ``body_checksum`` is xxh3-64 of the body; the header
+checksum (xxh32 of the header bytes before it) also covers the
+[group, segment, offset] placement the broker writes at append time.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from .errors import ChecksumError, ProtocolError
+
+MAGIC = b"KC"
+VERSION = 1
+HEADER = struct.Struct("<2sBBQIIQQqqIIIIQQI")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 88
+_CHECKED = HEADER_SIZE - 4  # the header checksum covers everything before it
+_PLACEMENT = struct.Struct("<III")
+_PLACEMENT_AT = 52
+_HCHECK = struct.Struct("<I")
+MAX_RECORDS = 1 << 24
+NO_PLACEMENT = 0xFFFFFFFF
+
+
+@dataclass(slots=True, frozen=True)
+class ChunkHeader:
+    flags: int
+    stream_id: int
+    streamlet: int
+    record_count: int
+    producer_id: int
+    sequence: int
+    ts_min: int
+    ts_max: int
+    group: int
+    segment: int
+    offset: int
+    body_len: int
+    body_checksum: int
+
+    @property
+    def size(self) -> int:
+        return HEADER_SIZE + self.body_len
+
+
+def _pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def build(stream_id: int, streamlet: int, producer_id: int, sequence: int,
+          values: Sequence[bytes], keys: Sequence[bytes | None] | None = None,
+          timestamps=None) -> bytes:
+    """Pack records into one chunk (numpy does the offsets, one join per column)."""
+    n = len(values)
+    if n == 0 or n > MAX_RECORDS:
+        raise ValueError(f"a chunk holds 1..{MAX_RECORDS} records, not {n}")
+    vlen = np.fromiter(map(len, values), dtype=np.uint32, count=n)
+    vbytes = b"".join(values)
+    if keys is None:
+        kbytes = b""
+        koff = np.zeros(n + 1, dtype=np.uint32)
+    else:
+        keys = [k or b"" for k in keys]
+        klen = np.fromiter(map(len, keys), dtype=np.uint32, count=n)
+        kbytes = b"".join(keys)
+        koff = np.zeros(n + 1, dtype=np.uint32)
+        np.cumsum(klen, out=koff[1:])
+    voff = np.zeros(n + 1, dtype=np.uint32)
+    np.cumsum(vlen, out=voff[1:])
+    if timestamps is None:
+        ts = np.full(n, int(time.time() * 1000), dtype=np.int64)
+    else:
+        ts = np.asarray(timestamps, dtype=np.int64)
+    return build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes)
+
+
+def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes) -> bytes:
+    """Pack already-columnar records (the batch path: no per-record work at all)."""
+    n = len(ts)
+    if not 0 < n <= MAX_RECORDS or len(koff) != n + 1 or len(voff) != n + 1 \
+            or int(koff[-1]) != len(kbytes) or int(voff[-1]) != len(vbytes):
+        raise ValueError("timestamps, offsets and key/value bytes disagree on the records")
+    raw = len(kbytes) + len(vbytes)
+    body_len = _pad8(8 * n + 8 * (n + 1) + raw)
+    pad = body_len - (8 * n + 8 * (n + 1) + raw)
+    body = b"".join((ts.astype("<i8", copy=False).tobytes(), koff.astype("<u4", copy=False).tobytes(),
+                     voff.astype("<u4", copy=False).tobytes(), kbytes, vbytes, bytes(pad)))
+    ts_min = int(ts.min())
+    ts_max = int(ts.max())
+    head = bytearray(HEADER.pack(MAGIC, VERSION, 0, stream_id, streamlet, n, producer_id, sequence,
+                                 ts_min, ts_max, NO_PLACEMENT, NO_PLACEMENT, NO_PLACEMENT, body_len,
+                                 xxhash.xxh3_64_intdigest(body), 0, 0))
+    _HCHECK.pack_into(head, _CHECKED, xxhash.xxh32_intdigest(memoryview(head)[:_CHECKED]))
+    return bytes(head) + body
+
+
+def parse_header(buf, offset: int = 0) -> ChunkHeader:
+    """Validate and decode a header (not the body). Raises on any damage."""
+    if len(buf) - offset < HEADER_SIZE:
+        raise ProtocolError("truncated chunk header")
+    f = HEADER.unpack_from(buf, offset)
+    if f[0] != MAGIC or f[1] != VERSION:
+        raise ProtocolError("not a chunk header")
+    if xxhash.xxh32_intdigest(memoryview(buf)[offset:offset + _CHECKED]) != f[16]:
+        raise ChecksumError("chunk header checksum mismatch")
+    h = ChunkHeader(*f[2:15])
+    if h.record_count == 0 or h.record_count > MAX_RECORDS or h.body_len % 8 \
+            or h.body_len < 16 * h.record_count + 8:
+        raise ProtocolError("inconsistent chunk header")
+    return h
+
+
+def verify(buf, offset: int = 0) -> ChunkHeader:
+    """Check header and body checksums of the chunk at ``offset``."""
+    h = parse_header(buf, offset)
+    end = offset + HEADER_SIZE + h.body_len
+    if end > len(buf):
+        raise ProtocolError("truncated chunk body")
+    if xxhash.xxh3_64_intdigest(memoryview(buf)[offset + HEADER_SIZE:end]) != h.body_checksum:
+        raise ChecksumError("chunk body checksum mismatch")
+    return h
+
+
+def scan(buf, verify_bodies: bool = True) -> list[tuple[ChunkHeader, int]]:
+    """Headers and offsets of the back-to-back chunks filling ``buf`` exactly."""
+    out = []
+    pos, n = 0, len(buf)
+    check = verify if verify_bodies else parse_header
+    while pos < n:
+        h = check(buf, pos)
+        if pos + h.size > n:
+            raise ProtocolError("truncated chunk body")
+        out.append((h, pos))
+        pos += h.size
+    return out
+
+
+def place(buf, offset: int, group: int, segment: int, seg_offset: int) -> None:
+    """Write the broker-assigned placement into a chunk held in ``buf`` (O(1))."""
+    _PLACEMENT.pack_into(buf, offset + _PLACEMENT_AT, group, segment, seg_offset)
+    mv = memoryview(buf)
+    _HCHECK.pack_into(buf, offset + _CHECKED, xxhash.xxh32_intdigest(mv[offset:offset + _CHECKED]))
+
+
+class ChunkView:
+    """Zero-copy access to a verified chunk's records through numpy views."""
+
+    __slots__ = ("header", "buf", "_base")
+
+    def __init__(self, buf, offset: int = 0, header: ChunkHeader | None = None):
+        self.header = header or parse_header(buf, offset)
+        self.buf = memoryview(buf)[offset:offset + self.header.size]
+        self._base = HEADER_SIZE
+
+    def __len__(self) -> int:
+        return self.header.record_count
+
+    @property
+    def timestamps(self) -> np.ndarray:
+        return np.frombuffer(self.buf, dtype="<i8", count=len(self), offset=self._base)
+
+    @property
+    def key_offsets(self) -> np.ndarray:
+        return np.frombuffer(self.buf, dtype="<u4", count=len(self) + 1, offset=self._base + 8 * len(self))
+
+    @property
+    def value_offsets(self) -> np.ndarray:
+        n = len(self)
+        return np.frombuffer(self.buf, dtype="<u4", count=n + 1, offset=self._base + 8 * n + 4 * (n + 1))
+
+    def _data_start(self) -> int:
+        return self._base + 8 * len(self) + 8 * (len(self) + 1)
+
+    @property
+    def key_data(self) -> memoryview:
+        s = self._data_start()
+        return self.buf[s:s + int(self.key_offsets[-1])]
+
+    @property
+    def value_data(self) -> memoryview:
+        s = self._data_start() + int(self.key_offsets[-1])
+        return self.buf[s:s + int(self.value_offsets[-1])]
+
+    def values(self) -> list[bytes]:
+        data = bytes(self.value_data)
+        o = self.value_offsets.tolist()
+        return [data[o[i]:o[i + 1]] for i in range(len(self))]
+
+    def keys(self) -> list[bytes | None]:
+        data = bytes(self.key_data)
+        o = self.key_offsets.tolist()
+        return [data[o[i]:o[i + 1]] or None for i in range(len(self))]
+
+    def records(self):
+        """(key, value, timestamp) tuples; a convenience for clients, never used by servers."""
+        return zip(self.keys(), self.values(), self.timestamps.tolist())

@@ -1,0 +1,280 @@
+"""The ``kera`` command: servers, a local cluster, and client commands.
+
+Every client command takes ``--coordinator HOST:PORT`` (env KERA_COORDINATOR,
+default 127.0.0.1:7700). Exit status is non-zero on any error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import trio
+
+from .errors import KeraError
+
+DEFAULT_COORDINATOR = "127.0.0.1:7700"
+
+
+def _coordinator(args) -> str:
+    return args.coordinator or os.environ.get("KERA_COORDINATOR") or DEFAULT_COORDINATOR
+
+
+def _run(afn, *args):
+    try:
+        return trio.run(afn, *args)
+    except KeraError as e:
+        print(f"error: {e.code}: {e}", file=sys.stderr)
+        sys.exit(1)
+
+
+# -- stream admin ---------------------------------------------------------------
+def cmd_stream(args) -> None:
+    from kera_client import open_admin
+
+    async def go():
+        async with open_admin(_coordinator(args)) as a:
+            if args.action == "create":
+                s = await a.create_stream(args.name, streamlets=args.streamlets, groups=args.groups,
+                                          replication=args.replication, vlogs=args.vlogs,
+                                          segment_size=args.segment_size,
+                                          group_segments=args.group_segments)
+                print(f"created stream {s['name']}: {s['streamlets']} streamlets, {s['groups']} active "
+                      f"groups, replication {s['replication']}")
+            elif args.action == "list":
+                for s in await a.list_streams(args.pattern):
+                    print(f"{s['name']}\t{s['streamlets']} streamlets\tR={s['replication']}")
+            elif args.action == "describe":
+                print(json.dumps(await a.describe_stream(args.name), indent=2))
+            elif args.action == "delete":
+                await a.delete_stream(args.name)
+                print(f"deleted stream {args.name}")
+
+    _run(go)
+
+
+# -- produce ----------------------------------------------------------------------
+def _producer_options(args) -> dict:
+    return {"acks": args.acks, "linger.ms": args.linger_ms, "chunk.size": args.chunk_size,
+            "request.size": args.request_size, "max.in.flight": args.max_in_flight}
+
+
+def cmd_produce(args) -> None:
+    from kera_client import Producer, open_producer
+
+    acked = 0
+    ok = True
+    try:
+        if args.generate is None:
+            key = args.key.encode() if args.key is not None else None
+            p = Producer(_coordinator(args), _producer_options(args))
+            try:
+                for line in sys.stdin.buffer:
+                    p.send(args.stream, line.rstrip(b"\n"), key=key)
+                p.flush()
+            finally:
+                acked = p.acked
+                p.portal.close()
+        else:
+            acked = 0
+
+            async def one(i, n, counts):
+                async with open_producer(_coordinator(args), _producer_options(args)) as p:
+                    try:
+                        rng = np.random.default_rng(i)
+                        step = 20_000
+                        for start in range(0, n, step):
+                            m = min(step, n - start)
+                            arr = rng.integers(97, 123, size=(m, args.size), dtype=np.uint8)  # printable
+                            await p.send_many(args.stream, arr)
+                        await p.flush()
+                    finally:
+                        counts[i] = p.acked
+
+            async def go():
+                counts = [0] * args.producers
+                try:
+                    async with trio.open_nursery() as nursery:
+                        for i in range(args.producers):
+                            n = args.generate // args.producers + (i < args.generate % args.producers)
+                            nursery.start_soon(one, i, n, counts)
+                finally:
+                    nonlocal acked
+                    acked = sum(counts)
+
+            t0 = time.monotonic()
+            trio.run(go)
+            dt = time.monotonic() - t0
+            print(f"{acked} records in {dt:.2f} s ({acked / max(dt, 1e-9):,.0f} records/s)", file=sys.stderr)
+    except (KeraError, KeyboardInterrupt, BaseExceptionGroup) as e:
+        print(f"error: {_describe(e)}", file=sys.stderr)
+        ok = False
+    print(f"acknowledged: {acked}", flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, BaseExceptionGroup):
+        return "; ".join(_describe(x) for x in e.exceptions)
+    return f"{type(e).__name__}: {e}"
+
+
+# -- consume ------------------------------------------------------------------------
+def cmd_consume(args) -> None:
+    from kera_client import open_consumer
+
+    count = 0
+
+    async def go():
+        nonlocal count
+        async with open_consumer([args.stream], _coordinator(args), start=args.start) as c:
+            idle_since = time.monotonic()
+            out = sys.stdout.buffer
+            while args.max is None or count < args.max:
+                left = args.timeout - (time.monotonic() - idle_since)
+                if left <= 0:
+                    break
+                chunks = await c.poll_chunks(min(1.0, left))
+                if chunks:
+                    idle_since = time.monotonic()
+                for ch in chunks:
+                    n = len(ch)
+                    if args.max is not None:
+                        n = min(n, args.max - count)
+                    if not args.count_only:
+                        out.write(b"".join(v + b"\n" for v in ch.values()[:n]))
+                    count += n
+            if not args.count_only:
+                out.flush()
+
+    try:
+        trio.run(go)
+    except KeraError as e:
+        print(f"error: {e.code}: {e}", file=sys.stderr)
+        if args.count_only:
+            print(count)
+        sys.exit(1)
+    if args.count_only:
+        print(count)
+
+
+# -- status -----------------------------------------------------------------------------
+def cmd_status(args) -> None:
+    from kera_client import open_admin
+
+    async def go():
+        async with open_admin(_coordinator(args)) as a:
+            return await a.status()
+
+    st = _run(go)
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return
+    print(f"coordinator {_coordinator(args)}: {len(st['streams'])} streams")
+    for b in st["brokers"]:
+        s = b.get("stats") or {}
+        print(f"broker {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'} "
+              f"streamlets={s.get('streamlets', 0)} chunks={s.get('chunks', 0)} bytes={s.get('bytes', 0)}")
+        for v in s.get("vlogs", []):
+            per = v["durable"] / v["rpcs"] if v["rpcs"] else 0.0
+            print(f"  vlog {v['vlog']} R={v['replication']}: chunks={v['appended']} rpcs={v['rpcs']} "
+                  f"chunks/rpc={per:.1f} lag={v['lag']} vsegs={v['vsegs']} "
+                  f"with R copies={v['fully_replicated']}")
+    for b in st["backups"]:
+        s = b.get("stats") or {}
+        print(f"backup {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'}")
+
+
+# -- servers ------------------------------------------------------------------------------
+def cmd_server(args, rest) -> None:
+    if args.command == "coordinator":
+        from .coordinator import main
+    elif args.command == "broker":
+        from .broker.service import main
+    else:
+        from .backup.service import main
+    main(rest)
+
+
+def cmd_up(args) -> None:
+    from .cluster import LocalCluster
+
+    LocalCluster(args.data, args.nodes, args.port, demo=args.demo,
+                 broker_args=args.broker_args.split() if args.broker_args else []).run()
+
+
+def _client(p, coord=True):
+    p.add_argument("--coordinator", default=None, help="HOST:PORT (env KERA_COORDINATOR)")
+    return p
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kera", description="kera: stream storage for many small streams")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run a local cluster: a coordinator plus N nodes (broker + backup)")
+    up.add_argument("--nodes", type=int, default=3)
+    up.add_argument("--data", default="./kera-data")
+    up.add_argument("--port", type=int, default=7700)
+    up.add_argument("--demo", action="store_true", help="create a stream, produce and consume a little")
+    up.add_argument("--broker-args", default="", help="extra arguments for every broker, quoted")
+
+    for role in ("coordinator", "broker", "backup"):
+        sub.add_parser(role, help=f"run one {role} process (see kera {role} --help)", add_help=False)
+
+    st = sub.add_parser("stream", help="create, list, describe, delete streams")
+    ssub = st.add_subparsers(dest="action", required=True)
+    c = _client(ssub.add_parser("create"))
+    c.add_argument("name")
+    c.add_argument("--streamlets", type=int, default=None)
+    c.add_argument("--groups", type=int, default=None, help="active groups per streamlet (Q)")
+    c.add_argument("--replication", type=int, default=None, help="copies (R), default min(3, nodes)")
+    c.add_argument("--vlogs", choices=["shared", "per-stream", "per-group"], default=None)
+    c.add_argument("--segment-size", type=int, default=None)
+    c.add_argument("--group-segments", type=int, default=None, help="segments per group (G)")
+    ls = _client(ssub.add_parser("list"))
+    ls.add_argument("--pattern", default=None)
+    for a in ("describe", "delete"):
+        _client(ssub.add_parser(a)).add_argument("name")
+
+    p = _client(sub.add_parser("produce", help="produce stdin lines, or --generate synthetic records"))
+    p.add_argument("stream")
+    p.add_argument("--key", default=None)
+    p.add_argument("--generate", type=int, default=None, metavar="N")
+    p.add_argument("--size", type=int, default=100)
+    p.add_argument("--producers", type=int, default=1)
+    p.add_argument("--acks", choices=["all", "leader", "none"], default="all")
+    p.add_argument("--linger-ms", type=float, default=5.0)
+    p.add_argument("--chunk-size", type=int, default=16384)
+    p.add_argument("--request-size", type=int, default=1 << 20)
+    p.add_argument("--max-in-flight", type=int, default=4)
+
+    co = _client(sub.add_parser("consume", help="read records of a stream"))
+    co.add_argument("stream")
+    co.add_argument("--from", dest="start", choices=["earliest", "latest"], default="earliest")
+    co.add_argument("--max", type=int, default=None)
+    co.add_argument("--timeout", type=float, default=10.0, help="stop after this long with nothing new")
+    co.add_argument("--count-only", action="store_true")
+
+    s = _client(sub.add_parser("status", help="nodes, streams, per-broker and per-vlog counters"))
+    s.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("coordinator", "broker", "backup"):
+        cmd_server(argparse.Namespace(command=argv[0]), argv[1:])
+        return
+    args = parser().parse_args(argv)
+    {"up": cmd_up, "stream": cmd_stream, "produce": cmd_produce, "consume": cmd_consume,
+     "status": cmd_status}[args.command](args)
+
+
+__all__ = ["main"]

@@ -1,0 +1,174 @@
+"""``kera up``: a local cluster of real processes under one data directory.
+
+One coordinator, then N nodes, each a backup and a broker process. Each
+process's command line names its role, so an operator (or a test) can find
+and kill exactly one. Children that die are reported, not restarted: the
+cluster's own failure handling is what should carry on. Tests drive the same
+class (``kill``, ``restart``) to fail processes for real.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+_LISTENING = re.compile(rb"listening on ([0-9.]+):(\d+)")
+
+
+class LocalCluster:
+    def __init__(self, data: str, nodes: int, port: int = 0, demo: bool = False, broker_args=(),
+                 backup_args=(), coordinator_args=()):
+        if nodes < 1:
+            raise SystemExit("kera up: --nodes must be at least 1")
+        self.data = os.path.abspath(data)
+        self.nodes = nodes
+        self.port = port
+        self.demo = demo
+        self.broker_args = list(broker_args)
+        self.backup_args = list(backup_args)
+        self.coordinator_args = list(coordinator_args)
+        self.coordinator = f"127.0.0.1:{port}"
+        self.logs = os.path.join(self.data, "logs")
+        self.specs: dict[str, list[str]] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.addrs: dict[str, str] = {}
+        self._log_start: dict[str, int] = {}
+
+    # -- processes ---------------------------------------------------------------
+    def spawn(self, name: str, argv: list[str] | None = None) -> subprocess.Popen:
+        if argv is not None:
+            self.specs[name] = argv
+        path = os.path.join(self.logs, f"{name}.log")
+        self._log_start[name] = os.path.getsize(path) if os.path.exists(path) else 0
+        with open(path, "ab") as log:
+            p = subprocess.Popen([sys.executable, "-m", "kera", *self.specs[name]], stdout=log,
+                                 stderr=log, stdin=subprocess.DEVNULL)
+        self.procs[name] = p
+        return p
+
+    def wait_ready(self, name: str, timeout: float = 30.0) -> str:
+        """Wait for the process's 'listening on HOST:PORT' line; returns the address."""
+        path = os.path.join(self.logs, f"{name}.log")
+        p = self.procs[name]
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(path, "rb") as f:
+                f.seek(self._log_start.get(name, 0))
+                m = _LISTENING.search(f.read())
+            if m:
+                self.addrs[name] = f"{m.group(1).decode()}:{int(m.group(2))}"
+                return self.addrs[name]
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with {p.returncode}; see {path}")
+            time.sleep(0.02)
+        raise RuntimeError(f"{name} not ready after {timeout:.0f} s; see {path}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        p.send_signal(sig)
+        if sig == signal.SIGKILL:
+            p.wait()
+
+    def restart(self, name: str) -> str:
+        if self.procs[name].poll() is None:
+            self.kill(name)
+        self.spawn(name)
+        return self.wait_ready(name)
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.logs, f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+    def start(self) -> None:
+        os.makedirs(self.logs, exist_ok=True)
+        self.spawn("coordinator", ["coordinator", "--data", os.path.join(self.data, "coordinator"),
+                                   "--port", str(self.port), *self.coordinator_args])
+        self.coordinator = self.wait_ready("coordinator")
+        for i in range(1, self.nodes + 1):
+            self.add_node(i, wait=False)
+        for name in list(self.specs):
+            if name != "coordinator":
+                self.wait_ready(name)
+
+    def add_node(self, i: int, wait: bool = True) -> None:
+        node = f"node{i}"
+        coord = ["--coordinator", self.coordinator, "--node", node]
+        self.spawn(f"{node}-backup", ["backup", "--dir", os.path.join(self.data, f"{node}-backup"),
+                                      *coord, *self.backup_args])
+        self.spawn(f"{node}-broker", ["broker", "--data", os.path.join(self.data, f"{node}-broker"),
+                                      *coord, *self.broker_args])
+        if wait:
+            self.wait_ready(f"{node}-backup")
+            self.wait_ready(f"{node}-broker")
+
+    def stop(self) -> None:
+        for p in reversed(list(self.procs.values())):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # -- kera up -------------------------------------------------------------------
+    def run(self) -> None:
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+        signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+        try:
+            try:
+                self.start()
+            except RuntimeError as e:
+                raise SystemExit(f"kera up: {e}") from None
+            print(f"kera is up: coordinator {self.coordinator}, {self.nodes} nodes "
+                  f"(broker + backup each), data in {self.data}, logs in {self.logs}", flush=True)
+            if self.demo:
+                self._demo()
+            print("next, in another terminal:\n"
+                  f"  export KERA_COORDINATOR={self.coordinator}\n"
+                  "  kera stream create demo --streamlets 4\n"
+                  "  seq 1 1000 | kera produce demo\n"
+                  "  kera consume demo --from earliest --max 1000 --count-only\n"
+                  "  kera status\n"
+                  "Ctrl-C stops the cluster.", flush=True)
+            reported = set()
+            while not stop:
+                for name, p in self.procs.items():
+                    if p.poll() is not None and name not in reported:
+                        reported.add(name)
+                        print(f"{name} exited with status {p.returncode}", flush=True)
+                time.sleep(0.2)
+        finally:
+            self.stop()
+            print("kera is down", flush=True)
+
+    def _demo(self) -> None:
+        env = dict(os.environ, KERA_COORDINATOR=self.coordinator)
+        kera = [sys.executable, "-m", "kera"]
+        steps = [
+            ["stream", "create", "demo", "--streamlets", "4"],
+            ["produce", "demo", "--generate", "100000", "--size", "100"],
+            ["consume", "demo", "--from", "earliest", "--max", "100000", "--count-only", "--timeout", "10"],
+            ["status"],
+        ]
+        for s in steps:
+            print(f"$ kera {' '.join(s)}", flush=True)
+            subprocess.run(kera + s, env=env, check=False)

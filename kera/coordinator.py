@@ -1,0 +1,315 @@
+"""The coordinator: membership, stream metadata, failure detection.
+
+Metadata (streams, streamlet owners, identities, committed positions) lives
+in one checksummed file in the data dir, rewritten atomically on change.
+Membership is soft state: servers register, then heartbeat; a server that
+misses heartbeats for ``dead_after`` seconds is declared dead. Each
+registration gets a fresh epoch, and requests carrying an older epoch are
+refused (fencing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import logging
+import os
+import time
+
+import trio
+
+from . import metafile
+from .errors import (
+    Fenced, InvalidArgument, KeraError, NotEnoughBackups, StreamExists, UnknownStream,
+)
+from .names import check_stream_name
+from .rpc import Pool, Service
+
+log = logging.getLogger("kera.coordinator")
+
+DEFAULTS = {
+    "streamlets": 1,
+    "groups": 1,
+    "replication": 3,
+    "segment_size": 1 << 20,
+    "group_segments": 8,
+}
+MAX_STREAMLETS = 4096
+MAX_GROUPS = 64
+VLOG_POLICIES = ("shared", "per-stream", "per-group")
+
+
+class Member:
+    __slots__ = ("role", "id", "addr", "node", "epoch", "last_seen", "alive", "stats", "holds")
+
+    def __init__(self, role, id, addr, node, epoch):
+        self.role, self.id, self.addr, self.node, self.epoch = role, id, addr, node, epoch
+        self.last_seen = time.monotonic()
+        self.alive = True
+        self.stats = {}
+        self.holds = []
+
+    def describe(self) -> dict:
+        return {"id": self.id, "addr": self.addr, "node": self.node, "epoch": self.epoch,
+                "alive": self.alive}
+
+
+class Coordinator(Service):
+    def __init__(self, data_dir: str, dead_after: float = 2.0):
+        self.data_dir = data_dir
+        self.dead_after = dead_after
+        os.makedirs(data_dir, exist_ok=True)
+        self.path = os.path.join(data_dir, "coordinator.meta")
+        self.meta = metafile.load(self.path) or {
+            "next_stream_id": 1, "next_producer_id": 1, "next_epoch": 1,
+            "next_id": {"broker": 1, "backup": 1}, "streams": {}, "positions": {},
+        }
+        self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
+        self.pool: Pool | None = None
+        self.changed = trio.Event()
+
+    # -- persistence -----------------------------------------------------
+    def _save(self) -> None:
+        metafile.save(self.path, self.meta)
+
+    def _take(self, counter: str) -> int:
+        v = self.meta[counter]
+        self.meta[counter] = v + 1
+        return v
+
+    # -- membership ------------------------------------------------------
+    def rpc_register(self, meta, payload):
+        role = meta.get("role")
+        if role not in self.members:
+            raise InvalidArgument(f"unknown role {role!r}")
+        addr, node = meta.get("addr"), str(meta.get("node") or "")
+        if not isinstance(addr, str):
+            raise InvalidArgument("register needs addr")
+        mid = meta.get("id")
+        if not isinstance(mid, int) or mid <= 0:
+            mid = self.meta["next_id"][role]
+            self.meta["next_id"][role] = mid + 1
+        else:
+            self.meta["next_id"][role] = max(self.meta["next_id"][role], mid + 1)
+        epoch = self._take("next_epoch")
+        self._save()
+        m = Member(role, mid, addr, node, epoch)
+        m.holds = meta.get("holds") or []
+        self.members[role][mid] = m
+        log.info("%s %d registered at %s (node %s, epoch %d)", role, mid, addr, node, epoch)
+        self._notify()
+        return {"id": mid, "epoch": epoch}
+
+    def _member(self, meta) -> Member:
+        role, mid, epoch = meta.get("role"), meta.get("id"), meta.get("epoch")
+        m = self.members.get(role, {}).get(mid)
+        if m is None or m.epoch != epoch or not m.alive:
+            raise Fenced(f"{role} {mid} epoch {epoch} is not current: register again")
+        return m
+
+    def rpc_heartbeat(self, meta, payload):
+        m = self._member(meta)
+        m.last_seen = time.monotonic()
+        if isinstance(meta.get("stats"), dict):
+            m.stats = meta["stats"]
+        return {"backups": self._live("backup")}
+
+    def _live(self, role) -> list[dict]:
+        return [m.describe() for m in self.members[role].values() if m.alive]
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def watch(self) -> None:
+        """Failure detector: declare dead whoever stopped heartbeating."""
+        while True:
+            await trio.sleep(self.dead_after / 4)
+            now = time.monotonic()
+            for role in self.members:
+                for m in self.members[role].values():
+                    if m.alive and now - m.last_seen > self.dead_after:
+                        m.alive = False
+                        log.warning("%s %d at %s declared dead", role, m.id, m.addr)
+                        self._notify()
+
+    # -- streams -----------------------------------------------------------
+    def _nodes(self) -> set[str]:
+        return {m.node for role in self.members for m in self.members[role].values() if m.alive}
+
+    def _broker_addr(self, bid: int) -> str | None:
+        m = self.members["broker"].get(bid)
+        return m.addr if m is not None and m.alive else None
+
+    def _describe(self, s: dict) -> dict:
+        d = dict(s)
+        d["addrs"] = [self._broker_addr(b) for b in s["owners"]]
+        return d
+
+    def _stream(self, name) -> dict:
+        s = self.meta["streams"].get(name) if isinstance(name, str) else None
+        if s is None:
+            raise UnknownStream(f"no stream named {name!r}")
+        return s
+
+    async def rpc_create_stream(self, meta, payload):
+        name = check_stream_name(meta.get("name"))
+        if name in self.meta["streams"]:
+            raise StreamExists(f"stream {name!r} exists")
+        cfg = {}
+        for key, default in DEFAULTS.items():
+            v = meta.get(key)
+            v = default if v is None else v
+            if not isinstance(v, int) or v < 1:
+                raise InvalidArgument(f"{key} must be a positive integer")
+            cfg[key] = v
+        if cfg["streamlets"] > MAX_STREAMLETS or cfg["groups"] > MAX_GROUPS:
+            raise InvalidArgument(f"at most {MAX_STREAMLETS} streamlets and {MAX_GROUPS} groups")
+        if not 4096 <= cfg["segment_size"] <= 1 << 30:
+            raise InvalidArgument("segment_size must be between 4 KiB and 1 GiB")
+        policy = meta.get("vlogs")
+        if policy is not None and policy not in VLOG_POLICIES:
+            raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
+        brokers = [m for m in self.members["broker"].values() if m.alive]
+        if not brokers:
+            raise NotEnoughBackups("no live broker to place the stream on")
+        nodes = len(self._nodes())
+        if meta.get("replication") is None:
+            cfg["replication"] = min(cfg["replication"], max(1, nodes))
+        if cfg["replication"] > nodes:
+            raise NotEnoughBackups(
+                f"replication {cfg['replication']} needs {cfg['replication']} nodes, {nodes} alive")
+        load = {m.id: 0 for m in brokers}
+        for s in self.meta["streams"].values():
+            for b in s["owners"]:
+                if b in load:
+                    load[b] += 1
+        sid = self._take("next_stream_id")
+        owners = []
+        order = sorted(load, key=lambda b: (load[b], (b + sid) % len(load)))
+        for i in range(cfg["streamlets"]):
+            b = min(order, key=lambda b: load[b])
+            load[b] += 1
+            owners.append(b)
+        s = {"name": name, "id": sid, **cfg, "vlogs": policy, "owners": owners,
+             "created": time.time()}
+        self.meta["streams"][name] = s
+        self._save()
+        await self._assign(s)
+        log.info("created stream %s (id %d, %d streamlets)", name, sid, cfg["streamlets"])
+        return {"stream": self._describe(s)}
+
+    async def _assign(self, s: dict) -> None:
+        """Tell each owner broker about its streamlets, all in parallel."""
+        by_broker: dict[int, list[int]] = {}
+        for i, b in enumerate(s["owners"]):
+            by_broker.setdefault(b, []).append(i)
+
+        async def one(bid, streamlets):
+            addr = self._broker_addr(bid)
+            if addr is None:
+                return
+            m = self.members["broker"][bid]
+            try:
+                await self.pool.call(addr, "assign", {"epoch": m.epoch, "stream": s,
+                                                      "streamlets": streamlets}, timeout=10)
+            except KeraError as e:
+                log.warning("assigning %s to broker %d failed: %s", s["name"], bid, e)
+
+        async with trio.open_nursery() as n:
+            for bid, sl in by_broker.items():
+                n.start_soon(one, bid, sl)
+
+    def rpc_list_streams(self, meta, payload):
+        pattern = meta.get("pattern")
+        out = [self._describe(s) for n, s in sorted(self.meta["streams"].items())
+               if pattern is None or fnmatch.fnmatchcase(n, pattern)]
+        return {"streams": out}
+
+    def rpc_describe_stream(self, meta, payload):
+        return {"stream": self._describe(self._stream(meta.get("name")))}
+
+    def rpc_metadata(self, meta, payload):
+        """Where streams live: by names (missing ones are reported) and/or a pattern."""
+        names = meta.get("names") or []
+        pattern = meta.get("pattern")
+        out, missing = [], []
+        for n in names:
+            s = self.meta["streams"].get(n)
+            (out.append(self._describe(s)) if s else missing.append(n))
+        if pattern:
+            out += [self._describe(s) for n, s in sorted(self.meta["streams"].items())
+                    if fnmatch.fnmatchcase(n, pattern) and n not in names]
+        return {"streams": out, "missing": missing}
+
+    async def rpc_delete_stream(self, meta, payload):
+        s = self._stream(meta.get("name"))
+        del self.meta["streams"][s["name"]]
+        self._save()
+
+        async def one(bid):
+            addr = self._broker_addr(bid)
+            if addr:
+                try:
+                    await self.pool.call(addr, "unassign", {"stream_id": s["id"]}, timeout=10)
+                except KeraError as e:
+                    log.warning("unassign on broker %d failed: %s", bid, e)
+
+        async with trio.open_nursery() as n:
+            for bid in set(s["owners"]):
+                n.start_soon(one, bid)
+        return {"deleted": s["name"]}
+
+    def rpc_producer_id(self, meta, payload):
+        pid = self._take("next_producer_id")
+        self._save()
+        return {"id": pid}
+
+    # -- consumer positions ----------------------------------------------
+    def rpc_commit(self, meta, payload):
+        group = meta.get("group")
+        if not isinstance(group, str) or not group or len(group) > 249:
+            raise InvalidArgument("commit needs a consumer group name")
+        positions = meta.get("positions")
+        if not isinstance(positions, dict):
+            raise InvalidArgument("commit needs positions")
+        self.meta["positions"].setdefault(group, {}).update(positions)
+        self._save()
+        return {}
+
+    def rpc_positions(self, meta, payload):
+        return {"positions": self.meta["positions"].get(meta.get("group"), {})}
+
+    # -- status -----------------------------------------------------------
+    def rpc_status(self, meta, payload):
+        def members(role):
+            return [{**m.describe(), "stats": m.stats} for m in self.members[role].values()]
+
+        return {"brokers": members("broker"), "backups": members("backup"),
+                "streams": [self._describe(s) for _, s in sorted(self.meta["streams"].items())]}
+
+    async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED):
+        async with trio.open_nursery() as nursery:
+            self.pool = Pool(nursery)
+            bound = await nursery.start(self.serve, host, port)
+            nursery.start_soon(self.watch)
+            task_status.started(bound)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="kera coordinator")
+    ap.add_argument("--data", default="kera-data/coordinator")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=7700)
+    ap.add_argument("--dead-after", type=float, default=2.0, help="seconds without heartbeat")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
+    coord = Coordinator(args.data, args.dead_after)
+
+    async def run():
+        async with trio.open_nursery() as n:
+            port = await n.start(coord.run, args.host, args.port)
+            print(f"coordinator listening on {args.host}:{port}", flush=True)
+
+    from .process import run_until_signal
+    run_until_signal(run)

@@ -1,0 +1,111 @@
+"""Typed errors shared by servers and clients.
+
+Every error has a stable ``code`` so it can cross the wire in an error frame
+and be raised again, as the same class, on the other side.
+"""
+
+from __future__ import annotations
+
+
+class KeraError(Exception):
+    code = "error"
+    retriable = False
+
+    def to_wire(self) -> dict:
+        return {"code": self.code, "message": str(self)}
+
+
+class ProtocolError(KeraError):
+    """Malformed frame or request: the connection is closed after it."""
+
+    code = "protocol"
+
+
+class FrameTooLarge(ProtocolError):
+    code = "frame_too_large"
+
+
+class ChecksumError(KeraError):
+    code = "checksum"
+
+
+class InvalidName(KeraError):
+    code = "invalid_name"
+
+
+class InvalidArgument(KeraError):
+    code = "invalid_argument"
+
+
+class UnknownStream(KeraError):
+    code = "unknown_stream"
+
+
+class StreamExists(KeraError):
+    code = "stream_exists"
+
+
+class UnknownMethod(KeraError):
+    code = "unknown_method"
+
+
+class NotOwner(KeraError):
+    """The streamlet lives elsewhere now (moved, deleted or being recovered)."""
+
+    code = "not_owner"
+    retriable = True
+
+
+class Recovering(KeraError):
+    code = "recovering"
+    retriable = True
+
+
+class Fenced(KeraError):
+    """The server's generation is older than the coordinator's: it must not serve."""
+
+    code = "fenced"
+    retriable = True
+
+
+class OutOfOrderSequence(KeraError):
+    code = "out_of_order_sequence"
+    retriable = True
+
+
+class NotEnoughBackups(KeraError):
+    code = "not_enough_backups"
+    retriable = True
+
+
+class BackupError(KeraError):
+    """A backup could not store a replica (I/O error, full disk, bad offset)."""
+
+    code = "backup"
+    retriable = True
+
+
+class Unavailable(KeraError):
+    """A connection failed or timed out; the caller may retry elsewhere."""
+
+    code = "unavailable"
+    retriable = True
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in [
+        KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
+        UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
+        OutOfOrderSequence, NotEnoughBackups, BackupError, Unavailable,
+    ]
+}
+
+
+def from_wire(info: dict) -> KeraError:
+    cls = _BY_CODE.get(info.get("code"), KeraError)
+    err = cls(info.get("message", ""))
+    for k, v in info.items():
+        if k not in ("code", "message"):
+            setattr(err, k, v)
+    return err

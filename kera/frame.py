@@ -1,0 +1,114 @@
+"""Sans-IO frame codec: bytes in, frames out, and back.
+
+A frame is a fixed 16-byte prefix (magic, version, kind, request id, meta
+length, payload length), a msgpack map ("meta") and a raw payload. Lengths
+are checked against limits before any buffer is allocated, so a peer that
+announces 4 GiB costs nothing. The trio code only moves bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from .errors import FrameTooLarge, ProtocolError
+
+MAGIC = b"KF"
+VERSION = 1
+PREFIX = struct.Struct("<2sBBIII")
+PREFIX_SIZE = PREFIX.size  # 16
+
+REQUEST = 1
+RESPONSE = 2
+ERROR = 3
+KINDS = (REQUEST, RESPONSE, ERROR)
+
+MAX_META = 1 << 20
+DEFAULT_MAX_FRAME = 64 << 20
+
+
+@dataclass(slots=True)
+class Frame:
+    kind: int
+    request_id: int
+    meta: dict
+    payload: memoryview
+
+
+def _nbytes(b) -> int:
+    """Byte size of a buffer (len() counts items: wrong for numpy or array.array)."""
+    return len(b) if isinstance(b, (bytes, bytearray)) else memoryview(b).nbytes
+
+
+def encode(kind: int, request_id: int, meta: dict, payload=b"") -> bytes:
+    """One contiguous frame: a single copy of the payload, a single send."""
+    m = msgpack.packb(meta, use_bin_type=True)
+    plen = _nbytes(payload)
+    return b"".join((PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen), m, payload))
+
+
+def encode_parts(kind: int, request_id: int, meta: dict, parts) -> bytes:
+    """A frame whose payload is the concatenation of ``parts`` (buffers)."""
+    m = msgpack.packb(meta, use_bin_type=True)
+    plen = sum(map(_nbytes, parts))
+    return b"".join([PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen), m, *parts])
+
+
+class FrameDecoder:
+    """Incremental decoder. ``feed`` bytes, then ``next`` until it returns None.
+
+    A frame's payload is copied once out of the stream buffer, after its
+    prefix was validated, so payload memoryviews stay valid after later feeds.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
+        self.max_frame = max_frame
+        self._buf = bytearray()
+        self._pos = 0
+
+    def feed(self, data) -> None:
+        if self._pos and self._pos == len(self._buf):
+            self._buf.clear()
+            self._pos = 0
+        self._buf += data
+
+    @property
+    def pending(self) -> int:
+        return len(self._buf) - self._pos
+
+    def next(self) -> Frame | None:
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < PREFIX_SIZE:
+            return None
+        magic, version, kind, rid, mlen, plen = PREFIX.unpack_from(buf, pos)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
+        if version != VERSION:
+            raise ProtocolError(f"unsupported frame version {version}")
+        if kind not in KINDS:
+            raise ProtocolError(f"unknown frame kind {kind}")
+        if mlen > MAX_META:
+            raise FrameTooLarge(f"meta of {mlen} bytes exceeds {MAX_META}")
+        if PREFIX_SIZE + mlen + plen > self.max_frame:
+            raise FrameTooLarge(f"frame of {PREFIX_SIZE + mlen + plen} bytes exceeds {self.max_frame}")
+        end = pos + PREFIX_SIZE + mlen + plen
+        if len(buf) < end:
+            return None
+        mstart = pos + PREFIX_SIZE
+        try:
+            meta = msgpack.unpackb(buf[mstart:mstart + mlen], raw=False, strict_map_key=False)
+        except Exception as e:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable frame meta: {e}") from None
+        if not isinstance(meta, dict):
+            raise ProtocolError("frame meta is not a map")
+        payload = memoryview(bytes(buf[mstart + mlen:end]))
+        self._pos = end
+        if end == len(buf):
+            buf.clear()
+            self._pos = 0
+        elif end > (1 << 20):
+            del buf[:end]
+            self._pos = 0
+        return Frame(kind, rid, meta, payload)

@@ -1,0 +1,51 @@
+"""Small checksummed msgpack files, replaced atomically (write, fsync, rename).
+
+Used for the coordinator's metadata and servers' identities: a torn or
+corrupt file is detected by its checksum and refused, never half-read.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import msgpack
+import xxhash
+
+_HEAD = struct.Struct("<4sIQ")
+_MAGIC = b"KMF1"
+
+
+class CorruptMetaFile(Exception):
+    pass
+
+
+def save(path: str, obj) -> None:
+    body = msgpack.packb(obj, use_bin_type=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(_HEAD.pack(_MAGIC, len(body), xxhash.xxh64_intdigest(body)))
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def load(path: str, default=None):
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return default
+    if len(data) < _HEAD.size:
+        raise CorruptMetaFile(f"{path}: truncated")
+    magic, n, check = _HEAD.unpack_from(data)
+    body = data[_HEAD.size:]
+    if magic != _MAGIC or n != len(body) or xxhash.xxh64_intdigest(body) != check:
+        raise CorruptMetaFile(f"{path}: checksum mismatch")
+    return msgpack.unpackb(body, raw=False, strict_map_key=False)

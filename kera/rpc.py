@@ -1,0 +1,273 @@
+"""Thin trio transport around the sans-IO frame codec.
+
+Servers: ``serve(service, port)`` runs one task per connection. Requests are
+read in order; a service method ``rpc_<name>`` that is a plain function runs
+right there, in arrival order (appends keep their order), and may return a
+coroutine for the part that waits (durability), which runs concurrently in
+the connection's nursery. A bounded number of requests per connection may be
+in flight; past that the connection stops being read (backpressure).
+
+Clients: ``Pool`` owns one pipelined connection per address and the reader
+tasks that match responses to requests by id.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+from contextlib import asynccontextmanager
+
+import trio
+
+from . import frame
+from .errors import KeraError, ProtocolError, Unavailable, UnknownMethod, from_wire
+
+log = logging.getLogger("kera.rpc")
+
+MAX_INFLIGHT = 256
+RECV_SIZE = 1 << 20
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"address must be HOST:PORT, not {addr!r}")
+    return host, int(port)
+
+
+def _result_frame(rid: int, result) -> bytes:
+    if result is None:
+        result = {}
+    if isinstance(result, tuple):
+        meta, payload = result
+        if isinstance(payload, list):
+            return frame.encode_parts(frame.RESPONSE, rid, meta, payload)
+        return frame.encode(frame.RESPONSE, rid, meta, payload)
+    return frame.encode(frame.RESPONSE, rid, result)
+
+
+def _error_frame(rid: int, err: Exception) -> bytes:
+    if isinstance(err, KeraError):
+        info = err.to_wire()
+    else:
+        log.exception("internal error", exc_info=err)
+        info = {"code": "internal", "message": f"{type(err).__name__}: {err}"}
+    return frame.encode(frame.ERROR, rid, info)
+
+
+class Service:
+    """Base for servers: subclasses define ``rpc_<method>(meta, payload)``."""
+
+    max_frame = frame.DEFAULT_MAX_FRAME
+
+    def lookup(self, method):
+        fn = getattr(self, f"rpc_{method}", None) if isinstance(method, str) else None
+        if fn is None:
+            raise UnknownMethod(f"unknown method {method!r}")
+        return fn
+
+    async def serve_connection(self, stream: trio.SocketStream) -> None:
+        decoder = frame.FrameDecoder(self.max_frame)
+        send_lock = trio.Lock()
+        slots = trio.Semaphore(MAX_INFLIGHT)
+
+        async def send(data: bytes) -> None:
+            async with send_lock:
+                await stream.send_all(data)
+
+        async def finish(rid: int, coro) -> None:
+            try:
+                try:
+                    out = _result_frame(rid, await coro)
+                except (KeraError, Exception) as e:
+                    out = _error_frame(rid, e)
+                await send(out)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            finally:
+                slots.release()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    while True:
+                        data = await stream.receive_some(RECV_SIZE)
+                        if not data:
+                            break
+                        decoder.feed(data)
+                        while (f := decoder.next()) is not None:
+                            if f.kind != frame.REQUEST:
+                                raise ProtocolError("expected a request frame")
+                            await slots.acquire()
+                            try:
+                                res = self.lookup(f.meta.get("m"))(f.meta, f.payload)
+                            except Exception as e:
+                                slots.release()
+                                await send(_error_frame(f.request_id, e))
+                                continue
+                            if inspect.iscoroutine(res):
+                                nursery.start_soon(finish, f.request_id, res)
+                            else:
+                                slots.release()
+                                await send(_result_frame(f.request_id, res))
+                except ProtocolError as e:
+                    # garbage: say why (best effort), then drop this connection only
+                    with trio.move_on_after(1):
+                        await send(_error_frame(0, e))
+                finally:
+                    nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            with trio.move_on_after(1) as cs:
+                cs.shield = True
+                await stream.aclose()
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self.serve_connection, listeners)
+
+
+class Connection:
+    """One pipelined connection; ``call`` may be used by many tasks at once."""
+
+    def __init__(self, addr: str, stream: trio.SocketStream, max_frame: int):
+        self.addr = addr
+        self.stream = stream
+        self.decoder = frame.FrameDecoder(max_frame)
+        self.pending: dict[int, list] = {}
+        self.next_id = 1
+        self.send_lock = trio.Lock()
+        self.closed = False
+        self.error: Exception | None = None
+
+    async def reader(self) -> None:
+        try:
+            while True:
+                data = await self.stream.receive_some(RECV_SIZE)
+                if not data:
+                    raise Unavailable(f"{self.addr} closed the connection")
+                self.decoder.feed(data)
+                while (f := self.decoder.next()) is not None:
+                    slot = self.pending.pop(f.request_id, None)
+                    if slot is None:
+                        if f.kind == frame.ERROR:
+                            raise from_wire(f.meta)
+                        continue
+                    slot[1] = f
+                    slot[0].set()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeraError) as e:
+            self._fail(e if isinstance(e, KeraError) else Unavailable(f"{self.addr}: {e}"))
+        finally:
+            self._fail(Unavailable(f"connection to {self.addr} closed"))
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    def _fail(self, err: Exception) -> None:
+        if not self.closed:
+            self.closed = True
+            self.error = err
+        for ev, _ in list(self.pending.values()):
+            ev.set()
+        self.pending.clear()
+
+    async def call(self, method: str, meta: dict | None = None, payload=b"", *,
+                   timeout: float | None = None, parts=None):
+        """Send a request and wait for its response: returns (meta, payload)."""
+        if self.closed:
+            raise Unavailable(str(self.error))
+        rid = self.next_id
+        self.next_id = (rid + 1) & 0xFFFFFFFF or 1
+        m = dict(meta or ())
+        m["m"] = method
+        data = frame.encode_parts(frame.REQUEST, rid, m, parts) if parts is not None \
+            else frame.encode(frame.REQUEST, rid, m, payload)
+        slot = [trio.Event(), None]
+        self.pending[rid] = slot
+        try:
+            with trio.fail_after(timeout if timeout is not None else math.inf):
+                async with self.send_lock:
+                    await self.stream.send_all(data)
+                await slot[0].wait()
+        except trio.TooSlowError:
+            self.pending.pop(rid, None)
+            raise Unavailable(f"{method} to {self.addr} timed out after {timeout} s") from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            self.pending.pop(rid, None)
+            self._fail(Unavailable(f"{self.addr}: {e}"))
+            raise Unavailable(f"{self.addr}: {e}") from None
+        except BaseException:
+            self.pending.pop(rid, None)
+            raise
+        f = slot[1]
+        if f is None:
+            raise Unavailable(str(self.error))
+        if f.kind == frame.ERROR:
+            raise from_wire(f.meta)
+        return f.meta, f.payload
+
+    async def aclose(self) -> None:
+        self._fail(Unavailable(f"connection to {self.addr} closed"))
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+
+class Pool:
+    """Connections by address, their reader tasks owned by this pool's nursery."""
+
+    def __init__(self, nursery: trio.Nursery, max_frame: int = frame.DEFAULT_MAX_FRAME,
+                 connect_timeout: float = 5.0):
+        self.nursery = nursery
+        self.max_frame = max_frame
+        self.connect_timeout = connect_timeout
+        self.conns: dict[str, Connection] = {}
+        self._locks: dict[str, trio.Lock] = {}
+
+    async def get(self, addr: str) -> Connection:
+        c = self.conns.get(addr)
+        if c is not None and not c.closed:
+            return c
+        lock = self._locks.setdefault(addr, trio.Lock())
+        async with lock:
+            c = self.conns.get(addr)
+            if c is not None and not c.closed:
+                return c
+            host, port = parse_addr(addr)
+            try:
+                with trio.fail_after(self.connect_timeout):
+                    stream = await trio.open_tcp_stream(host, port)
+            except (OSError, trio.TooSlowError) as e:
+                raise Unavailable(f"cannot connect to {addr}: {e or 'timeout'}") from None
+            stream.setsockopt(6, 1, 1)  # TCP_NODELAY
+            c = Connection(addr, stream, self.max_frame)
+            self.conns[addr] = c
+            self.nursery.start_soon(c.reader)
+            return c
+
+    async def call(self, addr: str, method: str, meta: dict | None = None, payload=b"", **kw):
+        conn = await self.get(addr)
+        return await conn.call(method, meta, payload, **kw)
+
+    def drop(self, addr: str) -> None:
+        c = self.conns.pop(addr, None)
+        if c is not None:
+            c._fail(Unavailable(f"connection to {addr} dropped"))
+            self.nursery.start_soon(c.aclose)
+
+    async def aclose(self) -> None:
+        for c in list(self.conns.values()):
+            await c.aclose()
+        self.conns.clear()
+
+
+@asynccontextmanager
+async def open_pool(**kw):
+    async with trio.open_nursery() as nursery:
+        pool = Pool(nursery, **kw)
+        try:
+            yield pool
+        finally:
+            await pool.aclose()
+            nursery.cancel_scope.cancel()

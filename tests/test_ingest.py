@@ -1,0 +1,92 @@
+"""The ingest path end to end, against real processes."""
+
+from __future__ import annotations
+
+import trio
+
+from kera_client import open_admin, open_consumer, open_producer
+
+from .workload import Ledger, values
+
+
+async def produce_all(coord, streams, producers, per_pair, rounds, **opts):
+    """Proxy producers: each writes to every stream, a slice per round."""
+    async def one(p):
+        async with open_producer(coord, **opts) as prod:
+            sent = 0
+            for r in range(rounds):
+                n = per_pair // rounds + (r < per_pair % rounds)
+                for s in streams:
+                    await prod.send_many(s, values(p, sent, n))
+                sent += n
+            await prod.flush()
+            assert prod.acked == per_pair * len(streams)
+
+    async with trio.open_nursery() as nursery:
+        for p in range(producers):
+            nursery.start_soon(one, p)
+
+
+async def consume_all(coord, streams, total, idle=15.0, **kw) -> Ledger:
+    ledger = Ledger()
+    async with open_consumer(streams, coord, **kw) as c:
+        idle_until = trio.current_time() + idle
+        while ledger.records < total and trio.current_time() < idle_until:
+            chunks = await c.poll_chunks(1.0)
+            if chunks:
+                idle_until = trio.current_time() + idle
+            for ch in chunks:
+                ledger.add(ch)
+    return ledger
+
+
+async def test_million_records_256_streams_4_producers(make_cluster):
+    cluster = make_cluster(3)
+    coord = cluster.coordinator
+    streams = [f"s{i:03d}" for i in range(256)]
+    async with open_admin(coord) as a:
+        for s in streams:
+            await a.create_stream(s, streamlets=1)
+        owners = {(await a.describe_stream(s))["owners"][0] for s in streams[:12]}
+        assert len(owners) == 3, "streams are spread over the brokers"
+    producers, per_pair = 4, 1_000_000 // (4 * 256) + 1
+    with trio.fail_after(240):
+        async with trio.open_nursery() as n:
+            n.start_soon(produce_all, coord, streams, producers, per_pair, 4)
+        ledger = await consume_all(coord, streams, producers * per_pair * len(streams))
+    assert ledger.records >= 1_000_000
+    ledger.check({(s, p): per_pair for s in streams for p in range(producers)})
+
+
+async def test_active_groups_close_and_reopen(make_cluster):
+    cluster = make_cluster(2)
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        # small segments and G=2 so groups fill and close quickly
+        await a.create_stream("groups", streamlets=4, groups=4, replication=1,
+                              segment_size=16384, group_segments=2)
+    producers, per = 8, 3000
+    with trio.fail_after(120):
+        await produce_all(coord, ["groups"], producers, per, 3, **{"chunk.size": 2048})
+        ledger = Ledger()
+        placements = []
+        async with open_consumer(["groups"], coord) as c:
+            while ledger.records < producers * per:
+                for ch in await c.poll_chunks(2.0):
+                    ledger.add(ch)
+                    h = ch.view.header
+                    placements.append((ch.streamlet, h.producer_id, ch.group, h.segment))
+    ledger.check({("groups", p): per for p in range(producers)})
+    # a producer's chunks all go to active group slot (producer id % Q): groups of
+    # producers in different slots never mix, and every group holds one slot only
+    slot_of_group = {}
+    for streamlet, pid, group, segment in placements:
+        assert segment < 2, "a group never has more than G segments"
+        assert slot_of_group.setdefault((streamlet, group), pid % 4) == pid % 4
+    groups_per_streamlet = {}
+    for streamlet, group in slot_of_group:
+        groups_per_streamlet.setdefault(streamlet, set()).add(group)
+    for streamlet, gs in groups_per_streamlet.items():
+        assert len(gs) > 4, f"streamlet {streamlet}: groups closed and new ones opened ({sorted(gs)})"
+        slots = {slot_of_group[(streamlet, g)] for g in gs}
+        assert slots == {0, 1, 2, 3}, "the Q active groups were all used"
