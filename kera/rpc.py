@@ -262,9 +262,29 @@ class Pool:
         self.conns.clear()
 
 
+def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:
+    out = []
+    for e in eg.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+@asynccontextmanager
+async def unwrapped():
+    """Re-raise a lone error out of nursery exception groups, so that callers of
+    our context managers catch ``UnknownStream``, not a group holding it."""
+    try:
+        yield
+    except BaseExceptionGroup as eg:
+        leaves = _leaves(eg)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        raise
+
+
 @asynccontextmanager
 async def open_pool(**kw):
-    async with trio.open_nursery() as nursery:
+    async with unwrapped(), trio.open_nursery() as nursery:
         pool = Pool(nursery, **kw)
         try:
             yield pool

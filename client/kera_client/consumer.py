@@ -17,7 +17,7 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera.errors import KeraError, UnknownStream
-from kera.rpc import open_pool
+from kera.rpc import open_pool, unwrapped
 
 from .admin import default_coordinator
 from .portal import Portal
@@ -209,7 +209,7 @@ def _copy(p):
 @asynccontextmanager
 async def open_consumer(streams=None, coordinator: str | None = None, **kw):
     """``async with open_consumer(["s"], start="earliest") as c: chunks = await c.poll_chunks()``."""
-    async with open_pool() as pool:
+    async with unwrapped(), open_pool() as pool:
         c = AsyncConsumer(pool, coordinator or default_coordinator(), streams, **kw)
         await c._metadata()
         yield c

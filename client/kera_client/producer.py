@@ -23,7 +23,7 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera.errors import KeraError, UnknownStream
-from kera.rpc import open_pool
+from kera.rpc import open_pool, unwrapped
 
 from .admin import default_coordinator
 from .partitioner import RoundRobin, key_streamlet
@@ -401,15 +401,14 @@ class AsyncProducer:
 async def open_producer(coordinator: str | None = None, config: dict | None = None, **kw):
     """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``."""
     cfg = _config(config, kw)
-    async with open_pool() as pool:
-        async with trio.open_nursery() as nursery:
-            p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
-            await nursery.start(p.run)
-            try:
-                yield p
-                await p.flush()
-            finally:
-                nursery.cancel_scope.cancel()
+    async with unwrapped(), open_pool() as pool, trio.open_nursery() as nursery:
+        p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
+        await nursery.start(p.run)
+        try:
+            yield p
+            await p.flush()
+        finally:
+            nursery.cancel_scope.cancel()
 
 
 class Producer:

@@ -1,0 +1,190 @@
+"""Replica: a backup's copy of one virtual segment, in memory and on file.
+
+Sans-IO bookkeeping only; the service does the I/O. The bytes are the
+replicate payloads themselves, kept as the (immutable, bytes-backed)
+memoryviews the frame decoder produced: appending is a list append, not a
+copy, and a flush hands the same views to one ``pwritev``.
+
+Offsets are chunk-area offsets, as the broker counts them::
+
+    0 ........ mem_base ........ flushed ........ length
+    |  file only  |   file + memory  |  memory only  |
+
+``synced <= flushed``: bytes fsynced. A read below ``mem_base`` comes from the
+file (and is verified again); at or above, from memory (verified on arrival).
+Chunks are indexed by start/end offset (O(1) work per chunk on append) so
+reads cut on chunk boundaries without parsing; corrupt regions found on load
+or on a file read are indexed apart and never served.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from bisect import bisect_left, bisect_right, insort
+
+import xxhash
+
+from ..errors import InvalidArgument
+from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
+
+
+class Replica:
+    __slots__ = ("broker", "vlog", "vseg", "epoch", "path", "length", "starts", "ends", "corrupt",
+                 "corrupt_starts", "digest", "blocks", "block_starts", "mem_base", "flushed", "synced",
+                 "closed", "trailer_written", "trailer_synced", "damaged", "created", "error",
+                 "failed", "dropped", "ready", "budget")
+
+    def __init__(self, broker: int, vlog: int, vseg: int, epoch: int, path: str):
+        self.broker, self.vlog, self.vseg, self.epoch, self.path = broker, vlog, vseg, epoch, path
+        self.length = 0
+        self.starts = array("Q")          # good chunks: start offsets, ascending
+        self.ends = array("Q")            # ... and their end offsets
+        self.corrupt: list[dict] = []     # {"offset", "length", "reason"}, ascending, never served
+        self.corrupt_starts: list[int] = []
+        self.digest = xxhash.xxh3_64()    # over body checksums, like VirtualSegment.checksum
+        self.blocks: list[memoryview] = []
+        self.block_starts = array("Q")
+        self.mem_base = 0
+        self.flushed = 0
+        self.synced = 0
+        self.closed = False
+        self.trailer_written = False
+        self.trailer_synced = False
+        self.damaged = False   # a corrupt region of unknown extent ends the area: no appends
+        self.created = False   # the file exists
+        self.error: str | None = None   # last write failure; reported until the bytes are on disk
+        self.failed: str | None = None  # the file could not be created: this replica is gone
+        self.dropped = False
+        self.ready = None      # service: trio.Event set once the file exists (or failed)
+        self.budget = 0        # service: bytes of its file counted against --max-bytes
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.broker, self.vlog, self.vseg)
+
+    @classmethod
+    def from_loaded(cls, ld: Loaded, key: tuple[int, int, int]) -> Replica:
+        """A replica reloaded from its file: everything is on disk, nothing in memory."""
+        h = ld.header
+        rep = cls(*key, h.epoch if h else 0, ld.path)
+        rep.created = True
+        if ld.scan is None:  # damaged file header: nothing can be trusted or appended
+            rep.damaged = rep.closed = True
+            rep.corrupt = [{"offset": 0, "length": ld.file_size, "reason": ld.error}]
+            rep.corrupt_starts = [0]
+            return rep
+        s = ld.scan
+        rep.length = rep.mem_base = rep.flushed = rep.synced = s.length
+        rep.starts, rep.ends, rep.digest = s.starts, s.ends, s.digest
+        rep.corrupt = list(s.corrupt)
+        rep.corrupt_starts = [c["offset"] for c in rep.corrupt]
+        rep.damaged = s.damaged
+        rep.closed = rep.trailer_written = rep.trailer_synced = s.closed
+        return rep
+
+    # -- appends -----------------------------------------------------------
+
+    def append(self, payload: memoryview, chunks) -> None:
+        """Append verified whole chunks; ``chunks`` is ``kera.chunk.scan(payload)``."""
+        assert not self.closed and not self.damaged
+        base = self.length
+        self.starts.extend([base + off for _, off in chunks])
+        self.ends.extend([base + off + h.size for h, off in chunks])
+        self.digest.update(struct.pack(f"<{len(chunks)}Q", *[h.body_checksum for h, _ in chunks]))
+        self.blocks.append(payload)
+        self.block_starts.append(base)
+        self.length = base + payload.nbytes
+
+    @property
+    def chunks(self) -> int:
+        return len(self.starts)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.length - self.mem_base
+
+    @property
+    def file_bytes(self) -> int:
+        """What this replica's file will take once everything is written."""
+        return FILE_HEADER_SIZE + self.length + (TRAILER_SIZE if self.closed else 0)
+
+    @property
+    def clean(self) -> bool:
+        """Everything is written and fsynced (the trailer too, if closed)."""
+        return self.synced == self.length and (not self.closed or self.trailer_synced)
+
+    def memory_parts(self, start: int, stop: int) -> list[memoryview]:
+        """Views of [start, stop) from memory; one per block touched, no copy."""
+        assert self.mem_base <= start <= stop <= self.length
+        parts = []
+        i = bisect_right(self.block_starts, start) - 1
+        pos = start
+        while pos < stop:
+            bs, b = self.block_starts[i], self.blocks[i]
+            hi = min(b.nbytes, stop - bs)
+            parts.append(b[pos - bs:hi])
+            pos = bs + hi
+            i += 1
+        return parts
+
+    def release(self, upto: int) -> int:
+        """Forget in-memory blocks that end at or before ``upto`` (already on disk)."""
+        assert upto <= self.synced
+        k, freed = 0, 0
+        while k < len(self.blocks) and self.block_starts[k] + self.blocks[k].nbytes <= upto:
+            freed += self.blocks[k].nbytes
+            k += 1
+        if k:
+            del self.blocks[:k]
+            del self.block_starts[:k]
+            self.mem_base = self.block_starts[0] if self.blocks else self.length
+        return freed
+
+    # -- reads -------------------------------------------------------------
+
+    def plan_read(self, offset: int, max_bytes: int) -> tuple[int, int, int | None, int]:
+        """Which bytes a read at ``offset`` returns: (start, stop, corrupt_at, next).
+
+        [start, stop) is whole good chunks, at most ``max_bytes`` unless the
+        first chunk alone is larger, all in memory or all in the file. When it
+        stops before a corrupt region, ``corrupt_at`` is that region's offset
+        and ``next`` skips past it.
+        """
+        if offset < 0 or offset > self.length:
+            raise InvalidArgument(f"offset {offset} outside replica of length {self.length}")
+        ci = bisect_left(self.corrupt_starts, offset)
+        if ci < len(self.corrupt) and self.corrupt_starts[ci] == offset:
+            return offset, offset, offset, offset + self.corrupt[ci]["length"]
+        if offset == self.length:
+            return offset, offset, None, offset
+        i = bisect_left(self.starts, offset)
+        if i == len(self.starts) or self.starts[i] != offset:
+            raise InvalidArgument(f"offset {offset} is not a chunk boundary")
+        stop = self.corrupt_starts[ci] if ci < len(self.corrupt) else self.length
+        hi = min(stop, self.mem_base) if offset < self.mem_base else stop
+        j = max(i, bisect_right(self.ends, min(hi, offset + max_bytes)) - 1)
+        end = self.ends[j]
+        assert end <= hi
+        if ci < len(self.corrupt) and end == stop:
+            return offset, end, stop, stop + self.corrupt[ci]["length"]
+        return offset, end, None, end
+
+    def mark_corrupt(self, offset: int, size: int, reason: str) -> None:
+        """A chunk failed verification when read back from the file: never serve it."""
+        i = bisect_left(self.starts, offset)
+        if i < len(self.starts) and self.starts[i] == offset:
+            del self.starts[i]
+            del self.ends[i]
+            k = bisect_left(self.corrupt_starts, offset)
+            self.corrupt_starts.insert(k, offset)
+            insort(self.corrupt, {"offset": offset, "length": size, "reason": reason},
+                   key=lambda c: c["offset"])
+
+    def info(self) -> dict:
+        out = {"broker": self.broker, "vlog": self.vlog, "vseg": self.vseg, "length": self.length,
+               "chunks": self.chunks, "closed": self.closed, "corrupt": list(self.corrupt),
+               "epoch": self.epoch, "synced": self.synced, "checksum": self.digest.intdigest()}
+        if self.error:
+            out["error"] = self.error
+        return out

@@ -1,0 +1,190 @@
+"""Bad input against a live broker and coordinator: a typed error (or the
+connection closed for garbage), the server keeps serving, nothing stored changes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+import pytest
+import trio
+
+from kera import chunk, frame
+from kera.errors import (
+    ChecksumError, FrameTooLarge, InvalidName, ProtocolError, UnknownStream,
+)
+from kera.rpc import open_pool, parse_addr
+from kera_client import open_admin, open_consumer, open_producer
+
+
+def raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
+    """Send bytes on a fresh connection, half-close, return all the server said."""
+    with socket.create_connection(parse_addr(addr), timeout=timeout) as s:
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        out = b""
+        while True:
+            try:
+                b = s.recv(65536)
+            except (ConnectionResetError, TimeoutError):
+                break
+            if not b:
+                break
+            out += b
+        return out
+
+
+def error_codes(reply: bytes) -> list[str]:
+    d = frame.FrameDecoder()
+    d.feed(reply)
+    codes = []
+    while (f := d.next()) is not None:
+        assert f.kind == frame.ERROR
+        codes.append(f.meta["code"])
+    return codes
+
+
+@pytest.fixture
+def cluster(make_cluster):
+    return make_cluster(2)
+
+
+async def stored(coord) -> tuple[int, int, int]:
+    """(chunks, bytes) appended on all brokers, and records readable from stream 'good'."""
+    async with open_pool() as pool:
+        chunks = nbytes = 0
+        async with open_admin(coord) as a:
+            st = await a.status()
+        for b in st["brokers"]:
+            r, _ = await pool.call(b["addr"], "stats", {}, timeout=5)
+            chunks += r["chunks"]
+            nbytes += r["bytes"]
+    n = 0
+    async with open_consumer(["good"], coord) as c:
+        while chunks_ := await c.poll_chunks(0.5):
+            n += sum(len(ch) for ch in chunks_)
+    return chunks, nbytes, n
+
+
+async def setup_good(coord) -> dict:
+    async with open_admin(coord) as a:
+        s = await a.create_stream("good", streamlets=2, replication=2)
+    async with open_producer(coord) as p:
+        for i in range(100):
+            await p.send("good", b"v%d" % i)
+    return s
+
+
+async def test_garbage_frames_are_refused_and_servers_keep_serving(cluster):
+    coord = cluster.coordinator
+    s = await setup_good(coord)
+    broker = s["addrs"][0]
+    before = await stored(coord)
+    assert before[2] == 100
+    good = frame.encode(frame.REQUEST, 7, {"m": "list_streams"})
+    for addr in (coord, broker):
+        # truncated frame: the server waits for the rest, then sees the close; nothing answered
+        assert raw(addr, good[: len(good) - 3]) == b""
+        # random bytes: a protocol error, connection closed
+        assert set(error_codes(raw(addr, os.urandom(4096)))) <= {ProtocolError.code}
+        # a frame announcing 4 GiB: refused from its 16-byte prefix
+        huge = frame.PREFIX.pack(frame.MAGIC, frame.VERSION, frame.REQUEST, 1, 10, 0xFFFFFFF0)
+        assert error_codes(raw(addr, huge)) == [FrameTooLarge.code]
+        # meta that is not msgpack
+        bad_meta = frame.PREFIX.pack(frame.MAGIC, frame.VERSION, frame.REQUEST, 1, 4, 0) + b"\xc1\xc1\xc1\xc1"
+        assert error_codes(raw(addr, bad_meta)) == [ProtocolError.code]
+        # an unknown method is a typed error on a connection that stays usable
+        async with open_pool() as pool:
+            with pytest.raises(Exception) as e:
+                await pool.call(addr, "no_such_method", {}, timeout=5)
+            assert getattr(e.value, "code", "") == "unknown_method"
+            await pool.call(addr, "stats" if addr == broker else "list_streams", {}, timeout=5)
+    assert await stored(coord) == before
+
+
+async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
+    coord = cluster.coordinator
+    s = await setup_good(coord)
+    before = await stored(coord)
+    broker = s["addrs"][0]
+    async with open_pool() as pool:
+        good = chunk.build(s["id"], 0, 999, 0, [b"x" * 50] * 3)
+        bad = bytearray(good)
+        bad[-9] ^= 0x10  # a bit in the body: the body checksum no longer matches
+        with pytest.raises(ChecksumError):
+            await pool.call(broker, "produce", {"producer": 999}, good + bytes(bad), timeout=5)
+        torn = bytearray(good)[:-5]
+        with pytest.raises(ProtocolError):
+            await pool.call(broker, "produce", {"producer": 999}, bytes(torn), timeout=5)
+        # a chunk for a stream no broker has: refused for that chunk, typed
+        r, _ = await pool.call(broker, "produce", {"producer": 999},
+                               chunk.build(424242, 0, 999, 0, [b"x"]), timeout=5)
+        assert r["results"] == ["not_owner"]
+        # a pull for a streamlet this broker does not own: a typed error for that streamlet
+        other = 1 if s["addrs"][1] != broker else None
+        foreign = [[s["id"], other, 0, {}]] if other is not None else [[s["id"], 5, 0, {}]]
+        r, _ = await pool.call(broker, "pull", {"streamlets": foreign + [[777, 0, 0, {}]]}, timeout=5)
+        assert [e[2] for e in r["errors"]] == ["not_owner", "not_owner"] and r["entries"] == []
+        # malformed pull requests
+        with pytest.raises(Exception) as e:
+            await pool.call(broker, "pull", {"streamlets": "nope"}, timeout=5)
+        assert e.value.code == "invalid_argument"
+        r, _ = await pool.call(broker, "pull", {"streamlets": [[1, 2]]}, timeout=5)
+        assert r["errors"][0][2] == "invalid_argument"
+    async with open_admin(coord) as a:
+        with pytest.raises(UnknownStream):
+            await a.describe_stream("nope")
+        with pytest.raises(UnknownStream):
+            await a.delete_stream("nope")
+    with pytest.raises(UnknownStream):
+        async with open_producer(coord) as p:
+            await p.send("nope", b"x")
+    assert await stored(coord) == before
+
+
+BAD_NAMES = ["", "x" * 300, "../x", "a/b", "bad\x00name", "tab\there", "new\nline", ".hidden", "sp ace",
+             None, 42]
+
+
+async def test_invalid_stream_names(cluster):
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        for name in BAD_NAMES:
+            with pytest.raises(InvalidName):
+                await a.create_stream(name)
+        assert await a.list_streams() == []
+        await a.create_stream("fine-name_1.0")
+        assert [s["name"] for s in await a.list_streams()] == ["fine-name_1.0"]
+
+
+async def test_invalid_stream_arguments(cluster):
+    async with open_admin(cluster.coordinator) as a:
+        for bad in ({"streamlets": 0}, {"streamlets": "4"}, {"groups": -1}, {"replication": 9},
+                    {"vlogs": "bogus"}, {"segment_size": 10}):
+            with pytest.raises(Exception) as e:
+                await a.create_stream("x", **bad)
+            assert e.value.code in ("invalid_argument", "not_enough_backups"), bad
+        assert await a.list_streams() == []
+
+
+def test_struct_prefix_is_16_bytes():
+    assert struct.calcsize("<2sBBIII") == frame.PREFIX_SIZE == 16
+
+
+async def test_many_garbage_connections_at_once(cluster):
+    coord = cluster.coordinator
+    await setup_good(coord)
+
+    async def junk(i):
+        await trio.to_thread.run_sync(raw, coord, os.urandom(1000 + i))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            for i in range(50):
+                n.start_soon(junk, i)
+    async with open_admin(coord) as a:
+        assert [s["name"] for s in await a.list_streams()] == ["good"]
