@@ -99,7 +99,10 @@ class Service:
                         while (f := decoder.next()) is not None:
                             if f.kind != frame.REQUEST:
                                 raise ProtocolError("expected a request frame")
-                            await slots.acquire()
+                            try:  # no scheduling point while requests are queued: appends batch up
+                                slots.acquire_nowait()
+                            except trio.WouldBlock:
+                                await slots.acquire()
                             try:
                                 res = self.lookup(f.meta.get("m"))(f.meta, f.payload)
                             except Exception as e:

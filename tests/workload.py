@@ -4,6 +4,9 @@ consumer can check exactly-once delivery and per-producer order with numpy."""
 from __future__ import annotations
 
 import numpy as np
+import trio
+
+from kera_client import open_consumer, open_producer
 
 SIZE = 100
 
@@ -48,3 +51,35 @@ class Ledger:
             got = np.sort(np.concatenate(parts))
             n = expected[key]
             assert len(got) == n and (got == np.arange(n)).all(), f"{key}: {len(got)} of {n} records"
+
+
+async def produce_all(coord, streams, producers, per_pair, rounds, **opts):
+    """Proxy producers: each writes to every stream, a slice per round."""
+    async def one(p):
+        async with open_producer(coord, **opts) as prod:
+            await prod.load_metadata(streams)
+            sent = 0
+            for r in range(rounds):
+                n = per_pair // rounds + (r < per_pair % rounds)
+                for s in streams:
+                    await prod.send_many(s, values(p, sent, n))
+                sent += n
+            await prod.flush()
+            assert prod.acked == per_pair * len(streams)
+
+    async with trio.open_nursery() as nursery:
+        for p in range(producers):
+            nursery.start_soon(one, p)
+
+
+async def consume_all(coord, streams, total, idle=15.0, **kw) -> Ledger:
+    ledger = Ledger()
+    async with open_consumer(streams, coord, **kw) as c:
+        idle_until = trio.current_time() + idle
+        while ledger.records < total and trio.current_time() < idle_until:
+            chunks = await c.poll_chunks(1.0)
+            if chunks:
+                idle_until = trio.current_time() + idle
+            for ch in chunks:
+                ledger.add(ch)
+    return ledger

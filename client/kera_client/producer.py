@@ -137,6 +137,10 @@ class AsyncProducer:
         if r.get("missing"):
             raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
 
+    async def load_metadata(self, names) -> None:
+        """Fetch where many streams live in one call (else each first send asks alone)."""
+        await self._load([n for n in names if n not in self.streams])
+
     async def stream(self, name: str) -> dict:
         s = self.streams.get(name)
         if s is None:

@@ -34,12 +34,13 @@ HEARTBEAT = 0.5
 
 class BrokerService(Service):
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
-                 vseg_size: int = 8 << 20):
+                 vseg_size: int = 8 << 20, replicate_timeout: float = 5.0):
         self.coordinator = coordinator
         self.data_dir = data_dir
         self.node = node
         self.mapping = mapping
         self.vseg_size = vseg_size
+        self.replicate_timeout = replicate_timeout
         os.makedirs(data_dir, exist_ok=True)
         self.id_path = os.path.join(data_dir, "broker.id")
         ident = metafile.load(self.id_path) or {}
@@ -70,28 +71,37 @@ class BrokerService(Service):
         return b["addr"]
 
     def choose_backups(self, vs, k: int) -> list[int]:
-        """k more backups for a virtual segment: distinct nodes, not ours, least loaded first."""
+        """k more backups for a virtual segment, least loaded first.
+
+        Copies go to distinct nodes other than the broker's when enough are
+        alive; otherwise to any other live backup process, so that R copies
+        still live in R distinct processes (a node of a local cluster is not
+        a machine: the process is the unit that fails).
+        """
         used_nodes = {self.node} | {self.backups[b]["node"] for b in vs.copies if b in self.backups}
-        cands = [b for b in self.backups.values()
-                 if b["id"] not in vs.copies and b["id"] not in vs.failed and b["node"] not in used_nodes]
+        cands = [b for b in self.backups.values() if b["id"] not in vs.copies and b["id"] not in vs.failed]
         random.shuffle(cands)
         cands.sort(key=lambda b: self.backup_load.get(b["id"], 0))
         out = []
-        for b in cands:
-            if len(out) == k:
-                break
-            if b["node"] in used_nodes:
-                continue
-            used_nodes.add(b["node"])
-            out.append(b["id"])
-            self.backup_load[b["id"]] = self.backup_load.get(b["id"], 0) + 1
+        for distinct in (True, False):
+            for b in cands:
+                if len(out) == k:
+                    break
+                if b["id"] in out or (distinct and b["node"] in used_nodes):
+                    continue
+                used_nodes.add(b["node"])
+                out.append(b["id"])
+                self.backup_load[b["id"]] = self.backup_load.get(b["id"], 0) + 1
         return out
 
     def vlog_for(self, stream: dict, streamlet: int, group: int) -> VirtualLog:
         key = self.mapping.key(stream, streamlet, group)
         v = self.vlogs.get(key)
         if v is None:
-            v = self.vlogs[key] = VirtualLog(len(self.vlogs), stream["replication"], self.vseg_size, self)
+            # ids unique across incarnations: a restarted broker never mixes with its old replicas
+            vid = (self.epoch << 32) | len(self.vlogs)
+            v = self.vlogs[key] = VirtualLog(vid, stream["replication"], self.vseg_size, self,
+                                                  self.replicate_timeout)
             self.nursery.start_soon(v.run)
         return v
 
@@ -229,6 +239,12 @@ class BrokerService(Service):
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl}
 
+    def rpc_vsegs(self, meta, payload):
+        """Every virtual segment with its size and the backups holding it (the broker's belief)."""
+        return {"broker": self.broker_id, "vsegs": [
+            [v.id, vs.id, vs.size, vs.closed, sorted(vs.copies), v.replication]
+            for v in self.vlogs.values() for vs in v.vsegs]}
+
     def rpc_stats(self, meta, payload):
         return {"broker": self.broker_id, **self.stats()}
 
@@ -298,10 +314,13 @@ def main(argv=None) -> None:
     ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
     ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
     ap.add_argument("--vseg-size", type=int, default=8 << 20, help="virtual segment capacity, bytes")
+    ap.add_argument("--replicate-timeout", type=float, default=5.0,
+                    help="seconds before a silent backup is replaced")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
     svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
-                        VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size)
+                        VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
+                        args.replicate_timeout)
 
     from ..process import run_until_signal
     run_until_signal(svc.run, args.host, args.port)

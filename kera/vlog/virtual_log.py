@@ -28,8 +28,10 @@ REPLICATE_TIMEOUT = 5.0
 
 
 class VirtualLog:
-    def __init__(self, id: int, replication: int, capacity: int, cluster):
+    def __init__(self, id: int, replication: int, capacity: int, cluster,
+                 timeout: float = REPLICATE_TIMEOUT):
         self.id = id
+        self.timeout = timeout
         self.replication = replication
         self.capacity = capacity
         self.cluster = cluster  # broker side: pool, identity, backup choice, durable notification
@@ -105,6 +107,8 @@ class VirtualLog:
             if not self.pending:
                 await self.wake.wait()
                 self.wake = trio.Event()
+                # let requests already received append first: they leave in this round
+                await trio.sleep(0)
                 continue
             self.wake = trio.Event()
             await self._round(self.pending[0])
@@ -148,7 +152,7 @@ class VirtualLog:
             try:
                 addr = self.cluster.backup_addr(b)
                 r, _ = await self.cluster.pool.call(addr, "replicate", meta, parts=vs.parts(start, end),
-                                                     timeout=REPLICATE_TIMEOUT)
+                                                     timeout=self.timeout)
                 results[b] = (int(r["length"]), close)
             except KeraError as e:
                 log.warning("vlog %d vseg %d: backup %d failed: %s", self.id, vs.id, b, e)

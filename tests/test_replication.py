@@ -1,0 +1,177 @@
+"""Shared replicated virtual logs and backups, against real processes."""
+
+from __future__ import annotations
+
+import signal
+
+import trio
+
+from kera.rpc import open_pool
+from kera_client import open_admin, open_consumer, open_producer
+
+from .workload import consume_all, produce_all, values
+
+
+async def cluster_state(coord):
+    async with open_admin(coord) as a:
+        return await a.status()
+
+
+async def vlog_totals(coord) -> tuple[int, int]:
+    """(replication RPCs, chunks appended) over every broker's vlogs, from the brokers."""
+    st = await cluster_state(coord)
+    rpcs = chunks = 0
+    async with open_pool() as pool:
+        for b in st["brokers"]:
+            if b["alive"]:
+                r, _ = await pool.call(b["addr"], "stats", {}, timeout=5)
+                rpcs += sum(v["rpcs"] for v in r["vlogs"])
+                chunks += sum(v["appended"] for v in r["vlogs"])
+    return rpcs, chunks
+
+
+async def run(coord, prefix, n_streams, policy, producers=4, records=200_000):
+    streams = [f"{prefix}{i:03d}" for i in range(n_streams)]
+    async with open_admin(coord) as a:
+        for s in streams:
+            await a.create_stream(s, replication=3, vlogs=policy)
+    per_pair = records // (producers * n_streams)
+    r0, c0 = await vlog_totals(coord)
+    await produce_all(coord, streams, producers, per_pair, 4)
+    r1, c1 = await vlog_totals(coord)
+    ledger = await consume_all(coord, streams, producers * per_pair * n_streams)
+    ledger.check({(s, p): per_pair for s in streams for p in range(producers)})
+    return r1 - r0, c1 - c0
+
+
+async def test_shared_vlogs_batch_replication_per_group_does_not(make_cluster):
+    cluster = make_cluster(3, broker_args=["--vlogs", "4"])
+    coord = cluster.coordinator
+    with trio.fail_after(240):
+        shared_256 = await run(coord, "sh", 256, "shared")
+        shared_32 = await run(coord, "sm", 32, "shared")
+        group_256 = await run(coord, "pg", 256, "per-group")
+        group_32 = await run(coord, "pm", 32, "per-group")
+    print(f"rpcs, chunks: shared 256 {shared_256}, shared 32 {shared_32}, "
+          f"per-group 256 {group_256}, per-group 32 {group_32}")
+    rpcs, chunks = shared_256
+    assert rpcs * 10 <= chunks, f"shared vlogs: {rpcs} replication RPCs for {chunks} chunks"
+    # one replicated log per partition: replication RPCs grow with the number of streams
+    assert group_256[0] > 3 * group_32[0]
+    assert group_256[0] > 3 * shared_256[0]
+
+
+async def test_paused_backup_holds_acks_and_reads(make_cluster):
+    # a pause shorter than the failure detector and the replication timeout: a slow backup
+    cluster = make_cluster(3, broker_args=["--replicate-timeout", "60"],
+                           coordinator_args=["--dead-after", "60"])
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        s = await a.create_stream("paused", streamlets=1, replication=3)
+    owner_node = next(b["node"] for b in (await cluster_state(coord))["brokers"]
+                      if b["id"] == s["owners"][0])
+    victim = next(f"{n}-backup" for n in ("node1", "node2", "node3") if n != owner_node)
+    with trio.fail_after(60):
+        async with open_producer(coord) as p:
+            await p.send_many("paused", values(0, 0, 1000))
+            await p.flush()
+        cluster.kill(victim, signal.SIGSTOP)
+        try:
+            async with open_consumer(["paused"], coord) as c:
+                seen = 0
+                while seen < 1000:
+                    seen += sum(len(ch) for ch in await c.poll_chunks(1.0))
+                async with open_producer(coord) as p:
+                    await p.send_many("paused", values(0, 1000, 1000))
+                    p.seal_all()
+                    # wait until the broker holds the new chunks, not yet replicated
+                    async with open_pool() as pool:
+                        while True:
+                            r, _ = await pool.call(s["addrs"][0], "stats", {}, timeout=5)
+                            if sum(v["lag"] for v in r["vlogs"]) > 0:
+                                break
+                            await trio.sleep(0.05)
+                    assert p.acked == 0, "acknowledged while a backup could not store it"
+                    assert await c.poll_chunks(1.0) == [], "read beyond the durable head"
+                    cluster.kill(victim, signal.SIGCONT)
+                    await p.flush()
+                    assert p.acked == 1000
+                while seen < 2000:
+                    seen += sum(len(ch) for ch in await c.poll_chunks(1.0))
+                assert seen == 2000
+        finally:
+            cluster.kill(victim, signal.SIGCONT)
+
+
+async def backup_listings(coord) -> dict[int, list]:
+    st = await cluster_state(coord)
+    out = {}
+    async with open_pool() as pool:
+        for b in st["backups"]:
+            if b["alive"]:
+                r, _ = await pool.call(b["addr"], "list", {}, timeout=5)
+                out[b["id"]] = r["segments"]
+    return out
+
+
+async def assert_r_copies(coord, r: int) -> None:
+    """Every virtual segment of every broker is held, complete, by r-1 live backups."""
+    st = await cluster_state(coord)
+    listings = await backup_listings(coord)
+    held: dict[tuple, list] = {}
+    for bid, segs in listings.items():
+        for sg in segs:
+            held.setdefault((sg["broker"], sg["vlog"], sg["vseg"]), []).append((bid, sg["length"]))
+    async with open_pool() as pool:
+        for b in st["brokers"]:
+            if not b["alive"]:
+                continue
+            r_, _ = await pool.call(b["addr"], "vsegs", {}, timeout=5)
+            for vlog, vseg, size, closed, copies, repl in r_["vsegs"]:
+                if size == 0:
+                    continue
+                full = [bid for bid, length in held.get((b["id"], vlog, vseg), []) if length == size]
+                assert len(full) >= repl - 1, \
+                    f"broker {b['id']} vlog {vlog} vseg {vseg}: {len(full)} full copies, want {repl - 1}"
+
+
+async def test_killed_backup_is_replaced_and_copies_restored(make_cluster):
+    cluster = make_cluster(3)
+    coord = cluster.coordinator
+    streams = [f"k{i:03d}" for i in range(256)]
+    async with open_admin(coord) as a:
+        for s in streams:
+            await a.create_stream(s, replication=3)
+    producers, per_pair = 4, 200
+    with trio.fail_after(180):
+        async with trio.open_nursery() as n:
+            n.start_soon(produce_all, coord, streams, producers, per_pair, 20)
+            # kill a backup once ingestion is under way
+            while (await vlog_totals(coord))[1] < 1000:
+                await trio.sleep(0.05)
+            cluster.kill("node2-backup")
+        ledger = await consume_all(coord, streams, producers * per_pair * len(streams))
+        ledger.check({(s, p): per_pair for s in streams for p in range(producers)})
+        while True:  # the dead backup's copies are re-made elsewhere
+            try:
+                await assert_r_copies(coord, 3)
+                break
+            except AssertionError:
+                await trio.sleep(0.2)
+
+
+async def test_full_disk_backup_is_avoided(make_cluster):
+    cluster = make_cluster(3)
+    coord = cluster.coordinator
+    # node3's backup may hold only 64 KiB: it will refuse, the brokers move on
+    cluster.specs["node3-backup"] += ["--max-bytes", str(64 << 10)]
+    cluster.restart("node3-backup")
+    streams = [f"d{i:02d}" for i in range(16)]
+    async with open_admin(coord) as a:
+        for s in streams:
+            await a.create_stream(s, replication=3)
+    with trio.fail_after(120):
+        await produce_all(coord, streams, 2, 2000, 5)
+        ledger = await consume_all(coord, streams, 2 * 2000 * len(streams))
+    ledger.check({(s, p): 2000 for s in streams for p in range(2)})
+    await assert_r_copies(coord, 3)
