@@ -73,6 +73,14 @@ class LocalCluster:
         if sig == signal.SIGKILL:
             p.wait()
 
+    def kill_all(self) -> None:
+        """kill -9 every process of the cluster, coordinator included."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            p.wait()
+
     def restart(self, name: str) -> str:
         if self.procs[name].poll() is None:
             self.kill(name)

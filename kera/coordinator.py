@@ -23,6 +23,7 @@ from .errors import (
     Fenced, InvalidArgument, KeraError, NotEnoughBackups, StreamExists, UnknownStream,
 )
 from .names import check_stream_name
+from .recovery import RecoveryManager
 from .rpc import Pool, Service
 
 log = logging.getLogger("kera.coordinator")
@@ -64,13 +65,25 @@ class Coordinator(Service):
             "next_stream_id": 1, "next_producer_id": 1, "next_epoch": 1,
             "next_id": {"broker": 1, "backup": 1}, "streams": {}, "positions": {},
         }
+        self.meta.setdefault("backups", [])   # every backup id ever registered
+        self.meta.setdefault("fences", {})    # broker id -> newest epoch fenced
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.pool: Pool | None = None
         self.changed = trio.Event()
+        self.recovery = RecoveryManager(self, grace=3 * dead_after)
 
     # -- persistence -----------------------------------------------------
-    def _save(self) -> None:
+    def save(self) -> None:
         metafile.save(self.path, self.meta)
+
+    _save = save
+
+    def fence(self, broker: int, epoch: int) -> None:
+        """From now on, no backup accepts replicas of ``broker`` from ``epoch`` or older."""
+        k = str(broker)
+        if self.meta["fences"].get(k, 0) < epoch:
+            self.meta["fences"][k] = epoch
+            self.save()
 
     def _take(self, counter: str) -> int:
         v = self.meta[counter]
@@ -92,13 +105,16 @@ class Coordinator(Service):
         else:
             self.meta["next_id"][role] = max(self.meta["next_id"][role], mid + 1)
         epoch = self._take("next_epoch")
+        if role == "backup" and mid not in self.meta["backups"]:
+            self.meta["backups"].append(mid)
         self._save()
         m = Member(role, mid, addr, node, epoch)
         m.holds = meta.get("holds") or []
         self.members[role][mid] = m
         log.info("%s %d registered at %s (node %s, epoch %d)", role, mid, addr, node, epoch)
         self._notify()
-        return {"id": mid, "epoch": epoch}
+        return {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
+                "lease": self.dead_after * 0.75, "fences": self.meta["fences"]}
 
     def _member(self, meta) -> Member:
         role, mid, epoch = meta.get("role"), meta.get("id"), meta.get("epoch")
@@ -112,7 +128,28 @@ class Coordinator(Service):
         m.last_seen = time.monotonic()
         if isinstance(meta.get("stats"), dict):
             m.stats = meta["stats"]
+        if m.role == "backup":
+            return {"fences": self.meta["fences"]}
         return {"backups": self._live("backup")}
+
+    async def rpc_suspect(self, meta, payload):
+        """A client could not reach a broker: confirm with a ping, then declare it dead now."""
+        addr = meta.get("addr")
+        m = next((m for m in self.members["broker"].values() if m.alive and m.addr == addr), None)
+        if m is None:
+            return {"alive": False}
+        try:
+            await self.pool.call(m.addr, "ping", {}, timeout=min(1.0, self.dead_after / 2))
+            return {"alive": True}
+        except KeraError:
+            self._declare_dead(m)
+            return {"alive": False}
+
+    def _declare_dead(self, m: Member) -> None:
+        if m.alive:
+            m.alive = False
+            log.warning("%s %d at %s declared dead", m.role, m.id, m.addr)
+            self._notify()
 
     def _live(self, role) -> list[dict]:
         return [m.describe() for m in self.members[role].values() if m.alive]
@@ -120,6 +157,8 @@ class Coordinator(Service):
     def _notify(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+    notify = _notify
 
     async def watch(self) -> None:
         """Failure detector: declare dead whoever stopped heartbeating."""
@@ -129,21 +168,27 @@ class Coordinator(Service):
             for role in self.members:
                 for m in self.members[role].values():
                     if m.alive and now - m.last_seen > self.dead_after:
-                        m.alive = False
-                        log.warning("%s %d at %s declared dead", role, m.id, m.addr)
-                        self._notify()
+                        self._declare_dead(m)
 
     # -- streams -----------------------------------------------------------
     def _nodes(self) -> set[str]:
         return {m.node for role in self.members for m in self.members[role].values() if m.alive}
 
-    def _broker_addr(self, bid: int) -> str | None:
+    def live_broker(self, bid: int, epoch: int | None = None) -> Member | None:
+        """The broker if it is alive (and, given an epoch, still that incarnation)."""
         m = self.members["broker"].get(bid)
-        return m.addr if m is not None and m.alive else None
+        if m is None or not m.alive or (epoch is not None and m.epoch != epoch):
+            return None
+        return m
 
     def _describe(self, s: dict) -> dict:
+        """A stream with the address of each streamlet's owner (None while it is recovered)."""
         d = dict(s)
-        d["addrs"] = [self._broker_addr(b) for b in s["owners"]]
+        addrs = []
+        for b, e in s["owners"]:
+            m = self.live_broker(b, e)
+            addrs.append(m.addr if m is not None else None)
+        d["addrs"] = addrs
         return d
 
     def _stream(self, name) -> dict:
@@ -179,18 +224,8 @@ class Coordinator(Service):
         if cfg["replication"] > nodes:
             raise NotEnoughBackups(
                 f"replication {cfg['replication']} needs {cfg['replication']} nodes, {nodes} alive")
-        load = {m.id: 0 for m in brokers}
-        for s in self.meta["streams"].values():
-            for b in s["owners"]:
-                if b in load:
-                    load[b] += 1
         sid = self._take("next_stream_id")
-        owners = []
-        order = sorted(load, key=lambda b: (load[b], (b + sid) % len(load)))
-        for i in range(cfg["streamlets"]):
-            b = min(order, key=lambda b: load[b])
-            load[b] += 1
-            owners.append(b)
+        owners = [[m.id, m.epoch] for m in self.spread(cfg["streamlets"], salt=sid)]
         s = {"name": name, "id": sid, **cfg, "vlogs": policy, "owners": owners,
              "created": time.time()}
         self.meta["streams"][name] = s
@@ -199,26 +234,45 @@ class Coordinator(Service):
         log.info("created stream %s (id %d, %d streamlets)", name, sid, cfg["streamlets"])
         return {"stream": self._describe(s)}
 
+    def spread(self, n: int, salt: int = 0) -> list[Member]:
+        """n owners among live brokers, each time the least loaded (streamlets owned)."""
+        brokers = sorted((m for m in self.members["broker"].values() if m.alive), key=lambda m: m.id)
+        if not brokers:
+            raise NotEnoughBackups("no live broker")
+        load = {m.id: 0 for m in brokers}
+        for st in self.meta["streams"].values():
+            for b, _ in st["owners"]:
+                if b in load:
+                    load[b] += 1
+        out = []
+        for i in range(n):
+            m = min(brokers, key=lambda m: (load[m.id], (m.id + salt) % len(brokers)))
+            load[m.id] += 1
+            out.append(m)
+        return out
+
+    async def assign(self, m: Member, s: dict, streamlets: list[int], recovering: bool = False) -> None:
+        await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "stream": s, "streamlets": streamlets,
+                                                "recovering": recovering}, timeout=10)
+
     async def _assign(self, s: dict) -> None:
         """Tell each owner broker about its streamlets, all in parallel."""
-        by_broker: dict[int, list[int]] = {}
-        for i, b in enumerate(s["owners"]):
-            by_broker.setdefault(b, []).append(i)
+        by_broker: dict[tuple, list[int]] = {}
+        for i, (b, e) in enumerate(s["owners"]):
+            by_broker.setdefault((b, e), []).append(i)
 
-        async def one(bid, streamlets):
-            addr = self._broker_addr(bid)
-            if addr is None:
+        async def one(bid, epoch, streamlets):
+            m = self.live_broker(bid, epoch)
+            if m is None:
                 return
-            m = self.members["broker"][bid]
             try:
-                await self.pool.call(addr, "assign", {"epoch": m.epoch, "stream": s,
-                                                      "streamlets": streamlets}, timeout=10)
+                await self.assign(m, s, streamlets)
             except KeraError as e:
                 log.warning("assigning %s to broker %d failed: %s", s["name"], bid, e)
 
         async with trio.open_nursery() as n:
-            for bid, sl in by_broker.items():
-                n.start_soon(one, bid, sl)
+            for (bid, epoch), sl in by_broker.items():
+                n.start_soon(one, bid, epoch, sl)
 
     def rpc_list_streams(self, meta, payload):
         pattern = meta.get("pattern")
@@ -247,17 +301,17 @@ class Coordinator(Service):
         del self.meta["streams"][s["name"]]
         self._save()
 
-        async def one(bid):
-            addr = self._broker_addr(bid)
-            if addr:
+        async def one(bid, epoch):
+            m = self.live_broker(bid, epoch)
+            if m is not None:
                 try:
-                    await self.pool.call(addr, "unassign", {"stream_id": s["id"]}, timeout=10)
+                    await self.pool.call(m.addr, "unassign", {"stream_id": s["id"]}, timeout=10)
                 except KeraError as e:
                     log.warning("unassign on broker %d failed: %s", bid, e)
 
         async with trio.open_nursery() as n:
-            for bid in set(s["owners"]):
-                n.start_soon(one, bid)
+            for bid, epoch in {tuple(o) for o in s["owners"]}:
+                n.start_soon(one, bid, epoch)
         return {"deleted": s["name"]}
 
     def rpc_producer_id(self, meta, payload):
@@ -286,13 +340,15 @@ class Coordinator(Service):
             return [{**m.describe(), "stats": m.stats} for m in self.members[role].values()]
 
         return {"brokers": members("broker"), "backups": members("backup"),
-                "streams": [self._describe(s) for _, s in sorted(self.meta["streams"].items())]}
+                "streams": [self._describe(s) for _, s in sorted(self.meta["streams"].items())],
+                "recoveries": self.recovery.describe()}
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED):
         async with trio.open_nursery() as nursery:
             self.pool = Pool(nursery)
             bound = await nursery.start(self.serve, host, port)
             nursery.start_soon(self.watch)
+            nursery.start_soon(self.recovery.run)
             task_status.started(bound)
 
 

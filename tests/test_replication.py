@@ -69,7 +69,7 @@ async def test_paused_backup_holds_acks_and_reads(make_cluster):
     async with open_admin(coord) as a:
         s = await a.create_stream("paused", streamlets=1, replication=3)
     owner_node = next(b["node"] for b in (await cluster_state(coord))["brokers"]
-                      if b["id"] == s["owners"][0])
+                      if b["id"] == s["owners"][0][0])
     victim = next(f"{n}-backup" for n in ("node1", "node2", "node3") if n != owner_node)
     with trio.fail_after(60):
         async with open_producer(coord) as p:

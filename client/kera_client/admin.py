@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import asynccontextmanager
 
+from kera.errors import KeraError
 from kera.rpc import open_pool
 
 from .portal import Portal
@@ -14,6 +15,14 @@ DEFAULT_COORDINATOR = "127.0.0.1:7700"
 
 def default_coordinator() -> str:
     return os.environ.get("KERA_COORDINATOR", DEFAULT_COORDINATOR)
+
+
+async def suspect(pool, coordinator: str, addr: str) -> None:
+    """Tell the coordinator a broker did not answer, so it checks now, not at the next timeout."""
+    try:
+        await pool.call(coordinator, "suspect", {"addr": addr}, timeout=5)
+    except KeraError:
+        pass
 
 
 class AsyncAdmin:

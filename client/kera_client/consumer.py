@@ -19,7 +19,7 @@ from kera import chunk as chunkfmt
 from kera.errors import KeraError, UnknownStream
 from kera.rpc import open_pool, unwrapped
 
-from .admin import default_coordinator
+from .admin import default_coordinator, suspect
 from .portal import Portal
 
 DONE = -1
@@ -156,9 +156,11 @@ class AsyncConsumer:
                     r, payload = await self.pool.call(addr, "pull", {
                         "streamlets": sls, "max_bytes": self.max_bytes,
                         "max_wait_ms": min(wait, self.max_wait_ms)}, timeout=wait / 1000 + 30)
-                except KeraError:
+                except KeraError as e:
                     stale[0] = True
                     self.pool.drop(addr)
+                    if e.code == "unavailable":
+                        await suspect(self.pool, self.coordinator, addr)
                     return
                 if r["errors"]:
                     stale[0] = True

@@ -25,7 +25,7 @@ from kera import chunk as chunkfmt
 from kera.errors import KeraError, UnknownStream
 from kera.rpc import open_pool, unwrapped
 
-from .admin import default_coordinator
+from .admin import default_coordinator, suspect
 from .partitioner import RoundRobin, key_streamlet
 from .portal import Portal
 
@@ -342,6 +342,8 @@ class AsyncProducer:
             log.info("produce to %s failed: %s", addr, e)
             results = [e.code] * len(items)
             self.pool.drop(addr)
+            if e.code == "unavailable":
+                self.nursery.start_soon(suspect, self.pool, self.coordinator, addr)
         now = time.monotonic()
         with self.lock:
             self.inflight[addr] -= 1

@@ -77,6 +77,7 @@ async def _register(service, pool, coordinator: str, addr: str, node: str | None
             await trio.to_thread.run_sync(save_id, service.dir, bid, node)
             service.id = bid
         log.info("registered with %s as backup %d, epoch %d", coordinator, bid, epoch)
+        service.apply_fences(r.get("fences"))
         service.epoch = epoch
         service.registered.set()
         return epoch
@@ -87,8 +88,9 @@ async def _heartbeat(service, pool, coordinator: str, epoch: int) -> None:
     while True:
         await trio.sleep(HEARTBEAT_INTERVAL)
         try:
-            await pool.call(coordinator, "heartbeat", {"role": "backup", "id": service.id, "epoch": epoch},
-                            timeout=RPC_TIMEOUT)
+            r, _ = await pool.call(coordinator, "heartbeat", {"role": "backup", "id": service.id,
+                                                              "epoch": epoch}, timeout=RPC_TIMEOUT)
+            service.apply_fences(r.get("fences"))
         except Unavailable as e:
             log.debug("heartbeat to %s failed: %s", coordinator, e)
         except KeraError as e:

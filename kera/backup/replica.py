@@ -70,7 +70,7 @@ class Replica:
         rep = cls(*key, h.epoch if h else 0, ld.path)
         rep.created = True
         if ld.scan is None:  # damaged file header: nothing can be trusted or appended
-            rep.damaged = rep.closed = True
+            rep.damaged = rep.closed = rep.trailer_written = rep.trailer_synced = True
             rep.corrupt = [{"offset": 0, "length": ld.file_size, "reason": ld.error}]
             rep.corrupt_starts = [0]
             return rep

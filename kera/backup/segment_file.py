@@ -104,6 +104,23 @@ class Loaded:
     cut_bytes: int = 0          # bytes removed from a torn tail
     error: str | None = None    # why the file cannot be used (damaged file header)
 
+    # what is good, at a glance (0 / empty when the file header is unusable)
+    @property
+    def length(self) -> int:
+        return self.scan.length if self.scan else 0
+
+    @property
+    def chunks(self) -> int:
+        return self.scan.chunks if self.scan else 0
+
+    @property
+    def corrupt(self) -> list:
+        return self.scan.corrupt if self.scan else []
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.scan and self.scan.closed)
+
 
 def file_name(broker: int, vlog: int, vseg: int) -> str:
     return f"{broker}-{vlog}-{vseg}{SUFFIX}"

@@ -23,12 +23,14 @@ Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import signal
 import sys
 import uuid
 from array import array
+from bisect import bisect_left
 
 import trio
 
@@ -37,6 +39,7 @@ from ..errors import BackupError, ChecksumError, Fenced, InvalidArgument, KeraEr
 from ..rpc import Service, open_pool
 from . import segment_file
 from .membership import load_id, run_membership
+from .replay import parse_routes, replay
 from .replica import Replica
 
 log = logging.getLogger("kera.backup")
@@ -135,13 +138,14 @@ class BackupService(Service):
     def __init__(self, directory: str, *, fsync: str = "periodic", flush_interval: float = 0.05,
                  fsync_interval: float = 1.0, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
                  coordinator: str | None = None, node: str | None = None):
-        if fsync not in ("periodic", "always"):
-            raise ValueError("fsync must be 'periodic' or 'always'")
+        if fsync not in ("periodic", "write", "always"):
+            raise ValueError("fsync must be 'periodic', 'write' or 'always'")
         if flush_interval <= 0 or fsync_interval <= 0 or max_bytes < 0 or max_memory <= 0:
             raise ValueError("intervals and max_memory must be > 0, max_bytes >= 0")
         self.dir = directory
         self.segdir = os.path.join(directory, SEGMENTS_DIR)
         self.always = fsync == "always"
+        self.write_through = fsync == "write"  # written (not fsynced) before the ack
         self.flush_interval = flush_interval
         self.fsync_interval = fsync_interval
         self.max_bytes = max_bytes
@@ -160,6 +164,7 @@ class BackupService(Service):
         self.unflushed = 0    # accepted bytes not yet written
         self.memory = 0       # payload bytes held in memory
         self._dir_dirty = False
+        self.stopping = False
         self.counters = dict.fromkeys(
             ("replicate_rpcs", "chunks", "bytes_received", "duplicates", "bytes_flushed", "fsyncs",
              "errors", "write_errors", "reads", "bytes_read", "drops"), 0)
@@ -178,6 +183,7 @@ class BackupService(Service):
         self._stop, self.registered = trio.Event(), trio.Event()
         await self.reload()
         async with open_pool() as pool, trio.open_nursery() as nursery:
+            self.pool = pool
             self.port = await nursery.start(self.serve, host, port)
             nursery.start_soon(self._flusher)
             if self.coordinator:
@@ -187,11 +193,24 @@ class BackupService(Service):
             task_status.started(self.port)
             await self._stop.wait()
             with trio.CancelScope(shield=True):
-                await self._flush_round(fsync=True)
+                await self._final_flush()
             nursery.cancel_scope.cancel()
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _final_flush(self) -> None:
+        """Refuse new data, then write and fsync everything accepted (trailers too)."""
+        self.stopping = True
+        for _ in range(50):  # a file still being created gets the io lock between rounds
+            await self._flush_round(fsync=True)
+            if all(rep.error for rep in self._dirty):
+                break
+        if self._dirty:
+            log.error("exiting with %d replicas not fully on disk (%d bytes)", len(self._dirty),
+                      self.unflushed)
+        else:
+            log.info("all replicas flushed and fsynced")
 
     async def reload(self) -> None:
         """Load every segment file: verify all chunks, cut torn tails, report corruption."""
@@ -209,7 +228,7 @@ class BackupService(Service):
 
     def _load_all(self) -> list:
         os.makedirs(self.segdir, exist_ok=True)
-        out = []
+        out, seen = [], {}
         for name in sorted(os.listdir(self.segdir)):
             path = os.path.join(self.segdir, name)
             if name.startswith(".probe-"):
@@ -228,6 +247,10 @@ class BackupService(Service):
                 if hkey != key:
                     log.warning("%s holds segment %s per its header; using that", path, hkey)
                     key = hkey
+            if key in seen:
+                log.error("%s: segment %s is also in %s; ignored (kept on disk)", path, key, seen[key])
+                continue
+            seen[key] = path
             if ld.error:
                 log.error("%s: %s; kept, not served", path, ld.error)
             if ld.cut_bytes:
@@ -253,6 +276,8 @@ class BackupService(Service):
             raise
 
     def _replicate(self, meta: dict, payload):
+        if self.stopping:
+            raise BackupError("backup shutting down")
         key = _key(meta)
         epoch, offset = _uint(meta, "epoch", 0), _uint(meta, "offset")
         close = meta.get("close", False) is True
@@ -289,10 +314,10 @@ class BackupService(Service):
                 mv, n = mv[:0], 0  # the bytes are a resend, only the close is new
             elif offset != rep.length:
                 raise _length_error(f"replica {key}: offset {offset} is not its end", rep.length)
-            if rep.closed:
-                raise BackupError(f"replica {key} is closed; length={rep.length}")
             if rep.damaged:
                 raise BackupError(f"replica {key} is damaged on disk; it takes no appends")
+            if rep.closed:
+                raise BackupError(f"replica {key} is closed; length={rep.length}")
             base = rep.length
         chunks = _verify(mv) if n else []
         if base + n > MAX_SEGMENT_BYTES:
@@ -327,7 +352,7 @@ class BackupService(Service):
         return self._ack(rep, rep.length, close)
 
     def _ack(self, rep: Replica, end: int, close: bool):
-        if rep.ready.is_set() and not self.always:
+        if rep.ready.is_set() and not (self.always or self.write_through):
             return {"length": end}
         return self._ack_later(rep, end, close)
 
@@ -337,18 +362,27 @@ class BackupService(Service):
         return await self._ack_later(rep, end, close)
 
     async def _ack_later(self, rep: Replica, end: int, close: bool):
-        await rep.ready.wait()
-        if rep.failed:
-            raise BackupError(rep.failed)
-        if self.always:
-            while not (rep.synced >= end and (not close or rep.trailer_synced)):
-                if rep.dropped:
-                    raise BackupError(f"replica {rep.key} was dropped")
-                if rep.error:
-                    raise BackupError(f"replica {rep.key}: {rep.error}")
-                done = self._round_done
-                self._kick.set()
-                await done.wait()
+        try:
+            await rep.ready.wait()
+            if rep.failed:
+                raise BackupError(rep.failed)
+            if self.always or self.write_through:
+                def on_disk() -> bool:
+                    if self.always:
+                        return rep.synced >= end and (not close or rep.trailer_synced)
+                    return rep.flushed >= end and (not close or rep.trailer_written)
+
+                while not on_disk():
+                    if rep.dropped:
+                        raise BackupError(f"replica {rep.key} was dropped")
+                    if rep.error:
+                        raise BackupError(f"replica {rep.key}: {rep.error}")
+                    done = self._round_done
+                    self._kick.set()
+                    await done.wait()
+        except BackupError:
+            self.counters["errors"] += 1
+            raise
         return {"length": end}
 
     async def _create_file(self, rep: Replica) -> None:
@@ -499,8 +533,9 @@ class BackupService(Service):
         return out
 
     async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):
-        i = rep.starts.index(start)
-        j = rep.ends.index(stop, i)
+        i = bisect_left(rep.starts, start)
+        j = bisect_left(rep.ends, stop, i)
+        assert rep.starts[i] == start and rep.ends[j] == stop
         async with self._io:
             if rep.dropped:
                 raise BackupError(f"replica {rep.key} was dropped")
@@ -540,6 +575,34 @@ class BackupService(Service):
                 del self._dropping[rep.key]
         return {"dropped": True}
 
+    # -- fencing and recovery ------------------------------------------------
+
+    def apply_fences(self, fences) -> None:
+        """Brokers' epochs the coordinator fenced: their replicas are refused from now on."""
+        for b, e in (fences or {}).items():
+            self.broker_epochs[int(b)] = max(self.broker_epochs.get(int(b), 0), int(e) + 1)
+
+    def rpc_fence(self, meta: dict, payload):
+        self.apply_fences({_uint(meta, "broker"): _uint(meta, "epoch")})
+        return {}
+
+    async def rpc_replay(self, meta: dict, payload):
+        """Push one replica's chunks to the brokers recovering their streamlets."""
+        key = _key(meta)
+        rep = self.replicas.get(key)
+        if rep is None:
+            raise BackupError(f"no replica {key} here")
+        routes = parse_routes(meta.get("routes"))
+
+        async def read(offset, max_bytes):
+            res = self.rpc_read({"broker": key[0], "vlog": key[1], "vseg": key[2], "offset": offset,
+                                 "max_bytes": max_bytes}, b"")
+            return await res if inspect.iscoroutine(res) else res
+
+        out = await replay(read, self.pool, routes, rep.length)
+        log.info("replayed replica %s: %s", key, out)
+        return out
+
     def rpc_stats(self, meta: dict, payload):
         return {"backup": self.id, **self.counters, "segments": len(self.replicas),
                 "memory_bytes": self.memory, "unflushed_bytes": self.unflushed,
@@ -563,7 +626,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--coordinator", help="HOST:PORT of the coordinator to register with")
     p.add_argument("--node", help="node name (backups and brokers of one node share it)")
-    p.add_argument("--fsync", choices=("periodic", "always"), default="periodic")
+    p.add_argument("--fsync", choices=("periodic", "write", "always"), default="write",
+                   help="when a replicate is answered: periodic (in memory), write (written to the "
+                        "file, survives a killed process; default) or always (fsynced)")
     p.add_argument("--flush-interval", type=float, default=0.05, metavar="SECONDS")
     p.add_argument("--fsync-interval", type=float, default=1.0, metavar="SECONDS")
     p.add_argument("--max-bytes", type=int, default=0, help="limit on segment files in DIR (0: none)")
@@ -573,7 +638,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _main(args) -> None:
+async def _main(args) -> bool:
     svc = BackupService(args.dir, fsync=args.fsync, flush_interval=args.flush_interval,
                         fsync_interval=args.fsync_interval, max_bytes=args.max_bytes,
                         max_memory=args.max_memory, coordinator=args.coordinator, node=args.node)
@@ -586,6 +651,7 @@ async def _main(args) -> None:
                 log.info("signal %d: flushing and exiting", sig)
                 svc.stop()
                 break
+    return not svc._dirty
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -593,8 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.makedirs(args.dir, exist_ok=True)
-    trio.run(_main, args)
-    return 0
+    return 0 if trio.run(_main, args) else 1
 
 
 if __name__ == "__main__":

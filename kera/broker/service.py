@@ -19,7 +19,7 @@ import trio
 
 from .. import chunk, metafile
 from ..errors import (
-    Fenced, InvalidArgument, KeraError, NotOwner, Unavailable,
+    Fenced, InvalidArgument, KeraError, NotOwner, Recovering, Unavailable,
 )
 from ..rpc import Pool, Service
 from ..vlog import VirtualLog, VlogMapping
@@ -58,6 +58,9 @@ class BrokerService(Service):
         self.nursery: trio.Nursery | None = None
         self.requests = 0
         self.fenced = False
+        self.heartbeat = HEARTBEAT
+        self.lease = 0.0           # seconds a heartbeat answer lets us serve
+        self.lease_until = 0.0     # monotonic time our lease ends
 
     # -- cluster interface used by virtual logs --------------------------------
     def notify_durable(self) -> None:
@@ -111,32 +114,80 @@ class BrokerService(Service):
             raise Fenced(f"broker {self.broker_id} is at epoch {self.epoch}, request for {meta.get('epoch')}")
 
     def rpc_assign(self, meta, payload):
+        """Streamlets to own; ``recovering`` ones are rebuilt by backups before they serve."""
         self._check_epoch(meta)
         s = meta.get("stream")
         if not isinstance(s, dict) or not isinstance(meta.get("streamlets"), list):
             raise InvalidArgument("assign needs a stream and streamlets")
+        recovering = meta.get("recovering") is True
         self.streams[s["id"]] = s
         for i in meta["streamlets"]:
-            self.streamlets.setdefault((s["id"], i), Streamlet(s, i))
+            sl = self.streamlets.get((s["id"], i))
+            if sl is None:
+                sl = self.streamlets[(s["id"], i)] = Streamlet(s, i)
+                sl.recovering = recovering
+            elif sl.recovering and not recovering:
+                sl.finish_recovery()
+        self.notify_durable()  # pulls waiting on these streamlets look again
         return {}
 
     def rpc_unassign(self, meta, payload):
         sid = meta.get("stream_id")
-        self.streams.pop(sid, None)
-        for key in [k for k in self.streamlets if k[0] == sid]:
+        only = meta.get("streamlets")
+        for key in [k for k in self.streamlets if k[0] == sid and (only is None or k[1] in only)]:
             del self.streamlets[key]
+        if not any(k[0] == sid for k in self.streamlets):
+            self.streams.pop(sid, None)
+            self.mapping.forget(sid)
         return {}
+
+    def rpc_ping(self, meta, payload):
+        return {"broker": self.broker_id, "epoch": self.epoch}
+
+    def rpc_recover(self, meta, payload):
+        """Chunks replayed by a backup: placed where their headers say, then replicated
+        through our own virtual logs; answered once they are durable here."""
+        self._check_epoch(meta)
+        self._check_lease()
+        waits: dict[VirtualLog, int] = {}
+        placed = dup = 0
+        for h, off in chunk.scan(payload):
+            sl = self.streamlets.get((h.stream_id, h.streamlet))
+            if sl is None or not sl.recovering:
+                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
+            mv = payload[off:off + h.size]
+            try:
+                g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
+            except ValueError as e:  # a hole: chunks before it were lost on every copy
+                log.error("recovery: %s; chunk skipped", e)
+                continue
+            if seg is None:
+                dup += 1
+                continue
+            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g.id)
+            idx = vlog.append(seg, h.offset, h.size, h.body_checksum)
+            sl.note_producer(h.producer_id, h.sequence, vlog, idx)
+            waits[vlog] = idx
+            placed += 1
+        return self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
+
+    def _check_lease(self) -> None:
+        if time.monotonic() > self.lease_until:
+            raise Fenced(f"broker {self.broker_id}: no heartbeat answer for too long; not serving")
 
     # -- produce -------------------------------------------------------------------
     def _streamlet(self, stream_id, index) -> Streamlet:
         sl = self.streamlets.get((stream_id, index))
         if sl is None:
             raise NotOwner(f"stream {stream_id} streamlet {index} is not on broker {self.broker_id}")
+        if sl.recovering:
+            raise Recovering(f"stream {stream_id} streamlet {index} is being recovered")
         return sl
 
     def rpc_produce(self, meta, payload):
         if self.fenced:
             raise Fenced("this broker was fenced")
+        self._check_lease()
         acks = meta.get("acks", "all")
         if acks not in ("all", "leader", "none"):
             raise InvalidArgument(f"acks must be all, leader or none, not {acks!r}")
@@ -181,6 +232,7 @@ class BrokerService(Service):
         if not isinstance(max_bytes, int) or not isinstance(wait, (int, float)):
             raise InvalidArgument("max_bytes and max_wait_ms must be numbers")
         max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
+        self._check_lease()
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
         while True:
             event = self.durable_event
@@ -262,22 +314,26 @@ class BrokerService(Service):
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self.broker_id, self.epoch = r["id"], r["epoch"]
+        self.heartbeat = r.get("heartbeat", HEARTBEAT)
+        self.lease = r.get("lease", 3 * HEARTBEAT)
+        self.lease_until = time.monotonic() + self.lease
         metafile.save(self.id_path, {"id": self.broker_id})
 
     async def _heartbeats(self) -> None:
         while True:
+            sent = time.monotonic()
             try:
                 r, _ = await self.pool.call(self.coordinator, "heartbeat", {
                     "role": "broker", "id": self.broker_id, "epoch": self.epoch,
                     "stats": self.stats()}, timeout=5)
+                self.lease_until = sent + self.lease
                 self._set_backups(r.get("backups") or [])
             except Fenced:
-                log.error("broker %d was fenced by the coordinator: it stops serving", self.broker_id)
                 self.fenced = True
                 raise
             except KeraError as e:
                 log.warning("heartbeat failed: %s", e)
-            await trio.sleep(HEARTBEAT)
+            await trio.sleep(self.heartbeat)
 
     def _set_backups(self, live: list[dict]) -> None:
         new = {b["id"]: b for b in live}
@@ -292,16 +348,35 @@ class BrokerService(Service):
         self.membership_changed.set()
         self.membership_changed = trio.Event()
 
+    def _reset(self) -> None:
+        """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
+        self.streams.clear()
+        self.streamlets.clear()
+        self.vlogs.clear()
+        self.mapping.shared.clear()
+        self.backups.clear()
+        self.fenced = False
+        self.lease_until = 0.0
+
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self.nursery = nursery
             self.pool = Pool(nursery)
             bound = await nursery.start(self.serve, host, port)
             self.addr = f"{host}:{bound}"
-            await self._register()
-            nursery.start_soon(self._heartbeats)
-            task_status.started(bound)
-            print(f"broker {self.broker_id} listening on {self.addr}", flush=True)
+            while True:
+                await self._register()
+                print(f"broker {self.broker_id} listening on {self.addr} (epoch {self.epoch})", flush=True)
+                task_status.started(bound)
+                task_status = trio.TASK_STATUS_IGNORED
+                try:
+                    # one incarnation: its vlogs' replicators and its heartbeats
+                    async with trio.open_nursery() as incarnation:
+                        self.nursery = incarnation
+                        incarnation.start_soon(self._heartbeats)
+                except* Fenced:
+                    log.error("broker %d epoch %d fenced: dropping its state, joining again",
+                              self.broker_id, self.epoch)
+                self._reset()
 
 
 def main(argv=None) -> None:

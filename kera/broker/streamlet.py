@@ -33,6 +33,7 @@ class Streamlet:
         self.producers: dict[int, ProducerState] = {}
         self.appended_chunks = 0
         self.appended_bytes = 0
+        self.recovering = False  # being rebuilt from backups: no produce, no pull yet
 
     def _new_group(self, slot: int, gid: int | None = None) -> Group:
         if gid is None:
@@ -71,13 +72,36 @@ class Streamlet:
         return g, seg, off
 
     def place(self, chunk, producer: int, group: int, segment: int, offset: int):
-        """Recovery append at the placement recorded in the chunk header."""
+        """Recovery append at the placement recorded in the chunk header.
+
+        Returns (group, segment), segment None for a copy already placed.
+        """
         g = self.groups.get(group) or self._new_group(producer % self.q, group)
         seg = g.place(segment, offset, chunk)
         if seg is not None:
             self.appended_chunks += 1
             self.appended_bytes += len(chunk)
         return g, seg
+
+    def note_producer(self, producer: int, sequence: int, vlog, ref: int) -> None:
+        """Remember a replayed chunk's sequence (vlogs replay in parallel: keep the highest)."""
+        st = self.producers.get(producer)
+        if st is None or sequence >= st.last_seq:
+            self.producers[producer] = ProducerState(sequence, vlog, ref)
+
+    def finish_recovery(self) -> None:
+        """Rebuilt: the newest group of each slot is active again, older ones are closed."""
+        newest: dict[int, Group] = {}
+        for gid in sorted(self.groups):
+            g = self.groups[gid]
+            if g.slot in newest:
+                newest[g.slot].closed = True
+            newest[g.slot] = g
+        self.active = [None] * self.q
+        for slot, g in newest.items():
+            if slot < self.q and not g.closed:
+                self.active[slot] = g
+        self.recovering = False
 
     def read(self, low: int, positions: dict, max_bytes: int):
         """Entries (group, segment, offset, length, next_pos) of durable data to pull.

@@ -1,6 +1,7 @@
 """Which virtual log a group's chunks go to.
 
-- ``shared`` (default): all groups of a broker spread over V vlogs.
+- ``shared`` (default): all groups of a broker spread over V vlogs, each new
+  group to the next vlog in turn.
 - ``per-stream``: one vlog per stream.
 - ``per-group``: one vlog per group: one replicated log per partition, the
   Kafka-like baseline of the paper's comparisons.
@@ -23,6 +24,7 @@ class VlogMapping:
             raise ValueError("at least one vlog")
         self.policy = policy
         self.vlogs = vlogs
+        self.shared: dict[tuple, int] = {}  # (stream, streamlet, group) -> shared vlog index
 
     def key(self, stream: dict, streamlet: int, group: int) -> tuple:
         policy = stream.get("vlogs") or self.policy
@@ -31,4 +33,12 @@ class VlogMapping:
             return (r, "g", stream["id"], streamlet, group)
         if policy == "per-stream":
             return (r, "s", stream["id"])
-        return (r, "v", (stream["id"] * 31 + streamlet * 7 + group) % self.vlogs)
+        g = (stream["id"], streamlet, group)
+        i = self.shared.get(g)
+        if i is None:
+            i = self.shared[g] = len(self.shared) % self.vlogs
+        return (r, "v", i)
+
+    def forget(self, stream_id: int) -> None:
+        for g in [g for g in self.shared if g[0] == stream_id]:
+            del self.shared[g]

@@ -1,0 +1,552 @@
+"""The backup as a real process on 127.0.0.1: replicate, list, read, kill -9, restart.
+
+Every test is bounded (pytest-timeout and trio.fail_after). Waiting is on
+events (a process line, an RPC reply); where the backup's background flusher
+must act first, a bounded poll of an RPC stands in for the event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import trio
+
+from kera import chunk
+from kera.backup import segment_file as sf
+from kera.backup.membership import load_id
+from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
+from kera.rpc import Service, open_pool
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINE = re.compile(r"^backup (\S+) listening on (\S+):(\d+)$")
+
+
+# -- a backup process -------------------------------------------------------------
+
+
+class Backup:
+    def __init__(self, directory, logdir, args=(), preexec_fn=None):
+        self.dir, self.logdir, self.args, self.preexec_fn = str(directory), logdir, list(args), preexec_fn
+        self.proc = None
+        self.starts = 0
+
+    def start(self) -> Backup:
+        self.starts += 1
+        self.log = os.path.join(self.logdir, f"backup-{os.path.basename(self.dir)}-{self.starts}.log")
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kera.backup.service", "--dir", self.dir, "--port", "0",
+                 "--flush-interval", "0.02", *self.args],
+                stdout=subprocess.PIPE, stderr=err, cwd=ROOT, env=env, preexec_fn=self.preexec_fn)
+        line = _readline(self.proc, 20)
+        m = LINE.match(line)
+        assert m, f"unexpected first line {line!r}"
+        self.id_text, self.addr = m[1], f"127.0.0.1:{m[3]}"
+        return self
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def term(self, sig=signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(10)
+
+    def restart(self) -> Backup:
+        if self.proc.poll() is None:
+            self.kill()
+        return self.start()
+
+    def logs(self) -> str:
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def seg(self, broker, vlog, vseg) -> str:
+        return os.path.join(self.dir, "segments", sf.file_name(broker, vlog, vseg))
+
+
+def _readline(proc, timeout: float) -> str:
+    deadline, buf, fd = time.monotonic() + timeout, b"", proc.stdout.fileno()
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0 or proc.poll() is not None and not select.select([fd], [], [], 0)[0]:
+            raise AssertionError(f"backup did not report listening (rc={proc.poll()}): {buf!r}")
+        if select.select([fd], [], [], min(left, 0.5))[0]:
+            data = os.read(fd, 4096)
+            if not data and proc.poll() is not None:
+                continue
+            buf += data
+    return buf.split(b"\n", 1)[0].decode()
+
+
+@pytest.fixture
+def backups(tmp_path):
+    made = []
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+
+    def make(name="data", args=(), preexec_fn=None, directory=None):
+        b = Backup(directory or tmp_path / name, str(logdir), args, preexec_fn)
+        made.append(b)
+        return b.start()
+
+    yield make
+    for b in made:
+        if b.proc and b.proc.poll() is None:
+            b.kill()
+        if b.proc and b.proc.stdout:
+            b.proc.stdout.close()
+    for name in sorted(os.listdir(logdir)):  # shown by pytest when a test fails
+        with open(logdir / name, errors="replace") as f:
+            print(f"---- {name}\n{f.read()[-4000:]}")
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def chunks_for(n, seq0=0, records=5, stream=3):
+    return [chunk.build(stream, i % 4, 11, seq0 + i, [b"r%d-%d" % (seq0 + i, j) * (j + 1) for j in range(records)])
+            for i in range(n)]
+
+
+async def replicate(pool, addr, vseg, offset, payload=b"", close=False, broker=1, epoch=1, vlog=0):
+    r, _ = await pool.call(addr, "replicate", {"broker": broker, "epoch": epoch, "vlog": vlog, "vseg": vseg,
+                                               "offset": offset, "close": close}, payload)
+    return r["length"]
+
+
+async def send_all(pool, addr, vseg, chunks, per_rpc=3, **kw):
+    """Replicate chunks in several RPCs; returns the replica's length."""
+    off = 0
+    for i in range(0, len(chunks), per_rpc):
+        got = await replicate(pool, addr, vseg, off, b"".join(chunks[i:i + per_rpc]), **kw)
+        assert got == off + sum(map(len, chunks[i:i + per_rpc]))
+        off = got
+    return off
+
+
+async def read_all(pool, addr, vseg, broker=1, vlog=0, max_bytes=700):
+    """Every served byte of a replica, and where the backup reported corruption."""
+    data, corrupt, off = b"", [], 0
+    for _ in range(10_000):
+        m, p = await pool.call(addr, "read", {"broker": broker, "vlog": vlog, "vseg": vseg,
+                                              "offset": off, "max_bytes": max_bytes})
+        assert m["next"] > off or m["end"]
+        if len(p):
+            chunk.scan(p)  # whole, valid chunks only
+            assert len(p) <= max_bytes or len(chunk.scan(p)) == 1
+        data += bytes(p)
+        if "corrupt_at" in m:
+            corrupt.append(m["corrupt_at"])
+        off = m["next"]
+        if m["end"]:
+            return data, corrupt, m
+    raise AssertionError("read did not end")
+
+
+async def segments(pool, addr):
+    r, _ = await pool.call(addr, "list", {})
+    return {(s["broker"], s["vlog"], s["vseg"]): s for s in r["segments"]}
+
+
+async def stats(pool, addr):
+    return (await pool.call(addr, "stats", {}))[0]
+
+
+async def until(pred, what, timeout=5.0):
+    """Poll an async predicate (the backup's flusher acts on its own clock)."""
+    with trio.fail_after(timeout):
+        while not await pred():
+            await trio.sleep(0.01)
+
+
+def flip_bit(path, offset, bit=0):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ (1 << bit)]))
+
+
+# -- tests -------------------------------------------------------------------------------
+
+
+async def test_replicate_list_read_survive_kill9(backups):
+    bk = backups(args=["--fsync", "always"])
+    a, b = chunks_for(7), chunks_for(4, seq0=100, records=40)
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            la = await send_all(pool, bk.addr, 0, a)
+            lb = await send_all(pool, bk.addr, 1, b, per_rpc=1, vlog=2)
+            assert await replicate(pool, bk.addr, 1, lb, close=True, vlog=2) == lb
+            # a resend of what is held is acknowledged, changes nothing
+            assert await replicate(pool, bk.addr, 0, 0, b"".join(a[:3])) == sum(map(len, a[:3]))
+            # a gap or a partial overlap is refused, saying where the replica ends
+            with pytest.raises(BackupError, match=f"length={la}"):
+                await replicate(pool, bk.addr, 0, la + 8, a[0])
+            with pytest.raises(BackupError, match=f"length={la}"):
+                await replicate(pool, bk.addr, 0, la - len(a[-1]), a[-1] + a[0])
+            before = await segments(pool, bk.addr)
+            assert before[(1, 0, 0)]["length"] == la and before[(1, 0, 0)]["chunks"] == 7
+            assert before[(1, 2, 1)]["closed"] and not before[(1, 0, 0)]["closed"]
+            assert (await read_all(pool, bk.addr, 0))[:2] == (b"".join(a), [])
+            assert (await read_all(pool, bk.addr, 1, vlog=2, max_bytes=1))[:2] == (b"".join(b), [])
+            st = await stats(pool, bk.addr)
+            assert st["chunks"] == 11 and st["bytes_flushed"] == st["bytes_received"] == la + lb
+
+            bk.restart()  # SIGKILL, then start on the same directory
+            after = await segments(pool, bk.addr)
+            for k in before:
+                for f in ("length", "chunks", "closed", "corrupt", "checksum"):
+                    assert after[k][f] == before[k][f], (k, f)
+            assert (await read_all(pool, bk.addr, 0))[:2] == (b"".join(a), [])
+            assert (await read_all(pool, bk.addr, 1, vlog=2))[:2] == (b"".join(b), [])
+            # the open replica keeps growing after the restart; the closed one refuses appends
+            c = chunks_for(2, seq0=50)
+            assert await replicate(pool, bk.addr, 0, la, b"".join(c)) == la + len(c[0]) + len(c[1])
+            with pytest.raises(BackupError, match="closed"):
+                await replicate(pool, bk.addr, 1, lb, c[0], vlog=2)
+
+
+async def test_periodic_mode_sigterm_flushes(backups):
+    bk = backups(args=["--fsync-interval", "30", "--flush-interval", "30"])  # only SIGTERM flushes
+    a = chunks_for(9)
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            la = await send_all(pool, bk.addr, 4, a)
+            assert await replicate(pool, bk.addr, 4, la, close=True) == la
+            st = await stats(pool, bk.addr)
+            assert st["bytes_received"] == la
+            assert bk.term() == 0
+            bk.start()
+            seg = (await segments(pool, bk.addr))[(1, 0, 4)]
+            assert (seg["length"], seg["chunks"], seg["closed"]) == (la, 9, True)
+            assert (await read_all(pool, bk.addr, 4))[0] == b"".join(a)
+
+
+async def test_bit_flip_on_disk_is_reported_never_served(backups):
+    bk = backups(args=["--fsync", "always"])
+    a, b = chunks_for(6), chunks_for(5, seq0=10)
+    starts_a = [sum(map(len, a[:i])) for i in range(len(a))]
+    starts_b = [sum(map(len, b[:i])) for i in range(len(b))]
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            la = await send_all(pool, bk.addr, 0, a)
+            lb = await send_all(pool, bk.addr, 1, b)
+            bk.kill()
+            # a body bit of chunk 2 of vseg 0; a header bit of chunk 3 of vseg 1
+            flip_bit(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts_a[2] + chunk.HEADER_SIZE + 17, 3)
+            flip_bit(bk.seg(1, 0, 1), sf.FILE_HEADER_SIZE + starts_b[3] + 40, 6)
+            bk.start()
+            segs = await segments(pool, bk.addr)
+            s0, s1 = segs[(1, 0, 0)], segs[(1, 0, 1)]
+            assert s0["length"] == la and s0["chunks"] == 5
+            assert [(c["offset"], c["length"]) for c in s0["corrupt"]] == [(starts_a[2], len(a[2]))]
+            assert s1["length"] == lb and s1["chunks"] == 3
+            assert [(c["offset"], c["length"]) for c in s1["corrupt"]] == [(starts_b[3], lb - starts_b[3])]
+            data, corrupt, _ = await read_all(pool, bk.addr, 0)
+            assert data == b"".join(a[:2] + a[3:]) and corrupt == [starts_a[2]]
+            data, corrupt, _ = await read_all(pool, bk.addr, 1)
+            assert data == b"".join(b[:3]) and corrupt == [starts_b[3]]
+            assert "corrupt at offset" in bk.logs()
+            # a replica whose rest cannot be located takes no more appends (they could not be found)
+            with pytest.raises(BackupError, match="damaged"):
+                await replicate(pool, bk.addr, 1, lb, b[0])
+
+
+async def test_corruption_found_when_reading_back_from_file(backups):
+    bk = backups(args=["--fsync", "always"])
+    a = chunks_for(4)
+    starts = [sum(map(len, a[:i])) for i in range(len(a))]
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            la = await send_all(pool, bk.addr, 0, a)
+            await replicate(pool, bk.addr, 0, la, close=True)
+            # closed and fsynced: memory released, reads come from the file; rot a chunk now
+            await until(lambda: _memory_zero(pool, bk.addr), "memory released")
+            flip_bit(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[1] + chunk.HEADER_SIZE + 3)
+            data, corrupt, _ = await read_all(pool, bk.addr, 0)
+            assert data == b"".join([a[0], a[2], a[3]]) and corrupt == [starts[1]]
+            seg = (await segments(pool, bk.addr))[(1, 0, 0)]
+            assert seg["chunks"] == 3 and seg["corrupt"][0]["offset"] == starts[1]
+
+
+async def _memory_zero(pool, addr):
+    return (await stats(pool, addr))["memory_bytes"] == 0
+
+
+async def test_torn_tail_cut_on_restart(backups):
+    bk = backups(args=["--fsync", "always"])
+    a = chunks_for(5)
+    starts = [sum(map(len, a[:i])) for i in range(len(a))]
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            await send_all(pool, bk.addr, 0, a, per_rpc=2)
+            bk.kill()
+            os.truncate(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + chunk.HEADER_SIZE + 7)
+            bk.start()
+            seg = (await segments(pool, bk.addr))[(1, 0, 0)]
+            assert (seg["length"], seg["chunks"], seg["corrupt"]) == (starts[4], 4, [])
+            assert os.path.getsize(bk.seg(1, 0, 0)) == sf.FILE_HEADER_SIZE + starts[4]
+            assert "torn tail" in bk.logs()
+            assert (await read_all(pool, bk.addr, 0))[0] == b"".join(a[:4])
+            # the broker resends what was cut, from the length it is told
+            with pytest.raises(BackupError, match=f"length={starts[4]}"):
+                await replicate(pool, bk.addr, 0, starts[4] + len(a[4]), a[4])
+            assert await replicate(pool, bk.addr, 0, starts[4], a[4]) == starts[4] + len(a[4])
+
+
+async def test_bad_input_refused_and_others_still_served(backups):
+    bk = backups()
+    a = chunks_for(3)
+    bad = bytearray(a[1])
+    bad[chunk.HEADER_SIZE + 5] ^= 0x40
+    with trio.fail_after(20):
+        async with open_pool() as p1, open_pool() as p2:
+            la = await replicate(p1, bk.addr, 0, 0, a[0])
+            with pytest.raises(ChecksumError):
+                await replicate(p1, bk.addr, 0, la, a[1] + bytes(bad))
+            with pytest.raises(InvalidArgument):
+                await replicate(p1, bk.addr, 0, la, a[1][:-8])
+            with pytest.raises(InvalidArgument):
+                await replicate(p1, bk.addr, 0, la, b"\x00" * 200)
+            with pytest.raises(InvalidArgument):
+                await p1.call(bk.addr, "replicate", {"broker": "x", "vlog": 0, "vseg": 0, "offset": 0})
+            with pytest.raises(Fenced):
+                await replicate(p1, bk.addr, 0, la, a[1], epoch=0)
+            # garbage on a raw socket: that connection is dropped, nobody else notices
+            s = await trio.open_tcp_stream("127.0.0.1", int(bk.addr.rsplit(":", 1)[1]))
+            await s.send_all(b"GET / HTTP/1.0\r\n\r\n" * 4)
+            with trio.fail_after(5):
+                while await s.receive_some(1 << 16):
+                    pass
+            await s.aclose()
+            seg = (await segments(p2, bk.addr))[(1, 0, 0)]
+            assert (seg["length"], seg["chunks"]) == (la, 1)  # nothing stored by the bad calls
+            assert await replicate(p2, bk.addr, 0, la, a[1]) == la + len(a[1])
+            assert await replicate(p1, bk.addr, 0, la + len(a[1]), a[2]) == sum(map(len, a))
+            st = await stats(p2, bk.addr)
+            assert st["errors"] >= 5 and st["chunks"] == 3
+            assert bk.proc.poll() is None
+
+
+async def test_max_bytes_refuses_up_front(backups):
+    a = chunks_for(12)
+    size = len(a[0])
+    limit = sf.FILE_HEADER_SIZE + 5 * size + size // 2
+    bk = backups(args=["--max-bytes", str(limit)])
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            off = 0
+            for c in a[:5]:
+                off = await replicate(pool, bk.addr, 0, off, c)
+            with pytest.raises(BackupError, match="max-bytes"):
+                await replicate(pool, bk.addr, 0, off, a[5])
+            with pytest.raises(BackupError, match="max-bytes"):
+                await replicate(pool, bk.addr, 7, 0, a[5])  # a new segment neither
+            seg = (await segments(pool, bk.addr))[(1, 0, 0)]
+            assert (seg["length"], seg["chunks"]) == (off, 5)
+            assert (1, 0, 7) not in await segments(pool, bk.addr)
+            assert (await read_all(pool, bk.addr, 0))[0] == b"".join(a[:5])
+            # dropping a replica frees its space
+            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
+            assert r == {"dropped": True} and not os.path.exists(bk.seg(1, 0, 0))
+            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
+            assert r == {"dropped": False}
+            assert await replicate(pool, bk.addr, 7, 0, a[5]) == size
+
+
+def _limit_file_size(limit):
+    def fn():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return fn
+
+
+async def test_write_error_fails_the_replicate_in_always_mode(backups):
+    a = chunks_for(30)
+    limit = sf.FILE_HEADER_SIZE + 10 * len(a[0]) + 10
+    bk = backups(args=["--fsync", "always"], preexec_fn=_limit_file_size(limit))
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            off, acked = 0, []
+            with pytest.raises(BackupError, match="File too large"):
+                for c in a:
+                    off = await replicate(pool, bk.addr, 0, off, c)
+                    acked.append(c)
+            assert len(acked) == 10
+            with pytest.raises(BackupError, match="File too large"):  # remembered
+                await replicate(pool, bk.addr, 0, 0, a[0])
+            with pytest.raises(BackupError, match="disk failing"):  # no new segment meanwhile
+                await replicate(pool, bk.addr, 1, 0, a[0])
+            assert (await stats(pool, bk.addr))["write_errors"] >= 1
+            # every acknowledged chunk is on disk
+            bk.kill()
+            bk.preexec_fn = None
+            bk.start()
+            assert (await read_all(pool, bk.addr, 0))[0] == b"".join(acked)
+
+
+def _chattr(flag, *paths) -> bool:
+    r = subprocess.run(["chattr", flag, *paths], capture_output=True)
+    return r.returncode == 0
+
+
+async def test_read_only_storage_periodic_mode(backups):
+    """chattr +i: even root cannot create or write there (chmod 0555 does not stop root)."""
+    bk = backups()
+    a = chunks_for(4)
+    segdir = os.path.join(bk.dir, "segments")
+    with trio.fail_after(25):
+        async with open_pool() as pool:
+            off = await replicate(pool, bk.addr, 0, 0, a[0])  # creates the file
+            path = bk.seg(1, 0, 0)
+            if not _chattr("+i", segdir, path):
+                pytest.skip("chattr +i is not supported here")
+            try:
+                with pytest.raises(BackupError, match="cannot create"):
+                    await replicate(pool, bk.addr, 1, 0, a[0])
+                # accepted in memory; the flusher's write fails; the NEXT replicate is refused
+                kept = a[:1]
+                try:
+                    off = await replicate(pool, bk.addr, 0, off, a[1])
+                    kept = a[:2]
+                except BackupError:  # a[0]'s flush may have failed already
+                    pass
+
+                async def refused():
+                    try:
+                        await replicate(pool, bk.addr, 0, 0, a[0])  # a resend: refused once failing
+                    except BackupError as e:
+                        return "failed" in str(e)
+                    return False
+
+                await until(refused, "write failure reported")
+                with pytest.raises(BackupError):
+                    await replicate(pool, bk.addr, 2, 0, a[0])
+                assert (await stats(pool, bk.addr))["disk_error"]
+            finally:
+                _chattr("-i", segdir, path)
+
+            async def accepted():
+                try:
+                    await replicate(pool, bk.addr, 0, 0, a[0])
+                    return True
+                except BackupError:
+                    return False
+
+            await until(accepted, "writes work again")  # the flusher retried, the error cleared
+            assert await replicate(pool, bk.addr, 2, 0, a[0]) == len(a[0])
+            assert bk.term(signal.SIGINT) == 0
+            bk.start()
+            assert (await read_all(pool, bk.addr, 0))[0] == b"".join(kept)
+
+
+async def test_real_full_disk_on_tmpfs(backups, tmp_path):
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount tmpfs: {r.stderr.decode().strip()}")
+    try:
+        bk = backups(directory=mnt / "data", args=["--fsync", "always"])
+        a = chunks_for(200, records=30)
+        with trio.fail_after(20):
+            async with open_pool() as pool:
+                off, acked = 0, []
+                with pytest.raises(BackupError, match="No space left"):
+                    for c in a:
+                        off = await replicate(pool, bk.addr, 0, off, c)
+                        acked.append(c)
+                assert acked
+                bk.kill()
+                bk.start()
+                data = (await read_all(pool, bk.addr, 0))[0]
+                assert data[:len(b"".join(acked))] == b"".join(acked)
+                bk.kill()
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+class FakeCoordinator(Service):
+    """Just enough coordinator: ids, epochs, and one fencing to force a re-registration."""
+
+    def __init__(self):
+        self.registers, self.heartbeats = [], []
+        self.changed = trio.Event()
+
+    def _note(self):
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def rpc_register(self, meta, payload):
+        self.registers.append(meta)
+        self._note()
+        return {"id": 42, "epoch": len(self.registers)}
+
+    def rpc_heartbeat(self, meta, payload):
+        self.heartbeats.append(meta)
+        self._note()
+        if meta["epoch"] == 1 and len(self.heartbeats) == 2:
+            raise Fenced("test: epoch 1 is over")
+        return {}
+
+    async def wait_for(self, pred):
+        while not pred():
+            await self.changed.wait()
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
+    data = tmp_path / "data"
+    os.makedirs(data / "segments")
+    a = chunks_for(3)
+    p1 = str(data / "segments" / sf.file_name(5, 1, 3))
+    sf.create(p1, 5, 1, 3, 2)
+    n1 = sf.write(p1, 0, a, trailer=sf.encode_trailer(sum(map(len, a)), 3))
+    p2 = str(data / "segments" / sf.file_name(6, 0, 0))
+    sf.create(p2, 6, 0, 0, 1)
+    n2 = sf.write(p2, 0, a[:2])
+    port = _free_port()
+    coord = FakeCoordinator()
+    with trio.fail_after(25):
+        # the coordinator starts after the backup: the backup keeps trying
+        bk = backups(directory=data, args=["--coordinator", f"127.0.0.1:{port}", "--node", "n1"])
+        assert bk.id_text == "-"
+        async with trio.open_nursery() as nursery:
+            await nursery.start(coord.serve, "127.0.0.1", port)
+            await coord.wait_for(lambda: coord.registers)
+            reg = coord.registers[0]
+            assert reg["role"] == "backup" and reg["node"] == "n1" and reg["id"] is None
+            assert reg["addr"] == bk.addr
+            assert reg["holds"] == [[5, 1, 3, n1, True], [6, 0, 0, n2, False]]
+            # heartbeats; a fenced answer makes it register again, as itself
+            await coord.wait_for(lambda: len(coord.registers) >= 2)
+            assert coord.registers[1]["id"] == 42
+            await coord.wait_for(lambda: any(h["epoch"] == 2 for h in coord.heartbeats))
+            assert all(h["role"] == "backup" and h["id"] == 42 for h in coord.heartbeats)
+            assert load_id(str(data)) == 42
+            async with open_pool() as pool:
+                assert (await pool.call(bk.addr, "list", {}))[0]["backup"] == 42
+            bk.restart()
+            assert bk.id_text == "42"
+            await coord.wait_for(lambda: len(coord.registers) >= 3)
+            assert coord.registers[2]["id"] == 42
+            bk.kill()
+            nursery.cancel_scope.cancel()
