@@ -94,7 +94,8 @@ class LocalCluster:
     def start(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
         self.spawn("coordinator", ["coordinator", "--data", os.path.join(self.data, "coordinator"),
-                                   "--port", str(self.port), *self.coordinator_args])
+                                   "--port", str(self.port), "--expect-nodes", str(self.nodes),
+                                   *self.coordinator_args])
         self.coordinator = self.wait_ready("coordinator")
         for i in range(1, self.nodes + 1):
             self.add_node(i, wait=False)

@@ -20,7 +20,7 @@ import trio
 
 from . import metafile
 from .errors import (
-    Fenced, InvalidArgument, KeraError, NotEnoughBackups, StreamExists, UnknownStream,
+    Fenced, InvalidArgument, KeraError, NotEnoughBackups, StreamExists, Unavailable, UnknownStream,
 )
 from .names import check_stream_name
 from .recovery import RecoveryManager
@@ -56,9 +56,11 @@ class Member:
 
 
 class Coordinator(Service):
-    def __init__(self, data_dir: str, dead_after: float = 2.0):
+    def __init__(self, data_dir: str, dead_after: float = 2.0, expect_nodes: int = 0):
         self.data_dir = data_dir
         self.dead_after = dead_after
+        self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
+        self.ready = expect_nodes == 0
         os.makedirs(data_dir, exist_ok=True)
         self.path = os.path.join(data_dir, "coordinator.meta")
         self.meta = metafile.load(self.path) or {
@@ -70,7 +72,7 @@ class Coordinator(Service):
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.pool: Pool | None = None
         self.changed = trio.Event()
-        self.recovery = RecoveryManager(self, grace=3 * dead_after)
+        self.recovery = RecoveryManager(self, grace=max(30.0, 10 * dead_after))
 
     # -- persistence -----------------------------------------------------
     def save(self) -> None:
@@ -154,7 +156,22 @@ class Coordinator(Service):
     def _live(self, role) -> list[dict]:
         return [m.describe() for m in self.members[role].values() if m.alive]
 
+    def _complete_nodes(self) -> int:
+        """Nodes with a live broker and a live backup."""
+        def nodes(role):
+            return {m.node for m in self.members[role].values() if m.alive}
+        return len(nodes("broker") & nodes("backup"))
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        with trio.move_on_after(timeout):
+            while not self.ready:
+                await self.changed.wait()
+        if not self.ready:
+            raise Unavailable(f"cluster starting: {self._complete_nodes()} of {self.expect_nodes} nodes up")
+
     def _notify(self) -> None:
+        if not self.ready and self._complete_nodes() >= self.expect_nodes:
+            self.ready = True
         self.changed.set()
         self.changed = trio.Event()
 
@@ -199,6 +216,7 @@ class Coordinator(Service):
 
     async def rpc_create_stream(self, meta, payload):
         name = check_stream_name(meta.get("name"))
+        await self.wait_ready()
         if name in self.meta["streams"]:
             raise StreamExists(f"stream {name!r} exists")
         cfg = {}
@@ -336,6 +354,9 @@ class Coordinator(Service):
 
     # -- status -----------------------------------------------------------
     def rpc_status(self, meta, payload):
+        if not self.ready:
+            raise Unavailable(f"cluster starting: {self._complete_nodes()} of {self.expect_nodes} nodes up")
+
         def members(role):
             return [{**m.describe(), "stats": m.stats} for m in self.members[role].values()]
 
@@ -358,9 +379,11 @@ def main(argv=None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=7700)
     ap.add_argument("--dead-after", type=float, default=2.0, help="seconds without heartbeat")
+    ap.add_argument("--expect-nodes", type=int, default=0,
+                    help="answer status only once this many nodes (broker + backup) are up")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
-    coord = Coordinator(args.data, args.dead_after)
+    coord = Coordinator(args.data, args.dead_after, args.expect_nodes)
 
     async def run():
         async with trio.open_nursery() as n:

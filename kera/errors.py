@@ -12,7 +12,10 @@ class KeraError(Exception):
     retriable = False
 
     def to_wire(self) -> dict:
-        return {"code": self.code, "message": str(self)}
+        """Code, message and any public attributes set on the error (e.g. a length)."""
+        extra = {k: v for k, v in vars(self).items() if not k.startswith("_")
+                 and isinstance(v, (int, str, bool, float))}
+        return {**extra, "code": self.code, "message": str(self)}
 
 
 class ProtocolError(KeraError):
@@ -103,8 +106,11 @@ _BY_CODE = {
 
 
 def from_wire(info: dict) -> KeraError:
-    cls = _BY_CODE.get(info.get("code"), KeraError)
+    code = info.get("code")
+    cls = _BY_CODE.get(code, KeraError)
     err = cls(info.get("message", ""))
+    if cls is KeraError and isinstance(code, str):
+        err.code = code  # a code this side does not know still reads as itself
     for k, v in info.items():
         if k not in ("code", "message"):
             setattr(err, k, v)

@@ -77,9 +77,15 @@ class RecoveryManager:
         return out
 
     def _backups_ready(self) -> bool:
+        """Every backup ever known is back, or was seen dying, or the grace is over.
+
+        After a whole-cluster restart the replicas are spread over all
+        backups: recovering from the first few to come back would hand over
+        streamlets with chunks missing.
+        """
         known = set(self.coord.meta.get("backups", []))
-        alive = {m.id for m in self.coord.members["backup"].values() if m.alive}
-        return known <= alive or time.monotonic() - self.started > self.grace
+        seen = set(self.coord.members["backup"])  # registered since this coordinator started
+        return known <= seen or time.monotonic() - self.started > self.grace
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:

@@ -13,7 +13,7 @@ def make_cluster(tmp_path):
     started = []
 
     def make(nodes: int = 3, **kw) -> LocalCluster:
-        kw.setdefault("coordinator_args", ["--dead-after", "1.0"])
+        kw.setdefault("coordinator_args", ["--dead-after", "2.0"])
         c = LocalCluster(str(tmp_path / f"cluster{len(started)}"), nodes, port=0, **kw)
         started.append(c)
         c.start()

@@ -220,8 +220,20 @@ async def test_replicate_list_read_survive_kill9(backups):
                 await replicate(pool, bk.addr, 1, lb, c[0], vlog=2)
 
 
+async def test_write_mode_acks_survive_kill9(backups):
+    """The default mode answers once the bytes are in the file: a killed process keeps them."""
+    bk = backups(args=["--flush-interval", "30"])  # only a replicate's own flush writes
+    a = chunks_for(6)
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            la = await send_all(pool, bk.addr, 0, a)
+            bk.restart()  # SIGKILL right after the acks
+            assert (await read_all(pool, bk.addr, 0))[:2] == (b"".join(a), [])
+            assert (await segments(pool, bk.addr))[(1, 0, 0)]["length"] == la
+
+
 async def test_periodic_mode_sigterm_flushes(backups):
-    bk = backups(args=["--fsync-interval", "30", "--flush-interval", "30"])  # only SIGTERM flushes
+    bk = backups(args=["--fsync", "periodic", "--fsync-interval", "30", "--flush-interval", "30"])  # only SIGTERM flushes
     a = chunks_for(9)
     with trio.fail_after(20):
         async with open_pool() as pool:
@@ -405,7 +417,7 @@ def _chattr(flag, *paths) -> bool:
 
 async def test_read_only_storage_periodic_mode(backups):
     """chattr +i: even root cannot create or write there (chmod 0555 does not stop root)."""
-    bk = backups()
+    bk = backups(args=["--fsync", "periodic"])
     a = chunks_for(4)
     segdir = os.path.join(bk.dir, "segments")
     with trio.fail_after(25):

@@ -36,6 +36,16 @@ async def wait_chunks(coord, n: int) -> None:
         await trio.sleep(0.05)
 
 
+async def wait_durable_on(addr: str, n: int) -> None:
+    """Until the broker at ``addr`` has n chunks on all their copies."""
+    async with open_pool() as pool:
+        while True:
+            r, _ = await pool.call(addr, "stats", {}, timeout=5)
+            if sum(v["durable"] for v in r["vlogs"]) >= n:
+                return
+            await trio.sleep(0.05)
+
+
 async def recoveries(coord) -> list[dict]:
     async with open_admin(coord) as a:
         return (await a.status())["recoveries"]
@@ -52,7 +62,7 @@ async def test_broker_killed_mid_ingest_loses_nothing(make_cluster):
     with trio.fail_after(240):
         async with trio.open_nursery() as n:
             n.start_soon(produce_all, coord, STREAMS, producers, per_pair, 24)
-            await wait_chunks(coord, 3000)
+            await wait_durable_on(cluster.addrs["node2-broker"], 1000)
             cluster.kill("node2-broker")
         # producers finished on their own: every record acknowledged
         ledger = await consume_all(coord, STREAMS, producers * per_pair * len(STREAMS))

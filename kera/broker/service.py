@@ -341,6 +341,7 @@ class BrokerService(Service):
             return
         lost = [b for b in self.backups if b not in new or new[b]["epoch"] != self.backups[b]["epoch"]]
         self.backups = new
+        log.info("live backups: %s", sorted(new))
         for b in lost:
             log.warning("backup %d lost: re-replicating its virtual segments", b)
             for v in self.vlogs.values():

@@ -124,6 +124,7 @@ class VirtualLog:
             chosen = self.cluster.choose_backups(vs, need - len(vs.copies))
             for b in chosen:
                 vs.copies[b] = 0
+            log.info("vlog %d vseg %d: backups %s", self.id, vs.id, sorted(vs.copies))
             if len(vs.copies) < need:
                 # not enough backups alive: wait for membership to change (acks=all waits too)
                 with trio.move_on_after(0.5):
