@@ -56,6 +56,13 @@ def _error_frame(rid: int, err: Exception) -> bytes:
     return frame.encode(frame.ERROR, rid, info)
 
 
+def _disconnect(e: BaseException) -> bool:
+    """A peer that went away (possibly inside a group): nothing to report."""
+    if isinstance(e, BaseExceptionGroup):
+        return all(_disconnect(x) for x in e.exceptions)
+    return isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, OSError))
+
+
 class Service:
     """Base for servers: subclasses define ``rpc_<method>(meta, payload)``."""
 
@@ -68,6 +75,18 @@ class Service:
         return fn
 
     async def serve_connection(self, stream: trio.SocketStream) -> None:
+        """One client connection. Whatever goes wrong here ends this connection only."""
+        try:
+            await self._serve_connection(stream)
+        except Exception as e:  # noqa: BLE001 (groups included; cancellation still propagates)
+            if not _disconnect(e):
+                log.warning("connection closed after an error", exc_info=e)
+        finally:
+            with trio.move_on_after(1) as cs:
+                cs.shield = True
+                await stream.aclose()
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
         decoder = frame.FrameDecoder(self.max_frame)
         send_lock = trio.Lock()
         slots = trio.Semaphore(MAX_INFLIGHT)
@@ -122,10 +141,6 @@ class Service:
                     nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
-        finally:
-            with trio.move_on_after(1) as cs:
-                cs.shield = True
-                await stream.aclose()
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
