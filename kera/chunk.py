@@ -17,9 +17,12 @@ checksum (xxh32 of the header bytes before it) also covers the
 from __future__ import annotations
 
 import struct
+import sys
 import time
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import xxhash
@@ -36,6 +39,9 @@ _PLACEMENT = struct.Struct("<III")
 _PLACEMENT_AT = 52
 _HCHECK = struct.Struct("<I")
 MAX_RECORDS = 1 << 24
+_TS = struct.Struct("<q")
+_ZERO = (0,)
+assert sys.byteorder == "little" and array("I").itemsize == 4, "chunks are little endian"
 NO_PLACEMENT = 0xFFFFFFFF
 
 
@@ -67,28 +73,48 @@ def _pad8(n: int) -> int:
 def build(stream_id: int, streamlet: int, producer_id: int, sequence: int,
           values: Sequence[bytes], keys: Sequence[bytes | None] | None = None,
           timestamps=None) -> bytes:
-    """Pack records into one chunk (numpy does the offsets, one join per column)."""
+    """Pack records into one chunk: one join per column, offsets by ``accumulate``.
+
+    ``timestamps`` is a sequence (one per record) or one int for all of them
+    (default: now). Small chunks are the common case on the send() path, so
+    this avoids numpy's per-call overhead; ``build_arrays`` is the batch path.
+    """
     n = len(values)
     if n == 0 or n > MAX_RECORDS:
         raise ValueError(f"a chunk holds 1..{MAX_RECORDS} records, not {n}")
-    vlen = np.fromiter(map(len, values), dtype=np.uint32, count=n)
-    vbytes = b"".join(values)
+    voff = array("I", _ZERO)
+    voff.extend(accumulate(map(len, values)))
     if keys is None:
-        kbytes = b""
-        koff = np.zeros(n + 1, dtype=np.uint32)
+        koff, kbytes = bytes(4 * (n + 1)), b""
     else:
+        if len(keys) != n:
+            raise ValueError(f"{len(keys)} keys for {n} values")
         keys = [k or b"" for k in keys]
-        klen = np.fromiter(map(len, keys), dtype=np.uint32, count=n)
-        kbytes = b"".join(keys)
-        koff = np.zeros(n + 1, dtype=np.uint32)
-        np.cumsum(klen, out=koff[1:])
-    voff = np.zeros(n + 1, dtype=np.uint32)
-    np.cumsum(vlen, out=voff[1:])
-    if timestamps is None:
-        ts = np.full(n, int(time.time() * 1000), dtype=np.int64)
+        ko = array("I", _ZERO)
+        ko.extend(accumulate(map(len, keys)))
+        koff, kbytes = ko.tobytes(), b"".join(keys)
+    if timestamps is None or isinstance(timestamps, int):
+        t = int(time.time() * 1000) if timestamps is None else timestamps
+        ts, ts_min, ts_max = _TS.pack(t) * n, t, t
     else:
-        ts = np.asarray(timestamps, dtype=np.int64)
-    return build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes)
+        if len(timestamps) != n:
+            raise ValueError(f"{len(timestamps)} timestamps for {n} values")
+        arr = array("q", timestamps)
+        ts, ts_min, ts_max = arr.tobytes(), min(arr), max(arr)
+    vbytes = b"".join(values)
+    if voff[-1] != len(vbytes) or n > 0xFFFFFFFF:
+        raise ValueError("values overflow a chunk's 32-bit offsets")
+    raw = 16 * n + 8 + len(kbytes) + len(vbytes)
+    body = b"".join((ts, koff, voff.tobytes(), kbytes, vbytes, bytes(-raw % 8)))
+    return _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max, body)
+
+
+def _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max, body) -> bytes:
+    head = bytearray(HEADER.pack(MAGIC, VERSION, 0, stream_id, streamlet, n, producer_id, sequence,
+                                 ts_min, ts_max, NO_PLACEMENT, NO_PLACEMENT, NO_PLACEMENT, len(body),
+                                 xxhash.xxh3_64_intdigest(body), 0, 0))
+    _HCHECK.pack_into(head, _CHECKED, xxhash.xxh32_intdigest(memoryview(head)[:_CHECKED]))
+    return bytes(head) + body
 
 
 def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes) -> bytes:
@@ -102,13 +128,7 @@ def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, 
     pad = body_len - (8 * n + 8 * (n + 1) + raw)
     body = b"".join((ts.astype("<i8", copy=False).tobytes(), koff.astype("<u4", copy=False).tobytes(),
                      voff.astype("<u4", copy=False).tobytes(), kbytes, vbytes, bytes(pad)))
-    ts_min = int(ts.min())
-    ts_max = int(ts.max())
-    head = bytearray(HEADER.pack(MAGIC, VERSION, 0, stream_id, streamlet, n, producer_id, sequence,
-                                 ts_min, ts_max, NO_PLACEMENT, NO_PLACEMENT, NO_PLACEMENT, body_len,
-                                 xxhash.xxh3_64_intdigest(body), 0, 0))
-    _HCHECK.pack_into(head, _CHECKED, xxhash.xxh32_intdigest(memoryview(head)[:_CHECKED]))
-    return bytes(head) + body
+    return _seal_header(stream_id, streamlet, producer_id, sequence, n, int(ts.min()), int(ts.max()), body)
 
 
 def parse_header(buf, offset: int = 0) -> ChunkHeader:
@@ -210,4 +230,4 @@ class ChunkView:
 
     def records(self):
         """(key, value, timestamp) tuples; a convenience for clients, never used by servers."""
-        return zip(self.keys(), self.values(), self.timestamps.tolist())
+        return zip(self.keys(), self.values(), self.timestamps.tolist(), strict=False)

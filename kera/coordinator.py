@@ -20,7 +20,13 @@ import trio
 
 from . import metafile
 from .errors import (
-    Fenced, InvalidArgument, KeraError, NotEnoughBackups, StreamExists, Unavailable, UnknownStream,
+    Fenced,
+    InvalidArgument,
+    KeraError,
+    NotEnoughBackups,
+    StreamExists,
+    Unavailable,
+    UnknownStream,
 )
 from .names import check_stream_name
 from .recovery import RecoveryManager
@@ -263,7 +269,7 @@ class Coordinator(Service):
                 if b in load:
                     load[b] += 1
         out = []
-        for i in range(n):
+        for _i in range(n):
             m = min(brokers, key=lambda m: (load[m.id], (m.id + salt) % len(brokers)))
             load[m.id] += 1
             out.append(m)

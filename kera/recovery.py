@@ -121,7 +121,6 @@ class RecoveryManager:
 
     async def _recover(self, rec: Recovery) -> None:
         coord = self.coord
-        pool = coord.pool
         backups = [m for m in coord.members["backup"].values() if m.alive]
         # 1. fence the dead incarnation everywhere it could still write
         coord.fence(rec.broker, rec.epoch)
@@ -165,7 +164,6 @@ class RecoveryManager:
 
     async def _replay(self, rec, backups, streams, plan) -> dict:
         # 3. what the backups hold of this incarnation, vlog by vlog
-        coord = self.coord
         held: dict[int, dict[int, list]] = {}
         for b in backups:  # one that does not answer fails this attempt: it may hold the only copy
             r = await self._call(b.addr, "list", {}, timeout=10)
@@ -179,7 +177,7 @@ class RecoveryManager:
         async def replay_vlog(vlog: int, vsegs: dict[int, list]) -> None:
             for vseg in sorted(vsegs):
                 sources = sorted(vsegs[vseg], reverse=True)  # the longest copy first
-                for i, (length, bid, addr) in enumerate(sources):
+                for i, (_length, bid, addr) in enumerate(sources):
                     try:
                         rec.sources.add(bid)
                         r = await self._call(addr, "replay", {

@@ -9,13 +9,17 @@ import struct
 
 import pytest
 import trio
+from kera_client import open_admin, open_consumer, open_producer
 
 from kera import chunk, frame
 from kera.errors import (
-    ChecksumError, FrameTooLarge, InvalidName, ProtocolError, UnknownStream,
+    ChecksumError,
+    FrameTooLarge,
+    InvalidName,
+    ProtocolError,
+    UnknownStream,
 )
 from kera.rpc import open_pool, parse_addr
-from kera_client import open_admin, open_consumer, open_producer
 
 
 def raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:

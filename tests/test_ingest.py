@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import trio
-
 from kera_client import open_admin, open_consumer
 
 from .workload import Ledger, consume_all, produce_all

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import trio
+from kera_client import open_admin, open_consumer
 
 from kera.rpc import open_pool
-from kera_client import open_admin, open_consumer
 
 from .workload import Ledger, consume_all, produce_all
 
@@ -99,7 +99,7 @@ async def test_restarted_broker_is_fenced_and_serves_nothing_stale(make_cluster)
         served = {(e[0], e[1]) for e in r["entries"]}
         for sid, i in served:
             assert after[sid]["addrs"][i] == new_addr, "served a streamlet it does not own"
-        for sid, i, code in r["errors"]:
+        for _sid, _i, code in r["errors"]:
             assert code in ("not_owner", "recovering")
         ledger = await consume_all(coord, streams, producers * per_pair * len(streams))
     ledger.check({(s, p): per_pair for s in streams for p in range(producers)})

@@ -5,9 +5,9 @@ from __future__ import annotations
 import signal
 
 import trio
+from kera_client import open_admin, open_consumer, open_producer
 
 from kera.rpc import open_pool
-from kera_client import open_admin, open_consumer, open_producer
 
 from .workload import consume_all, produce_all, values
 
@@ -127,7 +127,7 @@ async def assert_r_copies(coord, r: int) -> None:
             if not b["alive"]:
                 continue
             r_, _ = await pool.call(b["addr"], "vsegs", {}, timeout=5)
-            for vlog, vseg, size, closed, copies, repl in r_["vsegs"]:
+            for vlog, vseg, size, _closed, _copies, repl in r_["vsegs"]:
                 if size == 0:
                     continue
                 full = [bid for bid, length in held.get((b["id"], vlog, vseg), []) if length == size]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import trio
-
 from kera_client import open_consumer, open_producer
 
 SIZE = 100

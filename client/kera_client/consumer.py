@@ -79,8 +79,10 @@ class AsyncConsumer:
         self.by_id: dict[int, dict] = {}
         self.positions: dict[tuple, dict] = {}  # (name, streamlet) -> position
         self.records_read = 0
+        self._meta_at = 0.0
 
     async def _metadata(self) -> None:
+        self._meta_at = time.monotonic()
         r, _ = await self.pool.call(self.coordinator, "metadata",
                                     {"names": self.names, "pattern": self.pattern}, timeout=30)
         if r.get("missing"):
@@ -135,8 +137,8 @@ class AsyncConsumer:
 
     async def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
         """Chunks after the current positions, from every broker at once (zero-copy views)."""
-        if not self.streams or self.pattern:
-            await self._metadata()
+        if not self.streams or (self.pattern and time.monotonic() - self._meta_at > 1.0):
+            await self._metadata()  # with a pattern: new matching streams join, once a second
         deadline = trio.current_time() + timeout
         while True:
             by_addr: dict[str, list] = {}
@@ -150,25 +152,9 @@ class AsyncConsumer:
                     by_addr.setdefault(addr, []).append([s["id"], i, p["low"], p["groups"]])
             out: list[Chunk] = []
             wait = max(0, int((deadline - trio.current_time()) * 1000))
-
-            async def pull(addr, sls):
-                try:
-                    r, payload = await self.pool.call(addr, "pull", {
-                        "streamlets": sls, "max_bytes": self.max_bytes,
-                        "max_wait_ms": min(wait, self.max_wait_ms)}, timeout=wait / 1000 + 30)
-                except KeraError as e:
-                    stale[0] = True
-                    self.pool.drop(addr)
-                    if e.code == "unavailable":
-                        await suspect(self.pool, self.coordinator, addr)
-                    return
-                if r["errors"]:
-                    stale[0] = True
-                self._absorb(r["entries"], payload, out)
-
             async with trio.open_nursery() as n:
                 for addr, sls in by_addr.items():
-                    n.start_soon(pull, addr, sls)
+                    n.start_soon(self._pull, addr, sls, wait, out, stale)
             if stale[0]:
                 try:
                     await self._metadata()
@@ -178,6 +164,21 @@ class AsyncConsumer:
                 return out
             if stale[0]:
                 await trio.sleep(0.05)
+
+    async def _pull(self, addr: str, sls: list, wait: int, out: list, stale: list) -> None:
+        try:
+            r, payload = await self.pool.call(addr, "pull", {
+                "streamlets": sls, "max_bytes": self.max_bytes,
+                "max_wait_ms": min(wait, self.max_wait_ms)}, timeout=wait / 1000 + 30)
+        except KeraError as e:
+            stale[0] = True
+            self.pool.drop(addr)
+            if e.code == "unavailable":
+                await suspect(self.pool, self.coordinator, addr)
+            return
+        if r["errors"]:
+            stale[0] = True
+        self._absorb(r["entries"], payload, out)
 
     def _absorb(self, entries, payload, out) -> None:
         at = 0

@@ -66,15 +66,25 @@ class ProduceError(KeraError):
     code = "produce"
 
 
-class _Batch:
-    __slots__ = ("values", "keys", "ts", "size", "deadline")
+def _wall_ms(monotonic: float) -> int:
+    """Wall-clock milliseconds of a moment taken with time.monotonic()."""
+    return int((time.time() - (time.monotonic() - monotonic)) * 1000)
 
-    def __init__(self, deadline: float):
+
+class _Batch:
+    """An open chunk: records of one streamlet, columns kept as lists until sealed."""
+
+    __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky")
+
+    def __init__(self, key: tuple, created: float, deadline: float, sticky: bool):
+        self.key = key
         self.values: list[bytes] = []
-        self.keys: list[bytes | None] | None = None
-        self.ts: list[int] = []
+        self.keys: list[bytes | None] | None = None   # only once a record has a key
+        self.ts: list[int] | None = None              # only once a record has its own timestamp
         self.size = 0
+        self.created = created  # the first record's arrival: latencies count from here
         self.deadline = deadline
+        self.sticky = sticky    # the round-robin streamlet of its stream, until sealed
 
 
 class _Sealed:
@@ -106,6 +116,7 @@ class AsyncProducer:
         self.by_id: dict[int, dict] = {}
         self.rr = RoundRobin()
         self.batches: dict[tuple, _Batch] = {}
+        self.sticky: dict[int, _Batch] = {}   # stream id -> open round-robin batch
         self.linger_q: deque = deque()
         self.seq: dict[tuple, int] = {}
         self.ready: dict[tuple, deque] = {}
@@ -118,8 +129,8 @@ class AsyncProducer:
         self.acked = 0           # records acknowledged
         self.failed = 0          # records given up on
         self.errors: list[str] = []
-        self.latencies: deque = deque(maxlen=100_000)  # seconds, chunk sealed -> ack
-        self.lock = threading.RLock()
+        self.latencies: deque = deque(maxlen=100_000)  # seconds, a chunk's first record -> ack
+        self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)
         self._wake = trio.Event()
         self._progress = trio.Event()
@@ -156,49 +167,67 @@ class AsyncProducer:
             self._token.run_sync_soon(self._wake.set)
 
     def _append(self, s: dict, value: bytes, key, timestamp) -> None:
-        """Add one record to its streamlet's open chunk (caller holds the lock)."""
-        n = s["streamlets"]
-        if key is not None and self.by_key:
-            sl = key_streamlet(key, n)
+        """Add one record to its streamlet's open chunk (caller holds the lock).
+
+        The hot path of ``send``: a few attribute and dict operations, no
+        allocation but the list slots; chunks are packed when sealed.
+        """
+        if key is None or not self.by_key:
+            b = self.sticky.get(s["id"])
+            if b is None:
+                b = self._open(s, self.rr.streamlet(s["id"], s["streamlets"]), True)
         else:
-            sl = self.rr.streamlet(s["id"], n)
-        k = (s["id"], sl)
-        b = self.batches.get(k)
-        if b is None:
-            b = self.batches[k] = _Batch(time.monotonic() + self.linger)
-            self.linger_q.append((b.deadline, k, b))
-            if len(self.linger_q) == 1:
-                self._notify()
-        if key is not None and b.keys is None:
-            b.keys = [None] * len(b.values)
-        b.values.append(value)
-        if b.keys is not None:
+            b = self.batches.get((s["id"], key_streamlet(key, s["streamlets"])))
+            if b is None:
+                b = self._open(s, key_streamlet(key, s["streamlets"]), False)
+        if key is not None or b.keys is not None:
+            if b.keys is None:
+                b.keys = [None] * len(b.values)
             b.keys.append(key)
-        b.ts.append(timestamp or int(time.time() * 1000))
-        b.size += len(value) + (len(key) if key else 0) + 16
-        self.buffered += len(value) + 16
+        if timestamp is not None or b.ts is not None:
+            if b.ts is None:
+                b.ts = [_wall_ms(b.created)] * len(b.values)
+            b.ts.append(timestamp if timestamp is not None else int(time.time() * 1000))
+        b.values.append(value)
+        n = len(value) + 16
+        b.size += n
+        self.buffered += n
         self.outstanding += 1
         if b.size >= self.chunk_size:
-            self._seal(k, b)
+            self._seal(b)
             self._notify()
 
-    def _seal(self, k: tuple, b: _Batch) -> None:
+    def _open(self, s: dict, streamlet: int, sticky: bool) -> _Batch:
+        now = time.monotonic()
+        k = (s["id"], streamlet)
+        b = self.batches[k] = _Batch(k, now, now + self.linger, sticky)
+        if sticky:
+            self.sticky[s["id"]] = b
+        self.linger_q.append((b.deadline, b))
+        if len(self.linger_q) == 1:
+            self._notify()
+        return b
+
+    def _seal(self, b: _Batch) -> None:
+        k = b.key
         del self.batches[k]
-        self._enqueue(k, chunkfmt.build(k[0], k[1], self.producer_id, self._next_seq(k),
-                                        b.values, b.keys, b.ts), len(b.values))
-        if not self.by_key:
+        if b.sticky:
+            del self.sticky[k[0]]
             self.rr.sealed(k[0], self.by_id[k[0]]["streamlets"])
+        ts = b.ts if b.ts is not None else _wall_ms(b.created)  # records without their own: the chunk's first
+        self._enqueue(k, chunkfmt.build(k[0], k[1], self.producer_id, self._next_seq(k),
+                                        b.values, b.keys, ts), len(b.values), b.created)
 
     def _next_seq(self, k) -> int:
         seq = self.seq.get(k, 0)
         self.seq[k] = seq + 1
         return seq
 
-    def _enqueue(self, k, data: bytes, records: int) -> None:
+    def _enqueue(self, k, data: bytes, records: int, created: float | None = None) -> None:
         q = self.ready.get(k)
         if q is None:
             q = self.ready[k] = deque()
-        q.append(_Sealed(k, self.seq[k] - 1, data, records, time.monotonic()))
+        q.append(_Sealed(k, self.seq[k] - 1, data, records, created or time.monotonic()))
 
     def _wait_space(self) -> None:
         """Block the calling (non-loop) thread while the buffer is full."""
@@ -264,14 +293,14 @@ class AsyncProducer:
     def _seal_expired(self, now: float) -> None:
         q = self.linger_q
         while q and q[0][0] <= now:
-            _, k, b = q.popleft()
-            if self.batches.get(k) is b:
-                self._seal(k, b)
+            _, b = q.popleft()
+            if self.batches.get(b.key) is b:
+                self._seal(b)
 
     def seal_all(self) -> None:
         with self.lock:
-            for k, b in list(self.batches.items()):
-                self._seal(k, b)
+            for b in list(self.batches.values()):
+                self._seal(b)
             self.linger_q.clear()
 
     def _dispatch(self, now: float) -> float:
@@ -348,7 +377,7 @@ class AsyncProducer:
         with self.lock:
             self.inflight[addr] -= 1
             retry: dict[tuple, list] = {}
-            for c, res in zip(items, results):
+            for c, res in zip(items, results, strict=False):
                 self.inflight_keys.discard(c.key)
                 if res is None:
                     self.acked += c.records

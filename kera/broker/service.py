@@ -19,7 +19,12 @@ import trio
 
 from .. import chunk, metafile
 from ..errors import (
-    Fenced, InvalidArgument, KeraError, NotOwner, Recovering, Unavailable,
+    Fenced,
+    InvalidArgument,
+    KeraError,
+    NotOwner,
+    Recovering,
+    Unavailable,
 )
 from ..rpc import Pool, Service
 from ..vlog import VirtualLog, VlogMapping
@@ -283,7 +288,7 @@ class BrokerService(Service):
 
     def stats(self) -> dict:
         vl = []
-        for key, v in self.vlogs.items():
+        for _key, v in self.vlogs.items():
             vl.append({"vlog": v.id, "replication": v.replication, "appended": v.appended,
                        "durable": v.durable, "lag": v.lag(), "rpcs": v.rpcs,
                        "failures": v.failures, **v.copies_held()})

@@ -1,0 +1,177 @@
+"""kera's side of a benchmark: a local cluster, producer and consumer processes.
+
+Producers are the paper's proxy producers: each cycles over all streams, one
+``send()`` per record from Python (the same shape as the peer's one
+``produce()`` per record), so each request carries a chunk per stream.
+``mode="batch"`` uses ``send_many`` instead (labelled separately).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import time
+
+import numpy as np
+import trio
+
+from kera.cluster import LocalCluster
+
+from .stage import percentile, run_stage, split
+
+
+def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_index=0,
+                   rate=0.0, barrier=None) -> dict:
+    from kera_client import Producer
+
+    p = Producer(coord, cfg)
+    try:
+        p.portal.call(p._p.load_metadata, streams)
+        value = b"x" * size
+        s = len(streams)
+        if barrier is not None:
+            barrier.wait()
+        t0 = time.monotonic()
+        if mode == "send":
+            send = p.send
+            if rate:
+                tick = 0.001
+                per_tick = max(1, int(rate * tick))
+                i = 0
+                while i < n_records:
+                    for _ in range(min(per_tick, n_records - i)):
+                        send(streams[(start_index + i) % s], value)
+                        i += 1
+                    wait = t0 + i / rate - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+            else:
+                for i in range(start_index, start_index + n_records):
+                    send(streams[i % s], value)
+        else:
+            per = max(1, n_records // s)
+            arr = np.full((per, size), ord("x"), dtype=np.uint8)
+            for j in range(s):
+                p.send_many(streams[(start_index + j) % s], arr)
+        p.flush()
+        t1 = time.monotonic()
+        lat = sorted(x * 1000 for x in p.latencies)
+        return {"records": p.acked, "t_start": t0, "t_end": t1, "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
+    finally:
+        p.portal.close()
+
+
+def consume_worker(coord, streams, n_records, timeout_s, *, start="latest", barrier=None) -> dict:
+    from kera_client import open_consumer
+
+    async def run():
+        async with open_consumer(streams, coord, start=start) as c:
+            if barrier is not None:
+                await trio.to_thread.run_sync(barrier.wait)
+            t0 = time.monotonic()
+            n = 0
+            with trio.move_on_after(timeout_s):
+                while n < n_records:
+                    for ch in await c.poll_chunks(1.0):
+                        n += len(ch)
+            return {"records": n, "t_start": t0, "t_end": time.monotonic()}
+
+    return trio.run(run)
+
+
+class KeraRun:
+    """A cluster for a series of runs (streams are created per run)."""
+
+    def __init__(self, nodes: int, broker_args=(), backup_args=()):
+        self.dir = tempfile.mkdtemp(prefix="kera-bench-")
+        self.cluster = LocalCluster(os.path.join(self.dir, "data"), nodes, port=0,
+                                    broker_args=list(broker_args), backup_args=list(backup_args))
+        self.runs = 0
+
+    def __enter__(self):
+        self.cluster.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.cluster.stop()
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def create(self, n_streams, streamlets=1, groups=1, replication=1, vlogs=None) -> list[str]:
+        from kera_client import Admin
+
+        self.runs += 1
+        names = [f"b{self.runs}-{i:04d}" for i in range(n_streams)]
+        with Admin(self.cluster.coordinator) as a:
+            for n in names:
+                a.create_stream(n, streamlets=streamlets, groups=groups, replication=replication,
+                                vlogs=vlogs)
+        return names
+
+    def stats(self) -> dict:
+        """Replication RPCs and chunks appended, summed over the brokers' own counters."""
+        from kera_client import open_admin
+
+        from kera.rpc import open_pool
+
+        async def go():
+            async with open_admin(self.cluster.coordinator) as a:
+                st = await a.status()
+            rpcs = chunks = 0
+            async with open_pool() as pool:
+                for b in st["brokers"]:
+                    if b["alive"]:
+                        r, _ = await pool.call(b["addr"], "stats", {}, timeout=10)
+                        rpcs += sum(v["rpcs"] for v in r["vlogs"])
+                        chunks += sum(v["appended"] for v in r["vlogs"])
+            return {"rpcs": rpcs, "chunks": chunks}
+
+        return trio.run(go)
+
+    def measure(self, streams, n_records, size, producers, consumers, cfg, *, mode="send",
+                rate=0.0, warmup=0.05, timeout_s=300.0) -> dict:
+        coord = self.cluster.coordinator
+        ctx = multiprocessing.get_context("spawn")
+        n_warm = max(len(streams), int(n_records * warmup))
+        run_stage(ctx, [("p", 0, produce_worker, (coord, streams, n_warm, size, cfg), {"mode": mode})],
+                  timeout_s)
+        before = self.stats()
+        counts = split(n_records, producers)
+        starts = [(j * len(streams)) // producers for j in range(producers)]
+        jobs = [("p", j, produce_worker, (coord, streams, counts[j], size, cfg),
+                 {"mode": mode, "start_index": starts[j], "rate": rate}) for j in range(producers)]
+        groups = [streams[k::consumers] for k in range(consumers)]
+        share = [n_records * len(g) // len(streams) for g in groups]
+        if mode == "send":  # exact shares per stream: records cycle over the streams
+            per = [0] * len(streams)
+            for c, st in zip(counts, starts, strict=True):
+                full, rem = divmod(c, len(streams))
+                for t in range(len(streams)):
+                    per[t] += full + (1 if (t - st) % len(streams) < rem else 0)
+            share = [sum(per[k::consumers]) for k in range(consumers)]
+        else:
+            share = [sum((c // len(streams)) for c in counts) * len(g) for g in groups]
+        jobs += [("c", k, consume_worker, (coord, groups[k], share[k], timeout_s), {})
+                 for k in range(consumers)]
+        outs = run_stage(ctx, jobs, timeout_s + 60)
+        after = self.stats()
+        pouts = [outs[("p", j)] for j in range(producers)]
+        couts = [outs[("c", k)] for k in range(consumers)]
+        start = min(o["t_start"] for o in pouts + couts)
+        p_end = max(o["t_end"] for o in pouts)
+        produced = sum(o["records"] for o in pouts)
+        lat = sorted(x for o in pouts for x in o["latencies_ms"])
+        out = {"produced": produced, "produce_rps": round(produced / (p_end - start)),
+               "produce_p50_ms": _r(percentile(lat, 50)), "produce_p99_ms": _r(percentile(lat, 99)),
+               "rpcs": after["rpcs"] - before["rpcs"], "chunks": after["chunks"] - before["chunks"]}
+        if consumers:
+            c_end = max(o["t_end"] for o in couts)
+            consumed = sum(o["records"] for o in couts)
+            out.update(consumed=consumed, consume_rps=round(consumed / (c_end - start)),
+                       expected=sum(share))
+        out["chunks_per_rpc"] = round(out["chunks"] / out["rpcs"], 1) if out["rpcs"] else None
+        return out
+
+def _r(x):
+    return None if x is None else round(x, 2)

@@ -1,0 +1,88 @@
+"""Running benchmark workers: spawned processes that start together at a barrier."""
+
+from __future__ import annotations
+
+import queue as queue_mod
+import time
+import traceback
+
+
+def _proc_main(results, kind: str, idx: int, fn, args: tuple, kwargs: dict) -> None:
+    try:
+        out = fn(*args, **kwargs)
+        results.put((kind, idx, out, None))
+    except BaseException:
+        if kwargs.get("barrier") is not None:
+            kwargs["barrier"].abort()  # don't leave the other workers waiting
+        results.put((kind, idx, None, traceback.format_exc()))
+
+
+def split(n: int, k: int) -> list[int]:
+    return [n // k + (1 if i < n % k else 0) for i in range(k)]
+
+
+def percentile(sorted_vals: list[float], q: float) -> float | None:
+    if not sorted_vals:
+        return None
+    i = min(len(sorted_vals) - 1, max(0, round(q / 100.0 * (len(sorted_vals) - 1))))
+    return sorted_vals[i]
+
+
+def run_stage(ctx, jobs: list, timeout_s: float) -> dict:
+    """Run [(kind, idx, fn, args, kwargs)] in spawned processes that meet at one
+    barrier; return {(kind, idx): result}.  Raises if any worker fails."""
+    results = ctx.Queue()
+    barrier = ctx.Barrier(len(jobs))
+    procs = [
+        ctx.Process(
+            target=_proc_main,
+            args=(results, kind, idx, fn, args, {**kw, "barrier": barrier}),
+            daemon=True,
+        )
+        for kind, idx, fn, args, kw in jobs
+    ]
+    for pr in procs:
+        pr.start()
+    outs: dict = {}
+    errors = []
+    reported: set = set()
+    deadline = time.monotonic() + timeout_s
+    dead_since: float | None = None
+    try:
+        while len(reported) < len(procs):
+            try:
+                kind, idx, out, err = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                now = time.monotonic()
+                if now > deadline:
+                    errors.append(f"timed out waiting for workers after {timeout_s}s")
+                    break
+                # A worker that exited without reporting (e.g. crashed while
+                # starting) would otherwise keep the rest at the barrier.
+                silent = [
+                    (kind, idx)
+                    for pr, (kind, idx, *_rest) in zip(procs, jobs, strict=True)
+                    if pr.exitcode is not None and (kind, idx) not in reported
+                ]
+                if silent:
+                    dead_since = dead_since or now
+                    if now - dead_since > 2.0:
+                        barrier.abort()
+                        codes = [pr.exitcode for pr in procs]
+                        errors.append(f"{silent} exited without a result; exit codes {codes}")
+                        break
+                continue
+            reported.add((kind, idx))
+            if err:
+                errors.append(f"{kind}{idx}: {err}")
+            else:
+                outs[(kind, idx)] = out
+    finally:
+        for pr in procs:
+            pr.join(timeout=5)
+            if pr.is_alive():
+                pr.kill()
+                pr.join()
+    if errors:
+        raise RuntimeError("bench worker failed:\n" + "\n".join(errors))
+    return outs
