@@ -5,7 +5,7 @@ cd "$(dirname "$0")"
 if [ ! -x .venv/bin/pytest ] || [ pyproject.toml -nt .venv/.installed-dev ]; then
   python3 -m venv .venv
   .venv/bin/pip install -q --upgrade pip
-  .venv/bin/pip install -q -e ".[dev]"
+  .venv/bin/pip install -q -e ".[dev,spark]"
   touch .venv/.installed-dev
 fi
 exec .venv/bin/python -m pytest "$@"

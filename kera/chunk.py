@@ -20,8 +20,8 @@ import struct
 import sys
 import time
 from array import array
+from collections import namedtuple
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import accumulate
 
 import numpy as np
@@ -45,25 +45,21 @@ assert sys.byteorder == "little" and array("I").itemsize == 4, "chunks are littl
 NO_PLACEMENT = 0xFFFFFFFF
 
 
-@dataclass(slots=True, frozen=True)
-class ChunkHeader:
-    flags: int
-    stream_id: int
-    streamlet: int
-    record_count: int
-    producer_id: int
-    sequence: int
-    ts_min: int
-    ts_max: int
-    group: int
-    segment: int
-    offset: int
-    body_len: int
-    body_checksum: int
+_Fields = namedtuple("_Fields", "flags stream_id streamlet record_count producer_id sequence ts_min "
+                               "ts_max group segment offset body_len body_checksum")
+
+
+class ChunkHeader(_Fields):
+    """A decoded header: a tuple (built in C from struct fields, cheap per chunk)."""
+
+    __slots__ = ()
 
     @property
     def size(self) -> int:
         return HEADER_SIZE + self.body_len
+
+
+_make = ChunkHeader._make
 
 
 def _pad8(n: int) -> int:
@@ -140,7 +136,7 @@ def parse_header(buf, offset: int = 0) -> ChunkHeader:
         raise ProtocolError("not a chunk header")
     if xxhash.xxh32_intdigest(memoryview(buf)[offset:offset + _CHECKED]) != f[16]:
         raise ChecksumError("chunk header checksum mismatch")
-    h = ChunkHeader(*f[2:15])
+    h = _make(f[2:15])
     if h.record_count == 0 or h.record_count > MAX_RECORDS or h.body_len % 8 \
             or h.body_len < 16 * h.record_count + 8:
         raise ProtocolError("inconsistent chunk header")

@@ -39,7 +39,10 @@ class Frame:
 
 def _nbytes(b) -> int:
     """Byte size of a buffer (len() counts items: wrong for numpy or array.array)."""
-    return len(b) if isinstance(b, (bytes, bytearray)) else memoryview(b).nbytes
+    t = type(b)
+    if t is bytes or t is bytearray:
+        return len(b)
+    return b.nbytes if t is memoryview else memoryview(b).nbytes
 
 
 def encode(kind: int, request_id: int, meta: dict, payload=b"") -> bytes:

@@ -127,7 +127,7 @@ async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
         # a chunk for a stream no broker has: refused for that chunk, typed
         r, _ = await pool.call(broker, "produce", {"producer": 999},
                                chunk.build(424242, 0, 999, 0, [b"x"]), timeout=5)
-        assert r["results"] == ["not_owner"]
+        assert r["errors"] == [[0, "not_owner"]]
         # a pull for a streamlet this broker does not own: a typed error for that streamlet
         other = 1 if s["addrs"][1] != broker else None
         foreign = [[s["id"], other, 0, {}]] if other is not None else [[s["id"], 5, 0, {}]]

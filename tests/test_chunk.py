@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import numpy as np
@@ -316,7 +315,7 @@ def test_place_reads_back(ident, recs, group, segment, offset):
     h = verify(buf)
     assert (h.group, h.segment, h.offset) == (group, segment, offset)
     before = verify(c)
-    assert h == dataclasses.replace(before, group=group, segment=segment, offset=offset)
+    assert h == before._replace(group=group, segment=segment, offset=offset)
     assert buf[HEADER_SIZE:] == c[HEADER_SIZE:]  # body untouched
     assert buf[:52] == c[:52]  # fields before the placement untouched
     check_view(ChunkView(buf), recs)

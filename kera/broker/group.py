@@ -8,6 +8,8 @@ in every chunk header, so positions survive recovery.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 from .segment import Segment
 
 DONE = -1  # position of a group read to its end after it closed
@@ -22,7 +24,7 @@ def unpack(pos: int) -> tuple[int, int]:
 
 
 class Group:
-    __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed")
+    __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed", "vlog")
 
     def __init__(self, id: int, slot: int, segment_size: int, max_segments: int):
         self.id = id
@@ -31,6 +33,7 @@ class Group:
         self.max_segments = max_segments
         self.segments: list[Segment] = []
         self.closed = False
+        self.vlog = None  # the virtual log its chunks go to (one per group, fixed once chosen)
 
     def append(self, chunk) -> tuple[Segment, int] | None:
         """Append one chunk; None if the group is full (it is then closed)."""
@@ -57,10 +60,26 @@ class Group:
         return seg
 
     def durable_end(self) -> int:
+        """Just past the durable prefix: never ahead of a segment whose tail is not durable yet
+        (a new last segment with durable 0 must not vouch for the end of the one before)."""
+        for seg in self.segments:
+            if seg.durable < seg.head:
+                return pack(seg.id, seg.durable)
         if not self.segments:
             return 0
         seg = self.segments[-1]
         return pack(seg.id, seg.durable)
+
+    def align(self, pos: int) -> int:
+        """The first chunk boundary at or after ``pos`` (which may point inside a chunk)."""
+        if pos == DONE:
+            return DONE
+        si, off = unpack(pos)
+        if si >= len(self.segments) or off == 0:
+            return pos
+        seg = self.segments[si]
+        i = bisect_left(seg.ends, off)
+        return pack(si, seg.ends[i]) if i < len(seg.ends) else pack(si, seg.head)
 
     def finished(self) -> bool:
         """Closed, and everything in it is durable: a reader at its end is done."""

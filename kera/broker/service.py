@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..rpc import Pool, Service
 from ..vlog import VirtualLog, VlogMapping
-from .streamlet import ProducerState, Streamlet
+from .streamlet import Streamlet
 
 log = logging.getLogger("kera.broker")
 
@@ -102,8 +102,11 @@ class BrokerService(Service):
                 self.backup_load[b["id"]] = self.backup_load.get(b["id"], 0) + 1
         return out
 
-    def vlog_for(self, stream: dict, streamlet: int, group: int) -> VirtualLog:
-        key = self.mapping.key(stream, streamlet, group)
+    def vlog_for(self, stream: dict, streamlet: int, g) -> VirtualLog:
+        """The group's virtual log (chosen on its first chunk, then cached on it)."""
+        if g.vlog is not None:
+            return g.vlog
+        key = self.mapping.key(stream, streamlet, g.id)
         v = self.vlogs.get(key)
         if v is None:
             # ids unique across incarnations: a restarted broker never mixes with its old replicas
@@ -111,6 +114,7 @@ class BrokerService(Service):
             v = self.vlogs[key] = VirtualLog(vid, stream["replication"], self.vseg_size, self,
                                                   self.replicate_timeout)
             self.nursery.start_soon(v.run)
+        g.vlog = v
         return v
 
     # -- control -----------------------------------------------------------------
@@ -169,7 +173,7 @@ class BrokerService(Service):
             if seg is None:
                 dup += 1
                 continue
-            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g.id)
+            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
             idx = vlog.append(seg, h.offset, h.size, h.body_checksum)
             sl.note_producer(h.producer_id, h.sequence, vlog, idx)
             waits[vlog] = idx
@@ -198,34 +202,37 @@ class BrokerService(Service):
             raise InvalidArgument(f"acks must be all, leader or none, not {acks!r}")
         chunks = chunk.scan(payload)  # every checksum verified before anything is stored
         self.requests += 1
-        results = []
+        errors = []
         waits: dict[VirtualLog, int] = {}
-        for h, off in chunks:
+        streams, streamlets = self.streams, self.streamlets
+        for i, (h, off) in enumerate(chunks):
             try:
-                sl = self._streamlet(h.stream_id, h.streamlet)
-                dup = sl.check_sequence(h.producer_id, h.sequence)
-                if dup is not None:
-                    if dup.vlog is not None and waits.get(dup.vlog, 0) < dup.ref:
-                        waits[dup.vlog] = dup.ref
-                    results.append(None)
+                sl = streamlets.get((h.stream_id, h.streamlet))
+                if sl is None or sl.recovering:
+                    sl = self._streamlet(h.stream_id, h.streamlet)  # raises the right error
+                st = sl.check_sequence(h.producer_id, h.sequence)
+                if st is not None:  # a resend of a chunk already appended: ack it again
+                    if st.vlog is not None and waits.get(st.vlog, 0) < st.ref:
+                        waits[st.vlog] = st.ref
                     continue
-                g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
+                size = h.size
+                g, seg, soff = sl.append(payload[off:off + size], h.producer_id)
                 chunk.place(seg.view, soff, g.id, seg.id, soff)
-                vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g.id)
-                idx = vlog.append(seg, soff, h.size, h.body_checksum)
-                sl.producers[h.producer_id] = ProducerState(h.sequence, vlog, idx)
+                vlog = g.vlog or self.vlog_for(streams[h.stream_id], h.streamlet, g)
+                idx = vlog.append(seg, soff, size, h.body_checksum)
+                sl.note_producer(h.producer_id, h.sequence, vlog, idx)
                 waits[vlog] = idx
-                results.append(None)
             except KeraError as e:
-                results.append(e.code)
+                errors.append([i, e.code])
+        result = {"errors": errors}
         if acks != "all" or not waits:
-            return {"results": results}
-        return self._acked_when_durable(waits, results)
+            return result
+        return self._acked_when_durable(waits, result)
 
-    async def _acked_when_durable(self, waits, results):
+    async def _acked_when_durable(self, waits: dict, reply: dict) -> dict:
         for vlog, idx in waits.items():
             await vlog.wait_durable(idx)
-        return {"results": results}
+        return reply
 
     # -- consume ---------------------------------------------------------------------
     async def rpc_pull(self, meta, payload):
@@ -285,6 +292,18 @@ class BrokerService(Service):
             except KeraError as e:
                 errors.append([stream_id, index, e.code])
         return {"offsets": out, "errors": errors}
+
+    def rpc_seek(self, meta, payload):
+        """The first chunk boundary at or after each position, so a reader (Spark's admission
+        control) may end a batch at any byte: ``seeks`` [[stream_id, streamlet, group, pos]]."""
+        out, errors = [], []
+        for stream_id, index, gid, pos in meta.get("seeks") or []:
+            try:
+                g = self._streamlet(stream_id, index).groups.get(gid)
+                out.append([stream_id, index, gid, g.align(pos) if g is not None else pos])
+            except KeraError as e:
+                errors.append([stream_id, index, e.code])
+        return {"positions": out, "errors": errors}
 
     def stats(self) -> dict:
         vl = []

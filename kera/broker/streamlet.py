@@ -84,10 +84,12 @@ class Streamlet:
         return g, seg
 
     def note_producer(self, producer: int, sequence: int, vlog, ref: int) -> None:
-        """Remember a replayed chunk's sequence (vlogs replay in parallel: keep the highest)."""
+        """Remember a producer's newest chunk (replayed vlogs may come in any order: keep the highest)."""
         st = self.producers.get(producer)
-        if st is None or sequence >= st.last_seq:
+        if st is None:
             self.producers[producer] = ProducerState(sequence, vlog, ref)
+        elif sequence >= st.last_seq:
+            st.last_seq, st.vlog, st.ref = sequence, vlog, ref
 
     def finish_recovery(self) -> None:
         """Rebuilt: the newest group of each slot is active again, older ones are closed."""

@@ -9,6 +9,7 @@ body checksums, in order: what a backup holds can be checked against it.
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 
 import xxhash
@@ -16,7 +17,7 @@ import xxhash
 
 class VirtualSegment:
     __slots__ = ("id", "capacity", "refs", "ends", "size", "closed", "copies", "failed",
-                 "durable", "checksum", "close_sent", "queued")
+                 "durable", "sums", "close_sent", "queued")
 
     def __init__(self, id: int, capacity: int):
         self.id = id
@@ -28,7 +29,7 @@ class VirtualSegment:
         self.copies: dict[int, int] = {}   # backup id -> bytes acknowledged
         self.failed: set[int] = set()      # backups that failed for this segment
         self.durable = 0                   # refs on all copies (first time through)
-        self.checksum = xxhash.xxh3_64()
+        self.sums = array("Q")             # the chunks' body checksums, in order
         self.close_sent: set[int] = set()
         self.queued = False  # in its vlog's pending list
 
@@ -39,8 +40,13 @@ class VirtualSegment:
         self.refs.append((segment, offset, length))
         self.size += length
         self.ends.append(self.size)
-        self.checksum.update(body_checksum.to_bytes(8, "little"))
+        self.sums.append(body_checksum)
         return len(self.refs) - 1
+
+    @property
+    def checksum(self) -> int:
+        """xxh3 over the chunks' checksums: what a backup's copy must also give."""
+        return xxhash.xxh3_64_intdigest(self.sums.tobytes())
 
     def index_at(self, byte_offset: int) -> int:
         """Index of the first ref starting at or after ``byte_offset``."""

@@ -1,0 +1,491 @@
+"""The ``kera`` PySpark data source against a real cluster and a real local SparkSession.
+
+One cluster and one SparkSession serve the module (starting Spark costs
+seconds; the broker-kill test starts its own cluster); stream names are
+unique per test. Waits are polls with bounded deadlines; every test has a
+timeout (the module's own, or the suite's 300 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+import zlib
+from collections import Counter
+
+import pytest
+
+pyspark = pytest.importorskip("pyspark")
+pa = pytest.importorskip("pyarrow")
+pytest.importorskip("kera_client.spark", reason="needs PySpark >= 4.2")
+
+from kera_client import Admin, Consumer, Producer  # noqa: E402
+from kera_client.spark import KeraDataSource, Offsets  # noqa: E402
+from kera_client.spark import positions as P  # noqa: E402
+from kera_client.spark.arrow import ARROW_SCHEMA, ChunkBatch  # noqa: E402
+from kera_client.spark.io import align, latest, metadata, read_ranges  # noqa: E402
+
+from kera import chunk as chunkfmt  # noqa: E402
+from kera.cluster import LocalCluster  # noqa: E402
+
+
+def _wait(pred, timeout: float, what: str, step: float = 0.1):
+    """Poll ``pred`` until it is true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(step)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(str(tmp_path_factory.mktemp("spark-cluster")), 3, port=0)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def spark():
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("Spark needs Java (17)")
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    s = (SparkSession.builder.master("local[2]").appName("kera-tests")
+         .config("spark.sql.shuffle.partitions", "2")
+         .config("spark.ui.enabled", "false")
+         .config("spark.sql.session.timeZone", "UTC")
+         .getOrCreate())
+    s.sparkContext.setLogLevel("ERROR")
+    s.dataSource.register(KeraDataSource)
+    yield s
+    s.stop()
+
+
+def _values(stream: str, start: int, n: int) -> list[bytes]:
+    return [b"%s:%07d" % (stream.encode(), i) for i in range(start, start + n)]
+
+
+def _expect(streams_values: dict[str, list[bytes]]) -> dict[str, tuple[int, int]]:
+    """Per stream: (count, sum of crc32 of values), Spark's crc32 being zlib's."""
+    return {s: (len(v), sum(zlib.crc32(x) for x in v)) for s, v in streams_values.items()}
+
+
+def _spark_counts(df) -> dict[str, tuple[int, int]]:
+    from pyspark.sql import functions as F
+
+    rows = df.groupBy("stream").agg(F.count("*").alias("n"),
+                                    F.sum(F.crc32("value")).alias("crc")).collect()
+    return {r["stream"]: (r["n"], r["crc"]) for r in rows}
+
+
+# -- no Spark, no cluster: the pieces ---------------------------------------------------------
+
+def test_chunks_become_one_arrow_batch_exactly():
+    chunks = [
+        chunkfmt.build(7, 1, 42, 0, [b"a", b"bb", b""], [b"k1", None, b"k3"], [1000, 2000, 3000]),
+        chunkfmt.build(7, 1, 43, 0, [b"ccc"] * 5, None, [5] * 5),
+        chunkfmt.build(9, 0, 44, 3, [bytes([i]) * i for i in range(50)]),
+    ]
+    batch = ChunkBatch()
+    expect = []
+    for j, (c, name) in enumerate(zip(chunks, ["s1", "s1", "s2"], strict=True)):
+        v = chunkfmt.ChunkView(c)
+        pos = P.pack(j, 64 * j)
+        batch.add(name, v.header.streamlet, j, pos, c)
+        for r, (k, val, ts) in enumerate(v.records()):
+            expect.append({"stream": name, "streamlet": v.header.streamlet, "group": j,
+                           "position": pos + r, "key": k, "value": val, "ts": ts * 1000,
+                           "producer": v.header.producer_id})
+    rb = batch.build()
+    assert rb.schema.equals(ARROW_SCHEMA)
+    got = rb.to_pydict()
+    assert rb.num_rows == len(expect) == 58
+    for col in ("stream", "streamlet", "group", "position", "key", "value", "producer"):
+        assert got[col] == [e[col] for e in expect], col
+    assert rb.column("timestamp").cast(pa.int64()).to_pylist() == [e["ts"] for e in expect]
+    assert rb.column("key").null_count == 1 + 5 + 50  # empty keys are null
+
+    one = ChunkBatch()
+    v = chunkfmt.ChunkView(chunks[1])
+    one.add("x", 1, 0, 0, chunks[1])
+    rb1 = one.build()  # a single chunk: Arrow uses the chunk's buffers in place
+    assert rb1.column("value").to_pylist() == [b"ccc"] * 5
+    assert rb1.column("key").null_count == 5
+
+
+def test_positions_offsets_admission_and_planning():
+    DONE = P.DONE
+    assert P.compact(0, {"0": DONE, "1": DONE, "2": P.pack(1, 8), "3": 0}) == (2, {2: P.pack(1, 8)})
+    assert P.merge_max((0, {0: 100, 1: 5}), (1, {1: 3, 2: 9})) == (1, {1: 5, 2: 9})
+    assert P.work((0, {0: 100}), (1, {1: 50})) == {0: (100, DONE), 1: (0, 50)}
+    assert P.cut_points(P.pack(0, 10), P.pack(3, 5)) == [P.pack(1, 0), P.pack(2, 0), P.pack(3, 0)]
+    assert P.cut_points(P.pack(0, 10), DONE) == []
+    assert P.span_bytes(P.pack(0, 10), P.pack(2, 5), 100, 8) == 195
+    assert P.span_bytes(P.pack(7, 40), DONE, 100, 8) == 60
+
+    # JSON: canonical (sorted, compacted), round trips, and reads a consumer's position()
+    o = Offsets({"b": 2, "a": 1}, {("b", 0): (0, {1: 5, 0: DONE}), ("a", 1): (0, {})})
+    j = o.to_json()
+    assert json.dumps(j) == ('{"streams": {"a": 1, "b": 2}, "positions": '
+                             '{"b/0": {"low": 1, "groups": {"1": 5}}}}')
+    assert Offsets.from_json(json.dumps(j)).to_json() == j
+    assert Offsets.from_json({"b/0": {"low": 1, "groups": {"1": 5}}}).get("b", 0) == (1, {1: 5})
+    # a stream re-created under the same name starts again at its beginning
+    assert Offsets.from_json(j).rebased({"a": 1, "b": 3}).positions == {}
+
+    # admission: 100 streams x 1 streamlet, 1 group of 3.5 segments of 1000 bytes
+    meta = {f"s{i}": {"id": i, "streamlets": 1, "segment_size": 1000, "group_segments": 8}
+            for i in range(100)}
+    start = Offsets({n: m["id"] for n, m in meta.items()}, {})
+    top = Offsets(start.streams, {(n, 0): (0, {0: P.pack(3, 500)}) for n in meta})
+    assert P.estimate_bytes(start, top, meta) == 100 * 3500
+    assert P.admit(start, top, meta, float("inf")) == (top, [])
+    assert P.admit(start, top, meta, 10**9) == (top, [])
+    end, cuts = P.admit(start, top, meta, 50_000, turn=0, chunk_bytes=500)
+    assert len(cuts) == 64, "the budget is shared by at most 64 groups"
+    assert {c.target for c in cuts} == {P.pack(0, 531)}  # 50000/64 minus half a chunk
+    _, cuts2 = P.admit(start, top, meta, 50_000, turn=1, chunk_bytes=500)
+    assert {c.stream for c in cuts} | {c.stream for c in cuts2} == set(meta), "round-robin over turns"
+    _, few = P.admit(start, top, meta, 1_000, turn=0, chunk_bytes=500)
+    assert len(few) == 2, "no more cuts than chunks in the budget"
+    # small backlogs go whole, the big one is cut with what is left
+    mixed = Offsets(start.streams, {("s0", 0): (0, {0: P.pack(3, 500)}), ("s1", 0): (0, {0: 100}),
+                                    ("s2", 0): (0, {0: 200})})
+    end, cuts = P.admit(start, mixed, meta, 1_300, turn=0, chunk_bytes=100)
+    assert end.get("s1", 0) == (0, {0: 100}) and end.get("s2", 0) == (0, {0: 200})
+    assert [(c.stream, c.target) for c in cuts] == [("s0", P.pack(0, 950))]
+    # a target is moved to a chunk boundary by the caller; without one, to a segment start
+    c = cuts[0]
+    assert P.apply_cuts(end, cuts, {("s0", 0, 0): P.pack(0, 990)}).get("s0", 0) == (0, {0: P.pack(0, 990)})
+    assert P.apply_cuts(end, cuts, {}).get("s0", 0) == (0, {0: P.pack(1, 0)})
+    assert P.aligned_or_fallback(c, P.pack(5, 0)) == P.pack(1, 0), "an answer past the end is ignored"
+
+    # planning: sizes spread evenly, a big streamlet is split at segment starts
+    rs = P.ranges(start, top, meta)
+    parts = P.plan(rs, meta, partition_bytes=1 << 30, min_partitions=4, max_partitions=64)
+    loads = [sum(r.nbytes for r in p) for p in parts]
+    assert len(parts) == 4 and max(loads) - min(loads) <= 3500
+    big = {"big": {"id": 1, "streamlets": 1, "segment_size": 1000, "group_segments": 8}}
+    rs = P.ranges(Offsets({"big": 1}), Offsets({"big": 1}, {("big", 0): (0, {0: P.pack(7, 900)})}), big)
+    parts = P.plan(rs, big, partition_bytes=2000, min_partitions=1, max_partitions=64)
+    assert len(parts) == 4
+    pieces = sorted((g.start, g.end) for p in parts for r in p for g in r.groups)
+    assert pieces[0][0] == 0 and pieces[-1][1] == P.pack(7, 900)
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:], strict=False)), "contiguous"
+
+
+# -- cluster, no Spark: reading ranges up to exact end positions ------------------------------
+
+def test_read_stops_exactly_at_end_positions(cluster):
+    coord = cluster.coordinator
+    with Admin(coord) as a:
+        a.create_stream("cut-a", streamlets=2, groups=2, segment_size=8192, group_segments=2)
+    with Producer(coord, chunk_size=1024) as p:
+        p.send_many("cut-a", _values("cut-a", 0, 3000))
+        p.flush()
+        meta = metadata(coord, ["cut-a"])
+        mid = latest(meta)
+        p.send_many("cut-a", _values("cut-a", 3000, 3000))
+    meta = metadata(coord, ["cut-a"])
+    end = latest(meta)
+    start = Offsets(end.streams, {})
+    addrs = {n: s["addrs"] for n, s in meta.items()}
+
+    def read(a, b):
+        wires = [r.to_wire() for r in P.ranges(a, b, meta)]
+        out = []
+        for rb in read_ranges(coord, wires, addrs, pull_bytes=4096, timeout=30):
+            out += rb.column("value").to_pylist()
+        return out
+
+    first, second = read(start, mid), read(mid, end)
+    assert sorted(first) == _values("cut-a", 0, 3000)
+    assert sorted(second) == _values("cut-a", 3000, 3000)
+    # groups filled and closed (8 KiB segments, 2 per group): DONE positions were crossed
+    assert any(P.DONE in v[1].values() or v[0] > 0 for v in end.positions.values())
+    # admitted steps (cut inside chunks' segments, aligned to chunk boundaries by the broker)
+    # add up to the same records, none twice, none lost, each step close to its budget
+    steps, cur, sizes = [], start, []
+    for t in range(200):
+        nxt, cuts = P.admit(cur, end, meta, 10_000, turn=t, chunk_bytes=1024)
+        nxt = P.apply_cuts(nxt, cuts, align(meta, cuts))
+        if nxt.to_json() == cur.to_json():
+            break
+        got = read(cur, nxt)
+        steps += got
+        sizes.append(len(got))
+        cur = nxt
+    assert sorted(steps) == _values("cut-a", 0, 6000)
+    assert cur.to_json() == end.to_json()
+    assert max(sizes[:-1]) * 29 < 10_000 + 2 * 1024, f"steps of {sizes} records of ~29 bytes"
+
+
+# -- Spark ---------------------------------------------------------------------------------
+
+@pytest.mark.timeout(150)
+def test_availablenow_ingests_200_streams_exactly(cluster, spark, tmp_path):
+    coord = cluster.coordinator
+    names = [f"acc-{i:03d}" for i in range(200)]
+    with Admin(coord) as a:
+        for n in names:
+            a.create_stream(n, streamlets=2)
+    sent = {n: _values(n, 0, 1000) for n in names}
+    with Producer(coord, acks="all") as p:
+        for n in names:
+            p.send_many(n, sent[n])
+        p.flush()
+    out, chk = str(tmp_path / "out"), str(tmp_path / "chk")
+    q = (spark.readStream.format("kera").option("coordinator", coord).option("pattern", "acc-*")
+         .load().writeStream.format("parquet").option("path", out).option("checkpointLocation", chk)
+         .trigger(availableNow=True).start())
+    assert q.awaitTermination(120), "availableNow query did not finish"
+    assert q.exception() is None
+    df = spark.read.parquet(out)
+    assert df.count() == 200_000
+    assert df.select("stream", "value").distinct().count() == 200_000
+    assert _spark_counts(df) == _expect(sent)
+
+
+@pytest.mark.timeout(180)
+def test_restart_from_checkpoint_while_producing_is_exactly_once(cluster, spark, tmp_path):
+    coord = cluster.coordinator
+    names = [f"rs-{i:02d}" for i in range(20)]
+    with Admin(coord) as a:
+        for n in names:
+            a.create_stream(n, streamlets=2, groups=2)
+    sent = {n: 0 for n in names}
+    stop = threading.Event()
+    errors = []
+
+    def produce():
+        try:
+            with Producer(coord, acks="all") as p:
+                while not stop.is_set():
+                    for n in names:
+                        p.send_many(n, _values(n, sent[n], 200))
+                    p.flush()
+                    for n in names:
+                        sent[n] += 200
+                    stop.wait(0.1)  # pacing (4000 records per round), not synchronisation
+        except BaseException as e:  # surfaced by the test thread
+            errors.append(e)
+
+    out, chk = str(tmp_path / "out"), str(tmp_path / "chk")
+
+    def start(trigger, limit=3000):
+        r = spark.readStream.format("kera").option("coordinator", coord).option("pattern", "rs-*")
+        if limit:
+            r = r.option("maxRecordsPerTrigger", limit)
+        w = (r.load()
+             .writeStream.format("parquet").option("path", out).option("checkpointLocation", chk))
+        return w.trigger(**trigger).start()
+
+    def batches_with_data(q):
+        return sum(1 for p in q.recentProgress if p["numInputRows"] > 0)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    try:
+        _wait(lambda: sum(sent.values()) >= 4000, 30, "the producer to start")
+        q1 = start({"processingTime": "0 seconds"})
+        _wait(lambda: batches_with_data(q1) >= 3 or q1.exception(), 60, "3 micro-batches")
+        print("q1", [(p["numInputRows"], p["durationMs"]) for p in q1.recentProgress])
+        q1.stop()  # mid-way: the producer keeps writing
+        assert q1.exception() is None
+        q2 = start({"processingTime": "0 seconds"})
+        _wait(lambda: batches_with_data(q2) >= 2 or q2.exception(), 60, "2 more micro-batches")
+        assert q2.exception() is None
+        q2.stop()
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    q3 = start({"availableNow": True}, limit=None)  # the last restart drains what is left
+    assert q3.awaitTermination(120)
+    assert q3.exception() is None
+    total = sum(sent.values())
+    df = spark.read.parquet(out)
+    assert df.count() == total, "every record exactly once"
+    assert df.select("stream", "value").distinct().count() == total
+    assert _spark_counts(df) == _expect({n: _values(n, 0, sent[n]) for n in names})
+
+
+@pytest.mark.timeout(150)
+def test_batch_read_by_pattern_offsets_and_write_back(cluster, spark):
+    coord = cluster.coordinator
+    with Admin(coord) as a:
+        for n in ["bp-x-0", "bp-x-1", "bp-x-2", "bp-y-0", "bp-xx"]:
+            a.create_stream(n, streamlets=3)
+    sent = {}
+    with Producer(coord, acks="all") as p:
+        for n in ["bp-x-0", "bp-x-1", "bp-x-2", "bp-y-0", "bp-xx"]:
+            sent[n] = _values(n, 0, 500)
+            p.send_many(n, sent[n])
+        for k in range(10):
+            p.send("bp-x-0", b"keyed-%d" % k, key=b"k%d" % k)
+        p.flush()
+    sent["bp-x-0"] = sent["bp-x-0"] + [b"keyed-%d" % k for k in range(10)]
+    df = spark.read.format("kera").option("coordinator", coord).option("pattern", "bp-x-*").load()
+    assert [f.name for f in df.schema.fields] == ["stream", "streamlet", "group", "position", "key",
+                                                   "value", "timestamp", "producer"]
+    rows = df.collect()
+    assert {r["stream"] for r in rows} == {"bp-x-0", "bp-x-1", "bp-x-2"}
+    assert Counter(r["stream"] for r in rows) == {n: len(sent[n]) for n in ["bp-x-0", "bp-x-1", "bp-x-2"]}
+    keyed = {r["value"]: r["key"] for r in rows if r["key"] is not None}
+    assert keyed == {b"keyed-%d" % k: b"k%d" % k for k in range(10)}
+    assert len({(r["stream"], r["streamlet"], r["group"], r["position"]) for r in rows}) == len(rows)
+    now = time.time()
+    assert all(abs(r["timestamp"].timestamp() - now) < 600 for r in rows)
+
+    # explicit streams, and start/end offsets as JSON
+    meta = metadata(coord, ["bp-y-0"])
+    mid = latest(meta).dumps()
+    with Producer(coord, acks="all") as p:
+        p.send_many("bp-y-0", _values("bp-y-0", 500, 250))
+    def reader():  # DataFrameReader options accumulate: a fresh one per read
+        return spark.read.format("kera").option("coordinator", coord).option("streams", "bp-y-0")
+
+    before = reader().option("endingOffsets", mid).load()
+    after = reader().option("startingOffsets", mid).load()
+    assert sorted(r["value"] for r in before.select("value").collect()) == _values("bp-y-0", 0, 500)
+    assert sorted(r["value"] for r in after.select("value").collect()) == _values("bp-y-0", 500, 250)
+
+    # df.write.format("kera") -> readable by the kera consumer
+    (df.select("key", "value").write.format("kera").option("coordinator", coord)
+     .option("stream", "bp-out").option("create", "true").option("streamlets", 2).mode("append").save())
+    got = []
+    with Consumer(["bp-out"], coordinator=coord, start="earliest") as c:
+        deadline = time.monotonic() + 60
+        while len(got) < len(rows) and time.monotonic() < deadline:
+            got += [(r.key, r.value) for r in c.poll(1.0)]
+    assert Counter(got) == Counter((r["key"], r["value"]) for r in rows)
+
+
+@pytest.mark.timeout(150)
+def test_new_stream_matching_the_pattern_is_ingested_and_written_back(cluster, spark, tmp_path):
+    coord = cluster.coordinator
+    with Admin(coord) as a:
+        a.create_stream("late-0", streamlets=2)
+    with Producer(coord, acks="all") as p:
+        p.send_many("late-0", _values("late-0", 0, 1000))
+    q = (spark.readStream.format("kera").option("coordinator", coord).option("pattern", "late-*")
+         .load().writeStream.format("memory").queryName("late").trigger(processingTime="200 milliseconds")
+         .start())
+    try:
+        def count(stream):
+            return spark.sql(f"select count(*) from late where stream = '{stream}'").collect()[0][0]
+
+        _wait(lambda: count("late-0") == 1000 or q.exception(), 60, "late-0 ingested")
+        with Admin(coord) as a:
+            a.create_stream("late-1", streamlets=3)
+        with Producer(coord, acks="all") as p:
+            p.send_many("late-1", _values("late-1", 0, 700))
+            p.send_many("late-0", _values("late-0", 1000, 10))
+        _wait(lambda: count("late-1") == 700 or q.exception(), 60, "late-1 (created later) ingested")
+        _wait(lambda: count("late-0") == 1010 or q.exception(), 30, "late-0 tail ingested")
+        assert q.exception() is None
+        values = sorted(r[0] for r in spark.sql("select value from late").collect())
+        assert values == sorted(_values("late-0", 0, 1010) + _values("late-1", 0, 700))
+    finally:
+        q.stop()
+
+    # writeStream into kera (availableNow), then read back by the consumer
+    w = (spark.readStream.format("kera").option("coordinator", coord).option("pattern", "late-*")
+         .load().selectExpr("key", "value").writeStream.format("kera").option("coordinator", coord)
+         .option("stream", "late-copy").option("create", "true")
+         .option("checkpointLocation", str(tmp_path / "wchk")).trigger(availableNow=True).start())
+    assert w.awaitTermination(90)
+    assert w.exception() is None
+    got = []
+    with Consumer(["late-copy"], coordinator=coord, start="earliest") as c:
+        deadline = time.monotonic() + 60
+        while len(got) < 1710 and time.monotonic() < deadline:
+            got += [r.value for r in c.poll(1.0)]
+    assert sorted(got) == values
+
+
+
+@pytest.mark.timeout(200)
+def test_broker_killed_under_a_streaming_query_loses_and_doubles_nothing(make_cluster, spark, tmp_path):
+    cluster = make_cluster(4)
+    coord = cluster.coordinator
+    names = [f"kill-{i:02d}" for i in range(16)]
+    with Admin(coord) as a:
+        for n in names:
+            a.create_stream(n, streamlets=2, replication=3)
+    sent = {n: 0 for n in names}
+    stop = threading.Event()
+    errors = []
+
+    def produce():
+        try:
+            with Producer(coord, acks="all") as p:
+                while not stop.is_set():
+                    for n in names:
+                        p.send_many(n, _values(n, sent[n], 100))
+                    p.flush()
+                    for n in names:
+                        sent[n] += 100
+                    stop.wait(0.1)  # pacing, not synchronisation
+        except BaseException as e:
+            errors.append(e)
+
+    out, chk = str(tmp_path / "out"), str(tmp_path / "chk")
+
+    def start(trigger, limit=2000):
+        r = (spark.readStream.format("kera").option("coordinator", coord).option("pattern", "kill-*")
+             .option("readTimeout", 60))
+        if limit:
+            r = r.option("maxRecordsPerTrigger", limit)
+        return (r.load().writeStream.format("parquet").option("path", out)
+                .option("checkpointLocation", chk).trigger(**trigger).start())
+
+    def batches_with_data(q):
+        return sum(1 for p in q.recentProgress if p["numInputRows"] > 0)
+
+    t = threading.Thread(target=produce, daemon=True)
+    t.start()
+    try:
+        _wait(lambda: sum(sent.values()) >= 3200, 30, "the producer to start")
+        q = start({"processingTime": "0 seconds"})
+        _wait(lambda: batches_with_data(q) >= 2 or q.exception(), 60, "2 micro-batches")
+        before = batches_with_data(q)
+        cluster.kill("node2-broker")
+        _wait(lambda: batches_with_data(q) >= before + 3 or q.exception(), 90,
+              "micro-batches after the broker died")
+        assert q.exception() is None
+        q.stop()
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors, errors
+    q2 = start({"availableNow": True}, limit=None)
+    assert q2.awaitTermination(120)
+    assert q2.exception() is None
+    df = spark.read.parquet(out)
+    # what the cluster holds now, read by the kera consumer: Spark got exactly that, once
+    held = {n: [] for n in names}
+    with Consumer(names, coordinator=coord, start="earliest") as c:
+        for r in c.records(timeout=3):
+            held[r.stream].append(r.value)
+    assert df.count() == sum(map(len, held.values()))
+    assert df.select("stream", "value").distinct().count() == df.count(), "nothing twice"
+    assert _spark_counts(df) == _expect(held), "Spark read what the consumer reads"
+    lost = {n: sent[n] - len(held[n]) for n in names if len(held[n]) != sent[n]}
+    if lost:
+        with Admin(coord) as a:
+            rec = a.status().get("recoveries")
+        pytest.fail(f"acknowledged records lost by broker recovery: {lost}; recoveries: {rec}")
+    assert sorted(held) == names and all(sorted(held[n]) == _values(n, 0, sent[n]) for n in names)
