@@ -3,6 +3,7 @@
     python -m bench streams [--quick]    # A: streams 1 -> 512, latency config, vs the peer
     python -m bench throughput [--quick] # B: 1 stream x 32 streamlets x 4 groups, chunk and producers
     python -m bench vlogs [--quick]      # C: V = 1 -> 32 shared vlogs, 128 and 512 streams, R=3
+    python -m bench latency [--quick]    # p50/p99 ack latency at half the maximum rate, R=3
 
 Each writes bench/results/<experiment>.json and .png and prints a table. Ratios
 compare runs of the same invocation on the same machine, same record size,
@@ -46,28 +47,47 @@ def latency_cfg(chunk: int) -> dict:
 
 def exp_streams(args) -> dict:
     counts = [1, 128, 512] if args.quick else [1, 16, 64, 128, 256, 512]
-    n = args.records or (100_000 if args.quick else 400_000)
-    chunk = 1024
+    chunks = [1024] if args.quick else [1024, 16384]  # the paper's latency config, and BENCH-PEER's
+    n = args.records or (100_000 if args.quick else 300_000)
     rows = []
     with KeraRun(args.nodes) as k:
-        for s in counts:
-            for label, r, vlogs in (("kera R=1", 1, None), ("kera R=3", 3, None),
-                                    ("kera R=3 per-group", 3, "per-group")):
-                streams = k.create(s, replication=r, vlogs=vlogs)
-                say(f"A: {label}, {s} streams, {n} records")
-                out = k.measure(streams, n, 100, args.producers, args.consumers, latency_cfg(chunk))
-                rows.append({"system": label, "streams": s, **out})
-                say(f"   {out}")
+        for chunk in chunks:
+            for s in counts:
+                for label, r, vlogs in (("kera R=1", 1, None), ("kera R=3", 3, None),
+                                        ("kera R=3 per-group", 3, "per-group")):
+                    streams = k.create(s, replication=r, vlogs=vlogs)
+                    say(f"A: {label}, {s} streams, chunk {chunk}, {n} records")
+                    out = k.measure(streams, n, 100, args.producers, args.consumers, latency_cfg(chunk))
+                    rows.append({"system": label, "streams": s, "chunk": chunk, **out})
+                    say(f"   {out}")
     from .peer import run_peer
-    for s in counts:
-        say(f"A: peer, {s} topics, {n} records")
-        out = run_peer(s, n, 100, args.producers, args.consumers, linger_ms=1, batch_size=chunk,
-                       count="sampled")
-        rows.append({"system": "peer (no replication)", "streams": s, **{k: out.get(k) for k in (
-            "produced", "produce_rps", "consumed", "consume_rps", "produce_p50_ms", "produce_p99_ms")}})
-        say(f"   {rows[-1]}")
-    return {"experiment": "streams", "records": n, "size": 100, "chunk": chunk, "linger_ms": 1,
+    for chunk in chunks:
+        for s in counts:
+            say(f"A: peer, {s} topics, batch.size {chunk}, {n} records")
+            out = run_peer(s, n, 100, args.producers, args.consumers, linger_ms=1, batch_size=chunk,
+                           count="sampled")
+            rows.append({"system": "peer (no replication)", "streams": s, "chunk": chunk, **{
+                key: out.get(key) for key in ("produced", "produce_rps", "consumed", "consume_rps",
+                                              "produce_p50_ms", "produce_p99_ms")}})
+            say(f"   {rows[-1]}")
+    return {"experiment": "streams", "records": n, "size": 100, "linger_ms": 1,
             "producers": args.producers, "consumers": args.consumers, "nodes": args.nodes, "rows": rows}
+
+
+def exp_latency(args) -> dict:
+    """p50/p99 produce-ack latency at half of the maximum rate (R=3, 128 streams, 1 KB chunks)."""
+    n = args.records or (100_000 if args.quick else 300_000)
+    rows = []
+    with KeraRun(args.nodes) as k:
+        streams = k.create(128, replication=3)
+        top = k.measure(streams, n, 100, args.producers, 0, latency_cfg(1024))
+        rows.append({"system": "kera R=3", "streams": 128, "rate": "max", **top})
+        say(f"max: {top}")
+        rate = top["produce_rps"] / 2 / args.producers
+        half = k.measure(streams, n // 2, 100, args.producers, 0, latency_cfg(1024), rate=rate)
+        rows.append({"system": "kera R=3", "streams": 128, "rate": round(rate * args.producers), **half})
+        say(f"half: {half}")
+    return {"experiment": "latency", "records": n, "rows": rows, "nodes": args.nodes}
 
 
 def exp_throughput(args) -> dict:
@@ -91,45 +111,49 @@ def exp_throughput(args) -> dict:
 
 
 def exp_vlogs(args) -> dict:
+    """C: V = 1 -> 32 at R=3; at V = 1, 4, 32 also R = 1, 2 and chunks of 16 KB."""
     vs = [1, 4, 32] if args.quick else [1, 2, 4, 8, 16, 32]
     counts = [128] if args.quick else [128, 512]
-    n = args.records or (100_000 if args.quick else 400_000)
+    n = args.records or (100_000 if args.quick else 200_000)
     rows = []
     for v in vs:
+        full = not args.quick and v in (1, 4, 32)
         with KeraRun(args.nodes, broker_args=["--vlogs", str(v)]) as k:
             for s in counts:
-                streams = k.create(s, replication=3)
-                say(f"C: V={v}, {s} streams")
-                out = k.measure(streams, n, 100, args.producers, args.consumers, latency_cfg(1024))
-                rows.append({"system": "kera R=3", "vlogs": v, "streams": s, **out})
-                say(f"   {out}")
+                for r in ((1, 2, 3) if full else (3,)):
+                    for chunk in ((1024, 16384) if full else (1024,)):
+                        streams = k.create(s, replication=r)
+                        say(f"C: V={v}, {s} streams, R={r}, chunk {chunk}")
+                        out = k.measure(streams, n, 100, args.producers, args.consumers, latency_cfg(chunk))
+                        rows.append({"system": f"kera R={r}", "vlogs": v, "streams": s, "chunk": chunk, **out})
+                        say(f"   {out}")
     return {"experiment": "vlogs", "records": n, "rows": rows, "nodes": args.nodes}
 
 
 def table(res: dict) -> str:
     rows = res["rows"]
-    keys = [k for k in ("system", "streams", "vlogs", "chunk", "producers", "produce_rps", "consume_rps",
+    keys = [k for k in ("system", "streams", "vlogs", "chunk", "producers", "rate", "produce_rps", "consume_rps",
                         "produce_p50_ms", "produce_p99_ms", "chunks_per_rpc") if any(k in r for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
     if res["experiment"] == "streams":
-        peer = {r["streams"]: r for r in rows if r["system"].startswith("peer")}
+        peer = {(r["streams"], r["chunk"]): r for r in rows if r["system"].startswith("peer")}
         lines.append("")
-        lines.append("| system | streams | produce ratio vs peer | consume ratio vs peer |")
-        lines.append("|---|---|---|---|")
+        lines.append("| system | streams | chunk | produce ratio vs peer | consume ratio vs peer |")
+        lines.append("|---|---|---|---|---|")
         for r in rows:
-            p = peer.get(r["streams"])
+            p = peer.get((r["streams"], r["chunk"]))
             if p and not r["system"].startswith("peer") and p.get("produce_rps"):
                 cr = (r.get("consume_rps") or 0) / p["consume_rps"] if p.get("consume_rps") else None
-                lines.append(f"| {r['system']} | {r['streams']} | {r['produce_rps'] / p['produce_rps']:.2f} | "
-                             f"{'' if cr is None else f'{cr:.2f}'} |")
+                lines.append(f"| {r['system']} | {r['streams']} | {r['chunk']} | "
+                             f"{r['produce_rps'] / p['produce_rps']:.2f} | {'' if cr is None else f'{cr:.2f}'} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench")
-    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs"])
+    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency"])
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
     ap.add_argument("--records", type=int, default=0)
     ap.add_argument("--producers", type=int, default=1)
@@ -138,7 +162,8 @@ def main() -> None:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     t0 = time.monotonic()
-    res = {"streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs}[args.experiment](args)
+    res = {"streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,
+           "latency": exp_latency}[args.experiment](args)
     res["machine"] = machine()
     res["seconds"] = round(time.monotonic() - t0, 1)
     print(table(res))

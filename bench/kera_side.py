@@ -22,7 +22,7 @@ from .stage import percentile, run_stage, split
 
 
 def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_index=0,
-                   rate=0.0, barrier=None) -> dict:
+                   rate=0.0, warmup=0, barrier=None) -> dict:
     from kera_client import Producer
 
     p = Producer(coord, cfg)
@@ -30,6 +30,10 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
         p.portal.call(p._p.load_metadata, streams)
         value = b"x" * size
         s = len(streams)
+        for i in range(warmup):  # not timed, not counted: connections and caches warm
+            p.send(streams[i % s], value)
+        p.flush()
+        warm = p.acked
         if barrier is not None:
             barrier.wait()
         t0 = time.monotonic()
@@ -56,13 +60,14 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
                 p.send_many(streams[(start_index + j) % s], arr)
         p.flush()
         t1 = time.monotonic()
-        lat = sorted(x * 1000 for x in p.latencies)
-        return {"records": p.acked, "t_start": t0, "t_end": t1, "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
+        lat = sorted(x * 1000 for x in list(p.latencies)[warm:])
+        return {"records": p.acked - warm, "t_start": t0, "t_end": t1, "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
     finally:
         p.portal.close()
 
 
-def consume_worker(coord, streams, n_records, timeout_s, *, start="latest", barrier=None) -> dict:
+def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", skip=0, barrier=None) -> dict:
+    """Reads ``n_records`` (of which the first ``skip``, the warm-up, are not reported)."""
     from kera_client import open_consumer
 
     async def run():
@@ -75,7 +80,7 @@ def consume_worker(coord, streams, n_records, timeout_s, *, start="latest", barr
                 while n < n_records:
                     for ch in await c.poll_chunks(1.0):
                         n += len(ch)
-            return {"records": n, "t_start": t0, "t_end": time.monotonic()}
+            return {"records": n - skip, "t_start": t0, "t_end": time.monotonic()}
 
     return trio.run(run)
 
@@ -99,14 +104,23 @@ class KeraRun:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def create(self, n_streams, streamlets=1, groups=1, replication=1, vlogs=None) -> list[str]:
-        from kera_client import Admin
+        from kera_client import open_admin
 
         self.runs += 1
         names = [f"b{self.runs}-{i:04d}" for i in range(n_streams)]
-        with Admin(self.cluster.coordinator) as a:
-            for n in names:
-                a.create_stream(n, streamlets=streamlets, groups=groups, replication=replication,
-                                vlogs=vlogs)
+
+        async def go():
+            limit = trio.CapacityLimiter(32)
+            async with open_admin(self.cluster.coordinator) as a:
+                async def one(n):
+                    async with limit:
+                        await a.create_stream(n, streamlets=streamlets, groups=groups,
+                                              replication=replication, vlogs=vlogs)
+                async with trio.open_nursery() as nursery:
+                    for n in names:
+                        nursery.start_soon(one, n)
+
+        trio.run(go)
         return names
 
     def stats(self) -> dict:
@@ -133,14 +147,15 @@ class KeraRun:
                 rate=0.0, warmup=0.05, timeout_s=300.0) -> dict:
         coord = self.cluster.coordinator
         ctx = multiprocessing.get_context("spawn")
-        n_warm = max(len(streams), int(n_records * warmup))
-        run_stage(ctx, [("p", 0, produce_worker, (coord, streams, n_warm, size, cfg), {"mode": mode})],
-                  timeout_s)
+        n_warm = max(len(streams), int(n_records * warmup)) // producers
+        if mode != "send":
+            n_warm = 0
         before = self.stats()
         counts = split(n_records, producers)
         starts = [(j * len(streams)) // producers for j in range(producers)]
         jobs = [("p", j, produce_worker, (coord, streams, counts[j], size, cfg),
-                 {"mode": mode, "start_index": starts[j], "rate": rate}) for j in range(producers)]
+                 {"mode": mode, "start_index": starts[j], "rate": rate, "warmup": n_warm})
+                for j in range(producers)]
         groups = [streams[k::consumers] for k in range(consumers)]
         share = [n_records * len(g) // len(streams) for g in groups]
         if mode == "send":  # exact shares per stream: records cycle over the streams
@@ -152,8 +167,15 @@ class KeraRun:
             share = [sum(per[k::consumers]) for k in range(consumers)]
         else:
             share = [sum((c // len(streams)) for c in counts) * len(g) for g in groups]
-        jobs += [("c", k, consume_worker, (coord, groups[k], share[k], timeout_s), {})
-                 for k in range(consumers)]
+        # consumers read the (fresh) streams from their start, warm-up included but not reported
+        warm = [0] * len(streams)
+        for _ in range(producers):
+            full, rem = divmod(n_warm, len(streams))
+            for t in range(len(streams)):
+                warm[t] += full + (1 if t < rem else 0)
+        wshare = [sum(warm[k::consumers]) for k in range(consumers)]
+        jobs += [("c", k, consume_worker, (coord, groups[k], share[k] + wshare[k], timeout_s),
+                  {"skip": wshare[k]}) for k in range(consumers)]
         outs = run_stage(ctx, jobs, timeout_s + 60)
         after = self.stats()
         pouts = [outs[("p", j)] for j in range(producers)]

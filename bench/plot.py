@@ -12,18 +12,27 @@ def plot(res: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = res["rows"]
     if res["experiment"] == "streams":
-        x, title = "streams", "records/s produced vs number of streams (latency config)"
-        series = sorted({r["system"] for r in rows})
-        for s in series:
-            pts = sorted((r[x], r["produce_rps"]) for r in rows if r["system"] == s)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+        x, title = "streams", "records/s produced vs number of streams (linger 1 ms)"
+        for key in sorted({(r["system"], r["chunk"]) for r in rows}):
+            pts = sorted((r[x], r["produce_rps"]) for r in rows if (r["system"], r["chunk"]) == key)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    linestyle="-" if key[1] == 1024 else "--", label=f"{key[0]}, chunk {key[1]}")
+        ax.set_yscale("log")
         ax.set_xscale("log", base=2)
     elif res["experiment"] == "vlogs":
-        x, title = "vlogs", "records/s produced vs shared vlogs per broker (R=3)"
-        for s in sorted({r["streams"] for r in rows}):
-            pts = sorted((r[x], r["produce_rps"]) for r in rows if r["streams"] == s)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{s} streams")
+        x, title = "vlogs", "records/s produced vs shared vlogs per broker (chunk 1 KB)"
+        for key in sorted({(r["system"], r["streams"]) for r in rows if r["chunk"] == 1024}):
+            pts = sorted((r[x], r["produce_rps"]) for r in rows
+                         if (r["system"], r["streams"]) == key and r["chunk"] == 1024)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}, {key[1]} streams")
         ax.set_xscale("log", base=2)
+    elif res["experiment"] == "latency":
+        x, title = "rate", "produce-ack latency, R=3, 128 streams"
+        labels = [str(r["rate"]) for r in rows]
+        ax.bar([i - 0.2 for i in range(len(rows))], [r["produce_p50_ms"] for r in rows], 0.4, label="p50 ms")
+        ax.bar([i + 0.2 for i in range(len(rows))], [r["produce_p99_ms"] for r in rows], 0.4, label="p99 ms")
+        ax.set_xticks(range(len(rows)), labels)
+        ax.set_yscale("log")
     else:
         x, title = "chunk", "records/s produced, 1 stream x 32 streamlets x 4 groups, R=3"
         for key in sorted({(r["system"], r["producers"]) for r in rows}):
@@ -31,7 +40,7 @@ def plot(res: dict, path: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}, {key[1]} producers")
         ax.set_xscale("log", base=2)
     ax.set_xlabel(x)
-    ax.set_ylabel("records/s")
+    ax.set_ylabel("ms" if res["experiment"] == "latency" else "records/s")
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)

@@ -186,8 +186,44 @@ def cmd_status(args) -> None:
                   f"chunks/rpc={per:.1f} lag={v['lag']} vsegs={v['vsegs']} "
                   f"with R copies={v['fully_replicated']}")
     for b in st["backups"]:
-        s = b.get("stats") or {}
         print(f"backup {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'}")
+    for r in st.get("recoveries", []):
+        print(_recovery_line(r))
+
+
+def _recovery_line(r: dict) -> str:
+    return (f"recovery of broker {r['broker']} (epoch {r['epoch']}): {r['state']}, "
+            f"{len(r['streamlets'])} streamlets, {r['vlogs']} vlogs from {r['backups']} backups, "
+            f"{r['bytes'] / 1e6:.1f} of {r['total_bytes'] / 1e6:.1f} MB in {r['seconds']} s "
+            f"({r['rate_mb_s']} MB/s){' ' + r['error'] if r['error'] else ''}")
+
+
+def cmd_recovery(args) -> None:
+    """Show recoveries; with --wait, a progress bar until none is in progress."""
+    from kera_client import open_admin
+
+    async def go():
+        async with open_admin(_coordinator(args)) as a:
+            waited = False
+            while True:
+                recs = (await a.status())["recoveries"]
+                active = [r for r in recs if r["state"] in ("planning", "replaying")]
+                if not args.wait or not active:
+                    if waited:
+                        print(file=sys.stderr)
+                    for r in recs:
+                        print(_recovery_line(r))
+                    return
+                waited = True
+                done = sum(r["bytes"] for r in active)
+                total = max(1, sum(r["total_bytes"] for r in active))
+                width = 30
+                fill = min(width, int(width * done / total))
+                print(f"\rrecovering {len(active)}: [{'#' * fill}{'.' * (width - fill)}] "
+                      f"{done / 1e6:.1f}/{total / 1e6:.1f} MB", end="", file=sys.stderr, flush=True)
+                await trio.sleep(0.2)
+
+    _run(go)
 
 
 # -- servers ------------------------------------------------------------------------------
@@ -263,6 +299,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = _client(sub.add_parser("status", help="nodes, streams, per-broker and per-vlog counters"))
     s.add_argument("--json", action="store_true")
+    rc = _client(sub.add_parser("recovery", help="recoveries of dead brokers; --wait shows progress"))
+    rc.add_argument("--wait", action="store_true", help="until no recovery is in progress")
     return ap
 
 
@@ -273,7 +311,7 @@ def main(argv=None) -> None:
         return
     args = parser().parse_args(argv)
     {"up": cmd_up, "stream": cmd_stream, "produce": cmd_produce, "consume": cmd_consume,
-     "status": cmd_status}[args.command](args)
+     "status": cmd_status, "recovery": cmd_recovery}[args.command](args)
 
 
 __all__ = ["main"]

@@ -81,6 +81,12 @@ class NotEnoughBackups(KeraError):
     retriable = True
 
 
+class BrokerFull(KeraError):
+    """The broker's memory budget is spent: no new segment can be allocated."""
+
+    code = "broker_full"
+
+
 class BackupError(KeraError):
     """A backup could not store a replica (I/O error, full disk, bad offset)."""
 
@@ -100,7 +106,7 @@ _BY_CODE = {
     for cls in [
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
         UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
-        OutOfOrderSequence, NotEnoughBackups, BackupError, Unavailable,
+        OutOfOrderSequence, NotEnoughBackups, BrokerFull, BackupError, Unavailable,
     ]
 }
 

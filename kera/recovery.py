@@ -47,6 +47,7 @@ class Recovery:
         self.sources: set[int] = set()      # backups replaying
         self.chunks = 0
         self.bytes = 0
+        self.total = 0                      # bytes of the copies chosen for replay
         self.error = ""
 
     def describe(self) -> dict:
@@ -54,6 +55,7 @@ class Recovery:
         return {"broker": self.broker, "epoch": self.epoch, "state": self.state,
                 "streamlets": [f"{n}/{i}" for n, i in self.streamlets], "vlogs": self.vlogs,
                 "backups": len(self.sources), "chunks": self.chunks, "bytes": self.bytes,
+                "total_bytes": self.total,
                 "seconds": round(end - self.started, 3),
                 "rate_mb_s": round(self.bytes / max(end - self.started, 1e-6) / 1e6, 2),
                 "error": self.error}
@@ -173,6 +175,7 @@ class RecoveryManager:
                         (sg["length"], b.id, b.addr))
         routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]
         rec.vlogs = len(held)
+        rec.total = sum(max(c[0] for c in copies) for vsegs in held.values() for copies in vsegs.values())
 
         async def replay_vlog(vlog: int, vsegs: dict[int, list]) -> None:
             for vseg in sorted(vsegs):

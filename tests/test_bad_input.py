@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import trio
-from kera_client import open_admin, open_consumer, open_producer
+from kera_client import ProduceError, open_admin, open_consumer, open_producer
 
 from kera import chunk, frame
 from kera.errors import (
@@ -192,3 +192,25 @@ async def test_many_garbage_connections_at_once(cluster):
                 n.start_soon(junk, i)
     async with open_admin(coord) as a:
         assert [s["name"] for s in await a.list_streams()] == ["good"]
+
+
+async def test_memory_budget_refuses_with_a_typed_error(make_cluster):
+    """Bounded resources: past its budget a broker refuses appends (typed), keeps what it has."""
+    cluster = make_cluster(1, broker_args=["--memory", str(256 << 10)])
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        s = await a.create_stream("full", streamlets=1, replication=1, segment_size=64 << 10)
+    with pytest.raises(ProduceError, match="broker_full"):
+        async with open_producer(coord, **{"chunk.size": 8192}) as p:
+            for _ in range(5000):
+                await p.send("full", b"v" * 100)
+    acked = p.acked
+    assert 0 < acked < 5000
+    async with open_pool() as pool:
+        st, _ = await pool.call(s["addrs"][0], "stats", {}, timeout=5)
+    assert st["memory"] <= st["memory_limit"] == 256 << 10
+    n = 0
+    async with open_consumer(["full"], coord) as c:
+        while chunks := await c.poll_chunks(0.5):
+            n += sum(len(ch) for ch in chunks)
+    assert n == acked

@@ -134,6 +134,7 @@ class AsyncProducer:
         self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)
         self._wake = trio.Event()
+        self._woken = False
         self._progress = trio.Event()
         self._token = trio.lowlevel.current_trio_token()
         self._loop_thread = threading.get_ident()
@@ -162,10 +163,17 @@ class AsyncProducer:
 
     # -- accumulation (any thread) ------------------------------------------------
     def _notify(self) -> None:
+        """Wake the sender, at most once per round of it (not once per chunk)."""
+        if self._woken:
+            return
+        self._woken = True
         if threading.get_ident() == self._loop_thread:
             self._wake.set()
         else:
-            self._token.run_sync_soon(self._wake.set)
+            self._token.run_sync_soon(self._wake_now)
+
+    def _wake_now(self) -> None:
+        self._wake.set()  # the event current when this runs, not when it was scheduled
 
     def _append(self, s: dict, value: bytes, key, timestamp) -> None:
         """Add one record to its streamlet's open chunk (caller holds the lock).
@@ -458,6 +466,7 @@ class AsyncProducer:
         self.producer_id = r["id"]
         task_status.started()
         while True:
+            self._woken = False
             now = time.monotonic()
             with self.lock:
                 self._seal_expired(now)

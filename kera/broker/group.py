@@ -24,9 +24,9 @@ def unpack(pos: int) -> tuple[int, int]:
 
 
 class Group:
-    __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed", "vlog")
+    __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed", "vlog", "memory")
 
-    def __init__(self, id: int, slot: int, segment_size: int, max_segments: int):
+    def __init__(self, id: int, slot: int, segment_size: int, max_segments: int, memory=None):
         self.id = id
         self.slot = slot  # the active-group slot (producer id % Q) it was opened for
         self.segment_size = segment_size
@@ -34,6 +34,7 @@ class Group:
         self.segments: list[Segment] = []
         self.closed = False
         self.vlog = None  # the virtual log its chunks go to (one per group, fixed once chosen)
+        self.memory = memory  # the broker's budget, charged for every segment allocated
 
     def append(self, chunk) -> tuple[Segment, int] | None:
         """Append one chunk; None if the group is full (it is then closed)."""
@@ -43,20 +44,26 @@ class Group:
             if len(self.segments) >= self.max_segments:
                 self.closed = True
                 return None
-            seg = Segment(len(self.segments), self.segment_size)
-            self.segments.append(seg)
+            seg = self._segment()
         return seg, seg.append(chunk)
 
     def place(self, segment: int, offset: int, chunk) -> Segment | None:
         """Recovery append at a recorded placement; None if already there (a replayed copy)."""
         while len(self.segments) <= segment:
-            self.segments.append(Segment(len(self.segments), self.segment_size))
+            self._segment()
         seg = self.segments[segment]
         if offset < seg.head:
             return None
         if offset != seg.head:
             raise ValueError(f"gap in group {self.id} segment {segment}: {offset} != {seg.head}")
         seg.append(chunk)
+        return seg
+
+    def _segment(self) -> Segment:
+        if self.memory is not None:
+            self.memory.reserve(self.segment_size)
+        seg = Segment(len(self.segments), self.segment_size)
+        self.segments.append(seg)
         return seg
 
     def durable_end(self) -> int:

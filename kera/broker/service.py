@@ -28,6 +28,7 @@ from ..errors import (
 )
 from ..rpc import Pool, Service
 from ..vlog import VirtualLog, VlogMapping
+from .memory import MemoryBudget
 from .streamlet import Streamlet
 
 log = logging.getLogger("kera.broker")
@@ -39,13 +40,14 @@ HEARTBEAT = 0.5
 
 class BrokerService(Service):
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
-                 vseg_size: int = 8 << 20, replicate_timeout: float = 5.0):
+                 vseg_size: int = 8 << 20, replicate_timeout: float = 5.0, memory: int = 0):
         self.coordinator = coordinator
         self.data_dir = data_dir
         self.node = node
         self.mapping = mapping
         self.vseg_size = vseg_size
         self.replicate_timeout = replicate_timeout
+        self.memory = MemoryBudget(memory)
         os.makedirs(data_dir, exist_ok=True)
         self.id_path = os.path.join(data_dir, "broker.id")
         ident = metafile.load(self.id_path) or {}
@@ -133,7 +135,7 @@ class BrokerService(Service):
         for i in meta["streamlets"]:
             sl = self.streamlets.get((s["id"], i))
             if sl is None:
-                sl = self.streamlets[(s["id"], i)] = Streamlet(s, i)
+                sl = self.streamlets[(s["id"], i)] = Streamlet(s, i, self.memory)
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
@@ -144,7 +146,7 @@ class BrokerService(Service):
         sid = meta.get("stream_id")
         only = meta.get("streamlets")
         for key in [k for k in self.streamlets if k[0] == sid and (only is None or k[1] in only)]:
-            del self.streamlets[key]
+            self.memory.release(self.streamlets.pop(key).allocated())
         if not any(k[0] == sid for k in self.streamlets):
             self.streams.pop(sid, None)
             self.mapping.forget(sid)
@@ -311,7 +313,8 @@ class BrokerService(Service):
             vl.append({"vlog": v.id, "replication": v.replication, "appended": v.appended,
                        "durable": v.durable, "lag": v.lag(), "rpcs": v.rpcs,
                        "failures": v.failures, **v.copies_held()})
-        return {"chunks": sum(s.appended_chunks for s in self.streamlets.values()),
+        return {"memory": self.memory.used, "memory_limit": self.memory.limit,
+                "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl}
 
@@ -377,6 +380,7 @@ class BrokerService(Service):
         """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
         self.streams.clear()
         self.streamlets.clear()
+        self.memory.used = 0
         self.vlogs.clear()
         self.mapping.shared.clear()
         self.backups.clear()
@@ -414,13 +418,15 @@ def main(argv=None) -> None:
     ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
     ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
     ap.add_argument("--vseg-size", type=int, default=8 << 20, help="virtual segment capacity, bytes")
+    ap.add_argument("--memory", type=int, default=0,
+                    help="bytes of segments this broker may allocate (0: no limit)")
     ap.add_argument("--replicate-timeout", type=float, default=5.0,
                     help="seconds before a silent backup is replaced")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
     svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
                         VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
-                        args.replicate_timeout)
+                        args.replicate_timeout, args.memory)
 
     from ..process import run_until_signal
     run_until_signal(svc.run, args.host, args.port)

@@ -21,7 +21,7 @@ class ProducerState:
 
 
 class Streamlet:
-    def __init__(self, stream: dict, index: int):
+    def __init__(self, stream: dict, index: int, memory=None):
         self.stream_id = stream["id"]
         self.index = index
         self.q = stream["groups"]
@@ -34,11 +34,12 @@ class Streamlet:
         self.appended_chunks = 0
         self.appended_bytes = 0
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
+        self.memory = memory     # the broker's budget (see MemoryBudget)
 
     def _new_group(self, slot: int, gid: int | None = None) -> Group:
         if gid is None:
             gid = self.next_group
-        g = Group(gid, slot, self.segment_size, self.max_segments)
+        g = Group(gid, slot, self.segment_size, self.max_segments, self.memory)
         self.groups[gid] = g
         self.next_group = max(self.next_group, gid + 1)
         return g
@@ -90,6 +91,9 @@ class Streamlet:
             self.producers[producer] = ProducerState(sequence, vlog, ref)
         elif sequence >= st.last_seq:
             st.last_seq, st.vlog, st.ref = sequence, vlog, ref
+
+    def allocated(self) -> int:
+        return sum(len(g.segments) for g in self.groups.values()) * self.segment_size
 
     def finish_recovery(self) -> None:
         """Rebuilt: the newest group of each slot is active again, older ones are closed."""
