@@ -430,9 +430,12 @@ class AsyncProducer:
         with self.lock:
             self.inflight[addr] -= 1
             retry: dict[tuple, list] = {}
+            refused: dict[tuple, int] = {}  # streamlet -> sequence of its first refused chunk
             for c, res in zip(items, results, strict=False):
                 self.inflight_keys.discard(c.key)
-                if res is None:
+                if c.key in refused:  # after a refused chunk, the rest of its streamlet goes too
+                    self._give_up([c], res or "after a refused chunk")
+                elif res is None:
                     self.acked += c.records
                     self.outstanding -= c.records
                     self.buffered -= len(c.data)
@@ -440,7 +443,14 @@ class AsyncProducer:
                 elif res in RETRIABLE:
                     retry.setdefault(c.key, []).append(c)
                 else:
+                    refused[c.key] = c.seq
                     self._give_up([c], res)
+            for k, seq in refused.items():
+                # the chunks queued behind it would leave a hole in the sequence: give them
+                # up too, and number what comes next from where the broker stands
+                self._give_up(list(self.ready.pop(k, ())), "after a refused chunk")
+                self.seq[k] = seq
+                retry.pop(k, None)
             for k, cs in retry.items():
                 q = self.ready.setdefault(k, deque())
                 q.extendleft(reversed(cs))
