@@ -98,8 +98,8 @@ def exp_throughput(args) -> dict:
     with KeraRun(args.nodes) as k:
         for chunk in chunks:
             for p in producers:
-                streams = k.create(1, streamlets=32, groups=4, replication=3)
                 for mode in ("send", "batch"):
+                    streams = k.create(1, streamlets=32, groups=4, replication=3)  # fresh per run
                     say(f"B: chunk {chunk}, {p} producers, {mode}")
                     out = k.measure(streams, n, 100, p, args.consumers,
                                     {"acks": "all", "linger.ms": 5, "chunk.size": chunk,

@@ -34,6 +34,7 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
             p.send(streams[i % s], value)
         p.flush()
         warm = p.acked
+        p.latencies.clear()  # latencies of the measured records only
         if barrier is not None:
             barrier.wait()
         t0 = time.monotonic()
@@ -60,7 +61,7 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
                 p.send_many(streams[(start_index + j) % s], arr)
         p.flush()
         t1 = time.monotonic()
-        lat = sorted(x * 1000 for x in list(p.latencies)[warm:])
+        lat = sorted(x * 1000 for x in p.latencies)
         return {"records": p.acked - warm, "t_start": t0, "t_end": t1, "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
     finally:
         p.portal.close()
@@ -104,23 +105,23 @@ class KeraRun:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def create(self, n_streams, streamlets=1, groups=1, replication=1, vlogs=None) -> list[str]:
+        return trio.run(self.acreate, n_streams, streamlets, groups, replication, vlogs)
+
+    async def acreate(self, n_streams, streamlets=1, groups=1, replication=1, vlogs=None) -> list[str]:
+        """Fresh streams for one run, created 32 at a time."""
         from kera_client import open_admin
 
         self.runs += 1
         names = [f"b{self.runs}-{i:04d}" for i in range(n_streams)]
-
-        async def go():
-            limit = trio.CapacityLimiter(32)
-            async with open_admin(self.cluster.coordinator) as a:
-                async def one(n):
-                    async with limit:
-                        await a.create_stream(n, streamlets=streamlets, groups=groups,
-                                              replication=replication, vlogs=vlogs)
-                async with trio.open_nursery() as nursery:
-                    for n in names:
-                        nursery.start_soon(one, n)
-
-        trio.run(go)
+        limit = trio.CapacityLimiter(32)
+        async with open_admin(self.cluster.coordinator) as a:
+            async def one(n):
+                async with limit:
+                    await a.create_stream(n, streamlets=streamlets, groups=groups,
+                                          replication=replication, vlogs=vlogs)
+            async with trio.open_nursery() as nursery:
+                for n in names:
+                    nursery.start_soon(one, n)
         return names
 
     def stats(self) -> dict:

@@ -33,7 +33,7 @@ async def broker_bytes(addr: str) -> int:
 async def run(k: KeraRun, mb: int, streams: int) -> dict:
     c = k.cluster
     coord = c.coordinator
-    names = k.create(streams, replication=3)
+    names = await k.acreate(streams, replication=3)
     victim = "node2-broker"
     vaddr = c.addrs[victim]
     arr = np.full((1000, 100), ord("x"), dtype=np.uint8)

@@ -175,7 +175,7 @@ def cmd_status(args) -> None:
     if args.json:
         print(json.dumps(st, indent=2))
         return
-    print(f"coordinator {_coordinator(args)}: {len(st['streams'])} streams")
+    print(f"coordinator {_coordinator(args)}: {st['streams']} streams")
     for b in st["brokers"]:
         s = b.get("stats") or {}
         print(f"broker {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'} "

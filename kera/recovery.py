@@ -177,9 +177,13 @@ class RecoveryManager:
         rec.vlogs = len(held)
         rec.total = sum(max(c[0] for c in copies) for vsegs in held.values() for copies in vsegs.values())
 
+        busy: dict[int, int] = {}  # replays given to each backup: spread them, many backups at once
+
         async def replay_vlog(vlog: int, vsegs: dict[int, list]) -> None:
             for vseg in sorted(vsegs):
-                sources = sorted(vsegs[vseg], reverse=True)  # the longest copy first
+                # the longest copy first; among equal ones, the backup with the least to do
+                sources = sorted(vsegs[vseg], key=lambda c: (-c[0], busy.get(c[1], 0)))
+                busy[sources[0][1]] = busy.get(sources[0][1], 0) + 1
                 for i, (_length, bid, addr) in enumerate(sources):
                     try:
                         rec.sources.add(bid)
