@@ -151,11 +151,11 @@ class LocalCluster:
                   f"(broker + backup each), data in {self.data}, logs in {self.logs}", flush=True)
             if self.demo:
                 self._demo()
-            print("next, in another terminal:\n"
+            print("next, in another terminal (kera is in .venv/bin: source .venv/bin/activate):\n"
                   f"  export KERA_COORDINATOR={self.coordinator}\n"
-                  "  kera stream create demo --streamlets 4\n"
-                  "  seq 1 1000 | kera produce demo\n"
-                  "  kera consume demo --from earliest --max 1000 --count-only\n"
+                  "  kera stream create events --streamlets 4\n"
+                  "  seq 1 1000 | kera produce events\n"
+                  "  kera consume events --from earliest --max 1000 --count-only\n"
                   "  kera status\n"
                   "Ctrl-C stops the cluster.", flush=True)
             reported = set()
