@@ -258,6 +258,36 @@ def test_availablenow_ingests_200_streams_exactly(cluster, spark, tmp_path):
     assert _spark_counts(df) == _expect(sent)
 
 
+class KeepProducing:
+    """A thread that writes ``per`` records to every stream per round until stopped;
+    ``sent`` counts what was acknowledged, ``errors`` holds what went wrong."""
+
+    def __init__(self, coord, names, per):
+        self.sent = {n: 0 for n in names}
+        self.errors = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(coord, names, per), daemon=True)
+        self.thread.start()
+
+    def _run(self, coord, names, per):
+        try:
+            with Producer(coord, acks="all") as p:
+                while not self.stop.is_set():
+                    for n in names:
+                        p.send_many(n, _values(n, self.sent[n], per))
+                    p.flush()
+                    for n in names:
+                        self.sent[n] += per
+                    self.stop.wait(0.1)  # pacing, not synchronisation
+        except BaseException as e:  # surfaced by the test thread
+            self.errors.append(e)
+
+    def finish(self):
+        self.stop.set()
+        self.thread.join(60)
+        assert not self.errors, self.errors
+
+
 @pytest.mark.timeout(180)
 def test_restart_from_checkpoint_while_producing_is_exactly_once(cluster, spark, tmp_path):
     coord = cluster.coordinator
@@ -265,22 +295,7 @@ def test_restart_from_checkpoint_while_producing_is_exactly_once(cluster, spark,
     with Admin(coord) as a:
         for n in names:
             a.create_stream(n, streamlets=2, groups=2)
-    sent = {n: 0 for n in names}
-    stop = threading.Event()
-    errors = []
-
-    def produce():
-        try:
-            with Producer(coord, acks="all") as p:
-                while not stop.is_set():
-                    for n in names:
-                        p.send_many(n, _values(n, sent[n], 200))
-                    p.flush()
-                    for n in names:
-                        sent[n] += 200
-                    stop.wait(0.1)  # pacing (4000 records per round), not synchronisation
-        except BaseException as e:  # surfaced by the test thread
-            errors.append(e)
+    w = KeepProducing(coord, names, 200)
 
     out, chk = str(tmp_path / "out"), str(tmp_path / "chk")
 
@@ -295,10 +310,8 @@ def test_restart_from_checkpoint_while_producing_is_exactly_once(cluster, spark,
     def batches_with_data(q):
         return sum(1 for p in q.recentProgress if p["numInputRows"] > 0)
 
-    t = threading.Thread(target=produce, daemon=True)
-    t.start()
     try:
-        _wait(lambda: sum(sent.values()) >= 4000, 30, "the producer to start")
+        _wait(lambda: sum(w.sent.values()) >= 4000, 30, "the producer to start")
         q1 = start({"processingTime": "0 seconds"})
         _wait(lambda: batches_with_data(q1) >= 3 or q1.exception(), 60, "3 micro-batches")
         print("q1", [(p["numInputRows"], p["durationMs"]) for p in q1.recentProgress])
@@ -309,17 +322,15 @@ def test_restart_from_checkpoint_while_producing_is_exactly_once(cluster, spark,
         assert q2.exception() is None
         q2.stop()
     finally:
-        stop.set()
-        t.join(60)
-    assert not errors, errors
+        w.finish()
     q3 = start({"availableNow": True}, limit=None)  # the last restart drains what is left
     assert q3.awaitTermination(120)
     assert q3.exception() is None
-    total = sum(sent.values())
+    total = sum(w.sent.values())
     df = spark.read.parquet(out)
     assert df.count() == total, "every record exactly once"
     assert df.select("stream", "value").distinct().count() == total
-    assert _spark_counts(df) == _expect({n: _values(n, 0, sent[n]) for n in names})
+    assert _spark_counts(df) == _expect({n: _values(n, 0, w.sent[n]) for n in names})
 
 
 @pytest.mark.timeout(150)
@@ -425,22 +436,7 @@ def test_broker_killed_under_a_streaming_query_loses_and_doubles_nothing(make_cl
     with Admin(coord) as a:
         for n in names:
             a.create_stream(n, streamlets=2, replication=3)
-    sent = {n: 0 for n in names}
-    stop = threading.Event()
-    errors = []
-
-    def produce():
-        try:
-            with Producer(coord, acks="all") as p:
-                while not stop.is_set():
-                    for n in names:
-                        p.send_many(n, _values(n, sent[n], 100))
-                    p.flush()
-                    for n in names:
-                        sent[n] += 100
-                    stop.wait(0.1)  # pacing, not synchronisation
-        except BaseException as e:
-            errors.append(e)
+    w = KeepProducing(coord, names, 100)
 
     out, chk = str(tmp_path / "out"), str(tmp_path / "chk")
 
@@ -455,10 +451,8 @@ def test_broker_killed_under_a_streaming_query_loses_and_doubles_nothing(make_cl
     def batches_with_data(q):
         return sum(1 for p in q.recentProgress if p["numInputRows"] > 0)
 
-    t = threading.Thread(target=produce, daemon=True)
-    t.start()
     try:
-        _wait(lambda: sum(sent.values()) >= 3200, 30, "the producer to start")
+        _wait(lambda: sum(w.sent.values()) >= 3200, 30, "the producer to start")
         q = start({"processingTime": "0 seconds"})
         _wait(lambda: batches_with_data(q) >= 2 or q.exception(), 60, "2 micro-batches")
         before = batches_with_data(q)
@@ -468,9 +462,7 @@ def test_broker_killed_under_a_streaming_query_loses_and_doubles_nothing(make_cl
         assert q.exception() is None
         q.stop()
     finally:
-        stop.set()
-        t.join(60)
-    assert not errors, errors
+        w.finish()
     q2 = start({"availableNow": True}, limit=None)
     assert q2.awaitTermination(120)
     assert q2.exception() is None
@@ -483,9 +475,9 @@ def test_broker_killed_under_a_streaming_query_loses_and_doubles_nothing(make_cl
     assert df.count() == sum(map(len, held.values()))
     assert df.select("stream", "value").distinct().count() == df.count(), "nothing twice"
     assert _spark_counts(df) == _expect(held), "Spark read what the consumer reads"
-    lost = {n: sent[n] - len(held[n]) for n in names if len(held[n]) != sent[n]}
+    lost = {n: w.sent[n] - len(held[n]) for n in names if len(held[n]) != w.sent[n]}
     if lost:
         with Admin(coord) as a:
             rec = a.status().get("recoveries")
         pytest.fail(f"acknowledged records lost by broker recovery: {lost}; recoveries: {rec}")
-    assert sorted(held) == names and all(sorted(held[n]) == _values(n, 0, sent[n]) for n in names)
+    assert sorted(held) == names and all(sorted(held[n]) == _values(n, 0, w.sent[n]) for n in names)
