@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import trio
 from kera_client import open_admin, open_consumer
 
@@ -58,3 +59,32 @@ async def test_active_groups_close_and_reopen(make_cluster):
         assert len(gs) > 4, f"streamlet {streamlet}: groups closed and new ones opened ({sorted(gs)})"
         slots = {slot_of_group[(streamlet, g)] for g in gs}
         assert slots == {0, 1, 2, 3}, "the Q active groups were all used"
+
+
+async def test_send_many_and_sync_clients_round_trip(make_cluster):
+    """The batch path (lists with keys, arrays) and the synchronous Producer/Consumer."""
+    cluster = make_cluster(1)
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        await a.create_stream("many", streamlets=3, replication=1)
+    values = [b"v%d" % i for i in range(5000)]
+    keys = [None if i % 3 == 0 else b"k%d" % (i % 7) for i in range(5000)]
+
+    def sync_side():
+        from kera_client import Consumer, Producer
+
+        with Producer(coord, **{"chunk.size": 2048}) as p:
+            p.send_many("many", values, keys)
+            p.send_many("many", np.full((100, 10), ord("a"), dtype=np.uint8), streamlet=1)
+            for i in range(50):
+                p.send("many", b"one-%d" % i, key=b"key")
+        with Consumer(["many"], coordinator=coord) as c:
+            return list(c.records(timeout=2))
+
+    got = await trio.to_thread.run_sync(sync_side)
+    assert len(got) == 5150
+    by_value = {r.value: r.key for r in got}
+    assert all(by_value[v] == k for v, k in zip(values, keys, strict=True))
+    assert sum(1 for r in got if r.value == b"a" * 10) == 100
+    one = [r for r in got if r.value.startswith(b"one-")]
+    assert [r.value for r in one] == [b"one-%d" % i for i in range(50)]  # one key: one streamlet, in order

@@ -41,7 +41,7 @@ DEFAULTS = {
     "chunk.size": 16384,
     "request.size": 1 << 20,
     "max.in.flight": 4,
-    "partitioner": "round-robin",
+    "partitioner": "key",
     "buffer.memory": 256 << 20,
     "delivery.timeout.ms": 120_000,
     "request.timeout.ms": 30_000,
@@ -58,13 +58,21 @@ def _config(config: dict | None, kw: dict) -> dict:
             cfg[k] = v
     if cfg["acks"] not in ("all", "leader", "none"):
         raise ValueError("acks must be all, leader or none")
-    if cfg["partitioner"] not in ("round-robin", "key"):
-        raise ValueError("partitioner must be round-robin or key")
+    if cfg["partitioner"] not in ("key", "round-robin"):
+        raise ValueError("partitioner must be key (default: a record's key hash picks its streamlet, "
+                         "records without key go sticky round-robin) or round-robin (keys ignored)")
     return cfg
 
 
 class ProduceError(KeraError):
     code = "produce"
+
+
+def _offsets(items) -> tuple[np.ndarray, bytes]:
+    """Arrow-style offsets (int64[n + 1]) and the joined bytes of a list of byte strings."""
+    off = np.zeros(len(items) + 1, np.int64)
+    np.cumsum(np.fromiter(map(len, items), np.int64, len(items)), out=off[1:])
+    return off, b"".join(items)
 
 
 def _wall_ms(monotonic: float) -> int:
@@ -111,7 +119,7 @@ class AsyncProducer:
         self.buffer_memory = int(cfg["buffer.memory"])
         self.delivery_timeout = cfg["delivery.timeout.ms"] / 1000
         self.request_timeout = cfg["request.timeout.ms"] / 1000
-        self.by_key = cfg["partitioner"] == "key"
+        self.by_key = cfg["partitioner"] != "round-robin"
         self.producer_id = 0
         self.streams: dict[str, dict] = {}
         self.by_id: dict[int, dict] = {}
@@ -254,19 +262,20 @@ class AsyncProducer:
     async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None) -> None:
         """Send many records at once, packed into chunks with numpy.
 
-        ``values`` is a list of bytes or a 2-D uint8 array (one row per record);
-        all records go to ``streamlet`` (default: round-robin per chunk).
+        ``values`` is a list of bytes or a 2-D uint8 array (one row per record),
+        ``keys`` an optional list (None: no key), stored but not used to
+        partition: records go to ``streamlet`` (default: round-robin per chunk).
         """
-        s = self.streams.get(stream) or await self.stream(stream)
-        for k, data, n in self._pack_many(s, values, keys, streamlet):
-            while self.buffered >= self.buffer_memory:
-                await self._progress.wait()
-            with self.lock:
-                self.buffered += len(data)
-                self.outstanding += n
-                self._next_seq(k)
-                self._enqueue(k, data, n)
-            self._notify()
+        if isinstance(values, np.ndarray):
+            if values.ndim != 2 or values.dtype != np.uint8:
+                raise ValueError("values array must be 2-D uint8 (one row per record)")
+            n, size = values.shape
+            voff = np.arange(0, (n + 1) * size, size, dtype=np.int64)
+            vdata = np.ascontiguousarray(values).reshape(-1)
+        else:
+            voff, vdata = _offsets(values)
+        koff, kdata = (None, b"") if keys is None else _offsets([k or b"" for k in keys])
+        await self.send_columns(stream, voff, vdata, koff, kdata, None, streamlet)
 
     async def send_columns(self, stream: str, value_offsets, value_data, key_offsets=None,
                            key_data=b"", timestamps=None, streamlet: int | None = None) -> None:
@@ -290,10 +299,6 @@ class AsyncProducer:
         bounds = np.concatenate([[0], bounds[bounds < n], [n]]).tolist()
         vdata, kdata = memoryview(value_data), memoryview(key_data)
         for a, b in pairwise(bounds):
-            sl = streamlet if streamlet is not None else self.rr.streamlet(s["id"], s["streamlets"])
-            if streamlet is None:
-                self.rr.sealed(s["id"], s["streamlets"])
-            k = (s["id"], sl)
             v0, v1 = int(voff[a]), int(voff[b])
             if koff is None:
                 ko, kb = np.zeros(b - a + 1, np.uint32), b""
@@ -303,42 +308,16 @@ class AsyncProducer:
             while self.buffered >= self.buffer_memory:
                 await self._progress.wait()
             with self.lock:
+                sl = streamlet if streamlet is not None else self.rr.streamlet(s["id"], s["streamlets"])
+                if streamlet is None:
+                    self.rr.sealed(s["id"], s["streamlets"])
+                k = (s["id"], sl)
                 data = chunkfmt.build_arrays(k[0], sl, self.producer_id, self._next_seq(k), ts[a:b], ko,
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])
                 self.buffered += len(data)
                 self.outstanding += b - a
                 self._enqueue(k, data, b - a)
             self._notify()
-
-    def _pack_many(self, s, values, keys, streamlet):
-        arr = values if isinstance(values, np.ndarray) else None
-        n = len(values)
-        if arr is not None:
-            if arr.ndim != 2 or arr.dtype != np.uint8:
-                raise ValueError("values array must be 2-D uint8 (one row per record)")
-            size = arr.shape[1]
-        else:
-            size = max(1, sum(map(len, values[:64])) // max(1, min(n, 64)))
-        per = max(1, self.chunk_size // (size + 16))
-        now = int(time.time() * 1000)
-        sl_fixed = streamlet
-        for start in range(0, n, per):
-            stop = min(n, start + per)
-            sl = sl_fixed if sl_fixed is not None else self.rr.streamlet(s["id"], s["streamlets"])
-            if sl_fixed is None:
-                self.rr.sealed(s["id"], s["streamlets"])
-            k = (s["id"], sl)
-            seq = self.seq.get(k, 0)
-            kslice = None if keys is None else keys[start:stop]
-            if arr is not None and kslice is None:
-                m = stop - start
-                voff = np.arange(0, (m + 1) * size, size, dtype=np.uint32)
-                data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, np.full(m, now, np.int64),
-                                             np.zeros(m + 1, np.uint32), b"", voff, arr[start:stop].tobytes())
-            else:
-                vals = [bytes(r) for r in arr[start:stop]] if arr is not None else values[start:stop]
-                data = chunkfmt.build(k[0], sl, self.producer_id, seq, vals, kslice, [now] * (stop - start))
-            yield k, data, stop - start
 
     # -- sending (loop thread) ----------------------------------------------------
     def _seal_expired(self, now: float) -> None:
