@@ -88,3 +88,25 @@ async def test_send_many_and_sync_clients_round_trip(make_cluster):
     assert sum(1 for r in got if r.value == b"a" * 10) == 100
     one = [r for r in got if r.value.startswith(b"one-")]
     assert [r.value for r in one] == [b"one-%d" % i for i in range(50)]  # one key: one streamlet, in order
+
+
+async def test_committed_positions_resume_a_consumer_group(make_cluster):
+    cluster = make_cluster(1)
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        await a.create_stream("pos", streamlets=2, replication=1)
+    await produce_all(coord, ["pos"], 1, 100, 1)
+
+    async def read_all(group):
+        seen = []
+        async with open_consumer(["pos"], coord, group=group) as c:
+            while chunks := await c.poll_chunks(0.5):
+                seen += [v for ch in chunks for v in ch.values()]
+            await c.commit()
+        return seen
+
+    assert len(await read_all("g")) == 100
+    await produce_all(coord, ["pos"], 2, 50, 1)  # 100 more, 50 of them from a second producer
+    again = await read_all("g")
+    assert len(again) == 100 and sum(v[:4] == (1).to_bytes(4, "little") for v in again) == 50
+    assert len(await read_all("other")) == 200  # another group starts from the beginning
