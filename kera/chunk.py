@@ -184,6 +184,17 @@ class ChunkView:
         self.header = header or parse_header(buf, offset)
         self.buf = memoryview(buf)[offset:offset + self.header.size]
         self._base = HEADER_SIZE
+        self._check_offsets()
+
+    def _check_offsets(self) -> None:
+        """Checksums say the bytes are the producer's; this says they make sense (a
+        buggy producer's offsets must not make a reader slice garbage)."""
+        n = len(self)
+        room = self.header.body_len - 16 * n - 8
+        k, v = self.key_offsets, self.value_offsets
+        if k[0] or v[0] or (np.diff(k.astype(np.int64)) < 0).any() or (np.diff(v.astype(np.int64)) < 0).any() \
+                or int(k[-1]) + int(v[-1]) > room:
+            raise ProtocolError("chunk offsets are not increasing within its body")
 
     def __len__(self) -> int:
         return self.header.record_count

@@ -383,3 +383,19 @@ def test_scan_fails_on_trailing_bytes(chunks, tail):
     buf = b"".join(make(ident, recs) for ident, recs in chunks) + tail
     with pytest.raises(DAMAGE):
         scan(buf)
+
+
+def test_inconsistent_offsets_are_refused_by_readers():
+    """Valid checksums but offsets going backwards or past the data: never sliced."""
+    import struct as _struct
+
+    good = chunk.build(1, 0, 1, 0, [b"abc", b"de", b"f"])
+    n = 3
+    at = chunk.HEADER_SIZE + 8 * n + 4 * (n + 1)  # the value offsets
+    for offsets in ([0, 1000, 3, 6], [0, 2, 1, 6], [5, 5, 5, 6]):
+        body = bytearray(good[chunk.HEADER_SIZE:])
+        _struct.pack_into("<4I", body, at - chunk.HEADER_SIZE, *offsets)
+        bad = chunk._seal_header(1, 0, 1, 0, n, 0, 0, bytes(body))
+        chunk.verify(bad)  # the checksums are right
+        with pytest.raises(ProtocolError):
+            chunk.ChunkView(bad)
