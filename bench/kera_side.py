@@ -18,7 +18,7 @@ import trio
 
 from kera.cluster import LocalCluster
 
-from .stage import percentile, run_stage, split
+from .stage import run_stage, split, summarize
 
 
 def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_index=0,
@@ -128,19 +128,11 @@ class KeraRun:
         """Replication RPCs and chunks appended, summed over the brokers' own counters."""
         from kera_client import open_admin
 
-        from kera.rpc import open_pool
-
         async def go():
             async with open_admin(self.cluster.coordinator) as a:
-                st = await a.status()
-            rpcs = chunks = 0
-            async with open_pool() as pool:
-                for b in st["brokers"]:
-                    if b["alive"]:
-                        r, _ = await pool.call(b["addr"], "stats", {}, timeout=10)
-                        rpcs += sum(v["rpcs"] for v in r["vlogs"])
-                        chunks += sum(v["appended"] for v in r["vlogs"])
-            return {"rpcs": rpcs, "chunks": chunks}
+                st = await a.broker_stats()
+            return {"rpcs": sum(v["rpcs"] for r in st for v in r["vlogs"]),
+                    "chunks": sum(v["appended"] for r in st for v in r["vlogs"])}
 
         return trio.run(go)
 
@@ -179,22 +171,11 @@ class KeraRun:
                   {"skip": wshare[k]}) for k in range(consumers)]
         outs = run_stage(ctx, jobs, timeout_s + 60)
         after = self.stats()
-        pouts = [outs[("p", j)] for j in range(producers)]
-        couts = [outs[("c", k)] for k in range(consumers)]
-        start = min(o["t_start"] for o in pouts + couts)
-        p_end = max(o["t_end"] for o in pouts)
-        produced = sum(o["records"] for o in pouts)
-        lat = sorted(x for o in pouts for x in o["latencies_ms"])
-        out = {"produced": produced, "produce_rps": round(produced / (p_end - start)),
-               "produce_p50_ms": _r(percentile(lat, 50)), "produce_p99_ms": _r(percentile(lat, 99)),
-               "rpcs": after["rpcs"] - before["rpcs"], "chunks": after["chunks"] - before["chunks"]}
+        out = summarize([outs[("p", j)] for j in range(producers)],
+                        [outs[("c", k)] for k in range(consumers)])
+        out.update(rpcs=after["rpcs"] - before["rpcs"], chunks=after["chunks"] - before["chunks"])
         if consumers:
-            c_end = max(o["t_end"] for o in couts)
-            consumed = sum(o["records"] for o in couts)
-            out.update(consumed=consumed, consume_rps=round(consumed / (c_end - start)),
-                       expected=sum(share))
+            out["expected"] = sum(share)
         out["chunks_per_rpc"] = round(out["chunks"] / out["rpcs"], 1) if out["rpcs"] else None
         return out
 
-def _r(x):
-    return None if x is None else round(x, 2)

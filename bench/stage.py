@@ -86,3 +86,29 @@ def run_stage(ctx, jobs: list, timeout_s: float) -> dict:
     if errors:
         raise RuntimeError("bench worker failed:\n" + "\n".join(errors))
     return outs
+
+
+def summarize(pouts: list[dict], couts: list[dict], consume_start: float | None = None) -> dict:
+    """Rates and latencies of one run from its workers' reports (t_start/t_end are
+    time.monotonic(), comparable across processes): records over the time from the
+    first worker's start to the last producer's (consumer's) end."""
+    start = min(o["t_start"] for o in pouts + couts)
+    p_end = max(o["t_end"] for o in pouts)
+    produced = sum(o["records"] for o in pouts)
+    lat = sorted(x for o in pouts for x in o["latencies_ms"])
+    out = {"produced": produced, "produce_s": round(p_end - start, 3),
+           "produce_rps": round(produced / (p_end - start)),
+           "produce_p50_ms": rounded(percentile(lat, 50)), "produce_p99_ms": rounded(percentile(lat, 99)),
+           "latency_samples": len(lat), "wall_s": round(p_end - start, 3)}
+    if couts:
+        c_start = start if consume_start is None else consume_start
+        c_end = max(o["t_end"] for o in couts)
+        consumed = sum(o["records"] for o in couts)
+        out.update(consumed=consumed, consume_s=round(c_end - c_start, 3),
+                   consume_rps=round(consumed / (c_end - c_start)),
+                   wall_s=round(max(p_end, c_end) - start, 3))
+    return out
+
+
+def rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)

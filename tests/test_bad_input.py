@@ -59,14 +59,9 @@ def cluster(make_cluster):
 
 async def stored(coord) -> tuple[int, int, int]:
     """(chunks, bytes) appended on all brokers, and records readable from stream 'good'."""
-    async with open_pool() as pool:
-        chunks = nbytes = 0
-        async with open_admin(coord) as a:
-            st = await a.status()
-        for b in st["brokers"]:
-            r, _ = await pool.call(b["addr"], "stats", {}, timeout=5)
-            chunks += r["chunks"]
-            nbytes += r["bytes"]
+    async with open_admin(coord) as a:
+        st = await a.broker_stats()
+    chunks, nbytes = sum(r["chunks"] for r in st), sum(r["bytes"] for r in st)
     n = 0
     async with open_consumer(["good"], coord) as c:
         while chunks_ := await c.poll_chunks(0.5):

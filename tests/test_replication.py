@@ -20,15 +20,10 @@ async def cluster_state(coord):
 
 async def vlog_totals(coord) -> tuple[int, int]:
     """(replication RPCs, chunks appended) over every broker's vlogs, from the brokers."""
-    st = await cluster_state(coord)
-    rpcs = chunks = 0
-    async with open_pool() as pool:
-        for b in st["brokers"]:
-            if b["alive"]:
-                r, _ = await pool.call(b["addr"], "stats", {}, timeout=5)
-                rpcs += sum(v["rpcs"] for v in r["vlogs"])
-                chunks += sum(v["appended"] for v in r["vlogs"])
-    return rpcs, chunks
+    async with open_admin(coord) as a:
+        st = await a.broker_stats()
+    return (sum(v["rpcs"] for r in st for v in r["vlogs"]),
+            sum(v["appended"] for r in st for v in r["vlogs"]))
 
 
 async def run(coord, prefix, n_streams, policy, producers=4, records=200_000):

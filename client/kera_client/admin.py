@@ -53,6 +53,19 @@ class AsyncAdmin:
     async def status(self) -> dict:
         return await self.call("status")
 
+    async def broker_stats(self) -> list[dict]:
+        """Every live broker's own counters (chunks, bytes, memory, per-vlog replication),
+        asked of the brokers themselves; one that does not answer is left out."""
+        out = []
+        for b in (await self.status())["brokers"]:
+            if b["alive"]:
+                try:
+                    r, _ = await self.pool.call(b["addr"], "stats", {}, timeout=self.timeout)
+                except KeraError:
+                    continue
+                out.append(r)
+        return out
+
 
 @asynccontextmanager
 async def open_admin(coordinator: str | None = None):
