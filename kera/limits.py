@@ -1,0 +1,64 @@
+"""Every size limit of kera, in one module, with their relations asserted at import.
+
+A limit that is checked in one process and silently larger in another is how
+a record gets accepted by a broker and then refused by every backup (the
+vseg it sits in can never be replicated: a wedge). So each bound is defined
+once here, the others are derived from it, and the chain
+
+    largest chunk <= largest replicated payload <= largest frame payload
+
+(and the same for every other message that carries chunks) is asserted
+below. Anything over a limit is refused at the door, where it enters, with
+a typed error naming the limit.
+"""
+
+from __future__ import annotations
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+# -- frames (kera.frame) ---------------------------------------------------------
+FRAME_PREFIX = 16                 # magic, version, kind, request id, meta length, payload length
+MAX_FRAME = 64 * MiB              # one RPC frame, prefix + meta + payload
+MAX_META = 4 * MiB                # its msgpack header (a pull reply's entries for many streamlets)
+MAX_PAYLOAD = MAX_FRAME - FRAME_PREFIX - MAX_META
+
+# -- chunks (kera.chunk) ------------------------------------------------------------
+MAX_CHUNK = 16 * MiB              # one chunk, header included: the largest record is a little less
+MAX_RECORDS = 1 << 24             # records in one chunk
+
+# -- streams (coordinator) ---------------------------------------------------------
+MIN_SEGMENT_SIZE = 4 * KiB
+MAX_SEGMENT_SIZE = 256 * MiB      # a stream's segment size (a chunk larger than it is refused)
+MAX_STREAMLETS = 4096             # per stream
+MAX_GROUPS = 64                   # active groups per streamlet
+
+# -- producer requests (client, broker) ---------------------------------------------
+MAX_REQUEST = 32 * MiB            # producer request.size is clamped to this
+# a request carries up to request.size bytes of chunks, or one chunk if that alone is larger
+MAX_PRODUCE_PAYLOAD = max(MAX_REQUEST, MAX_CHUNK)
+
+# -- replication (vlog -> backup) -----------------------------------------------------
+REPLICATE_BATCH = 8 * MiB         # a replicate RPC carries up to this, or one chunk if larger
+MAX_REPLICATE_PAYLOAD = max(REPLICATE_BATCH, MAX_CHUNK)
+DEFAULT_VSEG_SIZE = 8 * MiB
+MAX_VSEG_SIZE = 256 * MiB         # a virtual segment's capacity (broker --vseg-size)
+# a virtual segment takes chunks while they fit, and always its first one
+MAX_VSEG_BYTES = max(MAX_VSEG_SIZE, MAX_CHUNK)
+MAX_REPLICA_BYTES = 1 * GiB       # what a backup accepts in one replica's chunk area
+
+# -- reads (backup read/replay, broker pull) ---------------------------------------------
+MAX_READ = 8 * MiB                # a backup read reply, or one chunk if larger
+REPLAY_READ = 4 * MiB             # a replay step: one read, one recover request per broker
+MAX_PULL = 32 * MiB               # a pull reply: up to this, plus at most one chunk beyond it
+
+# -- the relations --------------------------------------------------------------------
+assert MAX_CHUNK <= MAX_SEGMENT_SIZE, "a chunk must fit a segment of the largest size"
+assert MAX_CHUNK <= MAX_REPLICATE_PAYLOAD <= MAX_PAYLOAD, "every chunk must be replicable"
+assert MAX_VSEG_BYTES <= MAX_REPLICA_BYTES, "every virtual segment must fit a replica"
+assert MAX_PRODUCE_PAYLOAD <= MAX_PAYLOAD, "every producer request must fit a frame"
+assert max(MAX_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every read reply must fit a frame"
+assert max(REPLAY_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every recover request must fit a frame"
+assert MAX_PULL + MAX_CHUNK <= MAX_PAYLOAD, "every pull reply must fit a frame"
+assert MIN_SEGMENT_SIZE <= MAX_SEGMENT_SIZE
