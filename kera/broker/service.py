@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import random
 import time
 
 import trio
@@ -27,8 +26,9 @@ from ..errors import (
     Unavailable,
 )
 from ..rpc import Pool, Service
-from ..vlog import VirtualLog, VlogMapping
+from ..vlog import BackupSet, VirtualLog, VlogMapping
 from .memory import MemoryBudget
+from .replicator import Replicator
 from .streamlet import Streamlet
 
 log = logging.getLogger("kera.broker")
@@ -56,10 +56,9 @@ class BrokerService(Service):
         self.addr = ""
         self.streams: dict[int, dict] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
-        self.vlogs: dict[tuple, VirtualLog] = {}
+        self.vlogs: dict[tuple, Replicator] = {}
         self.backups: dict[int, dict] = {}
-        self.backup_load: dict[int, int] = {}
-        self.membership_changed = trio.Event()
+        self.backup_set = BackupSet(node)
         self.durable_event = trio.Event()
         self.pool: Pool | None = None
         self.nursery: trio.Nursery | None = None
@@ -69,7 +68,7 @@ class BrokerService(Service):
         self.lease = 0.0           # seconds a heartbeat answer lets us serve
         self.lease_until = 0.0     # monotonic time our lease ends
 
-    # -- cluster interface used by virtual logs --------------------------------
+    # -- virtual logs ----------------------------------------------------------------
     def notify_durable(self) -> None:
         self.durable_event.set()
         self.durable_event = trio.Event()
@@ -80,31 +79,7 @@ class BrokerService(Service):
             raise Unavailable(f"backup {backup_id} is not alive")
         return b["addr"]
 
-    def choose_backups(self, vs, k: int) -> list[int]:
-        """k more backups for a virtual segment, least loaded first.
-
-        Copies go to distinct nodes other than the broker's when enough are
-        alive; otherwise to any other live backup process, so that R copies
-        still live in R distinct processes (a node of a local cluster is not
-        a machine: the process is the unit that fails).
-        """
-        used_nodes = {self.node} | {self.backups[b]["node"] for b in vs.copies if b in self.backups}
-        cands = [b for b in self.backups.values() if b["id"] not in vs.copies and b["id"] not in vs.failed]
-        random.shuffle(cands)
-        cands.sort(key=lambda b: self.backup_load.get(b["id"], 0))
-        out = []
-        for distinct in (True, False):
-            for b in cands:
-                if len(out) == k:
-                    break
-                if b["id"] in out or (distinct and b["node"] in used_nodes):
-                    continue
-                used_nodes.add(b["node"])
-                out.append(b["id"])
-                self.backup_load[b["id"]] = self.backup_load.get(b["id"], 0) + 1
-        return out
-
-    def vlog_for(self, stream: dict, streamlet: int, g) -> VirtualLog:
+    def vlog_for(self, stream: dict, streamlet: int, g) -> Replicator:
         """The group's virtual log (chosen on its first chunk, then cached on it)."""
         if g.vlog is not None:
             return g.vlog
@@ -113,8 +88,10 @@ class BrokerService(Service):
         if v is None:
             # ids unique across incarnations: a restarted broker never mixes with its old replicas
             vid = (self.epoch << 32) | len(self.vlogs)
-            v = self.vlogs[key] = VirtualLog(vid, stream["replication"], self.vseg_size, self,
-                                                  self.replicate_timeout)
+            vlog = VirtualLog(vid, stream["replication"], self.vseg_size, self.backup_set,
+                              self.replicate_timeout)
+            v = self.vlogs[key] = Replicator(vlog, self.pool, lambda: (self.broker_id, self.epoch),
+                                             self.backup_addr, self.notify_durable)
             self.nursery.start_soon(v.run)
         g.vlog = v
         return v
@@ -205,7 +182,7 @@ class BrokerService(Service):
         chunks = chunk.scan(payload)  # every checksum verified before anything is stored
         self.requests += 1
         errors = []
-        waits: dict[VirtualLog, int] = {}
+        waits: dict[Replicator, int] = {}
         streams, streamlets = self.streams, self.streamlets
         for i, (h, off) in enumerate(chunks):
             try:
@@ -309,10 +286,11 @@ class BrokerService(Service):
 
     def stats(self) -> dict:
         vl = []
-        for _key, v in self.vlogs.items():
+        for r in self.vlogs.values():
+            v = r.log
             vl.append({"vlog": v.id, "replication": v.replication, "appended": v.appended,
                        "durable": v.durable, "lag": v.lag(), "rpcs": v.rpcs,
-                       "failures": v.failures, **v.copies_held()})
+                       "failures": v.failures, "give_ups": v.give_ups, **v.copies_held()})
         return {"memory": self.memory.used, "memory_limit": self.memory.limit,
                 "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
@@ -321,8 +299,8 @@ class BrokerService(Service):
     def rpc_vsegs(self, meta, payload):
         """Every virtual segment with its size and the backups holding it (the broker's belief)."""
         return {"broker": self.broker_id, "vsegs": [
-            [v.id, vs.id, vs.size, vs.closed, sorted(vs.copies), v.replication]
-            for v in self.vlogs.values() for vs in v.vsegs]}
+            [v.log.id, vs.id, vs.size, vs.closed, sorted(vs.copies), v.log.replication]
+            for v in self.vlogs.values() for vs in v.log.vsegs]}
 
     def rpc_stats(self, meta, payload):
         return {"broker": self.broker_id, **self.stats()}
@@ -363,18 +341,19 @@ class BrokerService(Service):
             await trio.sleep(self.heartbeat)
 
     def _set_backups(self, live: list[dict]) -> None:
+        """Membership from a heartbeat answer: a backup gone or restarted is replaced at once."""
         new = {b["id"]: b for b in live}
-        if new.keys() == self.backups.keys() and all(new[k]["addr"] == self.backups[k]["addr"] for k in new):
+        if new.keys() == self.backups.keys() and all(
+                new[k]["addr"] == self.backups[k]["addr"] and new[k]["epoch"] == self.backups[k]["epoch"]
+                for k in new):
             return
-        lost = [b for b in self.backups if b not in new or new[b]["epoch"] != self.backups[b]["epoch"]]
         self.backups = new
+        changed = self.backup_set.set_live({b: (v["node"], v["epoch"]) for b, v in new.items()})
         log.info("live backups: %s", sorted(new))
-        for b in lost:
-            log.warning("backup %d lost: re-replicating its virtual segments", b)
-            for v in self.vlogs.values():
-                v.backup_lost(b)
-        self.membership_changed.set()
-        self.membership_changed = trio.Event()
+        for b in changed:
+            log.warning("backup %d gone or restarted: its copies are made again", b)
+        for v in self.vlogs.values():
+            v.poke()
 
     def _reset(self) -> None:
         """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
@@ -384,6 +363,7 @@ class BrokerService(Service):
         self.vlogs.clear()
         self.mapping.shared.clear()
         self.backups.clear()
+        self.backup_set.set_live({})
         self.fenced = False
         self.lease_until = 0.0
 

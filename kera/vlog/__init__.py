@@ -1,7 +1,8 @@
 """Replicated virtual logs: chunk references of many streamlets, replicated together."""
 
 from .mapping import POLICIES, VlogMapping
+from .placement import BackupSet
 from .virtual_log import VirtualLog
 from .virtual_segment import VirtualSegment
 
-__all__ = ["POLICIES", "VirtualLog", "VirtualSegment", "VlogMapping"]
+__all__ = ["POLICIES", "BackupSet", "VirtualLog", "VirtualSegment", "VlogMapping"]

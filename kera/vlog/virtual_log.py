@@ -1,192 +1,260 @@
 """VirtualLog: a replicated log of chunk references shared by many streamlets.
 
-Appends only record a reference (O(1)); one replicator task per vlog ships
-everything appended since its last round to the open virtual segment's R-1
-backups, with at most one RPC in flight per backup: chunks that arrive while
-an RPC is out leave together in the next one (group commit). The number of
-replication RPCs follows the number of rounds, not the number of streams.
+Pure decision logic, no I/O and no clock: the broker's replicator (trio) and
+the simulator drive it alike. ``append`` records a reference (O(1));
+``poll(now)`` says which replicate messages to send; ``on_reply`` and
+``on_error`` take their outcomes; ``next_deadline`` says when a backoff or
+an avoidance ends.
 
-A virtual segment becomes durable up to the bytes every one of its backups
-acknowledged; virtual segments become durable in order, so each physical
-segment's durable head only moves forward. Closed virtual segments that lost
-a backup are re-replicated to a new one from broker memory.
+- Every virtual segment (vseg) with work is replicated at once (the open one
+  and closed ones being re-replicated), each copy with at most one message
+  in flight: what arrives meanwhile leaves in the next one (group commit).
+  One stuck vseg never holds back the copies of another.
+- A failure (timeout, lost connection, a backup's error) is retried with
+  exponential backoff. A copy that made no progress for ``timeout`` seconds,
+  or failed ``MAX_FAILS`` times in a row, is given up: the vseg gets another
+  backup (from offset 0) and avoids that one for ``timeout`` seconds, after
+  which it is a candidate again. A backup that left the membership is
+  replaced at once.
+- A backup that answers with its copy's length (a resend after a timeout,
+  or a copy it kept from before) is taken at that length when it is a chunk
+  boundary of ours: copies are prefixes of the same bytes.
+- Durable head: a vseg's refs are *confirmed* once every copy acknowledged
+  them; the vlog's durable head is the prefix of confirmed refs, so a
+  group's durable part is a prefix. A closed, confirmed vseg that loses a
+  copy stays confirmed (its bytes are on the broker and the other copies)
+  and is re-replicated beside new writes.
 """
 
 from __future__ import annotations
 
-import logging
+from dataclasses import dataclass
 
-import trio
+from ..limits import REPLICATE_BATCH
+from .placement import BackupSet
+from .virtual_segment import Copy, VirtualSegment
 
-from ..errors import KeraError
-from .virtual_segment import VirtualSegment
+MAX_FAILS = 5
+BACKOFF_MIN = 0.02
+BACKOFF_MAX = 1.0
 
-log = logging.getLogger("kera.vlog")
 
-MAX_BATCH_BYTES = 8 << 20
-REPLICATE_TIMEOUT = 5.0
+@dataclass(frozen=True, slots=True)
+class Send:
+    """A replicate message: refs [start, stop) of ``vseg`` to ``backup`` at byte ``offset``."""
+
+    token: int
+    backup: int
+    vseg: VirtualSegment
+    offset: int
+    start: int
+    stop: int
+    close: bool
+
+    def parts(self):
+        return self.vseg.parts(self.start, self.stop)
+
+    @property
+    def end(self) -> int:
+        return self.vseg.ends[self.stop - 1] if self.stop > self.start else self.offset
 
 
 class VirtualLog:
-    def __init__(self, id: int, replication: int, capacity: int, cluster,
-                 timeout: float = REPLICATE_TIMEOUT):
+    def __init__(self, id: int, replication: int, capacity: int, backups: BackupSet,
+                 timeout: float = 5.0, batch: int = REPLICATE_BATCH):
         self.id = id
-        self.timeout = timeout
         self.replication = replication
+        self.need = max(1, replication - 1)   # backup copies: at least one disk copy, even for R=1
         self.capacity = capacity
-        self.cluster = cluster  # broker side: pool, identity, backup choice, durable notification
+        self.backups = backups
+        self.timeout = timeout
+        self.batch = batch
         self.vsegs: list[VirtualSegment] = []
         self.open: VirtualSegment | None = None
-        self.pending: list[VirtualSegment] = []  # vsegs with replication work, by id
-        self.appended = 0   # refs appended, ever
-        self.durable = 0    # refs on R copies, ever (a prefix)
-        self.wake = trio.Event()
-        self.durable_changed = trio.Event()
+        self.active: dict[int, VirtualSegment] = {}   # vsegs with replication work, by id
+        self.sent: dict[int, Send] = {}               # messages in flight, by token
+        self.head = 0        # index of the first vseg not wholly durable
+        self.appended = 0    # refs appended, ever
+        self.durable = 0     # refs on every copy, ever (a prefix)
+        self.fenced = False  # a backup said this incarnation is fenced: stop
         self.rpcs = 0
-        self.replicated_chunks = 0
         self.failures = 0
+        self.give_ups = 0
+        self._tokens = 0
+        self._membership = -1
 
-    # -- broker side: appends and waits ------------------------------------------
+    # -- appends ------------------------------------------------------------------
     def append(self, segment, offset: int, length: int, body_checksum: int) -> int:
         """Reference a chunk just appended to ``segment``; returns its index in this vlog."""
         vs = self.open
         if vs is None or not vs.has_room(length):
             if vs is not None:
-                vs.closed = True  # its close marker still has to reach its backups
-                if not vs.queued:
-                    self._queue(vs)
+                vs.closed = True  # the close still has to reach its copies
             vs = self.open = VirtualSegment(len(self.vsegs), self.capacity)
             self.vsegs.append(vs)
-        if not vs.queued:
-            self._queue(vs)
+        self.active[vs.id] = vs
         vs.add(segment, offset, length, body_checksum)
         self.appended += 1
-        self.wake.set()
         return self.appended
-
-    async def wait_durable(self, index: int) -> None:
-        while self.durable < index:
-            await self.durable_changed.wait()
-
-    def backup_lost(self, backup_id: int) -> None:
-        """A backup died: every virtual segment it held needs a new copy."""
-        for vs in self.vsegs:
-            if backup_id in vs.copies:
-                del vs.copies[backup_id]
-                vs.close_sent.discard(backup_id)
-                if not vs.queued:
-                    self._queue(vs)
-        self.wake.set()
-
-    def _queue(self, vs: VirtualSegment) -> None:
-        vs.queued = True
-        self.pending.append(vs)
-        if len(self.pending) > 1 and self.pending[-2].id > vs.id:
-            self.pending.sort(key=lambda v: v.id)
 
     def lag(self) -> int:
         return self.appended - self.durable
 
     def copies_held(self) -> dict:
-        full = sum(1 for vs in self.vsegs if len(vs.copies) >= self.replication - 1)
+        full = sum(1 for vs in self.vsegs if len(vs.copies) >= self.need
+                   and all(c.acked == vs.size for c in vs.copies.values()))
         return {"vsegs": len(self.vsegs), "fully_replicated": full}
 
-    # -- replicator ---------------------------------------------------------------
+    # -- replication decisions -------------------------------------------------------
     def _done(self, vs: VirtualSegment) -> bool:
-        need = self.replication - 1
-        if len(vs.copies) < need or vs.durable < len(vs.refs):
+        if len(vs.copies) < self.need or vs.durable < len(vs.refs):
             return False
-        if any(acked < vs.size for acked in vs.copies.values()):
+        return all(c.acked == vs.size and (c.closed or not vs.closed) for c in vs.copies.values())
+
+    def poll(self, now: float) -> list[Send]:
+        """The messages to send now."""
+        if self.fenced:
+            return []
+        if self._membership != self.backups.version:
+            self._membership = self.backups.version
+            for vs in self.vsegs:
+                for b, c in list(vs.copies.items()):
+                    if not self.backups.alive(b):
+                        self._drop_copy(vs, b, now, avoid=False)  # gone: replaced at once
+                    elif c.incarnation != self.backups.incarnation(b):
+                        # restarted: it says how much it kept when asked from offset 0
+                        c.incarnation = self.backups.incarnation(b)
+                        c.acked, c.closed, c.fails, c.retry_at = 0, False, 0, 0.0
+                        self.active[vs.id] = vs
+        out = []
+        for vs in list(self.active.values()):
+            if self._done(vs):
+                del self.active[vs.id]
+                continue
+            if len(vs.copies) < self.need:
+                avoid = {b for b, until in vs.avoid.items() if until > now}
+                for b in self.backups.choose(vs.copies, avoid, self.need - len(vs.copies)):
+                    vs.copies[b] = Copy(b, self.backups.incarnation(b))
+            for c in vs.copies.values():
+                if c.inflight or c.retry_at > now:
+                    continue
+                s = self._message(vs, c)
+                if s is not None:
+                    if not c.fails:
+                        c.since = now
+                    c.inflight = s.token
+                    self.sent[s.token] = s
+                    out.append(s)
+        self.rpcs += len(out)
+        return out
+
+    def _message(self, vs: VirtualSegment, c: Copy) -> Send | None:
+        start = vs.index_at(c.acked)
+        stop, nbytes = start, 0
+        n = len(vs.refs)
+        while stop < n and (nbytes == 0 or nbytes + vs.refs[stop][2] <= self.batch):
+            nbytes += vs.refs[stop][2]
+            stop += 1
+        close = vs.closed and stop == n and not c.closed
+        if stop == start and not close:
+            return None
+        self._tokens += 1
+        return Send(self._tokens, c.backup, vs, c.acked, start, stop, close)
+
+    def next_deadline(self) -> float | None:
+        """When the next backoff or avoidance ends (None: nothing timed is pending)."""
+        times = []
+        for vs in self.active.values():
+            times += [c.retry_at for c in vs.copies.values() if not c.inflight and c.retry_at]
+            if len(vs.copies) < self.need:
+                times += [t for t in vs.avoid.values()]
+        return min(times) if times else None
+
+    # -- outcomes ---------------------------------------------------------------------
+    def _take(self, token: int) -> tuple[Send, Copy] | None:
+        s = self.sent.pop(token, None)
+        if s is None:
+            return None
+        c = s.vseg.copies.get(s.backup)
+        if c is None or c.inflight != token:  # given up meanwhile: a stale answer
+            return None
+        c.inflight = 0
+        return s, c
+
+    def on_reply(self, token: int, length: int, now: float) -> bool:
+        """A backup acknowledged a replicate with its copy's length; True if the head moved."""
+        taken = self._take(token)
+        if taken is None:
             return False
-        return not vs.closed or vs.close_sent >= set(vs.copies)
+        s, c = taken
+        vs = s.vseg
+        if length != s.end or not vs.boundary(length):
+            return self._resync(vs, c, length, now)
+        c.acked = max(c.acked, length)
+        if s.close:
+            c.closed = True
+        c.fails, c.retry_at = 0, 0.0
+        return self._confirm(vs)
 
-    async def run(self) -> None:
-        while True:
-            while self.pending and self._done(self.pending[0]):
-                self.pending.pop(0).queued = False
-            if not self.pending:
-                await self.wake.wait()
-                self.wake = trio.Event()
-                # let requests already received append first: they leave in this round
-                await trio.sleep(0)
+    def on_error(self, token: int, now: float, *, length: int | None = None,
+                 fenced: bool = False) -> bool:
+        """A replicate failed. ``length``: the backup told its copy's length instead."""
+        taken = self._take(token)
+        if taken is None:
+            return False
+        s, c = taken
+        if fenced:
+            self.fenced = True
+            return False
+        if length is not None:
+            return self._resync(s.vseg, c, length, now)
+        self._failed(s.vseg, c, now)
+        return False
+
+    def _resync(self, vs: VirtualSegment, c: Copy, length: int, now: float) -> bool:
+        """The copy holds ``length`` bytes: a prefix of ours continues from there."""
+        if 0 <= length <= vs.size and vs.boundary(length):
+            c.acked = length
+            c.fails, c.retry_at = 0, 0.0
+            return self._confirm(vs)
+        self._failed(vs, c, now, give_up=True)  # not our bytes: a copy that cannot be trusted
+        return False
+
+    def _failed(self, vs: VirtualSegment, c: Copy, now: float, give_up: bool = False) -> None:
+        self.failures += 1
+        c.fails += 1
+        if give_up or c.fails >= MAX_FAILS or now - c.since >= self.timeout:
+            self._drop_copy(vs, c.backup, now, avoid=True)
+        else:
+            c.retry_at = now + min(BACKOFF_MAX, BACKOFF_MIN * 2 ** (c.fails - 1))
+
+    def _drop_copy(self, vs: VirtualSegment, backup: int, now: float, avoid: bool) -> None:
+        c = vs.copies.pop(backup)
+        if c.inflight:
+            self.sent.pop(c.inflight, None)
+        if avoid:
+            self.give_ups += 1
+            vs.avoid[backup] = now + self.timeout
+        self.active[vs.id] = vs
+
+    def _confirm(self, vs: VirtualSegment) -> bool:
+        if len(vs.copies) >= self.need:
+            vs.confirmed = max(vs.confirmed, vs.index_at(min(c.acked for c in vs.copies.values())))
+        return self._advance()
+
+    def _advance(self) -> bool:
+        """Move the durable head over confirmed refs, in vseg order; True if it moved."""
+        moved = False
+        while self.head < len(self.vsegs):
+            vs = self.vsegs[self.head]
+            if vs.confirmed > vs.durable:
+                for seg, off, n in vs.refs[vs.durable:vs.confirmed]:
+                    seg.durable = off + n
+                self.durable += vs.confirmed - vs.durable
+                vs.durable = vs.confirmed
+                moved = True
+            if vs.closed and vs.durable == len(vs.refs):
+                self.head += 1
                 continue
-            self.wake = trio.Event()
-            await self._round(self.pending[0])
-
-    async def _round(self, vs: VirtualSegment) -> None:
-        need = self.replication - 1
-        if need == 0:
-            self._advance(vs, len(vs.refs))
-            if vs.closed or vs is not self.open:
-                vs.close_sent = set()
-            return
-        if len(vs.copies) < need:
-            chosen = self.cluster.choose_backups(vs, need - len(vs.copies))
-            for b in chosen:
-                vs.copies[b] = 0
-            log.info("vlog %d vseg %d: backups %s", self.id, vs.id, sorted(vs.copies))
-            if len(vs.copies) < need:
-                # not enough backups alive: wait for membership to change (acks=all waits too)
-                with trio.move_on_after(0.5):
-                    await self.cluster.membership_changed.wait()
-                if not chosen:
-                    return
-        stop = len(vs.refs)
-        closing = vs.closed
-        sends = []
-        for b, acked in vs.copies.items():
-            start = vs.index_at(acked)
-            end, nbytes = start, 0
-            while end < stop and (nbytes == 0 or nbytes + vs.refs[end][2] <= MAX_BATCH_BYTES):
-                nbytes += vs.refs[end][2]
-                end += 1
-            close = closing and end == len(vs.refs) and b not in vs.close_sent
-            if end > start or close:
-                sends.append((b, acked, start, end, close))
-        if not sends:
-            return
-        results: dict[int, int | None] = {}
-
-        async def send(b, acked, start, end, close):
-            meta = {"broker": self.cluster.broker_id, "epoch": self.cluster.epoch, "vlog": self.id,
-                    "vseg": vs.id, "offset": acked, "close": close}
-            try:
-                addr = self.cluster.backup_addr(b)
-                r, _ = await self.cluster.pool.call(addr, "replicate", meta, parts=vs.parts(start, end),
-                                                     timeout=self.timeout)
-                results[b] = (int(r["length"]), close)
-            except KeraError as e:
-                log.warning("vlog %d vseg %d: backup %d failed: %s", self.id, vs.id, b, e)
-                results[b] = None
-
-        async with trio.open_nursery() as n:
-            for s in sends:
-                n.start_soon(send, *s)
-        self.rpcs += len(sends)
-        for b, res in results.items():
-            if res is None:
-                self.failures += 1
-                vs.copies.pop(b, None)
-                vs.close_sent.discard(b)
-                vs.failed.add(b)
-                continue
-            length, close = res
-            if b in vs.copies:
-                vs.copies[b] = length
-                if close:
-                    vs.close_sent.add(b)
-        if len(vs.copies) >= need:
-            self._advance(vs, vs.index_at(min(vs.copies.values())))
-
-    def _advance(self, vs: VirtualSegment, durable_refs: int) -> None:
-        """Refs [vs.durable, durable_refs) are on R copies: move the physical durable heads."""
-        if durable_refs <= vs.durable:
-            return
-        for seg, off, n in vs.refs[vs.durable:durable_refs]:
-            seg.durable = off + n
-        self.replicated_chunks += durable_refs - vs.durable
-        self.durable += durable_refs - vs.durable
-        vs.durable = durable_refs
-        self.durable_changed.set()
-        self.durable_changed = trio.Event()
-        self.cluster.notify_durable()
+            break
+        return moved

@@ -2,9 +2,9 @@
 
 It holds references (physical segment, offset, length) to chunks that live
 in streamlets' segments, and counts its virtual size by their lengths. Each
-virtual segment has its own R-1 backups; ``copies`` maps a backup id to the
-bytes that backup acknowledged. The checksum is xxh3 over the chunks'
-body checksums, in order: what a backup holds can be checked against it.
+virtual segment has its own backups; ``copies`` maps a backup id to that
+copy's replication state. The checksum is xxh3 over the chunks' body
+checksums, in order: what a backup holds can be checked against it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,25 @@ from bisect import bisect_right
 import xxhash
 
 
+class Copy:
+    """One backup's copy of a virtual segment, as the broker drives it."""
+
+    __slots__ = ("backup", "incarnation", "acked", "closed", "inflight", "fails", "since", "retry_at")
+
+    def __init__(self, backup: int, incarnation: int):
+        self.backup = backup
+        self.incarnation = incarnation  # of the backup process: a restarted one is asked again
+        self.acked = 0          # bytes the backup acknowledged (a prefix)
+        self.closed = False     # the backup acknowledged the close
+        self.inflight = 0       # token of the replicate out now (0: none)
+        self.fails = 0          # failed attempts since the last progress
+        self.since = 0.0        # when the current streak of attempts began
+        self.retry_at = 0.0     # no new attempt before this time (backoff)
+
+
 class VirtualSegment:
-    __slots__ = ("id", "capacity", "refs", "ends", "size", "closed", "copies", "failed",
-                 "durable", "sums", "close_sent", "queued")
+    __slots__ = ("id", "capacity", "refs", "ends", "size", "closed", "copies", "avoid",
+                 "confirmed", "durable", "sums")
 
     def __init__(self, id: int, capacity: int):
         self.id = id
@@ -26,12 +42,11 @@ class VirtualSegment:
         self.ends: list[int] = []    # cumulative byte end of each ref
         self.size = 0
         self.closed = False
-        self.copies: dict[int, int] = {}   # backup id -> bytes acknowledged
-        self.failed: set[int] = set()      # backups that failed for this segment
-        self.durable = 0                   # refs on all copies (first time through)
+        self.copies: dict[int, Copy] = {}
+        self.avoid: dict[int, float] = {}  # backups given up on for this vseg -> until when
+        self.confirmed = 0   # refs that were on every copy once (first time through): never shrinks
+        self.durable = 0     # refs whose segments' durable heads were moved (<= confirmed)
         self.sums = array("Q")             # the chunks' body checksums, in order
-        self.close_sent: set[int] = set()
-        self.queued = False  # in its vlog's pending list
 
     def has_room(self, length: int) -> bool:
         return not self.closed and (self.size == 0 or self.size + length <= self.capacity)
@@ -51,6 +66,11 @@ class VirtualSegment:
     def index_at(self, byte_offset: int) -> int:
         """Index of the first ref starting at or after ``byte_offset``."""
         return bisect_right(self.ends, byte_offset)
+
+    def boundary(self, byte_offset: int) -> bool:
+        """Whether ``byte_offset`` is where a chunk starts or the segment ends."""
+        i = self.index_at(byte_offset)
+        return byte_offset == 0 or (i > 0 and self.ends[i - 1] == byte_offset)
 
     def parts(self, start: int, stop: int) -> list[memoryview]:
         return [seg.view[off:off + n] for seg, off, n in self.refs[start:stop]]
