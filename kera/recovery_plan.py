@@ -1,0 +1,305 @@
+"""Which copy to replay each chunk of a dead incarnation's virtual logs from.
+
+Pure decisions (no I/O, no trio, no clock), driven by ``kera.recovery``:
+
+- Input: what each backup listed of the incarnation (``Replica.info()`` per
+  copy: length, chunks, closed, corrupt regions, checksum).
+- Copies of one virtual segment (vseg) are byte-identical prefixes of the
+  same byte stream, so the chunk at offset X can be read from any copy that
+  is longer than X and holds X intact. A copy is never chosen for its length
+  alone: a long copy corrupt early is worth less than a short intact one.
+- A vlog is replayed vseg after vseg, one step at a time: a step asks one
+  backup to replay one copy from an offset until the copy ends or reaches a
+  corrupt chunk; the next step continues at the offset where it stopped,
+  from whichever copy holds the next bytes intact (spreading steps over
+  backups so that many read at once).
+- Where a log ends: after the last vseg, when no copy holds the next chunk
+  intact, when a vseg id is missing (ids start at 0 and have no holes), or
+  when the new owner refuses a chunk (a hole in its group). Everything from
+  there on is reported as lost, with its exact range.
+
+Usage (one driver loop per vlog, vlogs in parallel)::
+
+    plan = RecoveryPlan(broker, epoch, {backup_id: segments, ...})
+    while isinstance(step := plan.next_step(vlog), Step):
+        ... replay step.vseg from step.backup at step.offset ...
+        plan.step_done(vlog, step.vseg, step.backup, stopped_at, reason)
+    # step is now Done or Truncated
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+END = "end"          # the copy has nothing more (its length)
+CORRUPT = "corrupt"  # the next chunk of the copy failed verification
+FAILED = "failed"    # the backup or its copy failed (error, timeout, gone)
+REFUSED = "refused"  # the new owner refused the chunk: a hole in its group before it
+REASONS = (END, CORRUPT, FAILED, REFUSED)
+
+
+class PlanError(ValueError):
+    """The driver broke the protocol (a step reported that was not given out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """Replay ``vseg`` from the copy on ``backup``, starting at ``offset``.
+
+    ``until`` is where the copy is expected to stop (its length or its next
+    known corrupt region); the backup may stop earlier.
+    """
+
+    vlog: int
+    vseg: int
+    backup: int
+    offset: int
+    until: int
+
+
+@dataclass(frozen=True, slots=True)
+class LostRange:
+    """Bytes of a vseg that no copy could deliver; ``end`` None: extent unknown (no copy at all)."""
+
+    vlog: int
+    vseg: int
+    offset: int
+    end: int | None
+    reason: str
+
+    def describe(self) -> dict:
+        return {"vlog": self.vlog, "vseg": self.vseg, "offset": self.offset, "end": self.end,
+                "reason": self.reason}
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """The vlog was replayed completely, up to (vseg, offset).
+
+    ``head_closed``: its newest vseg was closed, so its successor never
+    reached a backup (nothing in it was acknowledged).
+    """
+
+    vlog: int
+    vseg: int
+    offset: int
+    head_closed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Truncated:
+    """The vlog was replayed up to (vseg, offset) and no further; ``lost`` says what is left.
+
+    ``failed``: backups whose copy could have held the next bytes but failed
+    during a step (a retried attempt may still read them).
+    """
+
+    vlog: int
+    vseg: int
+    offset: int
+    reason: str
+    lost: tuple[LostRange, ...]
+    failed: frozenset[int] = frozenset()
+
+
+@dataclass(slots=True)
+class _Copy:
+    backup: int
+    length: int
+    chunks: int
+    closed: bool
+    checksum: int | None
+    regions: list[tuple[int, int]] = field(default_factory=list)  # corrupt [start, end), sorted
+    failed: bool = False
+
+    @property
+    def final(self) -> bool:
+        """Closed, with nothing of unknown extent: its length is the vseg's length for sure."""
+        return self.closed and all(end <= self.length for _, end in self.regions)
+
+    def run(self, offset: int) -> int:
+        """Intact bytes readable from ``offset`` on (0: cannot serve ``offset``)."""
+        if self.failed or offset >= self.length:
+            return 0
+        for start, end in self.regions:
+            if start <= offset < end:
+                return 0
+            if start > offset:
+                return start - offset
+        return self.length - offset
+
+    def add_region(self, start: int, end: int) -> None:
+        self.regions.append((start, max(end, start + 1)))
+        self.regions.sort()
+
+
+@dataclass(slots=True)
+class _Vlog:
+    id: int
+    vsegs: dict[int, list[_Copy]]
+    vseg: int = 0
+    offset: int = 0
+    step: Step | None = None
+    outcome: Done | Truncated | None = None
+    steps: int = 0
+    corrupt_steps: int = 0
+    failed_steps: int = 0
+
+
+class RecoveryPlan:
+    """The replay plan of one dead incarnation (broker, epoch), all of its vlogs."""
+
+    def __init__(self, broker: int, epoch: int, listings: Mapping[int, Iterable[dict]]):
+        self.broker, self.epoch = broker, epoch
+        self._vlogs: dict[int, _Vlog] = {}
+        for backup, segments in sorted(listings.items()):
+            for sg in segments:
+                if sg["broker"] != broker or sg["vlog"] >> 32 != epoch:
+                    continue
+                regions = sorted((int(c["offset"]), int(c["offset"]) + int(c["length"]))
+                                 for c in sg.get("corrupt") or [])
+                copy = _Copy(backup, int(sg["length"]), int(sg.get("chunks", 0)),
+                             bool(sg.get("closed")), sg.get("checksum"), regions)
+                v = self._vlogs.setdefault(sg["vlog"], _Vlog(sg["vlog"], {}))
+                v.vsegs.setdefault(int(sg["vseg"]), []).append(copy)
+        self.busy: dict[int, int] = {}      # steps out per backup
+        self.assigned: dict[int, int] = {}  # bytes given to each backup so far
+
+    # -- what there is ---------------------------------------------------------------
+    @property
+    def vlogs(self) -> list[int]:
+        return sorted(self._vlogs)
+
+    def vseg_length(self, vlog: int, vseg: int) -> int:
+        """The known length of a vseg: a closed copy's, else the longest copy's (corrupt
+        bytes included); nothing lies past the close, whatever a damaged copy claims."""
+        return _length(self._vlogs[vlog].vsegs[vseg])
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.vseg_length(v.id, s) for v in self._vlogs.values() for s in v.vsegs)
+
+    def copies(self) -> list[tuple[int, int, int]]:
+        """Every (vlog, vseg, backup) listed: what may be dropped once all is handed over."""
+        return [(v.id, s, c.backup) for v in self._vlogs.values()
+                for s, cs in sorted(v.vsegs.items()) for c in cs]
+
+    # -- the state machine ----------------------------------------------------------
+    def next_step(self, vlog: int) -> Step | Done | Truncated:
+        """The next replay step of ``vlog``, or how it ended. One step at a time per vlog."""
+        v = self._vlog(vlog)
+        if v.outcome is not None:
+            return v.outcome
+        if v.step is not None:
+            raise PlanError(f"vlog {vlog}: step {v.step} is still out")
+        while True:
+            copies = v.vsegs.get(v.vseg)
+            if copies is None:
+                if any(s > v.vseg for s in v.vsegs):
+                    return self._truncate(v, "missing", f"vseg {v.vseg} has no copy")
+                last = max(v.vsegs) if v.vsegs else 0
+                closed = bool(v.vsegs) and any(c.final for c in v.vsegs[last])
+                off = self.vseg_length(vlog, last) if v.vsegs else 0
+                v.outcome = Done(vlog, last, off, closed)
+                return v.outcome
+            end = _length(copies)
+            if v.offset >= end:
+                v.vseg, v.offset = v.vseg + 1, 0
+                continue
+            runs = [(c, min(c.run(v.offset), end - v.offset)) for c in copies]
+            cands = [(c, r) for c, r in runs if r > 0]
+            if not cands:
+                return self._truncate(v, "no intact copy", f"no copy holds vseg {v.vseg} at "
+                                      f"offset {v.offset} intact")
+            # least busy backup first, then the one given least so far, then the longest run
+            c, r = min(cands, key=lambda cr: (self.busy.get(cr[0].backup, 0),
+                                               self.assigned.get(cr[0].backup, 0), -cr[1],
+                                               cr[0].backup))
+            v.step = Step(vlog, v.vseg, c.backup, v.offset, v.offset + r)
+            v.steps += 1
+            self.busy[c.backup] = self.busy.get(c.backup, 0) + 1
+            self.assigned[c.backup] = self.assigned.get(c.backup, 0) + r
+            return v.step
+
+    def step_done(self, vlog: int, vseg: int, backup: int, stopped_at: int, reason: str,
+                  resume_at: int | None = None) -> None:
+        """The step on ``backup`` stopped at ``stopped_at`` (everything before it was placed).
+
+        ``reason`` is END, CORRUPT (``resume_at``: where the corrupt region ends,
+        when known), FAILED (``stopped_at`` is then the last offset known to be
+        placed, the step's start if unsure) or REFUSED.
+        """
+        v = self._vlog(vlog)
+        st = v.step
+        if st is None or st.vseg != vseg or st.backup != backup:
+            raise PlanError(f"vlog {vlog}: no step out on vseg {vseg} from backup {backup}")
+        if reason not in REASONS:
+            raise PlanError(f"unknown reason {reason!r}")
+        copy = next(c for c in v.vsegs[vseg] if c.backup == backup)
+        if not st.offset <= stopped_at <= copy.length:
+            raise PlanError(f"vlog {vlog} vseg {vseg}: stopped at {stopped_at}, outside "
+                            f"[{st.offset}, {copy.length}]")
+        v.step = None
+        self.busy[backup] -= 1
+        v.offset = stopped_at
+        if reason == END:
+            copy.length = stopped_at  # shorter than listed: nothing more to read from it
+        elif reason == CORRUPT:
+            v.corrupt_steps += 1
+            end = resume_at if resume_at is not None and resume_at > stopped_at else copy.length
+            copy.add_region(stopped_at, end)
+        elif reason == FAILED:
+            v.failed_steps += 1
+            copy.failed = True
+        else:
+            self._truncate(v, "refused", f"the new owner refused the chunk at vseg {vseg} "
+                           f"offset {stopped_at}: its group has a hole before it")
+
+    # -- results ----------------------------------------------------------------------
+    def outcome(self, vlog: int) -> Done | Truncated | None:
+        return self._vlog(vlog).outcome
+
+    @property
+    def finished(self) -> bool:
+        return all(v.outcome is not None for v in self._vlogs.values())
+
+    @property
+    def complete(self) -> bool:
+        """Every vlog was replayed to its end: the copies may be dropped after hand-over."""
+        return all(isinstance(v.outcome, Done) for v in self._vlogs.values())
+
+    @property
+    def lost(self) -> list[LostRange]:
+        return [r for v in self._vlogs.values() if isinstance(v.outcome, Truncated)
+                for r in v.outcome.lost]
+
+    def counts(self) -> dict:
+        vs = self._vlogs.values()
+        return {"steps": sum(v.steps for v in vs), "corrupt_steps": sum(v.corrupt_steps for v in vs),
+                "failed_steps": sum(v.failed_steps for v in vs)}
+
+    # -- internals ----------------------------------------------------------------------
+    def _vlog(self, vlog: int) -> _Vlog:
+        v = self._vlogs.get(vlog)
+        if v is None:
+            raise PlanError(f"vlog {vlog} is not part of this plan")
+        return v
+
+    def _truncate(self, v: _Vlog, reason: str, why: str) -> Truncated:
+        lost = []
+        copies = v.vsegs.get(v.vseg)
+        lost.append(LostRange(v.id, v.vseg, v.offset, _length(copies) if copies else None, why))
+        for s in range(v.vseg + 1, max(v.vsegs, default=v.vseg) + 1):
+            cs = v.vsegs.get(s)
+            lost.append(LostRange(v.id, s, 0, _length(cs) if cs else None,
+                                  f"after the end at vseg {v.vseg} offset {v.offset}"
+                                  if cs else f"vseg {s} has no copy"))
+        failed = frozenset(c.backup for c in copies or [] if c.failed and c.length > v.offset)
+        v.outcome = Truncated(v.id, v.vseg, v.offset, reason, tuple(lost), failed)
+        return v.outcome
+
+
+def _length(copies: list[_Copy]) -> int:
+    final = [c.length for c in copies if c.final]
+    return min(final) if final else max(c.length for c in copies)

@@ -1,0 +1,301 @@
+"""The recovery plan alone (pure code): which copy each chunk is replayed from, where a log ends."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kera.recovery_plan import (
+    CORRUPT,
+    END,
+    FAILED,
+    REFUSED,
+    Done,
+    PlanError,
+    RecoveryPlan,
+    Step,
+    Truncated,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+BROKER, EPOCH = 3, 7
+VLOG = EPOCH << 32 | 0
+VLOG2 = EPOCH << 32 | 1
+
+
+def seg(vseg, length, vlog=VLOG, corrupt=(), closed=False, broker=BROKER):
+    """One entry of a backup's ``list`` answer (``Replica.info()``)."""
+    return {"broker": broker, "vlog": vlog, "vseg": vseg, "length": length, "chunks": length // 100,
+            "closed": closed, "checksum": 0, "epoch": EPOCH,
+            "corrupt": [{"offset": o, "length": n, "reason": "test"} for o, n in corrupt]}
+
+
+def plan_of(listings):
+    return RecoveryPlan(BROKER, EPOCH, listings)
+
+
+def test_one_copy_corrupt_continues_from_another():
+    plan = plan_of({1: [seg(0, 1000), seg(0, 500, vlog=VLOG2)], 2: [seg(0, 1000, corrupt=[(400, 100)])]})
+    first = plan.next_step(VLOG2)  # keeps backup 1 busy: the next step goes to backup 2
+    assert first.backup == 1
+    s = plan.next_step(VLOG)
+    assert (s.backup, s.offset, s.until) == (2, 0, 400)  # intact up to its corrupt chunk
+    plan.step_done(VLOG, 0, 2, 400, CORRUPT, 500)
+    s = plan.next_step(VLOG)
+    assert (s.backup, s.offset) == (1, 400)  # the same offset, from the other copy
+    plan.step_done(VLOG, 0, 1, 1000, END)
+    assert plan.next_step(VLOG) == Done(VLOG, 0, 1000)
+    plan.step_done(VLOG2, 0, 1, 500, END)
+    assert isinstance(plan.next_step(VLOG2), Done)
+    assert plan.complete and plan.lost == []
+
+
+def test_corrupt_found_on_read_switches_copy_and_back():
+    """A copy corrupt at 300 (found only when read) hands over to the other, which is corrupt at 600."""
+    plan = plan_of({1: [seg(0, 1000)], 2: [seg(0, 1000, corrupt=[(600, 100)])]})
+    s = plan.next_step(VLOG)
+    assert s.backup == 1 and s.until == 1000  # the longest intact run first when no one is busy
+    plan.step_done(VLOG, 0, 1, 300, CORRUPT, 400)
+    s = plan.next_step(VLOG)
+    assert (s.backup, s.offset, s.until) == (2, 300, 600)
+    plan.step_done(VLOG, 0, 2, 600, CORRUPT, 700)
+    s = plan.next_step(VLOG)
+    assert (s.backup, s.offset) == (1, 600)  # intact again past its own corrupt chunk
+    plan.step_done(VLOG, 0, 1, 1000, END)
+    assert isinstance(plan.next_step(VLOG), Done)
+    assert plan.counts() == {"steps": 3, "corrupt_steps": 2, "failed_steps": 0}
+
+
+def test_all_copies_corrupt_at_the_same_chunk_truncates_with_exact_range():
+    plan = plan_of({1: [seg(0, 1000, corrupt=[(500, 100)]), seg(1, 800)],
+                    2: [seg(0, 900, corrupt=[(500, 100)]), seg(1, 800)]})
+    s = plan.next_step(VLOG)
+    plan.step_done(VLOG, 0, s.backup, 500, CORRUPT, 600)
+    t = plan.next_step(VLOG)
+    assert isinstance(t, Truncated) and (t.vseg, t.offset, t.reason) == (0, 500, "no intact copy")
+    assert [(r.vseg, r.offset, r.end) for r in t.lost] == [(0, 500, 1000), (1, 0, 800)]
+    assert not plan.complete and plan.finished and not t.failed
+    assert plan.lost[0].describe()["vlog"] == VLOG
+    assert plan.next_step(VLOG) is t  # an ended vlog stays ended
+
+
+def test_missing_vseg_id_truncates():
+    plan = plan_of({1: [seg(0, 500), seg(2, 300)], 2: [seg(0, 500), seg(3, 200)]})
+    s = plan.next_step(VLOG)
+    plan.step_done(VLOG, 0, s.backup, 500, END)
+    t = plan.next_step(VLOG)
+    assert isinstance(t, Truncated) and (t.vseg, t.offset, t.reason) == (1, 0, "missing")
+    assert [(r.vseg, r.offset, r.end) for r in t.lost] == [(1, 0, None), (2, 0, 300), (3, 0, 200)]
+
+
+def test_missing_first_vseg_truncates_at_once():
+    plan = plan_of({1: [seg(1, 500)]})
+    t = plan.next_step(VLOG)
+    assert isinstance(t, Truncated) and (t.vseg, t.offset) == (0, 0)
+
+
+def test_copy_lengths_differ_the_short_one_hands_over_at_its_end():
+    plan = plan_of({1: [seg(0, 400)], 2: [seg(0, 1000)], 3: [seg(0, 700)]})
+    # three vlogs' worth of load is not here: the longest run wins when nobody is busy
+    s = plan.next_step(VLOG)
+    assert (s.backup, s.until) == (2, 1000)
+    plan.step_done(VLOG, 0, 2, 1000, END)
+    assert plan.next_step(VLOG) == Done(VLOG, 0, 1000)
+
+
+def test_short_copy_used_then_longer_one_continues():
+    """Load spreading may pick the short copy first: the rest comes from a longer one."""
+    plan = plan_of({1: [seg(0, 400), seg(0, 400, vlog=VLOG2)], 2: [seg(0, 1000), seg(0, 1000, vlog=VLOG2)]})
+    a = plan.next_step(VLOG)
+    b = plan.next_step(VLOG2)
+    assert {a.backup, b.backup} == {1, 2}  # both backups work at once
+    short = a if a.backup == 1 else b
+    assert short.until == 400
+    plan.step_done(short.vlog, 0, 1, 400, END)
+    s = plan.next_step(short.vlog)
+    assert (s.backup, s.offset) == (2, 400)
+
+
+def test_backup_failure_mid_step_retries_from_another_copy():
+    plan = plan_of({1: [seg(0, 1000)], 2: [seg(0, 1000)]})
+    s = plan.next_step(VLOG)
+    plan.step_done(VLOG, 0, s.backup, 0, FAILED)  # progress unknown: from the step's start
+    s2 = plan.next_step(VLOG)
+    assert s2.backup != s.backup and s2.offset == 0
+    plan.step_done(VLOG, 0, s2.backup, 1000, END)
+    assert isinstance(plan.next_step(VLOG), Done)
+    assert plan.complete and plan.counts()["failed_steps"] == 1
+
+
+def test_truncation_names_failed_copies_that_might_hold_the_rest():
+    plan = plan_of({1: [seg(0, 1000)], 2: [seg(0, 1000, corrupt=[(200, 100)])]})
+    s = plan.next_step(VLOG)
+    assert s.backup == 1
+    plan.step_done(VLOG, 0, 1, 200, FAILED)
+    t = plan.next_step(VLOG)
+    assert isinstance(t, Truncated) and t.offset == 200 and t.failed == {1}
+
+
+def test_longest_copy_corrupt_early_is_not_chosen():
+    plan = plan_of({1: [seg(0, 5000, corrupt=[(0, 100)])], 2: [seg(0, 3000)]})
+    s = plan.next_step(VLOG)
+    assert s.backup == 2 and s.offset == 0
+    plan.step_done(VLOG, 0, 2, 3000, END)
+    s = plan.next_step(VLOG)
+    assert (s.backup, s.offset, s.until) == (1, 3000, 5000)
+
+
+def test_offset_inside_a_corrupt_region_is_not_served_by_that_copy():
+    """A damaged chunk header hides the chunk boundaries up to the region's end."""
+    plan = plan_of({1: [seg(0, 1000, corrupt=[(100, 900)])], 2: [seg(0, 1000)]})
+    s = plan.next_step(VLOG)
+    assert (s.backup, s.until) == (2, 1000)
+    plan.step_done(VLOG, 0, 2, 400, CORRUPT, 500)  # found when read back
+    t = plan.next_step(VLOG)  # 400 lies inside copy 1's damaged region: nobody has it
+    assert isinstance(t, Truncated) and t.offset == 400
+    assert [(r.offset, r.end) for r in t.lost] == [(400, 1000)]
+
+
+def test_refused_chunk_ends_the_log():
+    plan = plan_of({1: [seg(0, 1000)]})
+    s = plan.next_step(VLOG)
+    plan.step_done(VLOG, 0, s.backup, 300, REFUSED)
+    t = plan.next_step(VLOG)
+    assert isinstance(t, Truncated) and (t.offset, t.reason) == (300, "refused")
+
+
+def test_other_incarnations_ignored_and_protocol_checked():
+    plan = plan_of({1: [seg(0, 100), seg(0, 100, broker=BROKER + 1), seg(0, 100, vlog=(EPOCH + 1) << 32)]})
+    assert plan.vlogs == [VLOG] and plan.copies() == [(VLOG, 0, 1)] and plan.total_bytes == 100
+    s = plan.next_step(VLOG)
+    with pytest.raises(PlanError):
+        plan.next_step(VLOG)  # one step at a time
+    with pytest.raises(PlanError):
+        plan.step_done(VLOG, 0, 2, 100, END)  # not the backup given the step
+    with pytest.raises(PlanError):
+        plan.step_done(VLOG, 0, s.backup, 101, END)  # past the copy
+    plan.step_done(VLOG, 0, s.backup, 100, END)
+    assert plan.next_step(VLOG) == Done(VLOG, 0, 100)
+
+
+def test_a_closed_copy_bounds_the_vseg_whatever_a_damaged_copy_claims():
+    """A damaged copy's corrupt tail (trailer bytes included) is not data the log must have."""
+    plan = plan_of({1: [seg(0, 1088, corrupt=[(500, 588)])], 2: [seg(0, 1000, closed=True)]})
+    assert plan.vseg_length(VLOG, 0) == 1000
+    s = plan.next_step(VLOG)
+    plan.step_done(VLOG, 0, s.backup, 1000 if s.backup == 2 else 500, END if s.backup == 2 else CORRUPT)
+    if s.backup == 1:
+        s = plan.next_step(VLOG)
+        plan.step_done(VLOG, 0, 2, 1000, END)
+    assert plan.next_step(VLOG) == Done(VLOG, 0, 1000, head_closed=True)
+    # a closed copy whose damage has no known end says nothing of the length
+    plan = plan_of({1: [seg(0, 0, closed=True, corrupt=[(0, 400)])], 2: [seg(0, 1000)]})
+    assert plan.vseg_length(VLOG, 0) == 1000
+
+
+def test_closed_head_is_reported():
+    plan = plan_of({1: [seg(0, 100, closed=True)]})
+    s = plan.next_step(VLOG)
+    plan.step_done(VLOG, 0, s.backup, 100, END)
+    assert plan.next_step(VLOG) == Done(VLOG, 0, 100, head_closed=True)
+
+
+# -- property: a simulated cluster of copies, driven to the end -------------------------------
+
+CHUNK = 100  # every chunk 100 bytes: offsets are chunk indexes * CHUNK
+
+
+@st.composite
+def scenarios(draw):
+    """Per vseg a number of chunks; per copy a prefix length, corrupt chunks (known on load or
+    found on read), and maybe a failure after some chunks delivered."""
+    nvsegs = draw(st.integers(1, 4))
+    present = [v for v in range(nvsegs) if draw(st.integers(0, 9)) > 0]
+    sizes = {v: draw(st.integers(0, 8)) for v in present}
+    nbackups = draw(st.integers(1, 3))
+    copies = {}
+    for v in present:
+        for b in draw(st.sets(st.integers(1, nbackups), min_size=1)):
+            n = draw(st.integers(0, sizes[v]))
+            bad = draw(st.sets(st.integers(0, max(0, n - 1)), max_size=2)) if n else set()
+            known = {c for c in bad if draw(st.booleans())}
+            fail = draw(st.none() | st.integers(0, max(0, n)))
+            copies[(v, b)] = (n, bad, known, fail)
+    return present, sizes, copies
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_plan_replays_every_intact_chunk_once_in_order(sc):
+    present, sizes, copies = sc
+    listings: dict[int, list] = {}
+    for (v, b), (n, _bad, known, _fail) in copies.items():
+        listings.setdefault(b, []).append(seg(v, n * CHUNK, corrupt=[(c * CHUNK, CHUNK) for c in known]))
+    plan = plan_of(listings)
+    if not present:
+        assert plan.vlogs == [] and plan.complete
+        return
+    placed: list[tuple[int, int]] = []  # (vseg, chunk index) in placement order, never a hole
+    failed_once: set = set()
+
+    def place(v, i):
+        if (v, i) in placed:
+            return  # a replayed copy: idempotent
+        expected = (v, i - 1) if i else None
+        if expected is not None:
+            assert placed and placed[-1] == expected, f"hole before {(v, i)}"
+        placed.append((v, i))
+
+    for _ in range(200):
+        s = plan.next_step(VLOG)
+        if not isinstance(s, Step):
+            break
+        n, bad, _known, fail = copies[(s.vseg, s.backup)]
+        i = s.offset // CHUNK
+        delivered = 0
+        while True:
+            if fail is not None and delivered == fail and (s.vseg, s.backup) not in failed_once:
+                failed_once.add((s.vseg, s.backup))
+                plan.step_done(VLOG, s.vseg, s.backup, s.offset, FAILED)
+                break
+            if i >= n:
+                plan.step_done(VLOG, s.vseg, s.backup, i * CHUNK, END)
+                break
+            if i in bad:
+                plan.step_done(VLOG, s.vseg, s.backup, i * CHUNK, CORRUPT, (i + 1) * CHUNK)
+                break
+            place(s.vseg, i)
+            i += 1
+            delivered += 1
+    else:
+        raise AssertionError("the plan did not end")
+
+    # where the log must end without failures: the first chunk no copy holds intact
+    def intact_somewhere(v, i, usable):
+        return any(vv == v and i < n and i not in bad and usable(vv, b)
+                   for (vv, b), (n, bad, _k, _f) in copies.items())
+
+    out = plan.next_step(VLOG)
+    if isinstance(out, Done):
+        missing = [v for v in range(max(present)) if v not in present]
+        assert not missing
+        got = set(placed)
+        for v in present:
+            longest = max(n for (vv, _b), (n, *_r) in copies.items() if vv == v)
+            assert all((v, i) in got for i in range(longest))
+    else:
+        assert isinstance(out, Truncated)
+        v, i = out.vseg, out.offset // CHUNK
+        # nothing after the end was placed (unless a copy that failed got further first)
+        if not out.failed:
+            assert all(p < (v, i) for p in placed)
+        if out.reason == "missing":
+            assert v not in present and i == 0
+        else:
+            assert not intact_somewhere(v, i, lambda vv, b: (vv, b) not in failed_once), \
+                f"truncated at {(v, i)} although a working copy holds it intact"
+            assert out.failed == {b for (vv, b) in failed_once
+                                  if vv == v and copies[(vv, b)][0] > i}
+            assert out.lost[0].offset == out.offset
