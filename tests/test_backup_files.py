@@ -140,6 +140,22 @@ def test_damaged_header_rest_corrupt_not_truncated(tmp_path):
     assert os.path.getsize(p) == sf.FILE_HEADER_SIZE + n  # kept, not a torn tail
 
 
+def test_damaged_header_before_a_valid_trailer_stops_at_the_trailer(tmp_path):
+    """A closed file keeps its true length: the trailer bytes are not counted as chunk area."""
+    chunks = make_chunks([3, 4, 5, 6])
+    p = str(tmp_path / "t.seg")
+    n = write_file(p, chunks, closed=True)
+    b = bounds(chunks)
+    with open(p, "r+b") as f:
+        f.seek(sf.FILE_HEADER_SIZE + b[1][0] + 30)
+        x = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([x[0] ^ 1]))
+    s = sf.load(p).scan
+    assert s.damaged and s.closed and s.length == n and s.chunks == 1
+    assert [(c["offset"], c["length"]) for c in s.corrupt] == [(b[1][0], n - b[1][0])]
+
+
 def test_damaged_and_torn_file_header(tmp_path):
     p = str(tmp_path / "e.seg")
     write_file(p, make_chunks([1]))

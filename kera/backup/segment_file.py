@@ -26,8 +26,9 @@ Reading a file back (``scan_area`` / ``load``) verifies every chunk with
 - *corrupt chunk*: header valid, body checksum wrong: reported, skipped, never
   served; the next chunk is found through the header's length.
 - *damaged header*: the next chunk cannot be located, so everything from there
-  to the end is reported corrupt. It is kept on disk (someone may want to look
-  at it) and not truncated: it is not a torn tail.
+  to the end (to the trailer, if a valid one ends the file) is reported
+  corrupt. It is kept on disk (someone may want to look at it) and not
+  truncated: it is not a torn tail.
 
 Offsets everywhere are in the chunk area (offset 0 = first chunk byte), the
 same offsets the broker uses in ``replicate``.
@@ -194,9 +195,16 @@ def scan_area(area) -> Scan:
             if _zeros(area[pos:]):
                 out.cut = pos
                 break
-            out.corrupt.append({"offset": pos, "length": rem, "reason": f"damaged chunk header: {e}"})
+            # a valid trailer at the very end still says where the area ends (it names
+            # its own position): the damage stops there and the segment is closed
+            end = n - TRAILER_SIZE
+            if end > pos and _trailer_ok(area, end):
+                out.closed = True
+            else:
+                end = n
+            out.corrupt.append({"offset": pos, "length": end - pos, "reason": f"damaged chunk header: {e}"})
             out.damaged = True
-            pos = n
+            pos = end
             break
         end = pos + h.size
         if end > n:
