@@ -67,7 +67,7 @@ class Replicator:
                     nursery.start_soon(self._send, s)
                 if self.log.fenced:
                     raise Fenced(f"vlog {self.log.id}: a backup says this incarnation is fenced")
-                deadline = self.log.next_deadline()
+                deadline = self.log.next_deadline(trio.current_time())
                 with trio.move_on_at(math.inf if deadline is None else deadline):
                     await self.wake.wait()
 

@@ -132,11 +132,13 @@ class VirtualLog:
                 del self.active[vs.id]
                 continue
             if len(vs.copies) < self.need:
-                avoid = {b for b, until in vs.avoid.items() if until > now}
+                for b in [b for b, until in vs.avoid.items() if until <= now]:
+                    del vs.avoid[b]
+                avoid = vs.avoid.keys()
                 for b in self.backups.choose(vs.copies, avoid, self.need - len(vs.copies)):
                     vs.copies[b] = Copy(b, self.backups.incarnation(b))
             for c in vs.copies.values():
-                if c.inflight or c.retry_at > now:
+                if c.inflight or c.retry_at > now or (c.acked == vs.size and (c.closed or not vs.closed)):
                     continue
                 s = self._message(vs, c)
                 if s is not None:
@@ -161,13 +163,13 @@ class VirtualLog:
         self._tokens += 1
         return Send(self._tokens, c.backup, vs, c.acked, start, stop, close)
 
-    def next_deadline(self) -> float | None:
-        """When the next backoff or avoidance ends (None: nothing timed is pending)."""
+    def next_deadline(self, now: float) -> float | None:
+        """When the next backoff or avoidance after ``now`` ends (None: nothing timed is pending)."""
         times = []
         for vs in self.active.values():
-            times += [c.retry_at for c in vs.copies.values() if not c.inflight and c.retry_at]
+            times += [c.retry_at for c in vs.copies.values() if not c.inflight and c.retry_at > now]
             if len(vs.copies) < self.need:
-                times += [t for t in vs.avoid.values()]
+                times += [t for t in vs.avoid.values() if t > now]
         return min(times) if times else None
 
     # -- outcomes ---------------------------------------------------------------------

@@ -1,0 +1,39 @@
+"""``python -m kera.sim --seeds N [--start S]``: run seeded simulations, stop at the first failure.
+
+``--seed S`` replays one seed and prints its event log on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from .world import Violation, World
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kera.sim")
+    ap.add_argument("--seeds", type=int, default=1000, help="how many seeds to run")
+    ap.add_argument("--start", type=int, default=0, help="first seed")
+    ap.add_argument("--seed", type=int, default=None, help="replay this one seed")
+    args = ap.parse_args(argv)
+    seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)
+    t0 = time.perf_counter()
+    n = chunks = 0
+    for seed in seeds:
+        try:
+            r = World(seed).run()
+        except Violation as e:
+            print(f"FAILED {e}", file=sys.stderr)
+            print(f"replay: python -m kera.sim --seed {seed}", file=sys.stderr)
+            return 1
+        n += 1
+        chunks += r["chunks"]
+    dt = time.perf_counter() - t0
+    print(f"{n} seeds clean, {chunks} chunks, {dt:.1f} s, {n / dt:.0f} seeds/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
