@@ -8,7 +8,10 @@ the connection's nursery. A bounded number of requests per connection may be
 in flight; past that the connection stops being read (backpressure).
 
 Clients: ``Pool`` owns one pipelined connection per address and the reader
-tasks that match responses to requests by id.
+tasks that match responses to requests by id. A send that was cancelled or
+timed out may have left part of a frame on the wire, so its connection is
+closed (the next call opens a new one); a reply or error for a request no
+longer waited for is dropped and the connection stays.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import trio
 
 from . import frame
 from .errors import KeraError, ProtocolError, Unavailable, UnknownMethod, from_wire
+from .limits import MAX_FRAME
 
 log = logging.getLogger("kera.rpc")
 
@@ -66,7 +70,7 @@ def _disconnect(e: BaseException) -> bool:
 class Service:
     """Base for servers: subclasses define ``rpc_<method>(meta, payload)``."""
 
-    max_frame = frame.DEFAULT_MAX_FRAME
+    max_frame = MAX_FRAME
 
     def lookup(self, method):
         fn = getattr(self, f"rpc_{method}", None) if isinstance(method, str) else None
@@ -113,6 +117,9 @@ class Service:
                     while True:
                         data = await stream.receive_some(RECV_SIZE)
                         if not data:
+                            if decoder.pending:  # a client whose send was cut: never a request
+                                log.info("connection closed inside a frame (%d bytes dropped)",
+                                         decoder.pending)
                             break
                         decoder.feed(data)
                         while (f := decoder.next()) is not None:
@@ -124,15 +131,14 @@ class Service:
                                 await slots.acquire()
                             try:
                                 res = self.lookup(f.meta.get("m"))(f.meta, f.payload)
+                                if inspect.iscoroutine(res):
+                                    nursery.start_soon(finish, f.request_id, res)
+                                    continue
+                                out = _result_frame(f.request_id, res)  # a reply too large: its error
                             except Exception as e:
-                                slots.release()
-                                await send(_error_frame(f.request_id, e))
-                                continue
-                            if inspect.iscoroutine(res):
-                                nursery.start_soon(finish, f.request_id, res)
-                            else:
-                                slots.release()
-                                await send(_result_frame(f.request_id, res))
+                                out = _error_frame(f.request_id, e)
+                            slots.release()
+                            await send(out)
                 except ProtocolError as e:
                     # garbage: say why (best effort), then drop this connection only
                     with trio.move_on_after(1):
@@ -171,9 +177,9 @@ class Connection:
                 while (f := self.decoder.next()) is not None:
                     slot = self.pending.pop(f.request_id, None)
                     if slot is None:
-                        if f.kind == frame.ERROR:
-                            raise from_wire(f.meta)
-                        continue
+                        if f.kind == frame.ERROR and f.request_id == 0:
+                            raise from_wire(f.meta)  # about the connection itself: it is closing
+                        continue  # its caller gave up (timeout, cancel): drop it, keep the connection
                     slot[1] = f
                     slot[0].set()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, KeraError) as e:
@@ -207,7 +213,14 @@ class Connection:
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):
                 async with self.send_lock:
-                    await self.stream.send_all(data)
+                    if self.closed:
+                        raise Unavailable(str(self.error))
+                    try:
+                        await self.stream.send_all(data)
+                    except BaseException as e:
+                        # part of the frame may be on the wire: nothing more may follow it
+                        self._tear(f"send of {method} interrupted ({type(e).__name__})")
+                        raise
                 await slot[0].wait()
         except trio.TooSlowError:
             self.pending.pop(rid, None)
@@ -226,6 +239,12 @@ class Connection:
             raise from_wire(f.meta)
         return f.meta, f.payload
 
+    def _tear(self, why: str) -> None:
+        """Close at once (no checkpoint: the caller may be cancelled): the peer sees the
+        end of the stream after a partial frame and never reads it as a request."""
+        self._fail(Unavailable(f"connection to {self.addr} closed: {why}"))
+        self.stream.socket.close()  # wakes the reader, which ends
+
     async def aclose(self) -> None:
         self._fail(Unavailable(f"connection to {self.addr} closed"))
         with trio.CancelScope(shield=True):
@@ -235,7 +254,7 @@ class Connection:
 class Pool:
     """Connections by address, their reader tasks owned by this pool's nursery."""
 
-    def __init__(self, nursery: trio.Nursery, max_frame: int = frame.DEFAULT_MAX_FRAME,
+    def __init__(self, nursery: trio.Nursery, max_frame: int = MAX_FRAME,
                  connect_timeout: float = 5.0):
         self.nursery = nursery
         self.max_frame = max_frame
