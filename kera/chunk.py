@@ -12,6 +12,9 @@ The offsets arrays have Arrow's binary layout, so a chunk becomes an Arrow
 batch without copying. ``body_checksum`` is xxh3-64 of the body; the header
 checksum (xxh32 of the header bytes before it) also covers the
 [group, segment, offset] placement the broker writes at append time.
+
+Builders refuse more than ``limits.MAX_RECORDS`` records or ``limits.MAX_CHUNK``
+bytes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from itertools import accumulate
 import numpy as np
 import xxhash
 
-from .errors import ChecksumError, ProtocolError
+from .errors import ChecksumError, LimitExceeded, ProtocolError, RecordTooLarge
+from .limits import MAX_CHUNK, MAX_RECORDS
 
 MAGIC = b"KC"
 VERSION = 1
@@ -38,7 +42,6 @@ _CHECKED = HEADER_SIZE - 4  # the header checksum covers everything before it
 _PLACEMENT = struct.Struct("<III")
 _PLACEMENT_AT = 52
 _HCHECK = struct.Struct("<I")
-MAX_RECORDS = 1 << 24
 _TS = struct.Struct("<q")
 _ZERO = (0,)
 assert sys.byteorder == "little" and array("I").itemsize == 4, "chunks are little endian"
@@ -66,6 +69,26 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
+def chunk_size(records: int, data_bytes: int) -> int:
+    """Bytes of a chunk of ``records`` records with ``data_bytes`` of keys and values."""
+    return HEADER_SIZE + _pad8(16 * records + 8 + data_bytes)
+
+
+def record_room(max_chunk: int) -> int:
+    """The most ``16 * records + key and value bytes`` a chunk of ``max_chunk`` bytes holds."""
+    return ((max_chunk - HEADER_SIZE) & ~7) - 8
+
+
+def _check_limits(n: int, data_bytes: int) -> None:
+    if n > MAX_RECORDS:
+        raise LimitExceeded(f"a chunk holds at most MAX_RECORDS ({MAX_RECORDS}) records, not {n}",
+                            limit="MAX_RECORDS", bound=MAX_RECORDS, size=n)
+    size = chunk_size(n, data_bytes)
+    if size > MAX_CHUNK:
+        raise RecordTooLarge(f"a chunk of {size} bytes exceeds MAX_CHUNK ({MAX_CHUNK} bytes)",
+                             limit="MAX_CHUNK", bound=MAX_CHUNK, size=size)
+
+
 def build(stream_id: int, streamlet: int, producer_id: int, sequence: int,
           values: Sequence[bytes], keys: Sequence[bytes | None] | None = None,
           timestamps=None) -> bytes:
@@ -76,18 +99,20 @@ def build(stream_id: int, streamlet: int, producer_id: int, sequence: int,
     this avoids numpy's per-call overhead; ``build_arrays`` is the batch path.
     """
     n = len(values)
-    if n == 0 or n > MAX_RECORDS:
-        raise ValueError(f"a chunk holds 1..{MAX_RECORDS} records, not {n}")
+    if n == 0:
+        raise ValueError("a chunk holds at least one record")
     voff = array("I", _ZERO)
     voff.extend(accumulate(map(len, values)))
     if keys is None:
         koff, kbytes = bytes(4 * (n + 1)), b""
+        _check_limits(n, voff[-1])
     else:
         if len(keys) != n:
             raise ValueError(f"{len(keys)} keys for {n} values")
         keys = [k or b"" for k in keys]
         ko = array("I", _ZERO)
         ko.extend(accumulate(map(len, keys)))
+        _check_limits(n, voff[-1] + ko[-1])
         koff, kbytes = ko.tobytes(), b"".join(keys)
     if timestamps is None or isinstance(timestamps, int):
         t = int(time.time() * 1000) if timestamps is None else timestamps
@@ -116,10 +141,11 @@ def _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max,
 def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes) -> bytes:
     """Pack already-columnar records (the batch path: no per-record work at all)."""
     n = len(ts)
-    if not 0 < n <= MAX_RECORDS or len(koff) != n + 1 or len(voff) != n + 1 \
+    if n == 0 or len(koff) != n + 1 or len(voff) != n + 1 \
             or int(koff[-1]) != len(kbytes) or int(voff[-1]) != len(vbytes):
         raise ValueError("timestamps, offsets and key/value bytes disagree on the records")
     raw = len(kbytes) + len(vbytes)
+    _check_limits(n, raw)
     body_len = _pad8(8 * n + 8 * (n + 1) + raw)
     pad = body_len - (8 * n + 8 * (n + 1) + raw)
     body = b"".join((ts.astype("<i8", copy=False).tobytes(), koff.astype("<u4", copy=False).tobytes(),

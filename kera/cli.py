@@ -15,7 +15,7 @@ import time
 import numpy as np
 import trio
 
-from .errors import KeraError
+from .errors import KeraError, RecordTooLarge
 
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
 
@@ -59,8 +59,10 @@ def cmd_stream(args) -> None:
 
 # -- produce ----------------------------------------------------------------------
 def _producer_options(args) -> dict:
-    return {"acks": args.acks, "linger.ms": args.linger_ms, "chunk.size": args.chunk_size,
+    """The options given on the command line; the producer's own defaults for the others."""
+    opts = {"acks": args.acks, "linger.ms": args.linger_ms, "chunk.size": args.chunk_size,
             "request.size": args.request_size, "max.in.flight": args.max_in_flight}
+    return {k: v for k, v in opts.items() if v is not None}
 
 
 def cmd_produce(args) -> None:
@@ -73,8 +75,12 @@ def cmd_produce(args) -> None:
             key = args.key.encode() if args.key is not None else None
             p = Producer(_coordinator(args), _producer_options(args))
             try:
-                for line in sys.stdin.buffer:
-                    p.send(args.stream, line.rstrip(b"\n"), key=key)
+                for n, line in enumerate(sys.stdin.buffer, 1):
+                    try:
+                        p.send(args.stream, line.rstrip(b"\n"), key=key)
+                    except RecordTooLarge as e:  # that line only: the others still go
+                        print(f"error: line {n}: {e.code}: {e}", file=sys.stderr, flush=True)
+                        ok = False
                 p.flush()
             finally:
                 acked = p.acked
@@ -284,11 +290,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", type=int, default=None, metavar="N")
     p.add_argument("--size", type=int, default=100)
     p.add_argument("--producers", type=int, default=1)
-    p.add_argument("--acks", choices=["all", "leader", "none"], default="all")
-    p.add_argument("--linger-ms", type=float, default=5.0)
-    p.add_argument("--chunk-size", type=int, default=16384)
-    p.add_argument("--request-size", type=int, default=1 << 20)
-    p.add_argument("--max-in-flight", type=int, default=4)
+    p.add_argument("--acks", choices=["all", "leader", "none"], default=None, help="default all")
+    p.add_argument("--linger-ms", type=float, default=None)
+    p.add_argument("--chunk-size", type=int, default=None, help="bytes (at most MAX_CHUNK)")
+    p.add_argument("--request-size", type=int, default=None, help="bytes (at most MAX_REQUEST)")
+    p.add_argument("--max-in-flight", type=int, default=None)
 
     co = _client(sub.add_parser("consume", help="read records of a stream"))
     co.add_argument("stream")

@@ -18,11 +18,12 @@ import time
 
 import trio
 
-from . import metafile
+from . import limits, metafile
 from .errors import (
     Fenced,
     InvalidArgument,
     KeraError,
+    LimitExceeded,
     NotEnoughBackups,
     StreamExists,
     Unavailable,
@@ -41,9 +42,21 @@ DEFAULTS = {
     "segment_size": 1 << 20,
     "group_segments": 8,
 }
-MAX_STREAMLETS = 4096
-MAX_GROUPS = 64
 VLOG_POLICIES = ("shared", "per-stream", "per-group")
+
+
+def _check_stream_limits(cfg: dict) -> None:
+    """A stream's shape within ``kera.limits``; refused with the limit's name otherwise."""
+    for key, name, high in (("streamlets", "MAX_STREAMLETS", limits.MAX_STREAMLETS),
+                            ("groups", "MAX_GROUPS", limits.MAX_GROUPS),
+                            ("segment_size", "MAX_SEGMENT_SIZE", limits.MAX_SEGMENT_SIZE)):
+        if cfg[key] > high:
+            raise LimitExceeded(f"{key} {cfg[key]} exceeds {name} ({high})",
+                                limit=name, bound=high, size=cfg[key])
+    if cfg["segment_size"] < limits.MIN_SEGMENT_SIZE:
+        raise LimitExceeded(f"segment_size {cfg['segment_size']} is below MIN_SEGMENT_SIZE "
+                            f"({limits.MIN_SEGMENT_SIZE})", limit="MIN_SEGMENT_SIZE",
+                            bound=limits.MIN_SEGMENT_SIZE, size=cfg["segment_size"])
 
 
 class Member:
@@ -232,10 +245,7 @@ class Coordinator(Service):
             if not isinstance(v, int) or v < 1:
                 raise InvalidArgument(f"{key} must be a positive integer")
             cfg[key] = v
-        if cfg["streamlets"] > MAX_STREAMLETS or cfg["groups"] > MAX_GROUPS:
-            raise InvalidArgument(f"at most {MAX_STREAMLETS} streamlets and {MAX_GROUPS} groups")
-        if not 4096 <= cfg["segment_size"] <= 1 << 30:
-            raise InvalidArgument("segment_size must be between 4 KiB and 1 GiB")
+        _check_stream_limits(cfg)
         policy = meta.get("vlogs")
         if policy is not None and policy not in VLOG_POLICIES:
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")

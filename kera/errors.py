@@ -40,6 +40,24 @@ class InvalidArgument(KeraError):
     code = "invalid_argument"
 
 
+class LimitExceeded(InvalidArgument):
+    """A size or count over one of ``kera.limits``: ``limit`` names it, ``bound`` is its
+    value and ``size`` what was asked, so the caller knows what to change."""
+
+    code = "limit_exceeded"
+
+    def __init__(self, message: str = "", *, limit: str = "", bound: int = 0, size: int = 0):
+        super().__init__(message)
+        self.limit, self.bound, self.size = limit, bound, size
+
+
+class RecordTooLarge(LimitExceeded):
+    """A record (or the chunk holding it) larger than the largest chunk the stream takes:
+    min(MAX_CHUNK, the stream's segment size). Refused before anything is stored."""
+
+    code = "record_too_large"
+
+
 class UnknownStream(KeraError):
     code = "unknown_stream"
 
@@ -105,7 +123,7 @@ _BY_CODE = {
     cls.code: cls
     for cls in [
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
-        UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
+        LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
         OutOfOrderSequence, NotEnoughBackups, BrokerFull, BackupError, Unavailable,
     ]
 }

@@ -2,8 +2,9 @@
 
 A frame is a fixed 16-byte prefix (magic, version, kind, request id, meta
 length, payload length), a msgpack map ("meta") and a raw payload. Lengths
-are checked against limits before any buffer is allocated, so a peer that
-announces 4 GiB costs nothing. The trio code only moves bytes.
+are checked against ``kera.limits`` before any buffer is allocated, so a peer
+that announces 4 GiB costs nothing; a frame over them is not even built. The
+trio code only moves bytes.
 """
 
 from __future__ import annotations
@@ -14,19 +15,18 @@ from dataclasses import dataclass
 import msgpack
 
 from .errors import FrameTooLarge, ProtocolError
+from .limits import FRAME_PREFIX, MAX_FRAME, MAX_META
 
 MAGIC = b"KF"
 VERSION = 1
 PREFIX = struct.Struct("<2sBBIII")
-PREFIX_SIZE = PREFIX.size  # 16
+PREFIX_SIZE = PREFIX.size
+assert PREFIX_SIZE == FRAME_PREFIX
 
 REQUEST = 1
 RESPONSE = 2
 ERROR = 3
 KINDS = (REQUEST, RESPONSE, ERROR)
-
-MAX_META = 16 << 20
-DEFAULT_MAX_FRAME = 64 << 20
 
 
 @dataclass(slots=True)
@@ -45,10 +45,19 @@ def _nbytes(b) -> int:
     return b.nbytes if t is memoryview else memoryview(b).nbytes
 
 
+def _check(mlen: int, plen: int) -> None:
+    """Refuse to build what no peer would accept (``FrameDecoder``'s limits), before sending."""
+    if mlen > MAX_META:
+        raise FrameTooLarge(f"meta of {mlen} bytes exceeds MAX_META ({MAX_META})")
+    if PREFIX_SIZE + mlen + plen > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {PREFIX_SIZE + mlen + plen} bytes exceeds MAX_FRAME ({MAX_FRAME})")
+
+
 def encode(kind: int, request_id: int, meta: dict, payload=b"") -> bytes:
     """One contiguous frame: a single copy of the payload, a single send."""
     m = msgpack.packb(meta, use_bin_type=True)
     plen = _nbytes(payload)
+    _check(len(m), plen)
     return b"".join((PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen), m, payload))
 
 
@@ -56,6 +65,7 @@ def encode_parts(kind: int, request_id: int, meta: dict, parts) -> bytes:
     """A frame whose payload is the concatenation of ``parts`` (buffers)."""
     m = msgpack.packb(meta, use_bin_type=True)
     plen = sum(map(_nbytes, parts))
+    _check(len(m), plen)
     return b"".join([PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen), m, *parts])
 
 
@@ -66,7 +76,7 @@ class FrameDecoder:
     prefix was validated, so payload memoryviews stay valid after later feeds.
     """
 
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME):
+    def __init__(self, max_frame: int = MAX_FRAME):
         self.max_frame = max_frame
         self._buf = bytearray()
         self._pos = 0
@@ -93,7 +103,7 @@ class FrameDecoder:
         if kind not in KINDS:
             raise ProtocolError(f"unknown frame kind {kind}")
         if mlen > MAX_META:
-            raise FrameTooLarge(f"meta of {mlen} bytes exceeds {MAX_META}")
+            raise FrameTooLarge(f"meta of {mlen} bytes exceeds MAX_META ({MAX_META})")
         if PREFIX_SIZE + mlen + plen > self.max_frame:
             raise FrameTooLarge(f"frame of {PREFIX_SIZE + mlen + plen} bytes exceeds {self.max_frame}")
         end = pos + PREFIX_SIZE + mlen + plen

@@ -166,7 +166,7 @@ async def test_invalid_stream_arguments(cluster):
                     {"vlogs": "bogus"}, {"segment_size": 10}):
             with pytest.raises(Exception) as e:
                 await a.create_stream("x", **bad)
-            assert e.value.code in ("invalid_argument", "not_enough_backups"), bad
+            assert e.value.code in ("invalid_argument", "limit_exceeded", "not_enough_backups"), bad
         assert await a.list_streams() == []
 
 

@@ -14,11 +14,9 @@ from hypothesis import strategies as st
 from kera import frame
 from kera.errors import FrameTooLarge, KeraError, ProtocolError
 from kera.frame import (
-    DEFAULT_MAX_FRAME,
     ERROR,
     KINDS,
     MAGIC,
-    MAX_META,
     PREFIX,
     PREFIX_SIZE,
     REQUEST,
@@ -28,6 +26,7 @@ from kera.frame import (
     encode,
     encode_parts,
 )
+from kera.limits import MAX_FRAME, MAX_META
 
 SETTINGS = settings(max_examples=100, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -304,12 +303,12 @@ def test_max_frame_boundary():
 
 def test_default_limit():
     dec = FrameDecoder()
-    assert dec.max_frame == DEFAULT_MAX_FRAME
-    dec.feed(prefix(mlen=1, plen=DEFAULT_MAX_FRAME - PREFIX_SIZE))
+    assert dec.max_frame == MAX_FRAME
+    dec.feed(prefix(mlen=1, plen=MAX_FRAME - PREFIX_SIZE))
     with pytest.raises(FrameTooLarge):
         dec.next()
     dec = FrameDecoder()
-    dec.feed(prefix(mlen=1, plen=DEFAULT_MAX_FRAME - PREFIX_SIZE - 1))
+    dec.feed(prefix(mlen=1, plen=MAX_FRAME - PREFIX_SIZE - 1))
     assert dec.next() is None  # allowed, just incomplete
 
 

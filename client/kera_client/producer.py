@@ -7,12 +7,16 @@ to ``request.size`` bytes, one per broker, at most ``max.in.flight`` requests
 per broker. A streamlet is in at most one request at a time, so a retry
 (after a moved streamlet, a dead broker, a timeout) resends its chunks in
 sequence order and the broker's sequence check drops duplicates.
+
+A record whose chunk could not fit min(MAX_CHUNK, the stream's segment size)
+is refused by ``send`` with ``RecordTooLarge``, before anything is sent.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 import time
 from collections import deque
@@ -23,7 +27,8 @@ import numpy as np
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, UnknownStream
+from kera.errors import KeraError, RecordTooLarge, UnknownStream
+from kera.limits import MAX_CHUNK, MAX_REQUEST
 from kera.rpc import open_pool, unwrapped
 
 from .admin import default_coordinator, suspect
@@ -56,6 +61,9 @@ def _config(config: dict | None, kw: dict) -> dict:
             if k not in cfg:
                 raise ValueError(f"unknown producer option {k!r}; known: {', '.join(cfg)}")
             cfg[k] = v
+    for k in ("chunk.size", "request.size", "max.in.flight", "buffer.memory"):
+        if not isinstance(cfg[k], numbers.Integral) or cfg[k] < 1:
+            raise ValueError(f"{k} must be a positive integer, not {cfg[k]!r}")
     if cfg["acks"] not in ("all", "leader", "none"):
         raise ValueError("acks must be all, leader or none")
     if cfg["partitioner"] not in ("key", "round-robin"):
@@ -73,6 +81,25 @@ def _offsets(items) -> tuple[np.ndarray, bytes]:
     off = np.zeros(len(items) + 1, np.int64)
     np.cumsum(np.fromiter(map(len, items), np.int64, len(items)), out=off[1:])
     return off, b"".join(items)
+
+
+def _cut(size: np.ndarray, chunk_size: int, room: int) -> list[int]:
+    """Chunk bounds over records of ``size`` bytes (16 + key + value): a chunk ends where its
+    records reach ``chunk_size``, and never holds more than ``room`` (no record is larger)."""
+    n = len(size)
+    cum = np.cumsum(size)
+    marks = np.arange(chunk_size, int(cum[-1]) + chunk_size, chunk_size)
+    bounds = np.unique(np.clip(np.searchsorted(cum, marks, side="right"), 1, n))
+    bounds = np.concatenate([[0], bounds[bounds < n], [n]]).tolist()
+    # a chunk holds less than chunk_size plus its first record: one over room is cut where
+    # room ends, and the rest (less than chunk_size) fits (one step per chunk, not per record)
+    out = [0]
+    for a, b in pairwise(bounds):
+        base = int(cum[a - 1]) if a else 0
+        if int(cum[b - 1]) - base > room:
+            out.append(int(np.searchsorted(cum, base + room, side="right")))
+        out.append(b)
+    return out
 
 
 def _wall_ms(monotonic: float) -> int:
@@ -113,8 +140,8 @@ class AsyncProducer:
         self.cfg = cfg
         self.acks = cfg["acks"]
         self.linger = float(cfg["linger.ms"]) / 1000
-        self.chunk_size = int(cfg["chunk.size"])
-        self.request_size = int(cfg["request.size"])
+        self.chunk_size = min(int(cfg["chunk.size"]), MAX_CHUNK)
+        self.request_size = min(int(cfg["request.size"]), MAX_REQUEST)
         self.max_in_flight = int(cfg["max.in.flight"])
         self.buffer_memory = int(cfg["buffer.memory"])
         self.delivery_timeout = cfg["delivery.timeout.ms"] / 1000
@@ -128,6 +155,7 @@ class AsyncProducer:
         self.sticky: dict[int, _Batch] = {}   # stream id -> open round-robin batch
         self.linger_q: deque = deque()
         self.seq: dict[tuple, int] = {}
+        self.room: dict[int, int] = {}         # stream id -> record bytes one chunk holds
         self.ready: dict[tuple, deque] = {}
         self.inflight_keys: set = set()
         self.inflight: dict[str, int] = {}
@@ -155,6 +183,7 @@ class AsyncProducer:
             for s in r["streams"]:
                 self.streams[s["name"]] = s
                 self.by_id[s["id"]] = s
+                self.room[s["id"]] = chunkfmt.record_room(min(MAX_CHUNK, s["segment_size"]))
         if r.get("missing"):
             raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
 
@@ -183,12 +212,17 @@ class AsyncProducer:
     def _wake_now(self) -> None:
         self._wake.set()  # the event current when this runs, not when it was scheduled
 
-    def _append(self, s: dict, value: bytes, key, timestamp) -> None:
-        """Add one record to its streamlet's open chunk (caller holds the lock).
+    def _too_large(self, s: dict, n: int, what: str) -> RecordTooLarge:
+        seg = s["segment_size"]
+        bound = min(MAX_CHUNK, seg)
+        size = chunkfmt.chunk_size(1, n - 16)
+        return RecordTooLarge(
+            f"{what} of {n - 16} bytes (key and value) needs a chunk of {size} bytes; stream "
+            f"{s['name']!r} takes chunks of at most {bound} bytes (the smaller of MAX_CHUNK, {MAX_CHUNK}, "
+            f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
+            bound=bound, size=size)
 
-        The hot path of ``send``: a few attribute and dict operations, no
-        allocation but the list slots; chunks are packed when sealed.
-        """
+    def _batch(self, s: dict, key) -> _Batch:
         if key is None or not self.by_key:
             b = self.sticky.get(s["id"])
             if b is None:
@@ -197,6 +231,24 @@ class AsyncProducer:
             b = self.batches.get((s["id"], key_streamlet(key, s["streamlets"])))
             if b is None:
                 b = self._open(s, key_streamlet(key, s["streamlets"]), False)
+        return b
+
+    def _append(self, s: dict, value: bytes, key, timestamp) -> None:
+        """Add one record to its streamlet's open chunk (caller holds the lock).
+
+        The hot path of ``send``: a few attribute and dict operations, no
+        allocation but the list slots; chunks are packed when sealed. A record
+        that no chunk of its stream could hold is refused here, at once.
+        """
+        n = len(value) + 16 if key is None else len(value) + len(key) + 16
+        room = self.room[s["id"]]
+        if n > room:
+            raise self._too_large(s, n, "record")
+        b = self._batch(s, key)
+        if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
+            self._seal(b)
+            self._notify()
+            b = self._batch(s, key)
         if key is not None or b.keys is not None:
             if b.keys is None:
                 b.keys = [None] * len(b.values)
@@ -206,7 +258,6 @@ class AsyncProducer:
                 b.ts = [_wall_ms(b.created)] * len(b.values)
             b.ts.append(timestamp if timestamp is not None else int(time.time() * 1000))
         b.values.append(value)
-        n = len(value) + 16
         b.size += n
         self.buffered += n
         self.outstanding += 1
@@ -232,19 +283,18 @@ class AsyncProducer:
             del self.sticky[k[0]]
             self.rr.sealed(k[0], self.by_id[k[0]]["streamlets"])
         ts = b.ts if b.ts is not None else _wall_ms(b.created)  # records without their own: the chunk's first
-        self._enqueue(k, chunkfmt.build(k[0], k[1], self.producer_id, self._next_seq(k),
-                                        b.values, b.keys, ts), len(b.values), b.created)
-
-    def _next_seq(self, k) -> int:
         seq = self.seq.get(k, 0)
-        self.seq[k] = seq + 1
-        return seq
+        self._enqueue(k, seq, chunkfmt.build(k[0], k[1], self.producer_id, seq, b.values, b.keys, ts),
+                      len(b.values), b.created)
 
-    def _enqueue(self, k, data: bytes, records: int, created: float | None = None) -> None:
+    def _enqueue(self, k, seq: int, data: bytes, records: int, created: float | None = None) -> None:
+        """Queue a chunk built with sequence ``seq``: only now is the sequence taken, so a
+        build that failed leaves no hole."""
+        self.seq[k] = seq + 1
         q = self.ready.get(k)
         if q is None:
             q = self.ready[k] = deque()
-        q.append(_Sealed(k, self.seq[k] - 1, data, records, created or time.monotonic()))
+        q.append(_Sealed(k, seq, data, records, created or time.monotonic()))
 
     def _wait_space(self) -> None:
         """Block the calling (non-loop) thread while the buffer is full."""
@@ -293,10 +343,11 @@ class AsyncProducer:
         size = np.diff(voff) + 16
         if koff is not None:
             size += np.diff(koff)
-        cum = np.cumsum(size)  # a chunk ends where its records reach chunk.size
-        marks = np.arange(self.chunk_size, int(cum[-1]) + self.chunk_size, self.chunk_size)
-        bounds = np.unique(np.clip(np.searchsorted(cum, marks, side="right"), 1, n))
-        bounds = np.concatenate([[0], bounds[bounds < n], [n]]).tolist()
+        room = self.room[s["id"]]
+        big = int(np.argmax(size))
+        if int(size[big]) > room:  # refused before any of them leaves
+            raise self._too_large(s, int(size[big]), f"record {big} of {n}")
+        bounds = _cut(size, min(self.chunk_size, room), room)
         vdata, kdata = memoryview(value_data), memoryview(key_data)
         for a, b in pairwise(bounds):
             v0, v1 = int(voff[a]), int(voff[b])
@@ -312,11 +363,12 @@ class AsyncProducer:
                 if streamlet is None:
                     self.rr.sealed(s["id"], s["streamlets"])
                 k = (s["id"], sl)
-                data = chunkfmt.build_arrays(k[0], sl, self.producer_id, self._next_seq(k), ts[a:b], ko,
+                seq = self.seq.get(k, 0)
+                data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, ts[a:b], ko,
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])
                 self.buffered += len(data)
                 self.outstanding += b - a
-                self._enqueue(k, data, b - a)
+                self._enqueue(k, seq, data, b - a)
             self._notify()
 
     # -- sending (loop thread) ----------------------------------------------------

@@ -13,8 +13,9 @@ import trio
 
 from .. import chunk as chunkfmt
 from ..errors import InvalidArgument
+from ..limits import REPLAY_READ
 
-READ_BYTES = 4 << 20
+READ_BYTES = REPLAY_READ
 RECOVER_TIMEOUT = 120.0
 
 

@@ -35,6 +35,7 @@ from bisect import bisect_left
 import trio
 
 from .. import chunk as chunkfmt
+from .. import limits
 from ..errors import BackupError, ChecksumError, Fenced, InvalidArgument, KeraError, ProtocolError
 from ..rpc import Service, open_pool
 from . import segment_file
@@ -45,10 +46,10 @@ from .replica import Replica
 log = logging.getLogger("kera.backup")
 
 SEGMENTS_DIR = "segments"
-MAX_REPLICATE_BYTES = 32 << 20   # one replicate payload
-MAX_READ_BYTES = 8 << 20         # one read reply (unless a single chunk is larger)
+MAX_REPLICATE_BYTES = limits.MAX_REPLICATE_PAYLOAD  # one replicate payload
+MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
-MAX_SEGMENT_BYTES = 1 << 30      # one replica's chunk area
+MAX_SEGMENT_BYTES = limits.MAX_REPLICA_BYTES        # one replica's chunk area
 MAX_REPLICAS = 100_000           # replicas held at once
 DEFAULT_MAX_MEMORY = 1 << 30     # unflushed bytes; flushed ones are released under pressure
 _U63 = 1 << 63

@@ -16,7 +16,7 @@ import time
 
 import trio
 
-from .. import chunk, metafile
+from .. import chunk, limits, metafile
 from ..errors import (
     Fenced,
     InvalidArgument,
@@ -33,14 +33,15 @@ from .streamlet import Streamlet
 
 log = logging.getLogger("kera.broker")
 
-MAX_PULL_BYTES = 32 << 20
+MAX_PULL_BYTES = limits.MAX_PULL
 MAX_PULL_WAIT = 30.0
 HEARTBEAT = 0.5
 
 
 class BrokerService(Service):
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
-                 vseg_size: int = 8 << 20, replicate_timeout: float = 5.0, memory: int = 0):
+                 vseg_size: int = limits.DEFAULT_VSEG_SIZE, replicate_timeout: float = 5.0,
+                 memory: int = 0):
         self.coordinator = coordinator
         self.data_dir = data_dir
         self.node = node
@@ -388,6 +389,13 @@ class BrokerService(Service):
                 self._reset()
 
 
+def _vseg_size(text: str) -> int:
+    n = int(text)
+    if not 0 < n <= limits.MAX_VSEG_SIZE:
+        raise argparse.ArgumentTypeError(f"must be 1..MAX_VSEG_SIZE ({limits.MAX_VSEG_SIZE}), not {n}")
+    return n
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="kera broker")
     ap.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR", "127.0.0.1:7700"))
@@ -397,7 +405,8 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
     ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
-    ap.add_argument("--vseg-size", type=int, default=8 << 20, help="virtual segment capacity, bytes")
+    ap.add_argument("--vseg-size", type=_vseg_size, default=limits.DEFAULT_VSEG_SIZE,
+                    help=f"virtual segment capacity, bytes (at most MAX_VSEG_SIZE, {limits.MAX_VSEG_SIZE})")
     ap.add_argument("--memory", type=int, default=0,
                     help="bytes of segments this broker may allocate (0: no limit)")
     ap.add_argument("--replicate-timeout", type=float, default=5.0,

@@ -9,7 +9,8 @@ refused so the producer resends in order.
 
 from __future__ import annotations
 
-from ..errors import InvalidArgument, OutOfOrderSequence
+from ..errors import OutOfOrderSequence, RecordTooLarge
+from ..limits import MAX_CHUNK
 from .group import DONE, Group
 
 
@@ -55,10 +56,19 @@ class Streamlet:
             f"producer {producer} sent sequence {seq} after {st.last_seq} on "
             f"stream {self.stream_id} streamlet {self.index}")
 
+    @property
+    def max_chunk(self) -> int:
+        """The largest chunk this streamlet takes: it must fit a segment, and be replicable."""
+        return min(MAX_CHUNK, self.segment_size)
+
     def append(self, chunk, producer: int):
         """Append one chunk to its active group: returns (group, segment, offset)."""
-        if len(chunk) > self.segment_size:
-            raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds segment size {self.segment_size}")
+        if len(chunk) > self.segment_size or len(chunk) > MAX_CHUNK:
+            limit = "MAX_CHUNK" if self.segment_size >= MAX_CHUNK else "segment_size"
+            raise RecordTooLarge(
+                f"chunk of {len(chunk)} bytes exceeds {self.max_chunk} bytes (the smaller of MAX_CHUNK "
+                f"and the segment size of stream {self.stream_id})",
+                limit=limit, bound=self.max_chunk, size=len(chunk))
         slot = producer % self.q
         g = self.active[slot]
         while True:
