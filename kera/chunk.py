@@ -13,6 +13,9 @@ batch without copying. ``body_checksum`` is xxh3-64 of the body; the header
 checksum (xxh32 of the header bytes before it) also covers the
 [group, segment, offset] placement the broker writes at append time.
 
+``flags`` (one byte): ``SEQ_RESET`` marks the first chunk a producer sends
+after giving up on earlier ones of the streamlet; the broker takes its
+sequence as the producer's new base (see ``Streamlet.check_sequence``).
 Builders refuse more than ``limits.MAX_RECORDS`` records or ``limits.MAX_CHUNK``
 bytes.
 """
@@ -41,11 +44,13 @@ assert HEADER_SIZE == 88
 _CHECKED = HEADER_SIZE - 4  # the header checksum covers everything before it
 _PLACEMENT = struct.Struct("<III")
 _PLACEMENT_AT = 52
+_FLAGS_AT = 3
 _HCHECK = struct.Struct("<I")
 _TS = struct.Struct("<q")
 _ZERO = (0,)
 assert sys.byteorder == "little" and array("I").itemsize == 4, "chunks are little endian"
 NO_PLACEMENT = 0xFFFFFFFF
+SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on the streamlet
 
 
 _Fields = namedtuple("_Fields", "flags stream_id streamlet record_count producer_id sequence ts_min "
@@ -91,7 +96,7 @@ def _check_limits(n: int, data_bytes: int) -> None:
 
 def build(stream_id: int, streamlet: int, producer_id: int, sequence: int,
           values: Sequence[bytes], keys: Sequence[bytes | None] | None = None,
-          timestamps=None) -> bytes:
+          timestamps=None, flags: int = 0) -> bytes:
     """Pack records into one chunk: one join per column, offsets by ``accumulate``.
 
     ``timestamps`` is a sequence (one per record) or one int for all of them
@@ -127,18 +132,20 @@ def build(stream_id: int, streamlet: int, producer_id: int, sequence: int,
         raise ValueError("values overflow a chunk's 32-bit offsets")
     raw = 16 * n + 8 + len(kbytes) + len(vbytes)
     body = b"".join((ts, koff, voff.tobytes(), kbytes, vbytes, bytes(-raw % 8)))
-    return _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max, body)
+    return _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max, body, flags)
 
 
-def _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max, body) -> bytes:
-    head = bytearray(HEADER.pack(MAGIC, VERSION, 0, stream_id, streamlet, n, producer_id, sequence,
+def _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max, body,
+                 flags: int = 0) -> bytes:
+    head = bytearray(HEADER.pack(MAGIC, VERSION, flags, stream_id, streamlet, n, producer_id, sequence,
                                  ts_min, ts_max, NO_PLACEMENT, NO_PLACEMENT, NO_PLACEMENT, len(body),
                                  xxhash.xxh3_64_intdigest(body), 0, 0))
     _HCHECK.pack_into(head, _CHECKED, xxhash.xxh32_intdigest(memoryview(head)[:_CHECKED]))
     return bytes(head) + body
 
 
-def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes) -> bytes:
+def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes,
+                 flags: int = 0) -> bytes:
     """Pack already-columnar records (the batch path: no per-record work at all)."""
     n = len(ts)
     if n == 0 or len(koff) != n + 1 or len(voff) != n + 1 \
@@ -150,7 +157,16 @@ def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, 
     pad = body_len - (8 * n + 8 * (n + 1) + raw)
     body = b"".join((ts.astype("<i8", copy=False).tobytes(), koff.astype("<u4", copy=False).tobytes(),
                      voff.astype("<u4", copy=False).tobytes(), kbytes, vbytes, bytes(pad)))
-    return _seal_header(stream_id, streamlet, producer_id, sequence, n, int(ts.min()), int(ts.max()), body)
+    return _seal_header(stream_id, streamlet, producer_id, sequence, n, int(ts.min()), int(ts.max()), body,
+                        flags)
+
+
+def with_flags(data, flags: int) -> bytes:
+    """A copy of the chunk in ``data`` with its header flags set to ``flags`` (checksum resealed)."""
+    head = bytearray(data[:HEADER_SIZE])
+    head[_FLAGS_AT] = flags
+    _HCHECK.pack_into(head, _CHECKED, xxhash.xxh32_intdigest(memoryview(head)[:_CHECKED]))
+    return b"".join((head, memoryview(data)[HEADER_SIZE:]))
 
 
 def parse_header(buf, offset: int = 0) -> ChunkHeader:

@@ -8,6 +8,12 @@ per broker. A streamlet is in at most one request at a time, so a retry
 (after a moved streamlet, a dead broker, a timeout) resends its chunks in
 sequence order and the broker's sequence check drops duplicates.
 
+Chunks the producer gives up on (delivery timeout, refused by the broker)
+leave a hole in their streamlet's sequence: the first chunk sent after them
+carries ``SEQ_RESET``, which the broker takes as the producer's new base.
+Chunks keep the sequence they were sealed with, so one that may already sit
+on the broker is never stored again under another number.
+
 A record whose chunk could not fit min(MAX_CHUNK, the stream's segment size)
 is refused by ``send`` with ``RecordTooLarge``, before anything is sent.
 """
@@ -124,6 +130,8 @@ class _Batch:
 
 
 class _Sealed:
+    """A chunk ready to leave; ``data`` is replaced by a SEQ_RESET copy if it follows a hole."""
+
     __slots__ = ("key", "seq", "data", "records", "created")
 
     def __init__(self, key, seq, data, records, created):
@@ -155,6 +163,7 @@ class AsyncProducer:
         self.sticky: dict[int, _Batch] = {}   # stream id -> open round-robin batch
         self.linger_q: deque = deque()
         self.seq: dict[tuple, int] = {}
+        self.gaps: dict[tuple, int] = {}       # streamlet -> highest sequence given up, not yet reset
         self.room: dict[int, int] = {}         # stream id -> record bytes one chunk holds
         self.ready: dict[tuple, deque] = {}
         self.inflight_keys: set = set()
@@ -416,11 +425,17 @@ class AsyncProducer:
                     continue
                 items = plans.setdefault(addr, [])
                 taken = len(items)
+                gap = self.gaps.get(k)
                 while q and (sizes.get(addr, 0) == 0 or sizes[addr] + len(q[0].data) <= self.request_size):
                     c = q.popleft()
                     if now - c.created > self.delivery_timeout:
                         self._give_up([c], "delivery timeout")
+                        gap = self.gaps[k]
                         continue
+                    if gap is not None and c.seq > gap:  # the first chunk after a hole: a new base
+                        c.data = chunkfmt.with_flags(c.data, chunkfmt.SEQ_RESET)
+                        del self.gaps[k]
+                        gap = None
                     items.append(c)
                     sizes[addr] = sizes.get(addr, 0) + len(c.data)
                 if len(items) > taken:
@@ -461,27 +476,17 @@ class AsyncProducer:
         with self.lock:
             self.inflight[addr] -= 1
             retry: dict[tuple, list] = {}
-            refused: dict[tuple, int] = {}  # streamlet -> sequence of its first refused chunk
             for c, res in zip(items, results, strict=False):
                 self.inflight_keys.discard(c.key)
-                if c.key in refused:  # after a refused chunk, the rest of its streamlet goes too
-                    self._give_up([c], res or "after a refused chunk")
-                elif res is None:
+                if res is None:
                     self.acked += c.records
                     self.outstanding -= c.records
                     self.buffered -= len(c.data)
                     self.latencies.append(now - c.created)
-                elif res in RETRIABLE:
+                elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
                     retry.setdefault(c.key, []).append(c)
                 else:
-                    refused[c.key] = c.seq
                     self._give_up([c], res)
-            for k, seq in refused.items():
-                # the chunks queued behind it would leave a hole in the sequence: give them
-                # up too, and number what comes next from where the broker stands
-                self._give_up(list(self.ready.pop(k, ())), "after a refused chunk")
-                self.seq[k] = seq
-                retry.pop(k, None)
             for k, cs in retry.items():
                 q = self.ready.setdefault(k, deque())
                 q.extendleft(reversed(cs))
@@ -495,10 +500,15 @@ class AsyncProducer:
         self._wake.set()
 
     def _give_up(self, cs, why: str) -> None:
+        """Count chunks as failed; the next chunk sent after them on their streamlet gets
+        SEQ_RESET (the broker would otherwise wait for the missing sequences forever)."""
+        gaps = self.gaps
         for c in cs:
             self.failed += c.records
             self.outstanding -= c.records
             self.buffered -= len(c.data)
+            if c.seq > gaps.get(c.key, -1):
+                gaps[c.key] = c.seq
         if len(self.errors) < 100:
             self.errors.append(why)
 

@@ -190,17 +190,18 @@ class BrokerService(Service):
                 sl = streamlets.get((h.stream_id, h.streamlet))
                 if sl is None or sl.recovering:
                     sl = self._streamlet(h.stream_id, h.streamlet)  # raises the right error
-                st = sl.check_sequence(h.producer_id, h.sequence)
-                if st is not None:  # a resend of a chunk already appended: ack it again
-                    if st.vlog is not None and waits.get(st.vlog, 0) < st.ref:
-                        waits[st.vlog] = st.ref
+                st = sl.check_sequence(h.producer_id, h.sequence, h.flags & chunk.SEQ_RESET)
+                if st is not None:  # a resend of a chunk already appended: acked once it is durable
+                    for v, ref in st.waits():
+                        if waits.get(v, 0) < ref:
+                            waits[v] = ref
                     continue
                 size = h.size
                 g, seg, soff = sl.append(payload[off:off + size], h.producer_id)
                 chunk.place(seg.view, soff, g.id, seg.id, soff)
                 vlog = g.vlog or self.vlog_for(streams[h.stream_id], h.streamlet, g)
                 idx = vlog.append(seg, soff, size, h.body_checksum)
-                sl.note_producer(h.producer_id, h.sequence, vlog, idx)
+                sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + size)
                 waits[vlog] = idx
             except KeraError as e:
                 errors.append([i, e.code])

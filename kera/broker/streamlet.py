@@ -3,8 +3,10 @@
 Producer p appends to active group ``p % Q``; when that group fills up it
 closes and a new group (next id) takes its slot. Per producer, the last
 sequence seen makes retries idempotent: a sequence already appended is
-acknowledged again, never stored twice; a sequence that skips ahead is
-refused so the producer resends in order.
+acknowledged again (once durable), never stored twice; a sequence that skips
+ahead is refused so the producer resends in order, unless its chunk carries
+``SEQ_RESET``: the producer gave up on the chunks in between, and that
+sequence is its new base.
 """
 
 from __future__ import annotations
@@ -15,10 +17,24 @@ from .group import DONE, Group
 
 
 class ProducerState:
-    __slots__ = ("last_seq", "vlog", "ref")
+    """A producer's newest sequence here, and per vlog its chunks went to, its newest ref.
 
-    def __init__(self, last_seq: int, vlog, ref: int):
-        self.last_seq, self.vlog, self.ref = last_seq, vlog, ref
+    Groups change vlogs, so a duplicate's chunk may sit in another vlog than
+    the producer's newest one: it is durable once every vlog listed is
+    durable up to its ref (conservative, and the list is short: vlogs whose
+    refs are all durable are forgotten when the producer moves to a new one).
+    Each ref comes with its chunk's segment and end, which say it is durable.
+    """
+
+    __slots__ = ("last_seq", "refs")
+
+    def __init__(self, last_seq: int, refs: dict):
+        self.last_seq = last_seq
+        self.refs = refs  # vlog -> (ref, segment or None, end of the chunk in it)
+
+    def waits(self):
+        """(vlog, ref) pairs that must be durable before a duplicate is acknowledged."""
+        return [(v, r) for v, (r, seg, end) in self.refs.items() if seg is None or seg.durable < end]
 
 
 class Streamlet:
@@ -45,13 +61,20 @@ class Streamlet:
         self.next_group = max(self.next_group, gid + 1)
         return g
 
-    def check_sequence(self, producer: int, seq: int) -> ProducerState | None:
-        """The state of a duplicate (already appended), None for the next chunk."""
+    def check_sequence(self, producer: int, seq: int, reset: int = 0) -> ProducerState | None:
+        """The state of a duplicate (already appended), None for a chunk to append.
+
+        ``reset`` (the chunk's SEQ_RESET flag): a sequence past the next one is
+        the producer's new base, not a hole; older ones are duplicates all the
+        same, so a late copy of a chunk the producer gave up on is never stored.
+        """
         st = self.producers.get(producer)
         if st is None or seq == st.last_seq + 1:
             return None
         if seq <= st.last_seq:
             return st
+        if reset:
+            return None
         raise OutOfOrderSequence(
             f"producer {producer} sent sequence {seq} after {st.last_seq} on "
             f"stream {self.stream_id} streamlet {self.index}")
@@ -94,13 +117,24 @@ class Streamlet:
             self.appended_bytes += len(chunk)
         return g, seg
 
-    def note_producer(self, producer: int, sequence: int, vlog, ref: int) -> None:
-        """Remember a producer's newest chunk (replayed vlogs may come in any order: keep the highest)."""
+    def note_producer(self, producer: int, sequence: int, vlog, ref: int, segment=None,
+                      end: int = 0) -> None:
+        """Remember a producer's chunk: its sequence (replayed vlogs may come in any order:
+        keep the highest) and, per vlog, its highest ref (with the chunk's segment and end)."""
         st = self.producers.get(producer)
         if st is None:
-            self.producers[producer] = ProducerState(sequence, vlog, ref)
-        elif sequence >= st.last_seq:
-            st.last_seq, st.vlog, st.ref = sequence, vlog, ref
+            self.producers[producer] = ProducerState(sequence, {vlog: (ref, segment, end)})
+            return
+        if sequence > st.last_seq:
+            st.last_seq = sequence
+        refs = st.refs
+        old = refs.get(vlog)
+        if old is None:  # a new group's vlog (rare): forget the vlogs already durable
+            for v in [v for v, (_, seg, e) in refs.items() if seg is not None and seg.durable >= e]:
+                del refs[v]
+            refs[vlog] = (ref, segment, end)
+        elif ref > old[0]:
+            refs[vlog] = (ref, segment, end)
 
     def allocated(self) -> int:
         return sum(len(g.segments) for g in self.groups.values()) * self.segment_size

@@ -1,0 +1,175 @@
+"""Sequences after a give-up, and duplicates acknowledged only when durable.
+
+A producer that gives up on chunks of a streamlet (delivery timeout, a refused
+chunk) flags the next chunk it sends with SEQ_RESET; the broker takes that
+sequence as the producer's new base, and any older sequence (a late copy of a
+chunk given up on) as a duplicate, never stored. A duplicate is acknowledged
+once every vlog the producer's chunks went to is durable up to them, not only
+the vlog of its newest chunk.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+import trio
+from kera_client import ProduceError, open_admin, open_consumer, open_producer
+
+from kera import chunk
+from kera.broker.streamlet import Streamlet
+from kera.errors import OutOfOrderSequence
+from kera.rpc import open_pool
+
+
+def streamlet(segment_size: int = 4096, group_segments: int = 1) -> Streamlet:
+    return Streamlet({"id": 1, "groups": 1, "segment_size": segment_size,
+                      "group_segments": group_segments}, 0)
+
+
+def offer(sl: Streamlet, seq: int, vlog="v", flags: int = 0, size: int = 8) -> str:
+    """What the broker does with a chunk: 'dup' (acknowledged again) or 'new' (appended)."""
+    if sl.check_sequence(7, seq, flags & chunk.SEQ_RESET) is not None:
+        return "dup"
+    c = chunk.build(1, 0, 7, seq, [b"x" * size], flags=flags)
+    g, seg, off = sl.append(c, 7)
+    sl.note_producer(7, seq, vlog, seg.head, seg, off + len(c))
+    return "new"
+
+
+def test_reset_is_a_new_base_and_older_sequences_are_duplicates():
+    sl = streamlet()
+    assert offer(sl, 0) == "new"
+    with pytest.raises(OutOfOrderSequence):
+        offer(sl, 3)                               # 1 and 2 were given up: a hole
+    assert offer(sl, 3, flags=chunk.SEQ_RESET) == "new"
+    assert offer(sl, 1) == "dup"                   # a late copy of a chunk given up on
+    assert offer(sl, 2, flags=chunk.SEQ_RESET) == "dup"
+    assert offer(sl, 3, flags=chunk.SEQ_RESET) == "dup"  # the reset chunk resent
+    assert offer(sl, 4) == "new"
+    assert sl.appended_chunks == 3
+
+
+def test_flag_survives_in_the_header():
+    c = chunk.build(1, 0, 7, 5, [b"v"])
+    assert chunk.parse_header(c).flags == 0
+    r = chunk.with_flags(c, chunk.SEQ_RESET)
+    h = chunk.verify(r)
+    assert h.flags == chunk.SEQ_RESET and h.sequence == 5 and r[chunk.HEADER_SIZE:] == c[chunk.HEADER_SIZE:]
+
+
+def test_duplicate_waits_for_every_vlog_its_producer_used():
+    """Each group has one segment of room for one chunk: every chunk opens a group, and
+    groups change vlogs. A resend of the first chunk must wait for its own vlog."""
+    sl = streamlet(segment_size=4096, group_segments=1)
+    placed = []
+    for seq in range(3):
+        g_before = set(sl.groups)
+        assert offer(sl, seq, vlog=f"vlog{seq}", size=3000) == "new"
+        (gid,) = set(sl.groups) - g_before
+        seg = sl.groups[gid].segments[0]
+        placed.append((f"vlog{seq}", seg))
+    st = sl.check_sequence(7, 0)
+    assert st is not None
+    assert sorted(st.waits()) == [(v, seg.head) for v, seg in placed]  # not only the newest
+    for _, seg in placed[:2]:
+        seg.durable = seg.head
+    assert st.waits() == [("vlog2", placed[2][1].head)]
+    # a new vlog: the ones already durable are forgotten
+    assert offer(sl, 3, vlog="vlog3", size=3000) == "new"
+    assert set(st.refs) == {"vlog2", "vlog3"}
+
+
+def test_recovery_replay_notes_producers_in_any_order():
+    """rpc_recover's call (no segment): the highest sequence wins, every vlog is kept."""
+    sl = streamlet()
+    sl.note_producer(7, 5, "a", 10)
+    sl.note_producer(7, 3, "b", 4)
+    sl.note_producer(7, 4, "a", 8)
+    st = sl.producers[7]
+    assert st.last_seq == 5 and sorted(st.waits()) == [("a", 10), ("b", 4)]
+
+
+# -- real processes -----------------------------------------------------------------------
+
+
+async def read_all(coord, stream: str, want: int) -> list[bytes]:
+    got: list[bytes] = []
+    async with open_consumer([stream], coord) as c:
+        while len(got) < want:
+            got += [v for ch in await c.poll_chunks(1.0) for v in ch.values()]
+        got += [v for ch in await c.poll_chunks(0.3) for v in ch.values()]  # and nothing more
+    return got
+
+
+async def poll(cond) -> None:
+    while not cond():
+        await trio.sleep(0.02)
+
+
+async def test_broker_takes_a_reset_and_never_stores_a_late_copy(make_cluster):
+    cluster = make_cluster(1)
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        s = await a.create_stream("rs", replication=1)
+    sid, broker = s["id"], s["addrs"][0]
+
+    def c(seq, flags=0):
+        return chunk.build(sid, 0, 4242, seq, [b"seq%d" % seq], flags=flags)
+
+    with trio.fail_after(60):
+        async with open_pool() as pool:
+            async def produce(*chunks):
+                r, _ = await pool.call(broker, "produce", {"producer": 4242}, parts=list(chunks), timeout=10)
+                return r["errors"]
+
+            assert await produce(c(0)) == []
+            assert await produce(c(3)) == [[0, "out_of_order_sequence"]]
+            assert await produce(c(3, chunk.SEQ_RESET), c(4)) == []
+            assert await produce(c(1), c(2)) == []             # late copies: acknowledged, not stored
+            assert await produce(c(3, chunk.SEQ_RESET)) == []  # the reset chunk resent
+            assert await produce(c(5)) == []
+        assert await read_all(coord, "rs", 4) == [b"seq0", b"seq3", b"seq4", b"seq5"]
+
+
+async def test_producer_resyncs_after_a_delivery_timeout(make_cluster):
+    """Chunks queued behind a request to a paused broker expire unsent: the broker never
+    sees their sequences. The next chunk carries SEQ_RESET, so what follows is
+    acknowledged (before: out of order until it expired too, and so on forever)."""
+    cluster = make_cluster(1, coordinator_args=["--dead-after", "20"])  # no failover during the pause
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        await a.create_stream("rs", replication=1)
+    opts = {"chunk.size": 1, "linger.ms": 0, "delivery.timeout.ms": 2500, "request.timeout.ms": 20_000}
+    stopped = False
+    with trio.fail_after(90):
+        try:
+            # leaving the producer flushes: it reports the two records given up, only those
+            with pytest.raises(ProduceError, match="2 records failed: delivery timeout"):
+                async with open_producer(coord, **opts) as p:
+                    await p.send("rs", b"v0")
+                    await p.flush()
+                    k = (p.streams["rs"]["id"], 0)
+                    cluster.kill("node1-broker", signal.SIGSTOP)
+                    stopped = True
+                    await p.send("rs", b"v1")                   # in a request the broker does not read yet
+                    await poll(lambda: k in p.inflight_keys)
+                    await p.send("rs", b"v2")                   # queued behind it ...
+                    await p.send("rs", b"v3")
+                    assert len(p.ready[k]) == 2
+                    # ... until they are past their delivery timeout, never sent
+                    await poll(lambda: all(time.monotonic() - c.created > p.delivery_timeout
+                                           for c in p.ready[k]))
+                    cluster.kill("node1-broker", signal.SIGCONT)
+                    stopped = False
+                    await poll(lambda: p.acked == 2 and p.failed == 2)  # v1 acknowledged, v2 and v3 not
+                    for i in range(4, 14):
+                        await p.send("rs", b"v%d" % i)
+                    await poll(lambda: p.outstanding == 0)
+                    assert p.acked == 12 and p.failed == 2
+        finally:
+            if stopped:
+                cluster.kill("node1-broker", signal.SIGCONT)
+        want = [b"v0", b"v1"] + [b"v%d" % i for i in range(4, 14)]
+        assert await read_all(coord, "rs", len(want)) == want
