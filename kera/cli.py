@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -247,7 +248,8 @@ def cmd_up(args) -> None:
     from .cluster import LocalCluster
 
     LocalCluster(args.data, args.nodes, args.port, demo=args.demo,
-                 broker_args=args.broker_args.split() if args.broker_args else []).run()
+                 broker_args=shlex.split(args.broker_args), backup_args=shlex.split(args.backup_args),
+                 coordinator_args=shlex.split(args.coordinator_args)).run()
 
 
 def _client(p, coord=True):
@@ -265,6 +267,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=7700)
     up.add_argument("--demo", action="store_true", help="create a stream, produce and consume a little")
     up.add_argument("--broker-args", default="", help="extra arguments for every broker, quoted")
+    up.add_argument("--backup-args", default="",
+                    help="extra arguments for every backup, quoted (e.g. '--fsync always')")
+    up.add_argument("--coordinator-args", default="", help="extra arguments for the coordinator, quoted")
 
     for role in ("coordinator", "broker", "backup"):
         sub.add_parser(role, help=f"run one {role} process (see kera {role} --help)", add_help=False)

@@ -27,6 +27,7 @@ from .errors import (
     NotEnoughBackups,
     StreamExists,
     Unavailable,
+    UnknownMember,
     UnknownStream,
 )
 from .names import check_stream_name
@@ -78,6 +79,8 @@ class Coordinator(Service):
     def __init__(self, data_dir: str, dead_after: float = 2.0, expect_nodes: int = 0):
         self.data_dir = data_dir
         self.dead_after = dead_after
+        self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
+        self.started = time.monotonic()
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
         self.ready = expect_nodes == 0
         os.makedirs(data_dir, exist_ok=True)
@@ -125,7 +128,9 @@ class Coordinator(Service):
             self.meta["next_id"][role] = mid + 1
         else:
             self.meta["next_id"][role] = max(self.meta["next_id"][role], mid + 1)
-        epoch = self._take("next_epoch")
+        epoch = self._rejoin(role, mid, meta.get("epoch"))
+        if epoch is None:
+            epoch = self._take("next_epoch")
         if role == "backup" and mid not in self.meta["backups"]:
             self.meta["backups"].append(mid)
         self._save()
@@ -135,11 +140,31 @@ class Coordinator(Service):
         log.info("%s %d registered at %s (node %s, epoch %d)", role, mid, addr, node, epoch)
         self._notify()
         return {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
-                "lease": self.dead_after * 0.75, "fences": self.meta["fences"]}
+                "lease": self.lease, "fences": self.meta["fences"]}
+
+    def _rejoin(self, role: str, mid: int, epoch) -> int | None:
+        """The incarnation a server claims back after this coordinator restarted, if it may.
+
+        A coordinator restart is not a cluster reset: a broker that kept its
+        data re-registers as the same incarnation, and its streamlets are not
+        recovered. The claim is refused once this coordinator knows of the
+        server (it was declared dead or registered anew) or fenced that epoch.
+        """
+        if not isinstance(epoch, int) or not 0 < epoch < self.meta["next_epoch"]:
+            return None
+        known = self.members[role].get(mid)
+        if known is not None and not (known.alive and known.epoch == epoch):
+            return None
+        if role == "broker" and self.meta["fences"].get(str(mid), 0) >= epoch:
+            return None
+        return epoch
 
     def _member(self, meta) -> Member:
         role, mid, epoch = meta.get("role"), meta.get("id"), meta.get("epoch")
         m = self.members.get(role, {}).get(mid)
+        if m is None and isinstance(mid, int) and role in self.members:
+            raise UnknownMember(f"{role} {mid} is not known here (the coordinator restarted): "
+                                "register again with your epoch")
         if m is None or m.epoch != epoch or not m.alive:
             raise Fenced(f"{role} {mid} epoch {epoch} is not current: register again")
         return m
@@ -154,11 +179,15 @@ class Coordinator(Service):
         return {"backups": self._live("backup")}
 
     async def rpc_suspect(self, meta, payload):
-        """A client could not reach a broker: confirm with a ping, then declare it dead now."""
+        """A client could not reach a broker: declared dead now only if its heartbeats also
+        stopped for longer than a lease and a ping fails too (one slow answer on a loaded
+        machine is no evidence)."""
         addr = meta.get("addr")
         m = next((m for m in self.members["broker"].values() if m.alive and m.addr == addr), None)
         if m is None:
             return {"alive": False}
+        if time.monotonic() - m.last_seen <= self.lease:
+            return {"alive": True}
         try:
             await self.pool.call(m.addr, "ping", {}, timeout=min(1.0, self.dead_after / 2))
             return {"alive": True}
@@ -197,10 +226,23 @@ class Coordinator(Service):
     notify = _notify
 
     async def watch(self) -> None:
-        """Failure detector: declare dead whoever stopped heartbeating."""
+        """Failure detector: declare dead whoever stopped heartbeating.
+
+        Time this coordinator itself was stalled (its event loop blocked, the
+        machine overloaded) is not held against the others: their last
+        heartbeat is moved forward by the stall.
+        """
+        period = self.dead_after / 4
         while True:
-            await trio.sleep(self.dead_after / 4)
+            before = time.monotonic()
+            await trio.sleep(period)
             now = time.monotonic()
+            stall = now - before - period
+            if stall > period:
+                log.warning("coordinator stalled %.2f s: not counted against heartbeats", stall)
+                for role in self.members:
+                    for m in self.members[role].values():
+                        m.last_seen += stall
             for role in self.members:
                 for m in self.members[role].values():
                     if m.alive and now - m.last_seen > self.dead_after:

@@ -89,6 +89,13 @@ class Fenced(KeraError):
     retriable = True
 
 
+class UnknownMember(KeraError):
+    """The coordinator does not know this server (it restarted): register again, same epoch."""
+
+    code = "unknown_member"
+    retriable = True
+
+
 class OutOfOrderSequence(KeraError):
     code = "out_of_order_sequence"
     retriable = True
@@ -119,12 +126,22 @@ class Unavailable(KeraError):
     retriable = True
 
 
+class DataLoss(KeraError):
+    """Data that must come before this request's bytes is missing on every copy.
+
+    A recovering broker refuses a chunk whose placement would leave a hole in
+    its group: the chunks before it were lost, and storing it would hide that.
+    """
+
+    code = "data_loss"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in [
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
         LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
-        OutOfOrderSequence, NotEnoughBackups, BrokerFull, BackupError, Unavailable,
+        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, DataLoss,
     ]
 }
 

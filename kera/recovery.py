@@ -97,8 +97,11 @@ class RecoveryManager:
                         m.alive for m in self.coord.members["broker"].values()):
                     continue
                 now = time.monotonic()
+                if now - self.started < self.coord.dead_after:
+                    continue  # after a coordinator restart live brokers rejoin as themselves first
                 for key, sls in self.orphans().items():
                     if key not in self.active and self.not_before.get(key, 0) <= now:
+                        self.first_try.setdefault(key, now)
                         rec = self.active[key] = Recovery(key[0], key[1], sls)
                         nursery.start_soon(self._run_one, rec)
 

@@ -64,6 +64,7 @@ async def _register(service, pool, coordinator: str, addr: str, node: str | None
     delay = BACKOFF_MIN
     while True:
         meta = {"role": "backup", "addr": addr, "node": node, "id": service.id,
+                "epoch": service.epoch,  # claimed back after a coordinator restart
                 "holds": service.holds()}
         try:
             r, _ = await pool.call(coordinator, "register", meta, timeout=RPC_TIMEOUT)

@@ -24,6 +24,7 @@ from ..errors import (
     NotOwner,
     Recovering,
     Unavailable,
+    UnknownMember,
 )
 from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
@@ -225,7 +226,7 @@ class BrokerService(Service):
         if not isinstance(max_bytes, int) or not isinstance(wait, (int, float)):
             raise InvalidArgument("max_bytes and max_wait_ms must be numbers")
         max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
-        self._check_lease()
+        # no lease needed: only durable data is served, a prefix of what any successor holds
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
         while True:
             event = self.durable_event
@@ -314,6 +315,7 @@ class BrokerService(Service):
             try:
                 r, _ = await self.pool.call(self.coordinator, "register", {
                     "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
+                    "epoch": self.epoch or None,  # claimed back after a coordinator restart
                 }, timeout=5)
                 break
             except KeraError as e:
@@ -335,6 +337,17 @@ class BrokerService(Service):
                     "stats": self.stats()}, timeout=5)
                 self.lease_until = sent + self.lease
                 self._set_backups(r.get("backups") or [])
+            except UnknownMember:
+                # the coordinator restarted: rejoin as this incarnation, keeping every streamlet
+                epoch = self.epoch
+                await self._register()
+                if self.epoch != epoch:
+                    log.error("broker %d could not rejoin as epoch %d (got %d): its state is gone",
+                              self.broker_id, epoch, self.epoch)
+                    self.fenced = True
+                    raise Fenced(f"epoch {epoch} was not taken back") from None
+                log.warning("broker %d rejoined a restarted coordinator as epoch %d", self.broker_id, epoch)
+                continue
             except Fenced:
                 self.fenced = True
                 raise
@@ -368,6 +381,7 @@ class BrokerService(Service):
         self.backup_set.set_live({})
         self.fenced = False
         self.lease_until = 0.0
+        self.epoch = 0  # a new incarnation follows: nothing to claim back
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
