@@ -202,7 +202,10 @@ def _recovery_line(r: dict) -> str:
     return (f"recovery of broker {r['broker']} (epoch {r['epoch']}): {r['state']}, "
             f"{len(r['streamlets'])} streamlets, {r['vlogs']} vlogs from {r['backups']} backups, "
             f"{r['bytes'] / 1e6:.1f} of {r['total_bytes'] / 1e6:.1f} MB in {r['seconds']} s "
-            f"({r['rate_mb_s']} MB/s){' ' + r['error'] if r['error'] else ''}")
+            f"({r['rate_mb_s']} MB/s){' ' + r['error'] if r['error'] else ''}"
+            + "".join(f"\n  LOST vlog {x['vlog']} vseg {x['vseg']} bytes {x['offset']}.."
+                      f"{'?' if x['end'] is None else x['end']}: {x['reason']}"
+                      for x in r.get("lost", [])))
 
 
 def cmd_recovery(args) -> None:

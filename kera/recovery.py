@@ -8,13 +8,23 @@ cluster restarted. For each orphaned incarnation the coordinator:
    stale process can never make a write durable again);
 2. picks new owners, spread over the live brokers, and assigns them the
    streamlets in *recovering* state (no produce, no pull yet);
-3. asks the backups what they hold of that incarnation's virtual logs, and
-   has them replay each vlog's virtual segments in order (vlogs in parallel,
-   so many backups work at once); a backup pushes each chunk to its
-   streamlet's new owner, which places it at the [group, segment, offset]
-   its header records and replicates it through its own virtual logs;
+3. asks the backups what they hold of that incarnation's virtual logs and
+   follows a ``kera.recovery_plan.RecoveryPlan``: each vlog's virtual
+   segments in order (vlogs in parallel, so many backups work at once), each
+   step replaying one copy from an offset until it ends or reaches a corrupt
+   chunk, the next step continuing from another copy at that offset; a
+   backup pushes each chunk to its streamlet's new owner, which places it at
+   the [group, segment, offset] its header records and replicates it through
+   its own virtual logs;
 4. when every vlog is replayed and durable again, hands the streamlets over
-   (owners updated and persisted), and lets backups drop the old replicas.
+   (owners updated and persisted), and lets backups drop the old replicas —
+   only if every vlog was replayed to its end.
+
+A log that ends early (no copy holds a chunk intact, a vseg is missing) is
+accepted only once every known backup is up, or the grace period is over: a
+backup that is down may hold the missing bytes. It is then reported loudly
+and exactly (log, ``describe()["lost"]``, ``kera status``) and no copy of
+that incarnation is dropped.
 
 A recovery that fails (a new owner or a backup died) is abandoned and
 planned again from the start; replays are idempotent because placement is.
@@ -27,12 +37,18 @@ import time
 
 import trio
 
-from .errors import KeraError
+from .errors import KeraError, Unavailable
+from .recovery_plan import CORRUPT, END, FAILED, REFUSED, Done, RecoveryPlan, Step, Truncated
 
 log = logging.getLogger("kera.recovery")
 
 REPLAY_TIMEOUT = 600.0
 RETRY_DELAY = 0.5
+WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may still bring the rest
+
+
+class LogIncomplete(Unavailable):
+    """A log ends early while a backup that may hold the rest is down or failed: try again later."""
 
 
 class Recovery:
@@ -47,8 +63,12 @@ class Recovery:
         self.sources: set[int] = set()      # backups replaying
         self.chunks = 0
         self.bytes = 0
-        self.total = 0                      # bytes of the copies chosen for replay
+        self.total = 0                      # bytes of the vsegs to replay (longest copies)
         self.error = ""
+        self.steps = 0                      # replay steps (one copy, from one offset)
+        self.corrupt_steps = 0              # steps that stopped on a corrupt chunk
+        self.failed_steps = 0               # steps whose backup failed
+        self.lost: list[dict] = []          # ranges no copy could deliver (vlog, vseg, offset, end)
 
     def describe(self) -> dict:
         end = self.finished or time.time()
@@ -58,7 +78,8 @@ class Recovery:
                 "total_bytes": self.total,
                 "seconds": round(end - self.started, 3),
                 "rate_mb_s": round(self.bytes / max(end - self.started, 1e-6) / 1e6, 2),
-                "error": self.error}
+                "steps": self.steps, "corrupt_steps": self.corrupt_steps,
+                "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error}
 
 
 class RecoveryManager:
@@ -68,7 +89,9 @@ class RecoveryManager:
         self.started = time.monotonic()
         self.active: dict[tuple[int, int], Recovery] = {}
         self.history: list[Recovery] = []
+        self.losses: list[Recovery] = []  # recoveries that lost data, kept past the short history
         self.not_before: dict[tuple[int, int], float] = {}
+        self.first_try: dict[tuple[int, int], float] = {}  # grace for truncations counts from here
 
     def orphans(self) -> dict[tuple[int, int], list]:
         out: dict[tuple[int, int], list] = {}
@@ -112,16 +135,27 @@ class RecoveryManager:
         try:
             await self._recover(rec)
             rec.state = "done"
-            log.warning("recovered broker %d epoch %d: %s", rec.broker, rec.epoch, rec.describe())
+            self.first_try.pop(key, None)
+            self.not_before.pop(key, None)
+            if rec.lost:
+                log.error("recovered broker %d epoch %d WITH DATA LOST (copies kept): %s",
+                          rec.broker, rec.epoch, rec.describe())
+            else:
+                log.warning("recovered broker %d epoch %d: %s", rec.broker, rec.epoch, rec.describe())
         except Exception as e:  # noqa: BLE001 (a failed attempt is planned again, whatever broke)
+            while isinstance(e, ExceptionGroup) and e.exceptions:  # the first cause says it best
+                e = e.exceptions[0]
             rec.state = "failed"
             rec.error = f"{type(e).__name__}: {e}"
             log.warning("recovery of broker %d epoch %d failed, will retry: %s", rec.broker, rec.epoch, e)
-            self.not_before[key] = time.monotonic() + RETRY_DELAY
+            delay = WAIT_DELAY if isinstance(e, LogIncomplete) else RETRY_DELAY
+            self.not_before[key] = time.monotonic() + delay
         finally:
             rec.finished = time.time()
             del self.active[key]
             self.history = (self.history + [rec])[-20:]
+            if rec.lost:
+                self.losses = (self.losses + [rec])[-100:]
             self.coord.notify()
 
     async def _recover(self, rec: Recovery) -> None:
@@ -146,7 +180,7 @@ class RecoveryManager:
                 for (mid, name), idx in per_target.items():
                     n.start_soon(coord.assign, coord.members["broker"][mid], streams[name], idx, True)
             rec.state = "replaying"
-            held = await self._replay(rec, backups, streams, plan)
+            replayed = await self._replay(rec, backups, streams, plan)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 async with trio.open_nursery() as n:
@@ -160,52 +194,102 @@ class RecoveryManager:
         for (name, i), m in plan.items():
             streams[name]["owners"][i] = [m.id, m.epoch]
         coord.save()
+        if not replayed.complete:  # what is left may be all there is of the lost range: keep it
+            return
+        addrs = {b.id: b.addr for b in backups}
         async with trio.open_nursery() as n:
-            for vlog, vsegs in held.items():
-                for vseg, copies in vsegs.items():
-                    for _, _, addr in copies:
-                        n.start_soon(self._quiet, addr, "drop",
-                                     {"broker": rec.broker, "vlog": vlog, "vseg": vseg})
+            for vlog, vseg, bid in replayed.copies():
+                n.start_soon(self._quiet, addrs[bid], "drop",
+                             {"broker": rec.broker, "vlog": vlog, "vseg": vseg})
 
-    async def _replay(self, rec, backups, streams, plan) -> dict:
-        # 3. what the backups hold of this incarnation, vlog by vlog
-        held: dict[int, dict[int, list]] = {}
-        for b in backups:  # one that does not answer fails this attempt: it may hold the only copy
-            r = await self._call(b.addr, "list", {}, timeout=10)
-            for sg in r["segments"]:
-                if sg["broker"] == rec.broker and sg["vlog"] >> 32 == rec.epoch:
-                    held.setdefault(sg["vlog"], {}).setdefault(sg["vseg"], []).append(
-                        (sg["length"], b.id, b.addr))
+    async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
+        # 3. what the backups hold of this incarnation; one that does not answer fails this
+        # attempt: it may hold the only intact copy
+        listings: dict[int, list] = {}
+        for b in backups:
+            r = await self._call(b.addr, "list", {"broker": rec.broker}, timeout=10)
+            listings[b.id] = r["segments"]
+        addrs = {b.id: b.addr for b in backups}
+        replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec))
         routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]
-        rec.vlogs = len(held)
-        rec.total = sum(max(c[0] for c in copies) for vsegs in held.values() for copies in vsegs.values())
+        rec.vlogs = len(replay_plan.vlogs)
+        rec.total = replay_plan.total_bytes
 
-        busy: dict[int, int] = {}  # replays given to each backup: spread them, many backups at once
-
-        async def replay_vlog(vlog: int, vsegs: dict[int, list]) -> None:
-            for vseg in sorted(vsegs):
-                # the longest copy first; among equal ones, the backup with the least to do
-                sources = sorted(vsegs[vseg], key=lambda c: (-c[0], busy.get(c[1], 0)))
-                busy[sources[0][1]] = busy.get(sources[0][1], 0) + 1
-                for i, (_length, bid, addr) in enumerate(sources):
-                    try:
-                        rec.sources.add(bid)
-                        r = await self._call(addr, "replay", {
-                            "broker": rec.broker, "vlog": vlog, "vseg": vseg, "routes": routes},
-                            timeout=REPLAY_TIMEOUT)
-                        rec.chunks += r.get("chunks", 0)
-                        rec.bytes += r.get("bytes", 0)
-                        break
-                    except KeraError as e:
-                        if i == len(sources) - 1:
-                            raise
-                        log.warning("replay of vlog %d vseg %d from backup %d failed (%s); "
-                                    "trying another copy", vlog, vseg, bid, e)
+        async def replay_vlog(vlog: int) -> None:
+            while isinstance(step := replay_plan.next_step(vlog), Step):
+                rec.sources.add(step.backup)
+                rec.steps += 1
+                try:
+                    r = await self._call(addrs[step.backup], "replay", {
+                        "broker": rec.broker, "vlog": vlog, "vseg": step.vseg, "offset": step.offset,
+                        "routes": routes}, timeout=REPLAY_TIMEOUT)
+                except KeraError as e:
+                    if getattr(e, "target", None):  # a new owner failed, not the copy: plan again
+                        raise
+                    rec.failed_steps += 1
+                    log.warning("replay of vlog %d vseg %d from backup %d at offset %d failed (%s); "
+                                "continuing from another copy", vlog, step.vseg, step.backup,
+                                step.offset, e)
+                    replay_plan.step_done(vlog, step.vseg, step.backup, step.offset, FAILED)
+                    continue
+                rec.chunks += r.get("chunks", 0)
+                rec.bytes += r.get("bytes", 0)
+                stopped = r.get("stopped", END)
+                if stopped not in (END, CORRUPT, REFUSED):
+                    stopped = FAILED
+                if stopped == CORRUPT:
+                    rec.corrupt_steps += 1
+                    log.warning("replay of vlog %d vseg %d from backup %d stopped at a corrupt chunk "
+                                "at offset %d; continuing from another copy", vlog, step.vseg,
+                                step.backup, r["next"])
+                replay_plan.step_done(vlog, step.vseg, step.backup, int(r.get("next", step.offset)),
+                                      stopped, r.get("corrupt_end"))
+            if isinstance(step, Truncated):
+                self._accept_truncation(rec, step)
+            elif isinstance(step, Done) and step.head_closed:
+                log.info("vlog %d of broker %d: its newest vseg %d is closed, its successor never "
+                         "reached a backup", vlog, rec.broker, step.vseg)
 
         async with trio.open_nursery() as n:
-            for vlog, vsegs in held.items():
-                n.start_soon(replay_vlog, vlog, vsegs)
-        return held
+            for vlog in replay_plan.vlogs:
+                n.start_soon(replay_vlog, vlog)
+        rec.lost = [r.describe() for r in replay_plan.lost]
+        for r in rec.lost:
+            log.error("recovery of broker %d epoch %d: LOST vlog %d vseg %d bytes %d..%s (%s)",
+                      rec.broker, rec.epoch, r["vlog"], r["vseg"], r["offset"],
+                      "?" if r["end"] is None else r["end"], r["reason"])
+        return replay_plan
+
+    def _durable_vlogs(self, rec: Recovery) -> list[int]:
+        """Vlogs the dead incarnation last reported with durable chunks (heartbeat stats).
+
+        Such a vlog has copies somewhere: if no backup lists one, its copies
+        are down or gone, which must not pass for a vlog that never existed.
+        Unknown after a coordinator restart (then every known backup is
+        waited for before recovering at all).
+        """
+        m = self.coord.members["broker"].get(rec.broker)
+        if m is None or m.epoch != rec.epoch or not isinstance(m.stats, dict):
+            return []
+        return [v["vlog"] for v in m.stats.get("vlogs", []) if v.get("durable", 0) > 0]
+
+    def _accept_truncation(self, rec: Recovery, t: Truncated) -> None:
+        """A log that ends early: fail this attempt while the missing bytes may still come back.
+
+        They may be on a backup that is known but not up, or on a copy whose
+        backup failed during this attempt; both are waited for up to the
+        grace period (counted from the first attempt), then the loss is
+        accepted and reported.
+        """
+        known = set(self.coord.meta.get("backups", []))
+        up = {m.id for m in self.coord.members["backup"].values() if m.alive}
+        waiting = sorted(known - up)
+        first = self.first_try.get((rec.broker, rec.epoch), time.monotonic())
+        if (waiting or t.failed) and time.monotonic() - first < self.grace:
+            why = ([f"backups {waiting} are down"] if waiting else []) + \
+                ([f"backups {sorted(t.failed)} failed"] if t.failed else [])
+            raise LogIncomplete(f"vlog {t.vlog} ends at vseg {t.vseg} offset {t.offset} ({t.reason}); "
+                                f"{' and '.join(why)}: they may hold the rest")
 
     async def _unassign(self, m, stream, streamlets) -> None:
         try:
@@ -224,4 +308,7 @@ class RecoveryManager:
             log.info("%s on %s failed: %s", method, addr, e)
 
     def describe(self) -> list[dict]:
-        return [r.describe() for r in list(self.active.values()) + self.history[-5:]]
+        """Active recoveries, the last five, and every remembered one that lost data."""
+        recent = self.history[-5:]
+        lossy = [r for r in self.losses if r not in recent]
+        return [r.describe() for r in list(self.active.values()) + lossy + recent]

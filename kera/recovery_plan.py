@@ -150,9 +150,12 @@ class _Vlog:
 class RecoveryPlan:
     """The replay plan of one dead incarnation (broker, epoch), all of its vlogs."""
 
-    def __init__(self, broker: int, epoch: int, listings: Mapping[int, Iterable[dict]]):
+    def __init__(self, broker: int, epoch: int, listings: Mapping[int, Iterable[dict]],
+                 expected: Iterable[int] = ()):
+        """``expected``: vlogs known to hold durable chunks (the broker said so while alive);
+        one that no backup listed has lost everything, rather than never existed."""
         self.broker, self.epoch = broker, epoch
-        self._vlogs: dict[int, _Vlog] = {}
+        self._vlogs: dict[int, _Vlog] = {v: _Vlog(v, {}) for v in expected if v >> 32 == epoch}
         for backup, segments in sorted(listings.items()):
             for sg in segments:
                 if sg["broker"] != broker or sg["vlog"] >> 32 != epoch:
@@ -178,7 +181,7 @@ class RecoveryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.vseg_length(v.id, s) for v in self._vlogs.values() for s in v.vsegs)
+        return sum(_length(cs) for v in self._vlogs.values() for cs in v.vsegs.values())
 
     def copies(self) -> list[tuple[int, int, int]]:
         """Every (vlog, vseg, backup) listed: what may be dropped once all is handed over."""
@@ -196,12 +199,13 @@ class RecoveryPlan:
         while True:
             copies = v.vsegs.get(v.vseg)
             if copies is None:
+                if not v.vsegs:
+                    return self._truncate(v, "missing", "no copy of any of its vsegs")
                 if any(s > v.vseg for s in v.vsegs):
                     return self._truncate(v, "missing", f"vseg {v.vseg} has no copy")
-                last = max(v.vsegs) if v.vsegs else 0
-                closed = bool(v.vsegs) and any(c.final for c in v.vsegs[last])
-                off = self.vseg_length(vlog, last) if v.vsegs else 0
-                v.outcome = Done(vlog, last, off, closed)
+                last = max(v.vsegs)
+                closed = any(c.final for c in v.vsegs[last])
+                v.outcome = Done(vlog, last, self.vseg_length(vlog, last), closed)
                 return v.outcome
             end = _length(copies)
             if v.offset >= end:

@@ -90,6 +90,14 @@ def test_missing_vseg_id_truncates():
     assert [(r.vseg, r.offset, r.end) for r in t.lost] == [(1, 0, None), (2, 0, 300), (3, 0, 200)]
 
 
+def test_expected_vlog_without_any_copy_is_lost_not_absent():
+    plan = RecoveryPlan(BROKER, EPOCH, {1: [seg(0, 100)]}, expected=[VLOG, VLOG2, (EPOCH + 1) << 32])
+    assert plan.vlogs == [VLOG, VLOG2]
+    t = plan.next_step(VLOG2)
+    assert isinstance(t, Truncated) and t.reason == "missing"
+    assert [(r.vseg, r.offset, r.end) for r in t.lost] == [(0, 0, None)]
+
+
 def test_missing_first_vseg_truncates_at_once():
     plan = plan_of({1: [seg(1, 500)]})
     t = plan.next_step(VLOG)

@@ -588,20 +588,27 @@ class BackupService(Service):
         return {}
 
     async def rpc_replay(self, meta: dict, payload):
-        """Push one replica's chunks to the brokers recovering their streamlets."""
+        """Push one replica's chunks, from ``offset``, to the brokers recovering their streamlets.
+
+        Stops at the copy's end or at its first corrupt chunk and says where
+        (``next``, ``stopped``), so that another copy takes over from there.
+        """
         key = _key(meta)
         rep = self.replicas.get(key)
         if rep is None:
             raise BackupError(f"no replica {key} here")
         routes = parse_routes(meta.get("routes"))
+        offset = _uint(meta, "offset", 0)
+        if offset > rep.length:
+            raise InvalidArgument(f"offset {offset} beyond replica {key} of length {rep.length}")
 
         async def read(offset, max_bytes):
             res = self.rpc_read({"broker": key[0], "vlog": key[1], "vseg": key[2], "offset": offset,
                                  "max_bytes": max_bytes}, b"")
             return await res if inspect.iscoroutine(res) else res
 
-        out = await replay(read, self.pool, routes, rep.length)
-        log.info("replayed replica %s: %s", key, out)
+        out = await replay(read, self.pool, routes, offset, rep.length)
+        log.info("replayed replica %s from %d: %s", key, offset, out)
         return out
 
     def rpc_stats(self, meta: dict, payload):

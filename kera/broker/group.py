@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
+from ..errors import DataLoss
 from .segment import Segment
 
 DONE = -1  # position of a group read to its end after it closed
@@ -48,14 +49,27 @@ class Group:
         return seg, seg.append(chunk)
 
     def place(self, segment: int, offset: int, chunk) -> Segment | None:
-        """Recovery append at a recorded placement; None if already there (a replayed copy)."""
-        while len(self.segments) <= segment:
+        """Recovery append at a recorded placement; None if already there (a replayed copy).
+
+        A group's chunks are replayed in the order they were appended, so a
+        placement past the end (a hole) means the chunks before it were lost
+        on every copy: refused with ``DataLoss``, never stored over the hole.
+        """
+        n = len(self.segments)
+        head = self.segments[segment].head if segment < n else 0
+        if segment < n and offset < head:
+            return None
+        # every segment gets a chunk when it is created: skipping one is a hole too
+        if offset != head or segment > n:
+            where = f"segment {segment} offset {offset}"
+            have = f"segment {segment} ends at {head}" if segment < n else f"{n} segments"
+            err = DataLoss(f"hole in group {self.id} before {where} ({have}): the chunks before it "
+                           f"were lost on every copy")
+            err.group, err.segment, err.offset = self.id, segment, offset
+            raise err
+        if segment == n:
             self._segment()
         seg = self.segments[segment]
-        if offset < seg.head:
-            return None
-        if offset != seg.head:
-            raise ValueError(f"gap in group {self.id} segment {segment}: {offset} != {seg.head}")
         seg.append(chunk)
         return seg
 

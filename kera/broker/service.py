@@ -141,16 +141,17 @@ class BrokerService(Service):
         self._check_lease()
         waits: dict[VirtualLog, int] = {}
         placed = dup = 0
-        for h, off in chunk.scan(payload):
+        for i, (h, off) in enumerate(chunk.scan(payload)):
             sl = self.streamlets.get((h.stream_id, h.streamlet))
             if sl is None or not sl.recovering:
                 raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
             mv = payload[off:off + h.size]
             try:
                 g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
-            except ValueError as e:  # a hole: chunks before it were lost on every copy
-                log.error("recovery: %s; chunk skipped", e)
-                continue
+            except KeraError as e:  # DataLoss: a hole before it; refused, never stored past it
+                e.index = i  # which chunk of the request: the backup knows its offset
+                log.error("recovery: %s; chunk refused", e)
+                raise
             if seg is None:
                 dup += 1
                 continue

@@ -11,7 +11,7 @@ sequence is its new base.
 
 from __future__ import annotations
 
-from ..errors import OutOfOrderSequence, RecordTooLarge
+from ..errors import DataLoss, OutOfOrderSequence, RecordTooLarge
 from ..limits import MAX_CHUNK
 from .group import DONE, Group
 
@@ -109,9 +109,22 @@ class Streamlet:
         """Recovery append at the placement recorded in the chunk header.
 
         Returns (group, segment), segment None for a copy already placed.
+        Raises ``DataLoss`` (stream and streamlet named) for a placement past
+        a hole: the caller refuses the chunk, so the loss is known.
         """
-        g = self.groups.get(group) or self._new_group(producer % self.q, group)
-        seg = g.place(segment, offset, chunk)
+        g = self.groups.get(group)
+        if g is None:
+            next_group = self.next_group
+            g = self._new_group(producer % self.q, group)
+        try:
+            seg = g.place(segment, offset, chunk)
+        except DataLoss as e:
+            if not g.segments:  # created for this chunk: leave no trace of it
+                del self.groups[group]
+                self.next_group = next_group
+            e.args = (f"stream {self.stream_id} streamlet {self.index}: {e}",)
+            e.stream_id, e.streamlet = self.stream_id, self.index
+            raise
         if seg is not None:
             self.appended_chunks += 1
             self.appended_bytes += len(chunk)

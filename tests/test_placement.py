@@ -1,0 +1,49 @@
+"""Recovery placement on the new owner: replayed copies are skipped, holes are refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from kera.broker.streamlet import Streamlet
+from kera.errors import DataLoss, KeraError, from_wire
+
+pytestmark = pytest.mark.timeout(30)
+
+STREAM = {"id": 5, "groups": 2, "segment_size": 4096, "group_segments": 4}
+
+
+def test_place_in_order_then_duplicates_skipped():
+    sl = Streamlet(STREAM, 1)
+    a, b = b"a" * 100, b"b" * 50
+    g, seg = sl.place(a, 7, 0, 0, 0)
+    assert seg is not None and seg.head == 100
+    g, seg = sl.place(b, 7, 0, 0, 100)
+    assert seg.head == 150
+    assert sl.place(a, 7, 0, 0, 0)[1] is None  # a copy already placed (replay after a failure)
+    g, seg = sl.place(a, 7, 0, 1, 0)  # the next segment of the group
+    assert seg.id == 1 and len(g.segments) == 2
+
+
+def test_hole_in_a_segment_is_refused_and_nothing_stored():
+    sl = Streamlet(STREAM, 1)
+    sl.place(b"a" * 100, 7, 0, 0, 0)
+    with pytest.raises(DataLoss) as ei:
+        sl.place(b"c" * 10, 7, 0, 0, 300)
+    e = ei.value
+    assert (e.stream_id, e.streamlet, e.group, e.segment, e.offset) == (5, 1, 0, 0, 300)
+    assert "stream 5 streamlet 1" in str(e) and "hole" in str(e)
+    assert sl.groups[0].segments[0].head == 100 and sl.appended_chunks == 1
+    # the error crosses the wire as itself, with where it happened
+    again = from_wire(e.to_wire())
+    assert isinstance(again, DataLoss) and again.offset == 300 and isinstance(again, KeraError)
+
+
+def test_skipped_segment_is_a_hole():
+    sl = Streamlet(STREAM, 0)
+    sl.place(b"a" * 100, 7, 0, 0, 0)
+    with pytest.raises(DataLoss):
+        sl.place(b"a" * 100, 7, 0, 2, 0)  # segment 1 never seen: its chunks were lost
+    assert len(sl.groups[0].segments) == 1  # nothing allocated for the hole
+    with pytest.raises(DataLoss):
+        sl.place(b"a" * 100, 7, 1, 0, 100)  # a new group starting mid-segment
+    assert list(sl.groups) == [0] and sl.next_group == 1
