@@ -8,6 +8,7 @@ Real processes, kill -9, bytes flipped in the segment files.
 from __future__ import annotations
 
 import os
+import sys
 
 import trio
 from kera_client import open_admin, open_producer
@@ -176,3 +177,49 @@ async def test_recovery_waits_for_a_down_backup_rather_than_truncating(make_clus
     assert rec["lost"] == [], rec
     assert all("corrupt at offset" in cluster.log(f"{n}-backup") for n in rotten)
     print("recovery:", rec)
+
+
+async def test_every_copy_corrupt_is_reported_exactly_and_nothing_dropped(make_cluster):
+    """Beyond the fault budget (every copy of a vseg corrupt at the same chunk): the log ends
+    there, the loss is reported with its exact range (log, status, ``kera status``) and
+    every copy of that incarnation is kept for whoever wants to look."""
+    cluster = make_cluster(3)
+    coord = cluster.coordinator
+    streams = [f"f{i:02d}" for i in range(4)]
+    await create(coord, streams, replication=3, streamlets=6)
+    producers, per_pair = 2, 2500
+    total = producers * per_pair * len(streams)
+    with trio.fail_after(150):
+        await produce_all(coord, streams, producers, per_pair, 5)
+        st = await status(coord)
+        victim = next(b for b in st["brokers"] if b["addr"] == cluster.addrs["node1-broker"])
+        prefix = f"{victim['id']}-"
+        cluster.kill_all()
+        # the first chunk of every copy of the victim's vsegs, wherever they are
+        copies = []
+        for n in ("node1", "node2", "node3"):
+            d = os.path.join(cluster.data, f"{n}-backup", "segments")
+            for name in os.listdir(d):
+                if name.startswith(prefix):
+                    copies.append(os.path.join(d, name))
+                    with open(copies[-1], "r+b") as f:
+                        f.seek(FILE_HEADER_SIZE + 100)  # past the first chunk's header
+                        b = f.read(1)
+                        f.seek(FILE_HEADER_SIZE + 100)
+                        f.write(bytes([b[0] ^ 0xFF]))
+        assert copies
+        cluster.start()
+        coord = cluster.coordinator
+        (rec,) = await wait_recovered(coord, {victim["id"]})
+        ledger = await consume_all(coord, streams, total, idle=5)
+        await send_and_flush(coord, streams, AFTER, 100)  # the streamlets are served again
+    assert 0 < ledger.records < total
+    assert rec["lost"] and all(x["vseg"] > 0 or x["offset"] == 0 for x in rec["lost"]), rec
+    firsts = [x for x in rec["lost"] if x["vseg"] == 0]
+    assert all(x["end"] and "no copy holds vseg 0 at offset 0 intact" in x["reason"] for x in firsts)
+    assert all(os.path.exists(p) for p in copies), "copies of a log that lost data are kept"
+    log = cluster.log("coordinator")
+    assert all(f"LOST vlog {x['vlog']} vseg {x['vseg']} bytes {x['offset']}.." in log for x in rec["lost"])
+    out = await trio.run_process([sys.executable, "-m", "kera", "status"], capture_stdout=True,
+                                 env={**os.environ, "KERA_COORDINATOR": coord})
+    assert f"LOST vlog {firsts[0]['vlog']} vseg 0 bytes 0..{firsts[0]['end']}" in out.stdout.decode()
