@@ -327,9 +327,11 @@ class Coordinator(Service):
             out.append(m)
         return out
 
-    async def assign(self, m: Member, s: dict, streamlets: list[int], recovering: bool = False) -> None:
+    async def assign(self, m: Member, s: dict, streamlets: list[int], recovering: bool = False,
+                     seal: bool = False) -> None:
+        """``seal``: the recovery of these streamlets lost data; their groups are closed."""
         await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "stream": s, "streamlets": streamlets,
-                                                "recovering": recovering}, timeout=10)
+                                                "recovering": recovering, "seal": seal}, timeout=10)
 
     async def _assign(self, s: dict) -> None:
         """Tell each owner broker about its streamlets, all in parallel."""

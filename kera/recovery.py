@@ -188,9 +188,11 @@ class RecoveryManager:
                         n.start_soon(self._unassign, coord.members["broker"][mid], streams[name], idx)
             raise
         # 4. hand over: the new owners serve, the metadata says so
+        # after a loss the groups are sealed: no position of the lost range is ever reused
         async with trio.open_nursery() as n:
             for (mid, name), idx in per_target.items():
-                n.start_soon(coord.assign, coord.members["broker"][mid], streams[name], idx, False)
+                n.start_soon(coord.assign, coord.members["broker"][mid], streams[name], idx, False,
+                             not replayed.complete)
         for (name, i), m in plan.items():
             streams[name]["owners"][i] = [m.id, m.epoch]
         coord.save()

@@ -47,3 +47,16 @@ def test_skipped_segment_is_a_hole():
     with pytest.raises(DataLoss):
         sl.place(b"a" * 100, 7, 1, 0, 100)  # a new group starting mid-segment
     assert list(sl.groups) == [0] and sl.next_group == 1
+
+
+def test_sealed_after_a_loss_no_group_id_or_position_is_reused():
+    sl = Streamlet(STREAM, 1)
+    sl.recovering = True
+    sl.place(b"a" * 100, 7, 0, 0, 0)
+    sl.place(b"b" * 100, 8, 3, 0, 0)   # group 3 replayed; groups past it may have been lost
+    sl.finish_recovery()
+    sl.seal()
+    assert all(g.closed for g in sl.groups.values())
+    g, seg, off = sl.append(b"c" * 10, 7)
+    assert g.id >= 4 + (1 << 16) and (seg.id, off) == (0, 0)
+    assert len(sl.groups[0].segments[0].ends) == 1   # nothing appended to a recovered group

@@ -118,6 +118,10 @@ class BrokerService(Service):
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
+                if meta.get("seal") is True:
+                    log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
+                              s.get("name"), i)
+                    sl.seal()
         self.notify_durable()  # pulls waiting on these streamlets look again
         return {}
 
@@ -139,7 +143,7 @@ class BrokerService(Service):
         through our own virtual logs; answered once they are durable here."""
         self._check_epoch(meta)
         self._check_lease()
-        waits: dict[VirtualLog, int] = {}
+        waits: dict[Replicator, int] = {}
         placed = dup = 0
         for i, (h, off) in enumerate(chunk.scan(payload)):
             sl = self.streamlets.get((h.stream_id, h.streamlet))

@@ -15,6 +15,8 @@ from ..errors import DataLoss, OutOfOrderSequence, RecordTooLarge
 from ..limits import MAX_CHUNK
 from .group import DONE, Group
 
+SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
+
 
 class ProducerState:
     """A producer's newest sequence here, and per vlog its chunks went to, its newest ref.
@@ -165,6 +167,15 @@ class Streamlet:
             if slot < self.q and not g.closed:
                 self.active[slot] = g
         self.recovering = False
+
+    def seal(self) -> None:
+        """Recovered with a range lost on every copy: close every group and number new ones
+        far past the highest seen, so no position of the lost range (which may have held
+        groups never replayed) is ever given to other records."""
+        for g in self.groups.values():
+            g.closed = True
+        self.active = [None] * self.q
+        self.next_group += SEAL_GAP
 
     def read(self, low: int, positions: dict, max_bytes: int):
         """Entries (group, segment, offset, length, next_pos) of durable data to pull.
