@@ -209,6 +209,11 @@ class RecoveryPlan:
                 return v.outcome
             end = _length(copies)
             if v.offset >= end:
+                if not any(c.final for c in copies) and any(s > v.vseg for s in v.vsegs):
+                    # an open vseg followed by others: a vlog's durable head passes a vseg only
+                    # once its copies acknowledged its close, so nothing after was acknowledged
+                    v.outcome = Done(vlog, v.vseg, end, False)
+                    return v.outcome
                 v.vseg, v.offset = v.vseg + 1, 0
                 continue
             runs = [(c, min(c.run(v.offset), end - v.offset)) for c in copies]

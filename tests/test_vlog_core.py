@@ -66,9 +66,11 @@ def test_stuck_vseg_does_not_hold_back_the_copies_of_the_next_and_the_head_stays
     ack_all(v, [s for s in second if s.vseg.id == 1])
     assert v.vsegs[1].confirmed == 2 and v.durable == 0   # confirmed, but not before vseg 0
     ack_all(v, first)
-    assert v.durable == 4     # the close marker is not needed for durability
+    assert v.durable == 2     # vseg 1 waits for the copies of vseg 0 to take its close
     closes = v.poll(0.0)
     assert {(s.vseg.id, s.close) for s in closes} == {(0, True)}
+    ack_all(v, closes)
+    assert v.durable == 4
 
 
 def test_failures_back_off_then_the_copy_moves_and_the_backup_comes_back_later():

@@ -80,9 +80,12 @@ class Backup:
                 return "error", "disk full"
             rep = self.replicas[(vlog, vseg)] = Replica()
         end = offset + n
-        if end <= rep.length and offset <= rep.length:
-            if offset == rep.length and close and not rep.closed:
-                rep.closed = True
+        if end <= rep.length:   # a resend: acknowledged again; only a close may be new
+            if not close or rep.closed:
+                return "ok", end
+            if end != rep.length:
+                return "length", rep.length
+            rep.closed = True
             return "ok", end
         if offset != rep.length:
             return "length", rep.length
@@ -159,6 +162,7 @@ class World:
         self.log: list[str] = []
         self._acked_upto: dict[int, int] = {}  # per vlog: chunks already checked and acknowledged
         self._timer: dict[int, float] = {}      # per vlog: when its poll timer fires
+        self.broker_dead = False                # from then on its vlogs neither send nor hear
 
     # -- the event loop --------------------------------------------------------------------
     def at(self, t: float, fn, *args) -> None:
@@ -201,6 +205,8 @@ class World:
             self._poll(v)
 
     def _poll(self, v: VirtualLog) -> None:
+        if self.broker_dead:
+            return
         for s in v.poll(self.now):
             self._send(v, s)
         d = v.next_deadline(self.now)
@@ -235,6 +241,8 @@ class World:
         self.at(self.now + self.rng.expovariate(1 / self.delay), self._reply, v, s.token, res)
 
     def _reply(self, v: VirtualLog, token: int, res) -> None:
+        if self.broker_dead:
+            return
         kind, val = res
         if kind == "ok":
             moved = v.on_reply(token, val, self.now)
@@ -247,13 +255,13 @@ class World:
         self._poll(v)
 
     def _timeout(self, v: VirtualLog, token: int) -> None:
-        if token in v.sent:
+        if token in v.sent and not self.broker_dead:
             v.on_error(token, self.now)
             self._poll(v)
 
     # -- producers ------------------------------------------------------------------------------
     def _produce(self, until: float) -> None:
-        if self.now >= until:
+        if self.now >= until or self.broker_dead:
             return
         v = self.rng.choice(self.vlogs)
         for _ in range(self.rng.randint(1, 4)):
@@ -379,6 +387,15 @@ class World:
         self.at(0.0, self._produce, ingest)
         if self.fault_rate:
             self.at(self.rng.uniform(0, 1), self._fault, ingest)
+        if self.rng.random() < 0.4:
+            # the broker dies in the middle of ingest and faults: copies are partial, some
+            # chunks were never acknowledged; the backups heal and its vlogs are replayed
+            self.run_until(self.rng.uniform(0.2, ingest))
+            self.broker_dead = True
+            self._heal()
+            self.run_until(self.now + 5.0)  # messages already sent still land
+            self._recover()
+            return {"seed": self.seed, "chunks": len(self.chunks), "steps": self.steps, "t": self.now}
         self.run_until(ingest)
         self._heal()
         # progress: once faults stop, everything appended becomes durable
@@ -412,6 +429,8 @@ class World:
             have = got.get(v.id, [])
             if len(set(have)) != len(have):
                 self.fail(f"vlog {v.id}: a chunk replayed twice")
+            if have != [c.cid for c in self.by_vlog[v.id][:len(have)]]:
+                self.fail(f"vlog {v.id}: replay is not a prefix of what was appended")
             if have[:len(want)] != want:
                 missing = sorted(set(want) - set(have))
                 self.fail(f"vlog {v.id}: replay differs from what was acknowledged "

@@ -20,8 +20,10 @@ an avoidance ends.
   or a copy it kept from before) is taken at that length when it is a chunk
   boundary of ours: copies are prefixes of the same bytes.
 - Durable head: a vseg's refs are *confirmed* once every copy acknowledged
-  them; the vlog's durable head is the prefix of confirmed refs, so a
-  group's durable part is a prefix. A closed, confirmed vseg that loses a
+  them; the vlog's durable head is the prefix of confirmed refs, and it
+  passes into a vseg's successor only once every copy acknowledged the
+  close, so a replay can tell a vseg's end from a lost tail. A group's
+  durable part is a prefix. A closed, confirmed vseg that loses a
   copy stays confirmed (its bytes are on the broker and the other copies)
   and is re-replicated beside new writes.
 """
@@ -90,6 +92,7 @@ class VirtualLog:
         if vs is None or not vs.has_room(length):
             if vs is not None:
                 vs.closed = True  # the close still has to reach its copies
+                self.active[vs.id] = vs
             vs = self.open = VirtualSegment(len(self.vsegs), self.capacity)
             self.vsegs.append(vs)
         self.active[vs.id] = vs
@@ -255,8 +258,13 @@ class VirtualLog:
                 self.durable += vs.confirmed - vs.durable
                 vs.durable = vs.confirmed
                 moved = True
-            if vs.closed and vs.durable == len(vs.refs):
+            if vs.closed and vs.durable == len(vs.refs) and self._close_acked(vs):
                 self.head += 1
                 continue
             break
         return moved
+
+    def _close_acked(self, vs: VirtualSegment) -> bool:
+        """Every copy took the close: recovery can tell this vseg's end from a lost tail, so
+        the head may pass into its successor (RAMCloud's rule for a log's segments)."""
+        return len(vs.copies) >= self.need and all(c.closed for c in vs.copies.values())
