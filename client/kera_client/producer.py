@@ -43,6 +43,8 @@ from .portal import Portal
 
 log = logging.getLogger("kera.producer")
 
+REFRESH_MIN, REFRESH_MAX = 0.05, 2.0  # metadata refresh backoff, seconds
+
 RETRIABLE = {"not_owner", "recovering", "fenced", "out_of_order_sequence", "unavailable",
              "not_enough_backups", "backup", "internal"}
 
@@ -170,6 +172,8 @@ class AsyncProducer:
         self.inflight: dict[str, int] = {}
         self.retry_at: dict[tuple, float] = {}
         self.stale: set[str] = set()
+        self.refresh_at = 0.0                  # no metadata refresh before this time
+        self.refresh_backoff = REFRESH_MIN
         self.buffered = 0
         self.outstanding = 0     # records not yet acknowledged nor failed
         self.acked = 0           # records acknowledged
@@ -447,17 +451,27 @@ class AsyncProducer:
                     self.inflight[addr] = self.inflight.get(addr, 0) + 1
                     self.nursery.start_soon(self._request, addr, items)
         if self.stale:
-            self.nursery.start_soon(self._refresh)
+            if now >= self.refresh_at:
+                self.refresh_at = math.inf  # one refresh at a time
+                self.nursery.start_soon(self._refresh)
+            else:
+                next_retry = min(next_retry, self.refresh_at)
         return next_retry
 
     async def _refresh(self) -> None:
+        """Metadata of streams whose owners moved; backs off while the coordinator is away."""
         names, self.stale = self.stale, set()
-        if not names:
-            return
         try:
             await self._load(names)
+            self.refresh_backoff = REFRESH_MIN
+            self.refresh_at = 0.0
         except KeraError as e:
-            log.warning("metadata refresh failed: %s", e)
+            if self.refresh_backoff == REFRESH_MIN:
+                log.warning("metadata refresh failed (retrying with backoff): %s", e)
+            self.stale |= names
+            self.refresh_at = time.monotonic() + self.refresh_backoff
+            self.refresh_backoff = min(self.refresh_backoff * 2, REFRESH_MAX)
+        self._wake.set()
 
     async def _request(self, addr: str, items: list) -> None:
         try:
