@@ -2,18 +2,18 @@
 
 Every test is bounded (pytest-timeout and trio.fail_after). Waiting is on
 events (a process line, an RPC reply); where the backup's background flusher
-must act first, a bounded poll of an RPC stands in for the event.
+or heartbeats must act first, a bounded poll stands in for the event. The
+membership test runs a real coordinator in the test's own trio loop.
 """
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 import os
 import re
 import resource
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,8 +24,11 @@ import trio
 from kera import chunk
 from kera.backup import segment_file as sf
 from kera.backup.membership import load_id
+from kera.coordinator import Coordinator
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
-from kera.rpc import Service, open_pool
+from kera.rpc import open_pool
+
+from .conftest import free_port
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,10 +169,17 @@ async def stats(pool, addr):
 
 
 async def until(pred, what, timeout=5.0):
-    """Poll an async predicate (the backup's flusher acts on its own clock)."""
-    with trio.fail_after(timeout):
-        while not await pred():
+    """Poll a predicate, plain or async: the backup's flusher and its heartbeats, and the
+    coordinator's failure detector, act on their own clocks."""
+    with trio.move_on_after(timeout):
+        while True:
+            r = pred()
+            if inspect.isawaitable(r):
+                r = await r
+            if r:
+                return
             await trio.sleep(0.01)
+    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 def flip_bit(path, offset, bit=0):
@@ -491,41 +501,26 @@ async def test_real_full_disk_on_tmpfs(backups, tmp_path):
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-class FakeCoordinator(Service):
-    """Just enough coordinator: ids, epochs, and one fencing to force a re-registration."""
-
-    def __init__(self):
-        self.registers, self.heartbeats = [], []
-        self.changed = trio.Event()
-
-    def _note(self):
-        self.changed.set()
-        self.changed = trio.Event()
-
-    def rpc_register(self, meta, payload):
-        self.registers.append(meta)
-        self._note()
-        return {"id": 42, "epoch": len(self.registers)}
-
-    def rpc_heartbeat(self, meta, payload):
-        self.heartbeats.append(meta)
-        self._note()
-        if meta["epoch"] == 1 and len(self.heartbeats) == 2:
-            raise Fenced("test: epoch 1 is over")
-        return {}
-
-    async def wait_for(self, pred):
-        while not pred():
-            await self.changed.wait()
+def _backup_member(coord: Coordinator):
+    """The one backup the coordinator knows of, once it registered."""
+    members = list(coord.members["backup"].values())
+    assert len(members) <= 1, members
+    return members[0] if members else None
 
 
-def _free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+async def _fenced(pool, addr, broker, epoch) -> bool:
+    """Whether the backup refuses ``broker``'s ``epoch`` (an empty replicate stores nothing)."""
+    try:
+        await replicate(pool, addr, 0, 0, broker=broker, epoch=epoch)
+    except Fenced:
+        return True
+    return False
 
 
 async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
+    """Membership against a real coordinator: the backup registers with what it holds, comes
+    back as itself when its heartbeats are refused (declared dead while paused) and after a
+    restart, and takes the coordinator's fences from heartbeats and registrations."""
     data = tmp_path / "data"
     os.makedirs(data / "segments")
     a = chunks_for(3)
@@ -535,30 +530,51 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
     p2 = str(data / "segments" / sf.file_name(6, 0, 0))
     sf.create(p2, 6, 0, 0, 1)
     n2 = sf.write(p2, 0, a[:2])
-    port = _free_port()
-    coord = FakeCoordinator()
-    with trio.fail_after(25):
+    port = free_port()
+    coord = Coordinator(str(tmp_path / "coordinator"), dead_after=2.0)
+    with trio.fail_after(40):
         # the coordinator starts after the backup: the backup keeps trying
         bk = backups(directory=data, args=["--coordinator", f"127.0.0.1:{port}", "--node", "n1"])
         assert bk.id_text == "-"
-        async with trio.open_nursery() as nursery:
-            await nursery.start(coord.serve, "127.0.0.1", port)
-            await coord.wait_for(lambda: coord.registers)
-            reg = coord.registers[0]
-            assert reg["role"] == "backup" and reg["node"] == "n1" and reg["id"] is None
-            assert reg["addr"] == bk.addr
-            assert reg["holds"] == [[5, 1, 3, n1, True], [6, 0, 0, n2, False]]
-            # heartbeats; a fenced answer makes it register again, as itself
-            await coord.wait_for(lambda: len(coord.registers) >= 2)
-            assert coord.registers[1]["id"] == 42
-            await coord.wait_for(lambda: any(h["epoch"] == 2 for h in coord.heartbeats))
-            assert all(h["role"] == "backup" and h["id"] == 42 for h in coord.heartbeats)
-            assert load_id(str(data)) == 42
-            async with open_pool() as pool:
-                assert (await pool.call(bk.addr, "list", {}))[0]["backup"] == 42
-            bk.restart()
-            assert bk.id_text == "42"
-            await coord.wait_for(lambda: len(coord.registers) >= 3)
-            assert coord.registers[2]["id"] == 42
+        async with trio.open_nursery() as nursery, open_pool() as pool:
+            await nursery.start(coord.run, "127.0.0.1", port)
+            await until(lambda: _backup_member(coord) is not None, "first registration")
+            first = _backup_member(coord)
+            assert first.id == 1 and coord.meta["backups"] == [1]  # no id of its own: a fresh one
+            assert (first.addr, first.node, first.alive) == (bk.addr, "n1", True)
+            assert first.holds == [[5, 1, 3, n1, True], [6, 0, 0, n2, False]]
+            await until(lambda: load_id(str(data)) == first.id, "id saved")
+            assert (await pool.call(bk.addr, "list", {}))[0]["backup"] == first.id
+
+            # fences reach the backup with its heartbeats
+            assert not await _fenced(pool, bk.addr, 7, 3)
+            coord.fence(7, 3)
+            await until(lambda: _fenced(pool, bk.addr, 7, 3), "fence taken from a heartbeat")
+            assert not await _fenced(pool, bk.addr, 7, 4)
+
+            # paused past dead_after: declared dead, its heartbeats are refused, it registers
+            # again as itself, in a new epoch, and heartbeats there
+            bk.proc.send_signal(signal.SIGSTOP)
+            try:
+                await until(lambda: not first.alive, "declared dead", timeout=15)
+            finally:
+                bk.proc.send_signal(signal.SIGCONT)
+            await until(lambda: _backup_member(coord) is not first, "registered again")
+            second = _backup_member(coord)
+            assert second.id == first.id and second.epoch > first.epoch and second.alive
+            assert second.holds == first.holds
+            seen = second.last_seen
+            await until(lambda: second.last_seen > seen, "heartbeat in the new epoch")
+            assert second.alive and _backup_member(coord) is second
+            assert load_id(str(data)) == first.id
+
+            # restarted (kill -9): the same id, and the fences it forgot are handed back
+            await trio.to_thread.run_sync(bk.restart)  # the coordinator serves meanwhile
+            assert bk.id_text == str(first.id)
+            await until(lambda: _backup_member(coord) is not second, "registered after the restart")
+            third = _backup_member(coord)
+            assert third.id == first.id and third.epoch > second.epoch
+            assert coord.meta["backups"] == [first.id]
+            await until(lambda: _fenced(pool, bk.addr, 7, 3), "fence known again after the restart")
             bk.kill()
             nursery.cancel_scope.cancel()

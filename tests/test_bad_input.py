@@ -21,6 +21,8 @@ from kera.errors import (
 )
 from kera.rpc import open_pool, parse_addr
 
+from .workload import read_values
+
 
 def raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
     """Send bytes on a fresh connection, half-close, return all the server said."""
@@ -57,15 +59,17 @@ def cluster(make_cluster):
     return make_cluster(2)
 
 
+GOOD = 100  # records in stream 'good'
+
+
 async def stored(coord) -> tuple[int, int, int]:
-    """(chunks, bytes) appended on all brokers, and records readable from stream 'good'."""
+    """(chunks, bytes) appended on all brokers, and records readable from stream 'good'
+    (read until the GOOD that ``setup_good`` wrote, plus any surplus)."""
     async with open_admin(coord) as a:
         st = await a.broker_stats()
     chunks, nbytes = sum(r["chunks"] for r in st), sum(r["bytes"] for r in st)
-    n = 0
     async with open_consumer(["good"], coord) as c:
-        while chunks_ := await c.poll_chunks(0.5):
-            n += sum(len(ch) for ch in chunks_)
+        n = len(await read_values(c, GOOD))
     return chunks, nbytes, n
 
 
@@ -73,7 +77,7 @@ async def setup_good(coord) -> dict:
     async with open_admin(coord) as a:
         s = await a.create_stream("good", streamlets=2, replication=2)
     async with open_producer(coord) as p:
-        for i in range(100):
+        for i in range(GOOD):
             await p.send("good", b"v%d" % i)
     return s
 
@@ -83,7 +87,7 @@ async def test_garbage_frames_are_refused_and_servers_keep_serving(cluster):
     s = await setup_good(coord)
     broker = s["addrs"][0]
     before = await stored(coord)
-    assert before[2] == 100
+    assert before[2] == GOOD
     good = frame.encode(frame.REQUEST, 7, {"m": "list_streams"})
     for addr in (coord, broker):
         # truncated frame: the server waits for the rest, then sees the close; nothing answered
@@ -204,8 +208,5 @@ async def test_memory_budget_refuses_with_a_typed_error(make_cluster):
     async with open_pool() as pool:
         st, _ = await pool.call(s["addrs"][0], "stats", {}, timeout=5)
     assert st["memory"] <= st["memory_limit"] == 256 << 10
-    n = 0
     async with open_consumer(["full"], coord) as c:
-        while chunks := await c.poll_chunks(0.5):
-            n += sum(len(ch) for ch in chunks)
-    assert n == acked
+        assert len(await read_values(c, acked)) == acked

@@ -72,6 +72,8 @@ async def produce_all(coord, streams, producers, per_pair, rounds, **opts):
 
 
 async def consume_all(coord, streams, total, idle=15.0, **kw) -> Ledger:
+    """Poll until ``total`` records arrived; ``idle`` seconds without any is only a hang
+    guard (an empty poll is not the end), so the caller must assert what it got."""
     ledger = Ledger()
     async with open_consumer(streams, coord, **kw) as c:
         idle_until = trio.current_time() + idle
@@ -82,3 +84,15 @@ async def consume_all(coord, streams, total, idle=15.0, **kw) -> Ledger:
             for ch in chunks:
                 ledger.add(ch)
     return ledger
+
+
+async def read_values(consumer, want: int, timeout: float = 30.0, surplus: float = 0.3) -> list:
+    """Values polled until ``want`` arrived (``timeout`` is a hang guard), then whatever
+    more shows up within ``surplus``: an empty poll on a loaded machine is not the end,
+    and a count past ``want`` must stay visible to the caller's assertion."""
+    got: list = []
+    with trio.move_on_after(timeout):
+        while len(got) < want:
+            got += [v for ch in await consumer.poll_chunks(1.0) for v in ch.values()]
+    got += [v for ch in await consumer.poll_chunks(surplus) for v in ch.values()]
+    return got
