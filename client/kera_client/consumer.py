@@ -17,12 +17,12 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera.errors import KeraError, UnknownStream
+from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
 
 from .admin import default_coordinator, suspect
 from .portal import Portal
 
-DONE = -1
 Record = namedtuple("Record", "stream streamlet key value timestamp")
 
 
@@ -191,7 +191,7 @@ class AsyncConsumer:
             if n:
                 buf = payload[at:at + n]
                 at += n
-                pos = (si << 32) | off
+                pos = pack(si, off)
                 for h, o in chunkfmt.scan(buf):
                     out.append(Chunk(s["name"], i, gid, pos + o, chunkfmt.ChunkView(buf, o, h)))
                     self.records_read += h.record_count

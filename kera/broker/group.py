@@ -2,8 +2,8 @@
 
 An active group accepts appends; once its G-th segment is full it closes and
 becomes immutable. A consumer position in a group is (segment, offset),
-packed in one int: ``segment << 32 | offset``. The same placement is written
-in every chunk header, so positions survive recovery.
+packed in one int (``kera.position``). The same placement is written in
+every chunk header, so positions survive recovery.
 """
 
 from __future__ import annotations
@@ -11,17 +11,8 @@ from __future__ import annotations
 from bisect import bisect_left
 
 from ..errors import DataLoss
+from ..position import DONE, pack, unpack
 from .segment import Segment
-
-DONE = -1  # position of a group read to its end after it closed
-
-
-def pack(segment: int, offset: int) -> int:
-    return (segment << 32) | offset
-
-
-def unpack(pos: int) -> tuple[int, int]:
-    return pos >> 32, pos & 0xFFFFFFFF
 
 
 class Group:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from ..errors import DataLoss, OutOfOrderSequence, RecordTooLarge
 from ..limits import MAX_CHUNK
-from .group import DONE, Group
+from ..position import DONE
+from .group import Group
 
 SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
 

@@ -30,20 +30,10 @@ import json
 import math
 from dataclasses import dataclass, field
 
-DONE = -1
-SEG_SHIFT = 32
-OFF_MASK = (1 << SEG_SHIFT) - 1
+from kera.position import DONE, pack, unpack
 
 Vector = tuple  # (low: int, groups: dict[int, int])
 START: Vector = (0, {})
-
-
-def pack(segment: int, offset: int) -> int:
-    return (segment << SEG_SHIFT) | offset
-
-
-def unpack(pos: int) -> tuple[int, int]:
-    return pos >> SEG_SHIFT, pos & OFF_MASK
 
 
 def order(pos: int) -> float:
