@@ -53,6 +53,9 @@ MAX_READ = 8 * MiB                # a backup read reply, or one chunk if larger
 REPLAY_READ = 4 * MiB             # a replay step: one read, one recover request per broker
 MAX_PULL = 32 * MiB               # a pull reply: up to this, plus at most one chunk beyond it
 
+# coordinator metadata log
+MAX_METALOG_RECORD = 16 * MiB     # one record of the metadata log (a group-commit batch, or a part)
+
 # -- the relations --------------------------------------------------------------------
 assert MAX_CHUNK <= MAX_SEGMENT_SIZE, "a chunk must fit a segment of the largest size"
 assert MAX_CHUNK <= MAX_REPLICATE_PAYLOAD <= MAX_PAYLOAD, "every chunk must be replicable"
@@ -62,3 +65,4 @@ assert max(MAX_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every read reply must fit a fra
 assert max(REPLAY_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every recover request must fit a frame"
 assert MAX_PULL + MAX_CHUNK <= MAX_PAYLOAD, "every pull reply must fit a frame"
 assert MIN_SEGMENT_SIZE <= MAX_SEGMENT_SIZE
+assert MAX_META < MAX_METALOG_RECORD, "every metadata change a request carries must fit a log record"

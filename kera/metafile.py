@@ -21,7 +21,11 @@ class CorruptMetaFile(Exception):
 
 
 def save(path: str, obj) -> None:
-    body = msgpack.packb(obj, use_bin_type=True)
+    save_packed(path, msgpack.packb(obj, use_bin_type=True))
+
+
+def save_packed(path: str, body: bytes) -> None:
+    """``save`` for a body already packed (e.g. piecewise, off the event loop)."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(_HEAD.pack(_MAGIC, len(body), xxhash.xxh64_intdigest(body)))
