@@ -1,7 +1,9 @@
 """The coordinator: membership, stream metadata, failure detection.
 
-Metadata (streams, streamlet owners, identities, committed positions) lives
-in one checksummed file in the data dir, rewritten atomically on change.
+Metadata (streams, streamlet owners, identities, fences, committed positions)
+lives in ``self.meta``, kept on disk by a ``MetaLog`` in the data dir: each
+change is recorded as it is made, and a request whose change must survive a
+crash awaits ``commit()`` before it answers (one fsync for many requests).
 Membership is soft state: servers register, then heartbeat; a server that
 misses heartbeats for ``dead_after`` seconds is declared dead. Each
 registration gets a fresh epoch, and requests carrying an older epoch are
@@ -11,6 +13,7 @@ refused (fencing).
 from __future__ import annotations
 
 import argparse
+import collections
 import fnmatch
 import logging
 import os
@@ -18,7 +21,7 @@ import time
 
 import trio
 
-from . import limits, metafile
+from . import limits
 from .errors import (
     Fenced,
     InvalidArgument,
@@ -30,6 +33,7 @@ from .errors import (
     UnknownMember,
     UnknownStream,
 )
+from .metalog import MetaLog
 from .names import check_stream_name
 from .recovery import RecoveryManager
 from .rpc import Pool, Service
@@ -84,38 +88,49 @@ class Coordinator(Service):
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
         self.ready = expect_nodes == 0
         os.makedirs(data_dir, exist_ok=True)
-        self.path = os.path.join(data_dir, "coordinator.meta")
-        self.meta = metafile.load(self.path) or {
+        self.log = MetaLog(data_dir, {
             "next_stream_id": 1, "next_producer_id": 1, "next_epoch": 1,
             "next_id": {"broker": 1, "backup": 1}, "streams": {}, "positions": {},
-        }
-        self.meta.setdefault("backups", [])   # every backup id ever registered
-        self.meta.setdefault("fences", {})    # broker id -> newest epoch fenced
+            "backups": [],   # every backup id ever registered
+            "fences": {},    # broker id -> newest epoch fenced
+        }, legacy=os.path.join(data_dir, "coordinator.meta"))
+        self.meta = self.log.state   # changed only through self.log
+        self._owned: collections.Counter[int] = collections.Counter()   # broker -> streamlets
+        for st in self.meta["streams"].values():
+            self._owned.update(b for b, _ in st["owners"])
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.pool: Pool | None = None
         self.changed = trio.Event()
         self.recovery = RecoveryManager(self, grace=max(30.0, 10 * dead_after))
 
     # -- persistence -----------------------------------------------------
-    def save(self) -> None:
-        metafile.save(self.path, self.meta)
-
-    _save = save
+    async def commit(self) -> None:
+        """Until every metadata change made so far is on disk."""
+        await self.log.commit()
 
     def fence(self, broker: int, epoch: int) -> None:
-        """From now on, no backup accepts replicas of ``broker`` from ``epoch`` or older."""
+        """From now on, no backup accepts replicas of ``broker`` from ``epoch`` or older
+        (durable once ``commit`` returns)."""
         k = str(broker)
         if self.meta["fences"].get(k, 0) < epoch:
-            self.meta["fences"][k] = epoch
-            self.save()
+            self.log.set(("fences", k), epoch)
+
+    def set_owner(self, s: dict, i: int, m: Member) -> None:
+        """Streamlet ``i`` of ``s`` is now ``m``'s (durable once ``commit`` returns)."""
+        if self.meta["streams"].get(s["name"]) is not s:   # deleted meanwhile: nothing to keep
+            s["owners"][i] = [m.id, m.epoch]
+            return
+        self._owned[s["owners"][i][0]] -= 1
+        self._owned[m.id] += 1
+        self.log.set(("streams", s["name"], "owners", i), [m.id, m.epoch])
 
     def _take(self, counter: str) -> int:
         v = self.meta[counter]
-        self.meta[counter] = v + 1
+        self.log.set((counter,), v + 1)
         return v
 
     # -- membership ------------------------------------------------------
-    def rpc_register(self, meta, payload):
+    async def rpc_register(self, meta, payload):
         role = meta.get("role")
         if role not in self.members:
             raise InvalidArgument(f"unknown role {role!r}")
@@ -125,20 +140,20 @@ class Coordinator(Service):
         mid = meta.get("id")
         if not isinstance(mid, int) or mid <= 0:
             mid = self.meta["next_id"][role]
-            self.meta["next_id"][role] = mid + 1
-        else:
-            self.meta["next_id"][role] = max(self.meta["next_id"][role], mid + 1)
+            self.log.set(("next_id", role), mid + 1)
+        elif mid >= self.meta["next_id"][role]:
+            self.log.set(("next_id", role), mid + 1)
         epoch = self._rejoin(role, mid, meta.get("epoch"))
         if epoch is None:
             epoch = self._take("next_epoch")
         if role == "backup" and mid not in self.meta["backups"]:
-            self.meta["backups"].append(mid)
-        self._save()
+            self.log.set(("backups",), [*self.meta["backups"], mid])
         m = Member(role, mid, addr, node, epoch)
         m.holds = meta.get("holds") or []
         self.members[role][mid] = m
         log.info("%s %d registered at %s (node %s, epoch %d)", role, mid, addr, node, epoch)
         self._notify()
+        await self.commit()   # its id and epoch are never handed out again
         return {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
                 "lease": self.lease, "fences": self.meta["fences"]}
 
@@ -304,8 +319,9 @@ class Coordinator(Service):
         owners = [[m.id, m.epoch] for m in self.spread(cfg["streamlets"], salt=sid)]
         s = {"name": name, "id": sid, **cfg, "vlogs": policy, "owners": owners,
              "created": time.time()}
-        self.meta["streams"][name] = s
-        self._save()
+        self.log.set(("streams", name), s)
+        self._owned.update(b for b, _ in owners)
+        await self.commit()
         await self._assign(s)
         log.info("created stream %s (id %d, %d streamlets)", name, sid, cfg["streamlets"])
         return {"stream": self._describe(s)}
@@ -315,11 +331,7 @@ class Coordinator(Service):
         brokers = sorted((m for m in self.members["broker"].values() if m.alive), key=lambda m: m.id)
         if not brokers:
             raise NotEnoughBackups("no live broker")
-        load = {m.id: 0 for m in brokers}
-        for st in self.meta["streams"].values():
-            for b, _ in st["owners"]:
-                if b in load:
-                    load[b] += 1
+        load = {m.id: self._owned[m.id] for m in brokers}
         out = []
         for _i in range(n):
             m = min(brokers, key=lambda m: (load[m.id], (m.id + salt) % len(brokers)))
@@ -376,8 +388,9 @@ class Coordinator(Service):
 
     async def rpc_delete_stream(self, meta, payload):
         s = self._stream(meta.get("name"))
-        del self.meta["streams"][s["name"]]
-        self._save()
+        self.log.delete(("streams", s["name"]))
+        self._owned.subtract(b for b, _ in s["owners"])
+        await self.commit()
 
         async def one(bid, epoch):
             m = self.live_broker(bid, epoch)
@@ -392,21 +405,21 @@ class Coordinator(Service):
                 n.start_soon(one, bid, epoch)
         return {"deleted": s["name"]}
 
-    def rpc_producer_id(self, meta, payload):
+    async def rpc_producer_id(self, meta, payload):
         pid = self._take("next_producer_id")
-        self._save()
+        await self.commit()
         return {"id": pid}
 
     # -- consumer positions ----------------------------------------------
-    def rpc_commit(self, meta, payload):
+    async def rpc_commit(self, meta, payload):
         group = meta.get("group")
         if not isinstance(group, str) or not group or len(group) > 249:
             raise InvalidArgument("commit needs a consumer group name")
         positions = meta.get("positions")
         if not isinstance(positions, dict):
             raise InvalidArgument("commit needs positions")
-        self.meta["positions"].setdefault(group, {}).update(positions)
-        self._save()
+        self.log.merge(("positions", group), positions)   # O(this commit), fsync shared
+        await self.commit()
         return {}
 
     def rpc_positions(self, meta, payload):
@@ -425,12 +438,16 @@ class Coordinator(Service):
                 "streams": len(self.meta["streams"]), "recoveries": self.recovery.describe()}
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED):
-        async with trio.open_nursery() as nursery:
-            self.pool = Pool(nursery)
-            bound = await nursery.start(self.serve, host, port)
-            nursery.start_soon(self.watch)
-            nursery.start_soon(self.recovery.run)
-            task_status.started(bound)
+        try:
+            async with trio.open_nursery() as nursery:
+                self.pool = Pool(nursery)
+                await nursery.start(self.log.run)
+                bound = await nursery.start(self.serve, host, port)
+                nursery.start_soon(self.watch)
+                nursery.start_soon(self.recovery.run)
+                task_status.started(bound)
+        finally:
+            self.log.close()
 
 
 def main(argv=None) -> None:

@@ -163,6 +163,7 @@ class RecoveryManager:
         backups = [m for m in coord.members["backup"].values() if m.alive]
         # 1. fence the dead incarnation everywhere it could still write
         coord.fence(rec.broker, rec.epoch)
+        await coord.commit()
         async with trio.open_nursery() as n:
             for b in backups:  # a backup that does not answer gets the fence when it registers
                 n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
@@ -194,8 +195,8 @@ class RecoveryManager:
                 n.start_soon(coord.assign, coord.members["broker"][mid], streams[name], idx, False,
                              not replayed.complete)
         for (name, i), m in plan.items():
-            streams[name]["owners"][i] = [m.id, m.epoch]
-        coord.save()
+            coord.set_owner(streams[name], i, m)
+        await coord.commit()
         if not replayed.complete:  # what is left may be all there is of the lost range: keep it
             return
         addrs = {b.id: b.addr for b in backups}
