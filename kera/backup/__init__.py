@@ -3,6 +3,9 @@
 - ``segment_file``: the on-disk format (header, chunks as on the wire, closing
   trailer) and its verifying loader (torn tails cut, corrupt chunks reported).
 - ``replica``: one replica's bookkeeping (in-memory blocks, chunk index, flush marks).
+- ``store``: ``BackupStore``, the decisions (sans-IO): which replicate is stored,
+  acknowledged again or refused, budgets, what a flush writes, reads, drops.
+- ``disk``: the file work, run in threads (load, flush round, verified read-back).
 - ``service``: ``BackupService`` (RPCs replicate/list/read/drop/stats) and ``main``.
 - ``membership``: the backup's id on disk, registration and heartbeats.
 

@@ -1,6 +1,6 @@
 """Replica: a backup's copy of one virtual segment, in memory and on file.
 
-Sans-IO bookkeeping only; the service does the I/O. The bytes are the
+Sans-IO bookkeeping only; ``store`` decides, the service does the I/O. The bytes are the
 replicate payloads themselves, kept as the (immutable, bytes-backed)
 memoryviews the frame decoder produced: appending is a list append, not a
 copy, and a flush hands the same views to one ``pwritev``.
@@ -57,7 +57,7 @@ class Replica:
         self.failed: str | None = None  # the file could not be created: this replica is gone
         self.dropped = False
         self.ready = None      # service: trio.Event set once the file exists (or failed)
-        self.budget = 0        # service: bytes of its file counted against --max-bytes
+        self.budget = 0        # store: bytes of its file counted against --max-bytes
 
     @property
     def key(self) -> tuple[int, int, int]:

@@ -15,6 +15,10 @@ reported to the next replicate (periodic mode) or to the waiting one (always
 mode); while the disk is failing no new segment is accepted; ``--max-bytes``
 is checked before data is accepted, so a full disk refuses data up front.
 
+What is accepted, written, read or dropped is decided by ``store.BackupStore``
+(sans-IO, tested alone); this module runs the file work it asks for in
+threads (``disk``), the flusher, the durability waits and the RPCs.
+
 Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 ``kera backup ...`` calls ``main(argv)``). When listening it prints one line
 ``backup <id> listening on HOST:PORT`` (``-`` while it has no id yet).
@@ -28,33 +32,26 @@ import logging
 import os
 import signal
 import sys
-import uuid
-from array import array
-from bisect import bisect_left
 
 import trio
 
-from .. import chunk as chunkfmt
 from .. import limits
-from ..errors import BackupError, ChecksumError, Fenced, InvalidArgument, KeraError, ProtocolError
+from ..errors import BackupError, InvalidArgument, KeraError
 from ..rpc import Service, open_pool
-from . import segment_file
+from . import disk, segment_file
 from .membership import load_id, run_membership
 from .replay import parse_routes, replay
 from .replica import Replica
+from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob, Key
+from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
+from .store import MAX_SEGMENT_BYTES as MAX_SEGMENT_BYTES
 
 log = logging.getLogger("kera.backup")
 
 SEGMENTS_DIR = "segments"
-MAX_REPLICATE_BYTES = limits.MAX_REPLICATE_PAYLOAD  # one replicate payload
 MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
-MAX_SEGMENT_BYTES = limits.MAX_REPLICA_BYTES        # one replica's chunk area
-MAX_REPLICAS = 100_000           # replicas held at once
-DEFAULT_MAX_MEMORY = 1 << 30     # unflushed bytes; flushed ones are released under pressure
 _U63 = 1 << 63
-
-Key = tuple[int, int, int]
 
 
 def _uint(meta: dict, name: str, default: int | None = None) -> int:
@@ -76,65 +73,6 @@ def _stable(payload) -> memoryview:
     return memoryview(bytes(mv))
 
 
-def _verify(mv: memoryview) -> list:
-    try:
-        return chunkfmt.scan(mv)
-    except ChecksumError as e:
-        raise ChecksumError(f"replicate payload: {e}; nothing stored") from None
-    except ProtocolError as e:
-        raise InvalidArgument(f"replicate payload is not whole valid chunks: {e}; nothing stored") from None
-
-
-def _length_error(msg: str, length: int) -> BackupError:
-    """An offset the replica cannot take: the broker resends from ``length``."""
-    err = BackupError(f"{msg}; length={length}")
-    err.length = length  # crosses the wire once KeraError.to_wire sends extra attributes
-    return err
-
-
-def _read_verified(path: str, start: int, stop: int, starts: list[int], ends: list[int]):
-    """Read [start, stop) from the file, verifying each chunk again (disks rot).
-
-    Returns (data, bad) where bad is None or (offset, size, reason) of the first
-    chunk that failed; data then holds only the chunks before it.
-    """
-    data = segment_file.read(path, start, stop - start)
-    for s, e in zip(starts, ends, strict=True):
-        try:
-            h = chunkfmt.verify(data, s - start)
-            if h.size != e - s:
-                raise ProtocolError("chunk size changed on disk")
-        except (ChecksumError, ProtocolError) as err:
-            return data[:s - start], (s, e - s, f"read back: {err}")
-    return data, None
-
-
-def _flush_jobs(jobs, segdir: str, dir_sync: bool, probe: bool):
-    """Thread side of a flush round: all file I/O, no shared state touched."""
-    results = []
-    for path, start, parts, trailer, sync in jobs:
-        try:
-            segment_file.write(path, start, parts, trailer, sync)
-            results.append(None)
-        except OSError as e:
-            results.append(e)
-    extra = None
-    try:
-        if dir_sync:
-            segment_file.fsync_dir(segdir)
-        if probe:  # the disk failed earlier and nothing is pending: can we write again?
-            p = os.path.join(segdir, f".probe-{uuid.uuid4().hex}")
-            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                os.write(fd, b"probe")
-            finally:
-                os.close(fd)
-                os.unlink(p)
-    except OSError as e:
-        extra = e
-    return results, extra
-
-
 class BackupService(Service):
     def __init__(self, directory: str, *, fsync: str = "periodic", flush_interval: float = 0.05,
                  fsync_interval: float = 1.0, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
@@ -149,21 +87,12 @@ class BackupService(Service):
         self.write_through = fsync == "write"  # written (not fsynced) before the ack
         self.flush_interval = flush_interval
         self.fsync_interval = fsync_interval
-        self.max_bytes = max_bytes
-        self.max_memory = max_memory
+        self.store = BackupStore(self.segdir, max_bytes=max_bytes, max_memory=max_memory)
         self.coordinator = coordinator
         self.node = node
         self.id: int | None = load_id(directory) if os.path.isdir(directory) else None
         self.epoch: int | None = None
         self.port: int | None = None
-        self.replicas: dict[Key, Replica] = {}
-        self._dropping: dict[Key, Replica] = {}
-        self._dirty: dict[Replica, None] = {}   # insertion-ordered set
-        self.broker_epochs: dict[int, int] = {}
-        self.disk_error: str | None = None
-        self.committed = 0    # bytes the segment files will take (checked against max_bytes)
-        self.unflushed = 0    # accepted bytes not yet written
-        self.memory = 0       # payload bytes held in memory
         self._dir_dirty = False
         self.stopping = False
         self.counters = dict.fromkeys(
@@ -203,68 +132,30 @@ class BackupService(Service):
     async def _final_flush(self) -> None:
         """Refuse new data, then write and fsync everything accepted (trailers too)."""
         self.stopping = True
+        dirty = self.store.dirty
         for _ in range(50):  # a file still being created gets the io lock between rounds
             await self._flush_round(fsync=True)
-            if all(rep.error for rep in self._dirty):
+            if all(rep.error for rep in dirty):
                 break
-        if self._dirty:
-            log.error("exiting with %d replicas not fully on disk (%d bytes)", len(self._dirty),
-                      self.unflushed)
+        if dirty:
+            log.error("exiting with %d replicas not fully on disk (%d bytes)", len(dirty),
+                      self.store.unflushed)
         else:
             log.info("all replicas flushed and fsynced")
 
     async def reload(self) -> None:
         """Load every segment file: verify all chunks, cut torn tails, report corruption."""
-        loaded = await trio.to_thread.run_sync(self._load_all)
+        loaded = await trio.to_thread.run_sync(disk.load_dir, self.segdir)
         for ld, key in loaded:
             rep = Replica.from_loaded(ld, key)
             rep.ready = trio.Event()
             rep.ready.set()
-            rep.budget = ld.file_size
-            self.committed += rep.budget
-            self.replicas[key] = rep
-            self.broker_epochs[key[0]] = max(self.broker_epochs.get(key[0], 0), rep.epoch)
+            self.store.load(rep, ld.file_size)
         if loaded:
-            log.info("reloaded %d segment files (%d bytes)", len(loaded), self.committed)
-
-    def _load_all(self) -> list:
-        os.makedirs(self.segdir, exist_ok=True)
-        out, seen = [], {}
-        for name in sorted(os.listdir(self.segdir)):
-            path = os.path.join(self.segdir, name)
-            if name.startswith(".probe-"):
-                os.unlink(path)
-                continue
-            key = segment_file.parse_name(name)
-            if key is None:
-                log.warning("ignoring %s: not a segment file name", path)
-                continue
-            ld = segment_file.load(path, repair=True)
-            if ld.header is None and ld.scan is None and ld.file_size == 0:
-                log.warning("%s: %s; removed", path, ld.error)
-                continue
-            if ld.header is not None:
-                hkey = (ld.header.broker, ld.header.vlog, ld.header.vseg)
-                if hkey != key:
-                    log.warning("%s holds segment %s per its header; using that", path, hkey)
-                    key = hkey
-            if key in seen:
-                log.error("%s: segment %s is also in %s; ignored (kept on disk)", path, key, seen[key])
-                continue
-            seen[key] = path
-            if ld.error:
-                log.error("%s: %s; kept, not served", path, ld.error)
-            if ld.cut_bytes:
-                log.warning("%s: torn tail of %d bytes cut", path, ld.cut_bytes)
-            if ld.scan is not None:
-                for c in ld.scan.corrupt:
-                    log.error("%s: corrupt at offset %d (%d bytes): %s; never served",
-                              path, c["offset"], c["length"], c["reason"])
-            out.append((ld, key))
-        return out
+            log.info("reloaded %d segment files (%d bytes)", len(loaded), self.store.committed)
 
     def holds(self) -> list[list]:
-        return [[b, v, s, r.length, r.closed] for (b, v, s), r in sorted(self.replicas.items())]
+        return self.store.holds()
 
     # -- replicate -----------------------------------------------------------
 
@@ -282,75 +173,19 @@ class BackupService(Service):
         key = _key(meta)
         epoch, offset = _uint(meta, "epoch", 0), _uint(meta, "offset")
         close = meta.get("close", False) is True
-        mv = _stable(payload)
-        n = mv.nbytes
-        if n > MAX_REPLICATE_BYTES:
-            raise InvalidArgument(f"replicate payload of {n} bytes exceeds {MAX_REPLICATE_BYTES}")
-        known = self.broker_epochs.get(key[0], 0)
-        if epoch < known:
-            raise Fenced(f"broker {key[0]} epoch {epoch} is older than {known}")
-        rep = self.replicas.get(key)
-        if rep is None:
-            if offset != 0:
-                raise _length_error(f"no replica {key} here, offset {offset}", 0)
-            if n == 0 and not close:
-                return {"length": 0}
-            if key in self._dropping:
-                raise BackupError(f"replica {key} is being dropped; retry")
-            if self.disk_error:
-                raise BackupError(f"disk failing, no new segment accepted: {self.disk_error}")
-            if len(self.replicas) >= MAX_REPLICAS:
-                raise BackupError(f"backup holds {MAX_REPLICAS} replicas already")
-            base = 0
-        else:
-            if rep.error:
-                raise BackupError(f"replica {key}: {rep.error}")
-            end = offset + n
-            if end <= rep.length:
-                if not close or rep.closed:
-                    self.counters["duplicates"] += 1
-                    return self._ack(rep, end, close)
-                if end != rep.length:
-                    raise _length_error(f"close of {key} at {end}", rep.length)
-                mv, n = mv[:0], 0  # the bytes are a resend, only the close is new
-            elif offset != rep.length:
-                raise _length_error(f"replica {key}: offset {offset} is not its end", rep.length)
-            if rep.damaged:
-                raise BackupError(f"replica {key} is damaged on disk; it takes no appends")
-            if rep.closed:
-                raise BackupError(f"replica {key} is closed; length={rep.length}")
-            base = rep.length
-        chunks = _verify(mv) if n else []
-        if base + n > MAX_SEGMENT_BYTES:
-            raise BackupError(f"replica {key} would exceed {MAX_SEGMENT_BYTES} bytes")
-        need = n + (segment_file.FILE_HEADER_SIZE if rep is None else 0) \
-            + (segment_file.TRAILER_SIZE if close else 0)
-        if self.max_bytes and self.committed + need > self.max_bytes:
-            raise BackupError(f"backup full: {self.committed} + {need} bytes exceeds --max-bytes "
-                              f"{self.max_bytes}; nothing stored")
-        if self.unflushed + n > self.max_memory:
-            raise BackupError(f"backup memory full ({self.unflushed} bytes not yet on disk); retry")
-        # accepted: nothing below raises
-        new = rep is None
-        if new:
-            rep = Replica(*key, epoch, os.path.join(self.segdir, segment_file.file_name(*key)))
+        d = self.store.replicate(key, epoch, offset, _stable(payload), close)
+        if d.kind == EMPTY:
+            return {"length": 0}
+        if d.kind == DUPLICATE:
+            self.counters["duplicates"] += 1
+            return self._ack(d.replica, d.length, close)
+        rep = d.replica
+        self.counters["chunks"] += d.chunks
+        self.counters["bytes_received"] += d.take
+        if d.kind == NEW:
             rep.ready = trio.Event()
-            self.replicas[key] = rep
-        self.broker_epochs[key[0]] = max(known, epoch)
-        if n:
-            rep.append(mv, chunks)
-            self.unflushed += n
-            self.memory += n
-            self.counters["chunks"] += len(chunks)
-            self.counters["bytes_received"] += n
-        if close:
-            rep.closed = True
-        self.committed += need
-        rep.budget += need
-        self._dirty[rep] = None
-        if new:
-            return self._first_replicate(rep, rep.length, close)
-        return self._ack(rep, rep.length, close)
+            return self._first_replicate(rep, d.length, close)
+        return self._ack(rep, d.length, close)
 
     def _ack(self, rep: Replica, end: int, close: bool):
         if rep.ready.is_set() and not (self.always or self.write_through):
@@ -399,25 +234,14 @@ class BackupService(Service):
             rep.failed = f"cannot create replica {rep.key}: {e}"
             if isinstance(e, OSError):
                 log.error("%s", rep.failed)
-                self.disk_error = rep.failed
+                self.store.disk_error = rep.failed
                 self.counters["write_errors"] += 1
             self._forget(rep)
         finally:
             rep.ready.set()
 
     def _forget(self, rep: Replica) -> None:
-        """Take a replica out of service (dropped, or its file could not be made)."""
-        if rep.dropped:
-            return
-        rep.dropped = True
-        if self.replicas.get(rep.key) is rep:
-            del self.replicas[rep.key]
-        self._dirty.pop(rep, None)
-        self.committed -= rep.budget
-        self.unflushed -= rep.length - rep.flushed
-        self.memory -= rep.memory_bytes
-        rep.blocks, rep.block_starts = [], array("Q")
-        if self._kick is not None:
+        if self.store.forget(rep) and self._kick is not None:
             self._kick.set()  # wake durability waiters so they see it
 
     # -- flushing --------------------------------------------------------------
@@ -439,111 +263,70 @@ class BackupService(Service):
                 next_fsync = now + self.fsync_interval
 
     async def _flush_round(self, fsync: bool) -> None:
-        """Write every dirty replica's new bytes (and trailers), fsync if asked."""
+        """Write what the store says is due (new bytes, trailers), fsync if asked; report back."""
+        store = self.store
         async with self._io:
-            jobs = []
-            for rep in list(self._dirty):
-                if not rep.created:
-                    continue  # its first replicate is creating the file
-                upto = rep.length
-                parts = rep.memory_parts(rep.flushed, upto) if rep.flushed < upto else []
-                trailer = segment_file.encode_trailer(upto, rep.chunks + len(rep.corrupt)) \
-                    if rep.closed and not rep.trailer_written else None
-                sync = fsync and (rep.synced < upto or (rep.closed and not rep.trailer_synced))
-                if not parts and trailer is None and not sync:
-                    if rep.clean:
-                        self._dirty.pop(rep, None)
-                    continue
-                jobs.append((rep, rep.flushed, upto, parts, trailer, sync))
+            jobs: list[FlushJob] = store.flush_jobs(fsync)
             dir_sync = fsync and self._dir_dirty
-            probe = self.disk_error is not None and not jobs
+            probe = store.disk_error is not None and not jobs
             if not (jobs or dir_sync or probe):
                 return
             results, extra = await trio.to_thread.run_sync(
-                _flush_jobs, [(r.path, s, p, t, y) for r, s, _, p, t, y in jobs], self.segdir,
-                dir_sync, probe)
+                disk.write_round, [(j.replica.path, j.start, j.parts, j.trailer, j.sync) for j in jobs],
+                self.segdir, dir_sync, probe)
         ok = False
-        for (rep, start, upto, _parts, trailer, sync), err in zip(jobs, results, strict=True):
+        for job, err in zip(jobs, results, strict=True):
+            rep = job.replica
             if rep.dropped:
                 continue
             if err is not None:
                 msg = f"writing {os.path.basename(rep.path)} failed: {err}"
-                if rep.error != msg:
+                if store.flush_failed(rep, msg):
                     log.error("replica %s: %s", rep.key, msg)
                     self.counters["write_errors"] += 1
-                rep.error = msg
-                self.disk_error = msg
                 continue
             ok = True
-            rep.flushed = upto
-            self.unflushed -= upto - start
-            self.counters["bytes_flushed"] += upto - start
-            if trailer is not None:
-                rep.trailer_written = True
-            if sync:
-                rep.synced = upto
-                rep.trailer_synced = rep.trailer_written
-                self.counters["fsyncs"] += 1
             if rep.error:
                 log.info("replica %s: written again after failure", rep.key)
-                rep.error = None
-            if rep.clean:
-                self._dirty.pop(rep, None)
-                if rep.closed:
-                    self.memory -= rep.release(rep.length)
+            store.flush_done(job)
+            self.counters["bytes_flushed"] += job.upto - job.start
+            self.counters["fsyncs"] += job.sync
         if extra is not None:
-            if dir_sync or self.disk_error is None:
+            if dir_sync or store.disk_error is None:
                 log.error("segment directory: %s", extra)
-            self.disk_error = f"segment directory: {extra}"
+            store.disk_error = f"segment directory: {extra}"
         else:
             if dir_sync:
                 self._dir_dirty = False
             if ok or probe:
-                self.disk_error = None
-        if self.memory > self.max_memory:  # pressure: forget what the files hold
-            for rep in self.replicas.values():
-                if rep.synced > rep.mem_base:
-                    self.memory -= rep.release(rep.synced)
+                store.disk_error = None
+        store.relieve_memory()
 
     # -- list / read / drop / stats ------------------------------------------
 
     def rpc_list(self, meta: dict, payload):
-        broker = meta.get("broker")
-        reps = sorted(self.replicas.items())
-        return {"backup": self.id, "segments": [r.info() for k, r in reps if broker is None or k[0] == broker]}
+        return {"backup": self.id, "segments": self.store.listing(meta.get("broker"))}
 
     def rpc_read(self, meta: dict, payload):
         key = _key(meta)
         offset = _uint(meta, "offset", 0)
         max_bytes = min(max(_uint(meta, "max_bytes", DEFAULT_READ_BYTES), 1), MAX_READ_BYTES)
-        rep = self.replicas.get(key)
-        if rep is None:
-            raise BackupError(f"no replica {key} here")
-        start, stop, corrupt_at, nxt = rep.plan_read(offset, max_bytes)
+        rep, start, stop, corrupt_at, nxt, in_memory = self.store.plan_read(key, offset, max_bytes)
         self.counters["reads"] += 1
-        if start == stop or start >= rep.mem_base:
+        if in_memory:
             parts = rep.memory_parts(start, stop) if stop > start else []
             self.counters["bytes_read"] += stop - start
-            return self._read_meta(rep, nxt, corrupt_at), parts
+            return BackupStore.read_meta(rep, nxt, corrupt_at), parts
         return self._read_file(rep, start, stop, corrupt_at, nxt)
 
-    def _read_meta(self, rep: Replica, nxt: int, corrupt_at: int | None) -> dict:
-        out = {"length": rep.length, "next": nxt, "end": nxt >= rep.length, "closed": rep.closed}
-        if corrupt_at is not None:
-            out["corrupt_at"] = corrupt_at
-        return out
-
     async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):
-        i = bisect_left(rep.starts, start)
-        j = bisect_left(rep.ends, stop, i)
-        assert rep.starts[i] == start and rep.ends[j] == stop
+        starts, ends = BackupStore.chunk_bounds(rep, start, stop)
         async with self._io:
             if rep.dropped:
                 raise BackupError(f"replica {rep.key} was dropped")
             try:
-                data, bad = await trio.to_thread.run_sync(
-                    _read_verified, rep.path, start, stop, rep.starts[i:j + 1].tolist(),
-                    rep.ends[i:j + 1].tolist())
+                data, bad = await trio.to_thread.run_sync(disk.read_verified, rep.path, start, stop,
+                                                          starts, ends)
             except OSError as e:
                 raise BackupError(f"reading replica {rep.key}: {e}") from None
         if bad is not None:
@@ -552,15 +335,14 @@ class BackupService(Service):
             rep.mark_corrupt(off, size, reason)
             corrupt_at, nxt = off, off + size
         self.counters["bytes_read"] += len(data)
-        return self._read_meta(rep, nxt, corrupt_at), data
+        return BackupStore.read_meta(rep, nxt, corrupt_at), data
 
     def rpc_drop(self, meta: dict, payload):
-        key = _key(meta)
-        rep = self.replicas.get(key)
+        rep = self.store.drop(_key(meta))
         if rep is None:
             return {"dropped": False}
-        self._forget(rep)
-        self._dropping[key] = rep
+        if self._kick is not None:
+            self._kick.set()  # wake durability waiters so they see it
         self.counters["drops"] += 1
         return self._unlink(rep)
 
@@ -568,23 +350,20 @@ class BackupService(Service):
         try:
             with trio.CancelScope(shield=True):
                 async with self._io:
-                    await trio.to_thread.run_sync(_unlink_quiet, rep.path)
+                    await trio.to_thread.run_sync(disk.unlink_quiet, rep.path)
         except OSError as e:
             raise BackupError(f"dropping replica {rep.key}: {e}") from None
         finally:
-            if self._dropping.get(rep.key) is rep:
-                del self._dropping[rep.key]
+            self.store.dropped(rep)
         return {"dropped": True}
 
     # -- fencing and recovery ------------------------------------------------
 
     def apply_fences(self, fences) -> None:
-        """Brokers' epochs the coordinator fenced: their replicas are refused from now on."""
-        for b, e in (fences or {}).items():
-            self.broker_epochs[int(b)] = max(self.broker_epochs.get(int(b), 0), int(e) + 1)
+        self.store.apply_fences(fences)
 
     def rpc_fence(self, meta: dict, payload):
-        self.apply_fences({_uint(meta, "broker"): _uint(meta, "epoch")})
+        self.store.apply_fences({_uint(meta, "broker"): _uint(meta, "epoch")})
         return {}
 
     async def rpc_replay(self, meta: dict, payload):
@@ -594,9 +373,7 @@ class BackupService(Service):
         (``next``, ``stopped``), so that another copy takes over from there.
         """
         key = _key(meta)
-        rep = self.replicas.get(key)
-        if rep is None:
-            raise BackupError(f"no replica {key} here")
+        rep = self.store.get(key)
         routes = parse_routes(meta.get("routes"))
         offset = _uint(meta, "offset", 0)
         if offset > rep.length:
@@ -612,16 +389,10 @@ class BackupService(Service):
         return out
 
     def rpc_stats(self, meta: dict, payload):
-        return {"backup": self.id, **self.counters, "segments": len(self.replicas),
-                "memory_bytes": self.memory, "unflushed_bytes": self.unflushed,
-                "disk_bytes": self.committed, "disk_error": self.disk_error}
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+        s = self.store
+        return {"backup": self.id, **self.counters, "segments": len(s.replicas),
+                "memory_bytes": s.memory, "unflushed_bytes": s.unflushed,
+                "disk_bytes": s.committed, "disk_error": s.disk_error}
 
 
 # -- command line ----------------------------------------------------------------
@@ -659,7 +430,7 @@ async def _main(args) -> bool:
                 log.info("signal %d: flushing and exiting", sig)
                 svc.stop()
                 break
-    return not svc._dirty
+    return not svc.store.dirty
 
 
 def main(argv: list[str] | None = None) -> int:
