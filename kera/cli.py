@@ -37,15 +37,29 @@ def _run(afn, *args):
 def cmd_stream(args) -> None:
     from kera_client import open_admin
 
+    if args.action == "create" and args.count is not None and not 1 <= args.count <= 1_000_000:
+        print("error: --count must be between 1 and 1000000 (six-digit suffixes)", file=sys.stderr)
+        sys.exit(2)
+
     async def go():
         async with open_admin(_coordinator(args)) as a:
             if args.action == "create":
-                s = await a.create_stream(args.name, streamlets=args.streamlets, groups=args.groups,
-                                          replication=args.replication, vlogs=args.vlogs,
-                                          segment_size=args.segment_size,
-                                          group_segments=args.group_segments)
-                print(f"created stream {s['name']}: {s['streamlets']} streamlets, {s['groups']} active "
-                      f"groups, replication {s['replication']}")
+                shape = {"streamlets": args.streamlets, "groups": args.groups,
+                         "replication": args.replication, "vlogs": args.vlogs,
+                         "segment_size": args.segment_size, "group_segments": args.group_segments}
+                if len(args.name) == 1 and args.count is None:
+                    s = await a.create_stream(args.name[0], **shape)
+                    print(f"created stream {s['name']}: {s['streamlets']} streamlets, {s['groups']} active "
+                          f"groups, replication {s['replication']}")
+                    return
+                if args.count is None:
+                    names = args.name
+                else:
+                    names = [f"{n}-{i:06d}" for n in args.name for i in range(args.count)]
+                t0 = time.monotonic()
+                created = await a.create_streams(names, **shape)
+                span = f"{created[0]['name']} ... {created[-1]['name']}" if created else "none"
+                print(f"created {len(created)} streams ({span}) in {time.monotonic() - t0:.2f} s")
             elif args.action == "list":
                 for s in await a.list_streams(args.pattern):
                     print(f"{s['name']}\t{s['streamlets']} streamlets\tR={s['replication']}")
@@ -280,7 +294,9 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stream", help="create, list, describe, delete streams")
     ssub = st.add_subparsers(dest="action", required=True)
     c = _client(ssub.add_parser("create"))
-    c.add_argument("name")
+    c.add_argument("name", nargs="+", help="one or more names, created in one request")
+    c.add_argument("--count", type=int, default=None, metavar="N",
+                   help="create NAME-000000 ... NAME-(N-1) for each NAME")
     c.add_argument("--streamlets", type=int, default=None)
     c.add_argument("--groups", type=int, default=None, help="active groups per streamlet (Q)")
     c.add_argument("--replication", type=int, default=None, help="copies (R), default min(3, nodes)")

@@ -291,40 +291,94 @@ class Coordinator(Service):
         return s
 
     async def rpc_create_stream(self, meta, payload):
-        name = check_stream_name(meta.get("name"))
-        await self.wait_ready()
+        """One stream: the batch path with one entry."""
+        s, = await self._create([meta])
+        return {"stream": self._describe(s)}
+
+    async def rpc_create_streams(self, meta, payload):
+        """Many streams in one request, all or none: ``{"streams": [spec, ...]}``, each spec
+        shaped like ``create_stream``'s request. Answers their ids, in order."""
+        specs = meta.get("streams")
+        if not isinstance(specs, list) or not specs:
+            raise InvalidArgument("create_streams needs a non-empty list of streams")
+        return {"ids": [s["id"] for s in await self._create(specs)]}
+
+    def _config(self, spec, nodes: int) -> tuple[str, dict]:
+        """One spec's name and shape, defaults filled in; refused if invalid, taken or too large."""
+        if not isinstance(spec, dict):
+            raise InvalidArgument("a stream spec must be a map")
+        name = check_stream_name(spec.get("name"))
         if name in self.meta["streams"]:
             raise StreamExists(f"stream {name!r} exists")
         cfg = {}
         for key, default in DEFAULTS.items():
-            v = meta.get(key)
+            v = spec.get(key)
             v = default if v is None else v
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise InvalidArgument(f"{key} must be a positive integer")
             cfg[key] = v
         _check_stream_limits(cfg)
-        policy = meta.get("vlogs")
+        policy = spec.get("vlogs")
         if policy is not None and policy not in VLOG_POLICIES:
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
-        brokers = [m for m in self.members["broker"].values() if m.alive]
-        if not brokers:
-            raise NotEnoughBackups("no live broker to place the stream on")
-        nodes = len(self._nodes())
-        if meta.get("replication") is None:
+        cfg["vlogs"] = policy
+        if spec.get("replication") is None:
             cfg["replication"] = min(cfg["replication"], max(1, nodes))
         if cfg["replication"] > nodes:
             raise NotEnoughBackups(
                 f"replication {cfg['replication']} needs {cfg['replication']} nodes, {nodes} alive")
-        sid = self._take("next_stream_id")
-        owners = [[m.id, m.epoch] for m in self.spread(cfg["streamlets"], salt=sid)]
-        s = {"name": name, "id": sid, **cfg, "vlogs": policy, "owners": owners,
-             "created": time.time()}
-        self.log.set(("streams", name), s)
-        self._owned.update(b for b, _ in owners)
+        return name, cfg
+
+    async def _create(self, specs: list) -> list[dict]:
+        """Create all of ``specs`` or none of them, with one commit and one assign per broker.
+
+        Every spec is checked before anything is recorded, with no await in between, so
+        a refused batch leaves no trace; the error carries ``index`` and ``stream`` (the
+        entry's name) and, in a batch of several, says which entry it is.
+        """
+        if len(specs) > limits.MAX_BATCH_STREAMS:
+            raise LimitExceeded(f"{len(specs)} streams exceed MAX_BATCH_STREAMS ({limits.MAX_BATCH_STREAMS})",
+                                limit="MAX_BATCH_STREAMS", bound=limits.MAX_BATCH_STREAMS, size=len(specs))
+        await self.wait_ready()
+        if not any(m.alive for m in self.members["broker"].values()):
+            raise NotEnoughBackups("no live broker to place the stream on")
+        nodes = len(self._nodes())
+        checked: dict[str, dict] = {}
+        for i, spec in enumerate(specs):
+            try:
+                name, cfg = self._config(spec, nodes)
+                if name in checked:
+                    raise InvalidArgument(f"stream {name!r} is named twice in the batch")
+            except KeraError as e:
+                e.index = i
+                if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+                    e.stream = spec["name"]
+                if len(specs) > 1:
+                    e.args = (f"streams[{i}]: {e}",)
+                raise
+            checked[name] = cfg
+        total = sum(cfg["streamlets"] for cfg in checked.values())
+        if total > limits.MAX_BATCH_STREAMLETS:
+            raise LimitExceeded(f"{total} streamlets in one batch exceed MAX_BATCH_STREAMLETS "
+                                f"({limits.MAX_BATCH_STREAMLETS})", limit="MAX_BATCH_STREAMLETS",
+                                bound=limits.MAX_BATCH_STREAMLETS, size=total)
+        created = []
+        now = time.time()
+        for name, cfg in checked.items():
+            sid = self._take("next_stream_id")
+            owners = [[m.id, m.epoch] for m in self.spread(cfg["streamlets"], salt=sid)]
+            s = {"name": name, "id": sid, **cfg, "owners": owners, "created": now}
+            self.log.set(("streams", name), s)
+            self._owned.update(b for b, _ in owners)
+            created.append(s)
         await self.commit()
-        await self._assign(s)
-        log.info("created stream %s (id %d, %d streamlets)", name, sid, cfg["streamlets"])
-        return {"stream": self._describe(s)}
+        await self._assign(created)
+        if len(created) == 1:
+            log.info("created stream %s (id %d, %d streamlets)", created[0]["name"], created[0]["id"], total)
+        else:
+            log.info("created %d streams (ids %d-%d, %d streamlets)", len(created), created[0]["id"],
+                     created[-1]["id"], total)
+        return created
 
     def spread(self, n: int, salt: int = 0) -> list[Member]:
         """n owners among live brokers, each time the least loaded (streamlets owned)."""
@@ -345,24 +399,29 @@ class Coordinator(Service):
         await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "stream": s, "streamlets": streamlets,
                                                 "recovering": recovering, "seal": seal}, timeout=10)
 
-    async def _assign(self, s: dict) -> None:
-        """Tell each owner broker about its streamlets, all in parallel."""
-        by_broker: dict[tuple, list[int]] = {}
-        for i, (b, e) in enumerate(s["owners"]):
-            by_broker.setdefault((b, e), []).append(i)
+    async def _assign(self, streams: list[dict]) -> None:
+        """Tell each owner broker about its streamlets of ``streams``: one request per broker,
+        all in parallel."""
+        by_broker: dict[tuple, list] = {}
+        for s in streams:
+            mine: dict[tuple, list[int]] = {}
+            for i, (b, e) in enumerate(s["owners"]):
+                mine.setdefault((b, e), []).append(i)
+            for key, sl in mine.items():
+                by_broker.setdefault(key, []).append([s, sl])
 
-        async def one(bid, epoch, streamlets):
+        async def one(bid, epoch, entries):
             m = self.live_broker(bid, epoch)
             if m is None:
                 return
             try:
-                await self.assign(m, s, streamlets)
+                await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": entries}, timeout=10)
             except KeraError as e:
-                log.warning("assigning %s to broker %d failed: %s", s["name"], bid, e)
+                log.warning("assigning %d streams to broker %d failed: %s", len(entries), bid, e)
 
         async with trio.open_nursery() as n:
-            for (bid, epoch), sl in by_broker.items():
-                n.start_soon(one, bid, epoch, sl)
+            for (bid, epoch), entries in by_broker.items():
+                n.start_soon(one, bid, epoch, entries)
 
     def rpc_list_streams(self, meta, payload):
         pattern = meta.get("pattern")

@@ -33,6 +33,12 @@ MIN_SEGMENT_SIZE = 4 * KiB
 MAX_SEGMENT_SIZE = 256 * MiB      # a stream's segment size (a chunk larger than it is refused)
 MAX_STREAMLETS = 4096             # per stream
 MAX_GROUPS = 64                   # active groups per streamlet
+# one create_streams request: its specs, its reply and each broker's assign all sit in one
+# frame's meta, so the batch is bounded in streams and in streamlets over all its streams
+MAX_BATCH_STREAMS = 4096
+MAX_BATCH_STREAMLETS = 65536
+BATCH_STREAM_BYTES = 512          # packed size of one stream's description, name of 249 included
+BATCH_STREAMLET_BYTES = 16        # and of each of its streamlets (owner, index)
 
 # -- producer requests (client, broker) ---------------------------------------------
 MAX_REQUEST = 32 * MiB            # producer request.size is clamped to this
@@ -65,4 +71,7 @@ assert max(MAX_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every read reply must fit a fra
 assert max(REPLAY_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every recover request must fit a frame"
 assert MAX_PULL + MAX_CHUNK <= MAX_PAYLOAD, "every pull reply must fit a frame"
 assert MIN_SEGMENT_SIZE <= MAX_SEGMENT_SIZE
+assert MAX_STREAMLETS <= MAX_BATCH_STREAMLETS, "a stream of the most streamlets must fit a batch"
+assert (MAX_BATCH_STREAMS * BATCH_STREAM_BYTES + MAX_BATCH_STREAMLETS * BATCH_STREAMLET_BYTES
+        <= MAX_META), "every create_streams request, reply and assign must fit a frame's meta"
 assert MAX_META < MAX_METALOG_RECORD, "every metadata change a request carries must fit a log record"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from contextlib import asynccontextmanager
 
+from kera import limits
 from kera.errors import KeraError
 from kera.rpc import open_pool
 
@@ -40,6 +41,42 @@ class AsyncAdmin:
         r = await self.call("create_stream", name=name, streamlets=streamlets, groups=groups,
                             replication=replication, vlogs=vlogs, **extra)
         return r["stream"]
+
+    async def create_streams(self, streams: list, **defaults) -> list[dict]:
+        """Many streams, each a name or a spec like ``create_stream``'s arguments
+        (``{"name": ..., "streamlets": ...}``); ``defaults`` fill what a spec leaves out.
+
+        Sent in requests of at most ``MAX_BATCH_STREAMS`` streams (and
+        ``MAX_BATCH_STREAMLETS`` streamlets): each request creates all of its
+        streams or none, and a refused one (the error's ``index`` is the entry's
+        position in that request, ``stream`` its name) stops here, with the earlier
+        requests' streams kept. Returns ``{"name", "id"}`` of each, in order.
+        """
+        specs = []
+        for s in streams:
+            spec = {"name": s} if isinstance(s, str) else dict(s)
+            for k, v in defaults.items():
+                spec.setdefault(k, v)
+            specs.append({k: v for k, v in spec.items() if v is not None})
+        out: list[dict] = []
+        batch: list[dict] = []
+        streamlets = 0
+
+        async def send():
+            r = await self.call("create_streams", streams=batch)
+            out.extend({"name": s["name"], "id": i} for s, i in zip(batch, r["ids"], strict=True))
+
+        for spec in specs:
+            n = spec.get("streamlets")
+            n = n if isinstance(n, int) and n > 0 else 1
+            if batch and (len(batch) == limits.MAX_BATCH_STREAMS or streamlets + n > limits.MAX_BATCH_STREAMLETS):
+                await send()
+                batch, streamlets = [], 0
+            batch.append(spec)
+            streamlets += n
+        if batch:
+            await send()
+        return out
 
     async def list_streams(self, pattern: str | None = None) -> list[dict]:
         return (await self.call("list_streams", pattern=pattern))["streams"]

@@ -104,26 +104,39 @@ class BrokerService(Service):
             raise Fenced(f"broker {self.broker_id} is at epoch {self.epoch}, request for {meta.get('epoch')}")
 
     def rpc_assign(self, meta, payload):
-        """Streamlets to own; ``recovering`` ones are rebuilt by backups before they serve."""
+        """Streamlets to own; ``recovering`` ones are rebuilt by backups before they serve.
+
+        One stream (``stream``, ``streamlets``) or many (``streams``: [[stream, streamlets],
+        ...]): a batch of new streams costs one request per broker.
+        """
         self._check_epoch(meta)
-        s = meta.get("stream")
-        if not isinstance(s, dict) or not isinstance(meta.get("streamlets"), list):
+        entries = meta.get("streams")
+        if entries is None:
+            entries = [[meta.get("stream"), meta.get("streamlets")]]
+        if not isinstance(entries, list) or not all(
+                isinstance(e, list) and len(e) == 2 and isinstance(e[0], dict) and isinstance(e[1], list)
+                for e in entries):
             raise InvalidArgument("assign needs a stream and streamlets")
         recovering = meta.get("recovering") is True
+        seal = meta.get("seal") is True
+        for s, streamlets in entries:
+            self._assign(s, streamlets, recovering, seal)
+        self.notify_durable()  # pulls waiting on these streamlets look again
+        return {}
+
+    def _assign(self, s: dict, streamlets: list, recovering: bool, seal: bool) -> None:
         self.streams[s["id"]] = s
-        for i in meta["streamlets"]:
+        for i in streamlets:
             sl = self.streamlets.get((s["id"], i))
             if sl is None:
                 sl = self.streamlets[(s["id"], i)] = Streamlet(s, i, self.memory)
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
-                if meta.get("seal") is True:
+                if seal:
                     log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
                               s.get("name"), i)
                     sl.seal()
-        self.notify_durable()  # pulls waiting on these streamlets look again
-        return {}
 
     def rpc_unassign(self, meta, payload):
         sid = meta.get("stream_id")
