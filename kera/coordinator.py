@@ -397,7 +397,8 @@ class Coordinator(Service):
                      seal: bool = False) -> None:
         """``seal``: the recovery of these streamlets lost data; their groups are closed."""
         await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "stream": s, "streamlets": streamlets,
-                                                "recovering": recovering, "seal": seal}, timeout=10)
+                                                "recovering": recovering, "seal": seal,
+                                                "backups": self._live("backup")}, timeout=10)
 
     async def _assign(self, streams: list[dict]) -> None:
         """Tell each owner broker about its streamlets of ``streams``: one request per broker,
@@ -415,7 +416,8 @@ class Coordinator(Service):
             if m is None:
                 return
             try:
-                await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": entries}, timeout=10)
+                await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": entries,
+                                                        "backups": self._live("backup")}, timeout=10)
             except KeraError as e:
                 log.warning("assigning %d streams to broker %d failed: %s", len(entries), bid, e)
 

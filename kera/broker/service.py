@@ -119,6 +119,14 @@ class BrokerService(Service):
             raise InvalidArgument("assign needs a stream and streamlets")
         recovering = meta.get("recovering") is True
         seal = meta.get("seal") is True
+        backups = meta.get("backups")
+        if backups is not None and not (isinstance(backups, list) and all(
+                isinstance(b, dict) and {"id", "addr", "node", "epoch"} <= b.keys() for b in backups)):
+            raise InvalidArgument("assign: backups must be [{id, addr, node, epoch}, ...]")
+        if backups is not None:
+            # the coordinator's view as of this stream: its first vsegs get copies on every
+            # node, not only on the backups our last heartbeat answer knew of
+            self._set_backups(backups)
         for s, streamlets in entries:
             self._assign(s, streamlets, recovering, seal)
         self.notify_durable()  # pulls waiting on these streamlets look again
