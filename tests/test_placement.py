@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from kera.broker.memory import MemoryBudget
 from kera.broker.streamlet import Streamlet
-from kera.errors import DataLoss, KeraError, from_wire
+from kera.errors import BrokerFull, DataLoss, KeraError, from_wire
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,3 +61,15 @@ def test_sealed_after_a_loss_no_group_id_or_position_is_reused():
     g, seg, off = sl.append(b"c" * 10, 7)
     assert g.id >= 4 + (1 << 16) and (seg.id, off) == (0, 0)
     assert len(sl.groups[0].segments[0].ends) == 1   # nothing appended to a recovered group
+
+
+def test_a_hole_in_a_group_left_empty_by_a_full_broker_is_still_data_loss():
+    """A group whose first segment the memory budget refused exists without segments:
+    a later chunk past a hole in it is refused as a loss, and the group stays."""
+    sl = Streamlet(STREAM, 1, MemoryBudget(100))
+    with pytest.raises(BrokerFull):
+        sl.place(b"a" * 100, 7, 0, 0, 0)
+    assert sl.groups[0].segments == []
+    with pytest.raises(DataLoss):
+        sl.place(b"c" * 10, 7, 0, 0, 300)
+    assert 0 in sl.groups and sl.next_group == 1

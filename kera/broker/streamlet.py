@@ -116,13 +116,14 @@ class Streamlet:
         a hole: the caller refuses the chunk, so the loss is known.
         """
         g = self.groups.get(group)
-        if g is None:
-            next_group = self.next_group
+        created = g is None
+        next_group = self.next_group
+        if created:
             g = self._new_group(producer % self.q, group)
         try:
             seg = g.place(segment, offset, chunk)
         except DataLoss as e:
-            if not g.segments:  # created for this chunk: leave no trace of it
+            if created and not g.segments:  # made for this chunk: leave no trace of it
                 del self.groups[group]
                 self.next_group = next_group
             e.args = (f"stream {self.stream_id} streamlet {self.index}: {e}",)
