@@ -14,6 +14,8 @@ from kera.backup import segment_file as sf
 from kera.backup.replica import Replica
 from kera.errors import InvalidArgument
 
+from .damage import flip_bits
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -112,11 +114,7 @@ def test_corrupt_body_reported_and_skipped(tmp_path):
     p = str(tmp_path / "c.seg")
     n = write_file(p, chunks)
     b = bounds(chunks)
-    with open(p, "r+b") as f:
-        f.seek(sf.FILE_HEADER_SIZE + b[1][0] + chunk.HEADER_SIZE + 2)
-        x = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([x[0] ^ 0x10]))
+    flip_bits(p, sf.FILE_HEADER_SIZE + b[1][0] + chunk.HEADER_SIZE + 2, 0x10)
     s = sf.load(p).scan
     assert s.length == n and s.chunks == 3 and not s.damaged
     assert [(c["offset"], c["length"]) for c in s.corrupt] == [(b[1][0], len(chunks[1]))]
@@ -128,11 +126,7 @@ def test_damaged_header_rest_corrupt_not_truncated(tmp_path):
     p = str(tmp_path / "d.seg")
     n = write_file(p, chunks)
     b = bounds(chunks)
-    with open(p, "r+b") as f:
-        f.seek(sf.FILE_HEADER_SIZE + b[2][0] + 30)
-        x = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([x[0] ^ 1]))
+    flip_bits(p, sf.FILE_HEADER_SIZE + b[2][0] + 30, 1)
     ld = sf.load(p)
     s = ld.scan
     assert s.damaged and s.length == n and s.chunks == 2
@@ -146,11 +140,7 @@ def test_damaged_header_before_a_valid_trailer_stops_at_the_trailer(tmp_path):
     p = str(tmp_path / "t.seg")
     n = write_file(p, chunks, closed=True)
     b = bounds(chunks)
-    with open(p, "r+b") as f:
-        f.seek(sf.FILE_HEADER_SIZE + b[1][0] + 30)
-        x = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([x[0] ^ 1]))
+    flip_bits(p, sf.FILE_HEADER_SIZE + b[1][0] + 30, 1)
     s = sf.load(p).scan
     assert s.damaged and s.closed and s.length == n and s.chunks == 1
     assert [(c["offset"], c["length"]) for c in s.corrupt] == [(b[1][0], n - b[1][0])]

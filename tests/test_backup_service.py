@@ -29,6 +29,7 @@ from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
 from kera.rpc import open_pool
 
 from .conftest import free_port
+from .damage import flip_bits
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,14 +183,6 @@ async def until(pred, what, timeout=5.0):
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
-def flip_bit(path, offset, bit=0):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ (1 << bit)]))
-
-
 # -- tests -------------------------------------------------------------------------------
 
 
@@ -269,8 +262,8 @@ async def test_bit_flip_on_disk_is_reported_never_served(backups):
             lb = await send_all(pool, bk.addr, 1, b)
             bk.kill()
             # a body bit of chunk 2 of vseg 0; a header bit of chunk 3 of vseg 1
-            flip_bit(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts_a[2] + chunk.HEADER_SIZE + 17, 3)
-            flip_bit(bk.seg(1, 0, 1), sf.FILE_HEADER_SIZE + starts_b[3] + 40, 6)
+            flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts_a[2] + chunk.HEADER_SIZE + 17, 1 << 3)
+            flip_bits(bk.seg(1, 0, 1), sf.FILE_HEADER_SIZE + starts_b[3] + 40, 1 << 6)
             bk.start()
             segs = await segments(pool, bk.addr)
             s0, s1 = segs[(1, 0, 0)], segs[(1, 0, 1)]
@@ -298,7 +291,7 @@ async def test_corruption_found_when_reading_back_from_file(backups):
             await replicate(pool, bk.addr, 0, la, close=True)
             # closed and fsynced: memory released, reads come from the file; rot a chunk now
             await until(lambda: _memory_zero(pool, bk.addr), "memory released")
-            flip_bit(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[1] + chunk.HEADER_SIZE + 3)
+            flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[1] + chunk.HEADER_SIZE + 3)
             data, corrupt, _ = await read_all(pool, bk.addr, 0)
             assert data == b"".join([a[0], a[2], a[3]]) and corrupt == [starts[1]]
             seg = (await segments(pool, bk.addr))[(1, 0, 0)]

@@ -15,13 +15,7 @@ from kera_client import open_admin, open_producer
 from kera.errors import Unavailable
 
 from .conftest import free_port
-from .workload import consume_all, produce_all, values
-
-
-async def create(coord, streams, **kw) -> None:
-    async with open_admin(coord) as a:
-        for s in streams:
-            await a.create_stream(s, **kw)
+from .workload import consume_all, create, produce_all, send_and_flush, values
 
 
 async def durable_chunks(coord) -> int:
@@ -42,15 +36,6 @@ async def wait_more_durable(coord, than: int, by: int = 200) -> int:
 
 INGEST = 7  # the producer id written in the values of an Ingest
 AFTER = 9   # ... and in those written once a fault healed
-
-
-async def send_and_flush(coord, streams, pid: int, n: int) -> None:
-    async with open_producer(coord, **{"linger.ms": 2}) as prod:
-        await prod.load_metadata(streams)
-        for s in streams:
-            await prod.send_many(s, values(pid, 0, n))
-        await prod.flush()
-        assert prod.acked == n * len(streams)
 
 
 class Ingest:

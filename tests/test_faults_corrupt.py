@@ -11,29 +11,13 @@ import os
 import sys
 
 import trio
-from kera_client import open_admin, open_producer
 
 from kera.backup.segment_file import FILE_HEADER_SIZE, SUFFIX
 
-from .workload import consume_all, produce_all, values
+from .damage import flip_bits
+from .workload import consume_all, create, produce_all, send_and_flush, status
 
 AFTER = 9  # the producer index written in the values of records sent after recovery
-
-
-async def create(coord, streams, **kw) -> None:
-    async with open_admin(coord) as a:
-        for s in streams:
-            await a.create_stream(s, **kw)
-
-
-async def status(coord) -> dict:
-    """The coordinator's status, once it answers (it refuses while the cluster is starting)."""
-    while True:
-        try:
-            async with open_admin(coord) as a:
-                return await a.status()
-        except Exception:  # noqa: BLE001 (starting up: ask again)
-            await trio.sleep(0.1)
 
 
 async def wait_recovered(coord, brokers: set[int]) -> list[dict]:
@@ -44,15 +28,6 @@ async def wait_recovered(coord, brokers: set[int]) -> list[dict]:
         if set(done) == brokers:
             return list(done.values())
         await trio.sleep(0.1)
-
-
-async def send_and_flush(coord, streams, pid: int, n: int) -> None:
-    async with open_producer(coord, **{"linger.ms": 2}) as prod:
-        await prod.load_metadata(streams)
-        for s in streams:
-            await prod.send_many(s, values(pid, 0, n))
-        await prod.flush()
-        assert prod.acked == n * len(streams)
 
 
 def flip_middle_bytes(segdir: str, prefix: str = "", names: set | None = None) -> int:
@@ -68,11 +43,7 @@ def flip_middle_bytes(segdir: str, prefix: str = "", names: set | None = None) -
         if size <= FILE_HEADER_SIZE + 200:
             continue  # no chunk worth the name
         pos = FILE_HEADER_SIZE + (size - FILE_HEADER_SIZE) // 2
-        with open(path, "r+b") as f:
-            f.seek(pos)
-            b = f.read(1)
-            f.seek(pos)
-            f.write(bytes([b[0] ^ 0x5A]))
+        flip_bits(path, pos, 0x5A)
         flipped += 1
     return flipped
 
@@ -202,11 +173,7 @@ async def test_every_copy_corrupt_is_reported_exactly_and_nothing_dropped(make_c
             for name in os.listdir(d):
                 if name.startswith(prefix):
                     copies.append(os.path.join(d, name))
-                    with open(copies[-1], "r+b") as f:
-                        f.seek(FILE_HEADER_SIZE + 100)  # past the first chunk's header
-                        b = f.read(1)
-                        f.seek(FILE_HEADER_SIZE + 100)
-                        f.write(bytes([b[0] ^ 0xFF]))
+                    flip_bits(copies[-1], FILE_HEADER_SIZE + 100, 0xFF)  # past its header
         assert copies
         cluster.start()
         coord = cluster.coordinator

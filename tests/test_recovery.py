@@ -7,13 +7,7 @@ from kera_client import open_admin, open_consumer
 
 from kera.rpc import open_pool
 
-from .workload import Ledger, consume_all, produce_all
-
-
-async def create(coord, streams, **kw):
-    async with open_admin(coord) as a:
-        for s in streams:
-            await a.create_stream(s, **kw)
+from .workload import Ledger, consume_all, create, produce_all
 
 
 async def chunks_appended(coord) -> int:

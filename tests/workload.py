@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import trio
-from kera_client import open_consumer, open_producer
+from kera_client import open_admin, open_consumer, open_producer
+
+from kera.errors import Unavailable
 
 SIZE = 100
 
@@ -96,3 +98,29 @@ async def read_values(consumer, want: int, timeout: float = 30.0, surplus: float
             got += [v for ch in await consumer.poll_chunks(1.0) for v in ch.values()]
     got += [v for ch in await consumer.poll_chunks(surplus) for v in ch.values()]
     return got
+
+
+async def create(coord, streams, **kw) -> None:
+    """The streams, all with the same options, in batch requests."""
+    async with open_admin(coord) as a:
+        await a.create_streams(list(streams), **kw)
+
+
+async def send_and_flush(coord, streams, producer: int, n: int) -> None:
+    """``n`` records with counters 0..n-1 of value-producer ``producer`` to each stream, all acked."""
+    async with open_producer(coord, **{"linger.ms": 2}) as prod:
+        await prod.load_metadata(streams)
+        for s in streams:
+            await prod.send_many(s, values(producer, 0, n))
+        await prod.flush()
+        assert prod.acked == n * len(streams)
+
+
+async def status(coord) -> dict:
+    """The coordinator's status, once it answers (it refuses while down or starting)."""
+    while True:
+        try:
+            async with open_admin(coord) as a:
+                return await a.status()
+        except Unavailable:
+            await trio.sleep(0.1)
