@@ -16,6 +16,7 @@ from kera.errors import (
     ChecksumError,
     FrameTooLarge,
     InvalidName,
+    KeraError,
     ProtocolError,
     UnknownStream,
 )
@@ -210,3 +211,48 @@ async def test_memory_budget_refuses_with_a_typed_error(make_cluster):
     assert st["memory"] <= st["memory_limit"] == 256 << 10
     async with open_consumer(["full"], coord) as c:
         assert len(await read_values(c, acked)) == acked
+
+
+async def test_bad_internal_requests_to_brokers_and_backups(cluster):
+    """The servers' own RPCs (assign, recover, replicate, replay) refuse malformed or misplaced
+    requests with typed errors; the cluster keeps serving and nothing stored changes."""
+    coord = cluster.coordinator
+    s = await setup_good(coord)
+    before = await stored(coord)
+    async with open_admin(coord) as a:
+        st = await a.status()
+    broker = next(b for b in st["brokers"] if b["addr"] == s["addrs"][0])
+    backup = next(b for b in st["backups"] if b["alive"])
+    async with open_pool() as pool:
+        async def code(addr, method, meta, payload=b""):
+            with pytest.raises(KeraError) as e:
+                await pool.call(addr, method, meta, payload, timeout=5)
+            return e.value.code
+
+        ep = broker["epoch"]
+        assert await code(broker["addr"], "assign", {"epoch": ep, "streams": "x"}) == "invalid_argument"
+        assert await code(broker["addr"], "assign", {"epoch": ep, "stream": s, "streamlets": [0],
+                                                     "backups": [{"id": 1}]}) == "invalid_argument"
+        assert await code(broker["addr"], "assign", {"epoch": ep + 1000, "stream": s,
+                                                     "streamlets": [0]}) == "fenced"
+        # a replayed chunk for a streamlet that is not being recovered here
+        assert await code(broker["addr"], "recover", {"epoch": ep},
+                          chunk.build(s["id"], 0, 999, 0, [b"x"])) == "not_owner"
+        # a replicate past a copy's end says the copy's length; one of garbage bytes is refused
+        key = {"broker": 4242, "epoch": 1, "vlog": 1 << 32, "vseg": 0}
+        with pytest.raises(KeraError) as e:
+            await pool.call(backup["addr"], "replicate", {**key, "offset": 100}, b"", timeout=5)
+        assert e.value.code == "backup" and e.value.length == 0
+        assert await code(backup["addr"], "replicate", {**key, "offset": 0}, b"garbage") in (
+            "invalid_argument", "checksum")
+        # replays of a replica that is not there, or from an offset past its end, or without routes
+        assert await code(backup["addr"], "replay", {**key, "routes": []}) == "backup"
+        for b in st["backups"]:
+            r, _ = await pool.call(b["addr"], "list", {}, timeout=5)
+            if r["segments"]:
+                holder, held = b["addr"], r["segments"][0]
+        where = {k: held[k] for k in ("broker", "vlog", "vseg")}
+        assert await code(holder, "replay", {**where, "routes": [],
+                                             "offset": held["length"] + 1}) == "invalid_argument"
+        assert await code(holder, "replay", {**where, "routes": "x"}) == "invalid_argument"
+    assert await stored(coord) == before
