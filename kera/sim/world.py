@@ -21,6 +21,8 @@ import heapq
 import random
 from dataclasses import dataclass, field
 
+from ..backup.store import NEW, BackupStore
+from ..errors import KeraError
 from ..recovery_plan import CORRUPT, END, Done, RecoveryPlan, Step
 from ..vlog import BackupSet, VirtualLog
 
@@ -46,11 +48,16 @@ class Chunk:
 
 @dataclass
 class Replica:
+    """A copy as the simulator keeps it: chunk ids, not bytes. ``length``, ``closed``,
+    ``damaged`` and ``error`` are what ``BackupStore``'s rules read of a replica."""
+
     chunks: list = field(default_factory=list)   # (cid, size), in order
     ends: list = field(default_factory=list)     # byte end of each
     closed: bool = False
     bad: set = field(default_factory=set)        # indexes of corrupt chunks
     known_bad: set = field(default_factory=set)  # ... of which the backup's index knows
+    damaged: bool = False
+    error: str | None = None
 
     @property
     def length(self) -> int:
@@ -58,52 +65,52 @@ class Replica:
 
 
 class Backup:
+    """A backup process; what it accepts is decided by the real ``BackupStore`` rules."""
+
     def __init__(self, id: int, node: str):
         self.id, self.node = id, node
         self.incarnation = 1
         self.up = True          # process running (possibly paused)
         self.paused_until = 0.0
         self.declared_dead = False
-        self.full = False
         self.destroyed = False  # its disk is gone: never comes back
-        self.replicas: dict[tuple[int, int], Replica] = {}
+        self.store = BackupStore()
+        self.replicas: dict[tuple[int, int, int], Replica] = self.store.replicas
         self.held: set[int] = set()  # chunk ids it ever wrote (damage later is the fault budget's)
 
+    @property
+    def full(self) -> bool:
+        return self.store.max_bytes == 1
+
+    @full.setter
+    def full(self, full: bool) -> None:
+        self.store.max_bytes = 1 if full else 0  # a full disk: no byte more, not even a trailer
+
     def replicate(self, vlog: int, vseg: int, offset: int, chunks: list, close: bool):
-        """The backup service's rules: ('ok', length) or ('length', length) or ('error', why)."""
-        rep = self.replicas.get((vlog, vseg))
-        n = sum(size for _, size in chunks)
-        if rep is None:
-            if offset != 0:
-                return "length", 0
-            if self.full:
-                return "error", "disk full"
-            rep = self.replicas[(vlog, vseg)] = Replica()
-        end = offset + n
-        if end <= rep.length:   # a resend: acknowledged again; only a close may be new
-            if not close or rep.closed:
-                return "ok", end
-            if end != rep.length:
-                return "length", rep.length
+        """('ok', length), ('length', length) or ('error', why), as the backup service answers."""
+        key = (BROKER, vlog, vseg)
+        try:
+            d = self.store.accept_replicate(key, EPOCH, offset, sum(size for _, size in chunks), close)
+            if d.stores:
+                self.store.check_limits(d)
+        except KeraError as e:
+            length = getattr(e, "length", None)
+            return ("length", length) if isinstance(length, int) else ("error", str(e))
+        if d.kind == NEW:
+            self.replicas[key] = Replica()
+        rep = self.replicas.get(key)
+        if d.take:
+            for cid, size in chunks:
+                rep.chunks.append((cid, size))
+                rep.ends.append(rep.length + size)
+                self.held.add(cid)
+        if d.close and d.stores:
             rep.closed = True
-            return "ok", end
-        if offset != rep.length:
-            return "length", rep.length
-        if rep.closed:
-            return "error", "closed"
-        if self.full and n:
-            return "error", "disk full"
-        for cid, size in chunks:
-            rep.chunks.append((cid, size))
-            rep.ends.append(rep.length + size)
-            self.held.add(cid)
-        if close:
-            rep.closed = True
-        return "ok", rep.length
+        return "ok", d.length
 
     def listing(self, vlog_ids) -> list[dict]:
         out = []
-        for (vlog, vseg), rep in self.replicas.items():
+        for (_, vlog, vseg), rep in self.replicas.items():
             if vlog not in vlog_ids:
                 continue
             corrupt = [{"offset": rep.ends[i] - rep.chunks[i][1], "length": rep.chunks[i][1],
@@ -115,7 +122,7 @@ class Backup:
 
     def replay(self, vlog: int, vseg: int, offset: int):
         """Chunks from ``offset`` until the copy's end or its first corrupt chunk."""
-        rep = self.replicas[(vlog, vseg)]
+        rep = self.replicas[(BROKER, vlog, vseg)]
         out, pos = [], offset
         for i, (cid, size) in enumerate(rep.chunks):
             start = rep.ends[i] - size
