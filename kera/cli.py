@@ -340,8 +340,14 @@ def main(argv=None) -> None:
         cmd_server(argparse.Namespace(command=argv[0]), argv[1:])
         return
     args = parser().parse_args(argv)
-    {"up": cmd_up, "stream": cmd_stream, "produce": cmd_produce, "consume": cmd_consume,
-     "status": cmd_status, "recovery": cmd_recovery}[args.command](args)
+    try:
+        {"up": cmd_up, "stream": cmd_stream, "produce": cmd_produce, "consume": cmd_consume,
+         "status": cmd_status, "recovery": cmd_recovery}[args.command](args)
+    except* BrokenPipeError:
+        # the reader of our output went away (``kera stream list | head``): stop quietly, as
+        # Unix tools do; stdout goes to /dev/null so the interpreter's final flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
 
 
 __all__ = ["main"]

@@ -111,3 +111,20 @@ def test_cli_creates_many_with_count_and_lists_one_per_line(make_cluster):
     lines = r.stdout.splitlines()
     assert [ln.split("\t")[0] for ln in lines] == ["a", "b", "c"] + [f"ev-{i:06d}" for i in range(50)]
     assert lines[3].split("\t")[1:] == ["2 streamlets", "R=1"]
+
+
+def test_cli_list_into_a_reader_that_stops_early_ends_quietly(make_cluster):
+    """``kera stream list | head -1``: the closed pipe ends the command without a traceback."""
+    cluster = make_cluster(1)
+    env = dict(os.environ, KERA_COORDINATOR=cluster.coordinator)
+    kera = [sys.executable, "-m", "kera"]
+    r = subprocess.run(kera + ["stream", "create", "many", "--count", "4000"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # far more output than a pipe buffers: the writer meets the closed pipe for sure
+    p = subprocess.Popen(kera + ["stream", "list"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().startswith("many-000000\t")
+    p.stdout.close()
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 141 and "Traceback" not in err, err
