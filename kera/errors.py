@@ -126,6 +126,16 @@ class Unavailable(KeraError):
     retriable = True
 
 
+class NotLeader(Unavailable):
+    """This coordinator stands by: ``leader`` names the one that leads ("" when unknown)."""
+
+    code = "not_leader"
+
+    def __init__(self, message: str = "", *, leader: str = ""):
+        super().__init__(message)
+        self.leader = leader
+
+
 class DataLoss(KeraError):
     """Data that must come before this request's bytes is missing on every copy.
 
@@ -141,7 +151,7 @@ _BY_CODE = {
     for cls in [
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
         LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
-        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, DataLoss,
+        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader, DataLoss,
     ]
 }
 

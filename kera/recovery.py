@@ -120,7 +120,7 @@ class RecoveryManager:
                         m.alive for m in self.coord.members["broker"].values()):
                     continue
                 now = time.monotonic()
-                if now - self.started < self.coord.dead_after:
+                if now - self.started < self.coord.rejoin_wait:
                     continue  # after a coordinator restart live brokers rejoin as themselves first
                 for key, sls in self.orphans().items():
                     if key not in self.active and self.not_before.get(key, 0) <= now:

@@ -236,7 +236,9 @@ class Connection:
         if f is None:
             raise Unavailable(str(self.error))
         if f.kind == frame.ERROR:
-            raise from_wire(f.meta)
+            err = from_wire(f.meta)
+            err._peer = self.addr   # an answer, not a transport failure
+            raise err
         return f.meta, f.payload
 
     def _tear(self, why: str) -> None:

@@ -6,6 +6,7 @@ import os
 from contextlib import asynccontextmanager
 
 from kera import limits
+from kera.coordinator_link import CoordinatorLink
 from kera.errors import KeraError
 from kera.rpc import open_pool
 
@@ -18,10 +19,10 @@ def default_coordinator() -> str:
     return os.environ.get("KERA_COORDINATOR", DEFAULT_COORDINATOR)
 
 
-async def suspect(pool, coordinator: str, addr: str) -> None:
+async def suspect(coordinator: CoordinatorLink, addr: str) -> None:
     """Tell the coordinator a broker did not answer, so it checks now, not at the next timeout."""
     try:
-        await pool.call(coordinator, "suspect", {"addr": addr}, timeout=5)
+        await coordinator.call("suspect", {"addr": addr}, timeout=5)
     except KeraError:
         pass
 
@@ -29,11 +30,11 @@ async def suspect(pool, coordinator: str, addr: str) -> None:
 class AsyncAdmin:
     def __init__(self, pool, coordinator: str | None = None, timeout: float = 30.0):
         self.pool = pool
-        self.coordinator = coordinator or default_coordinator()
+        self.coordinator = CoordinatorLink(pool, coordinator or default_coordinator())
         self.timeout = timeout
 
     async def call(self, method: str, **meta):
-        r, _ = await self.pool.call(self.coordinator, method, meta, timeout=self.timeout)
+        r, _ = await self.coordinator.call(method, meta, timeout=self.timeout)
         return r
 
     async def create_stream(self, name: str, streamlets: int | None = None, groups: int | None = None,

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from kera import chunk as chunkfmt
+from kera.coordinator_link import CoordinatorLink
 from kera.errors import KeraError, UnknownStream
 from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
@@ -68,7 +69,7 @@ class AsyncConsumer:
         if not streams and not pattern:
             raise ValueError("give streams or a pattern")
         self.pool = pool
-        self.coordinator = coordinator
+        self.coordinator = CoordinatorLink(pool, coordinator)
         self.names = list(streams or [])
         self.pattern = pattern
         self.start = start
@@ -83,7 +84,7 @@ class AsyncConsumer:
 
     async def _metadata(self) -> None:
         self._meta_at = time.monotonic()
-        r, _ = await self.pool.call(self.coordinator, "metadata",
+        r, _ = await self.coordinator.call("metadata",
                                     {"names": self.names, "pattern": self.pattern}, timeout=30)
         if r.get("missing"):
             raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
@@ -99,7 +100,7 @@ class AsyncConsumer:
     async def _init_positions(self, streams) -> None:
         saved = {}
         if self.group:
-            r, _ = await self.pool.call(self.coordinator, "positions", {"group": self.group}, timeout=30)
+            r, _ = await self.coordinator.call("positions", {"group": self.group}, timeout=30)
             saved = r["positions"]
         latest = []
         for s in streams:
@@ -132,7 +133,7 @@ class AsyncConsumer:
     async def commit(self) -> None:
         if not self.group:
             raise ValueError("commit needs a consumer group name")
-        await self.pool.call(self.coordinator, "commit", {"group": self.group,
+        await self.coordinator.call("commit", {"group": self.group,
                                                           "positions": self.position()}, timeout=30)
 
     async def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
@@ -174,7 +175,7 @@ class AsyncConsumer:
             stale[0] = True
             self.pool.drop(addr)
             if e.code == "unavailable":
-                await suspect(self.pool, self.coordinator, addr)
+                await suspect(self.coordinator, addr)
             return
         if r["errors"]:
             stale[0] = True

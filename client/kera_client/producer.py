@@ -33,6 +33,7 @@ import numpy as np
 import trio
 
 from kera import chunk as chunkfmt
+from kera.coordinator_link import CoordinatorLink
 from kera.errors import KeraError, RecordTooLarge, UnknownStream
 from kera.limits import MAX_CHUNK, MAX_REQUEST
 from kera.rpc import open_pool, unwrapped
@@ -146,7 +147,7 @@ class AsyncProducer:
     def __init__(self, pool, nursery, coordinator: str, cfg: dict):
         self.pool = pool
         self.nursery = nursery
-        self.coordinator = coordinator
+        self.coordinator = CoordinatorLink(pool, coordinator)
         self.cfg = cfg
         self.acks = cfg["acks"]
         self.linger = float(cfg["linger.ms"]) / 1000
@@ -190,7 +191,7 @@ class AsyncProducer:
 
     # -- metadata ----------------------------------------------------------------
     async def _load(self, names) -> None:
-        r, _ = await self.pool.call(self.coordinator, "metadata", {"names": list(names)},
+        r, _ = await self.coordinator.call("metadata", {"names": list(names)},
                                     timeout=self.request_timeout)
         with self.lock:
             for s in r["streams"]:
@@ -485,7 +486,7 @@ class AsyncProducer:
             results = [e.code] * len(items)
             self.pool.drop(addr)
             if e.code == "unavailable":
-                self.nursery.start_soon(suspect, self.pool, self.coordinator, addr)
+                self.nursery.start_soon(suspect, self.coordinator, addr)
         now = time.monotonic()
         with self.lock:
             self.inflight[addr] -= 1
@@ -527,7 +528,7 @@ class AsyncProducer:
             self.errors.append(why)
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        r, _ = await self.pool.call(self.coordinator, "producer_id", {}, timeout=self.request_timeout)
+        r, _ = await self.coordinator.call("producer_id", {}, timeout=self.request_timeout)
         self.producer_id = r["id"]
         task_status.started()
         while True:

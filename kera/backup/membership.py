@@ -53,21 +53,21 @@ def save_id(directory: str, bid: int, node: str | None) -> None:
     fsync_dir(directory)
 
 
-async def run_membership(service, pool, coordinator: str, addr: str, node: str | None) -> None:
+async def run_membership(service, coordinator, addr: str, node: str | None) -> None:
     """Register, then heartbeat forever; lives in the service's nursery."""
     while True:
-        epoch = await _register(service, pool, coordinator, addr, node)
-        await _heartbeat(service, pool, coordinator, epoch)
+        epoch = await _register(service, coordinator, addr, node)
+        await _heartbeat(service, coordinator, epoch)
 
 
-async def _register(service, pool, coordinator: str, addr: str, node: str | None) -> int:
+async def _register(service, coordinator, addr: str, node: str | None) -> int:
     delay = BACKOFF_MIN
     while True:
         meta = {"role": "backup", "addr": addr, "node": node, "id": service.id,
                 "epoch": service.epoch,  # claimed back after a coordinator restart
                 "holds": service.holds()}
         try:
-            r, _ = await pool.call(coordinator, "register", meta, timeout=RPC_TIMEOUT)
+            r, _ = await coordinator.call("register", meta, timeout=RPC_TIMEOUT)
             bid, epoch = int(r["id"]), int(r["epoch"])
         except (KeraError, KeyError, TypeError, ValueError) as e:
             log.info("registration with %s failed (%s); retrying in %.2f s", coordinator, e, delay)
@@ -84,13 +84,13 @@ async def _register(service, pool, coordinator: str, addr: str, node: str | None
         return epoch
 
 
-async def _heartbeat(service, pool, coordinator: str, epoch: int) -> None:
+async def _heartbeat(service, coordinator, epoch: int) -> None:
     """Returns when the coordinator refuses us: the caller registers again."""
     while True:
         await trio.sleep(HEARTBEAT_INTERVAL)
         try:
-            r, _ = await pool.call(coordinator, "heartbeat", {"role": "backup", "id": service.id,
-                                                              "epoch": epoch}, timeout=RPC_TIMEOUT)
+            r, _ = await coordinator.call("heartbeat", {"role": "backup", "id": service.id, "epoch": epoch},
+                                         timeout=RPC_TIMEOUT)
             service.apply_fences(r.get("fences"))
         except Unavailable as e:
             log.debug("heartbeat to %s failed: %s", coordinator, e)

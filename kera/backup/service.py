@@ -36,6 +36,7 @@ import sys
 import trio
 
 from .. import limits
+from ..coordinator_link import CoordinatorLink
 from ..errors import BackupError, InvalidArgument, KeraError
 from ..rpc import Service, open_pool
 from . import disk, segment_file
@@ -118,8 +119,8 @@ class BackupService(Service):
             nursery.start_soon(self._flusher)
             if self.coordinator:
                 adv = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
-                nursery.start_soon(run_membership, self, pool, self.coordinator, f"{adv}:{self.port}",
-                                   self.node)
+                nursery.start_soon(run_membership, self, CoordinatorLink(pool, self.coordinator),
+                                   f"{adv}:{self.port}", self.node)
             task_status.started(self.port)
             await self._stop.wait()
             with trio.CancelScope(shield=True):
@@ -403,7 +404,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", required=True, help="data directory (segment files, backup.id)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    p.add_argument("--coordinator", help="HOST:PORT of the coordinator to register with")
+    p.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR"),
+                   help="HOST:PORT[,HOST:PORT...] of the coordinators to register with")
     p.add_argument("--node", help="node name (backups and brokers of one node share it)")
     p.add_argument("--fsync", choices=("periodic", "write", "always"), default="write",
                    help="when a replicate is answered: periodic (in memory), write (written to the "

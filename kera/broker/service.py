@@ -17,6 +17,7 @@ import time
 import trio
 
 from .. import chunk, limits, metafile
+from ..coordinator_link import CoordinatorLink
 from ..errors import (
     Fenced,
     InvalidArgument,
@@ -339,7 +340,7 @@ class BrokerService(Service):
         delay = 0.05
         while True:
             try:
-                r, _ = await self.pool.call(self.coordinator, "register", {
+                r, _ = await self.coord.call("register", {
                     "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
                     "epoch": self.epoch or None,  # claimed back after a coordinator restart
                 }, timeout=5)
@@ -358,7 +359,7 @@ class BrokerService(Service):
         while True:
             sent = time.monotonic()
             try:
-                r, _ = await self.pool.call(self.coordinator, "heartbeat", {
+                r, _ = await self.coord.call("heartbeat", {
                     "role": "broker", "id": self.broker_id, "epoch": self.epoch,
                     "stats": self.stats()}, timeout=5)
                 self.lease_until = sent + self.lease
@@ -412,6 +413,7 @@ class BrokerService(Service):
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.pool = Pool(nursery)
+            self.coord = CoordinatorLink(self.pool, self.coordinator)
             bound = await nursery.start(self.serve, host, port)
             self.addr = f"{host}:{bound}"
             while True:

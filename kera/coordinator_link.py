@@ -1,0 +1,82 @@
+"""Calls to whichever coordinator leads.
+
+With several coordinators (one leads, the others stand by on etcd), every
+server, client and CLI command is given their addresses as one
+comma-separated list and finds the leader itself: the last leader found is
+asked first, a standby answers ``not_leader`` naming the leader when it knows
+it, and an address that does not answer is skipped. Only transport failures
+and ``not_leader`` move the call on; any other answer, ``unavailable``
+included, is the leader's and is raised as is.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from .errors import InvalidArgument, NotLeader, Unavailable
+from .rpc import parse_addr
+
+
+def split_addrs(addrs: str | list[str]) -> list[str]:
+    out = [a.strip() for a in (addrs.split(",") if isinstance(addrs, str) else addrs) if a.strip()]
+    if not out:
+        raise InvalidArgument("no coordinator address given")
+    for a in out:
+        try:
+            parse_addr(a)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+    return out
+
+
+class CoordinatorLink:
+    """``call`` like ``Pool.call``, addressed to the leading coordinator of ``addrs``."""
+
+    MAX_BACKOFF = 0.5
+
+    def __init__(self, pool, addrs: str | list[str]):
+        self.pool = pool
+        self.addrs = split_addrs(addrs)
+        self.single = len(self.addrs) == 1   # fails fast, as a plain call would
+        self.leader = self.addrs[0]
+
+    def __str__(self) -> str:
+        return ",".join(self.addrs)
+
+    async def call(self, method: str, meta: dict | None = None, payload=b"", *,
+                   timeout: float = 30.0, **kw):
+        """Until an answer or ``timeout``, going round the addresses with a capped backoff."""
+        deadline = trio.current_time() + timeout
+        delay, last = 0.02, None
+        while True:
+            todo = [self.leader, *(a for a in self.addrs if a != self.leader)]
+            tried: set[str] = set()
+            while todo and deadline > trio.current_time():
+                addr = todo.pop(0)
+                tried.add(addr)
+                try:
+                    out = await self.pool.call(addr, method, meta, payload,
+                                               timeout=deadline - trio.current_time(), **kw)
+                    self.leader = addr
+                    return out
+                except NotLeader as e:
+                    last = e
+                    hint = getattr(e, "leader", "")
+                    if hint and hint not in tried:
+                        if hint not in self.addrs:
+                            self.addrs.append(hint)
+                        self.leader = hint
+                        if hint in todo:
+                            todo.remove(hint)
+                        todo.insert(0, hint)
+                    elif self.single:
+                        raise
+                except Unavailable as e:
+                    if getattr(e, "_peer", None) or self.single:
+                        raise   # the coordinator answered, or there is nowhere else to go
+                    last = e
+            left = deadline - trio.current_time()
+            if left <= 0:
+                raise last or Unavailable(f"no coordinator of {self} answered {method}")
+            await trio.sleep(min(delay, left))
+            delay = min(delay * 2, self.MAX_BACKOFF)
