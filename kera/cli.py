@@ -16,6 +16,7 @@ import time
 import numpy as np
 import trio
 
+from . import kv_cli
 from .errors import KeraError, RecordTooLarge
 
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
@@ -340,6 +341,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     rc = _client(sub.add_parser("recovery", help="recoveries of dead brokers; --wait shows progress"))
     rc.add_argument("--wait", action="store_true", help="until no recovery is in progress")
+    kv_cli.add_parser(sub, _client)
     return ap
 
 
@@ -351,7 +353,8 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     try:
         {"up": cmd_up, "stream": cmd_stream, "produce": cmd_produce, "consume": cmd_consume,
-         "status": cmd_status, "recovery": cmd_recovery}[args.command](args)
+         "status": cmd_status, "recovery": cmd_recovery,
+         "kv": lambda a: kv_cli.cmd_kv(a, _coordinator(a), _run)}[args.command](args)
     except* BrokenPipeError:
         # the reader of our output went away (``kera stream list | head``): stop quietly, as
         # Unix tools do; stdout goes to /dev/null so the interpreter's final flush cannot fail

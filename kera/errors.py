@@ -126,6 +126,12 @@ class Unavailable(KeraError):
     retriable = True
 
 
+class Conflict(KeraError):
+    """A conditional append found the streamlet changed since the caller's ``tail`` token."""
+
+    code = "conflict"
+
+
 class NotLeader(Unavailable):
     """This coordinator stands by: ``leader`` names the one that leads ("" when unknown)."""
 
@@ -151,7 +157,7 @@ _BY_CODE = {
     for cls in [
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
         LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
-        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader, DataLoss,
+        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader, DataLoss, Conflict,
     ]
 }
 

@@ -2,9 +2,10 @@
 
 from .admin import Admin, AsyncAdmin, open_admin
 from .consumer import AsyncConsumer, Chunk, Consumer, Record, open_consumer
+from .kv import AsyncKVMap, KVMap, open_kv
 from .producer import AsyncProducer, ProduceError, Producer, open_producer
 
 __all__ = [
-    "Admin", "AsyncAdmin", "AsyncConsumer", "AsyncProducer", "Chunk", "Consumer", "ProduceError",
-    "Producer", "Record", "open_admin", "open_consumer", "open_producer",
+    "Admin", "AsyncAdmin", "AsyncConsumer", "AsyncKVMap", "AsyncProducer", "Chunk", "Consumer", "KVMap",
+    "ProduceError", "Producer", "Record", "open_admin", "open_consumer", "open_kv", "open_producer",
 ]

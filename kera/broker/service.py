@@ -19,6 +19,7 @@ import trio
 from .. import chunk, limits, metafile
 from ..coordinator_link import CoordinatorLink
 from ..errors import (
+    Conflict,
     Fenced,
     InvalidArgument,
     KeraError,
@@ -184,7 +185,7 @@ class BrokerService(Service):
             vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
             idx = vlog.append(seg, h.offset, h.size, h.body_checksum)
             sl.note_producer(h.producer_id, h.sequence, vlog, idx)
-            waits[vlog] = idx
+            waits[vlog] = sl.tails[vlog] = idx
             placed += 1
         return self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
 
@@ -230,13 +231,55 @@ class BrokerService(Service):
                 vlog = g.vlog or self.vlog_for(streams[h.stream_id], h.streamlet, g)
                 idx = vlog.append(seg, soff, size, h.body_checksum)
                 sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + size)
-                waits[vlog] = idx
+                waits[vlog] = sl.tails[vlog] = idx
             except KeraError as e:
                 errors.append([i, e.code])
         result = {"errors": errors}
         if acks != "all" or not waits:
             return result
         return self._acked_when_durable(waits, result)
+
+    # -- compare-and-append: a streamlet as one linearizable register sequence -----------------
+    async def rpc_tail(self, meta, payload):
+        """A linearizable read's barrier: once everything appended to the streamlet so far is
+        durable, its durable end positions and a ``token`` naming that state for ``append_if``.
+        Served only under a live lease, so no successor can have taken writes before it."""
+        sl = self._streamlet(meta.get("stream_id"), meta.get("streamlet"))
+        self._check_lease()
+        token = [self.epoch, sl.appended_chunks]
+        for vlog, idx in list(sl.tails.items()):
+            await vlog.wait_durable(idx)
+        low, groups = sl.latest()
+        return {"token": token, "low": low, "groups": groups}
+
+    def rpc_append_if(self, meta, payload):
+        """One chunk, appended only if the streamlet is still in the state ``expect`` (a
+        ``tail`` token) names, else ``conflict``: the compare-and-set on a log's end that a
+        key-value map's writes need. Answered once durable, with the new token.
+
+        A resend of a chunk already appended (same producer and sequence, here or before a
+        recovery) is acknowledged, not compared: a writer whose answer was lost learns that
+        its write landed."""
+        if self.fenced:
+            raise Fenced("this broker was fenced")
+        self._check_lease()
+        chunks = chunk.scan(payload)
+        if len(chunks) != 1:
+            raise InvalidArgument("append_if takes exactly one chunk")
+        h, off = chunks[0]
+        sl = self._streamlet(h.stream_id, h.streamlet)
+        st = sl.check_sequence(h.producer_id, h.sequence)
+        if st is not None:
+            return self._acked_when_durable(dict(st.waits()), {"duplicate": True})
+        if meta.get("expect") != [self.epoch, sl.appended_chunks]:
+            raise Conflict(f"stream {h.stream_id} streamlet {h.streamlet} changed since "
+                           f"{meta.get('expect')}")
+        g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
+        chunk.place(seg.view, soff, g.id, seg.id, soff)
+        vlog = g.vlog or self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
+        idx = sl.tails[vlog] = vlog.append(seg, soff, h.size, h.body_checksum)
+        sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)
+        return self._acked_when_durable({vlog: idx}, {"duplicate": False})
 
     async def _acked_when_durable(self, waits: dict, reply: dict) -> dict:
         for vlog, idx in waits.items():

@@ -53,6 +53,7 @@ class Streamlet:
         self.producers: dict[int, ProducerState] = {}
         self.appended_chunks = 0
         self.appended_bytes = 0
+        self.tails: dict = {}    # vlog -> ref of this streamlet's last chunk in it (a tail's barrier)
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
         self.memory = memory     # the broker's budget (see MemoryBudget)
 

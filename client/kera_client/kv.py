@@ -1,0 +1,275 @@
+"""A linearizable key-value map on a stream.
+
+Why it is linearizable: the map is a stream of one streamlet, a totally
+ordered, replicated log, and the broker that owns it offers two primitives.
+``tail`` waits until everything appended so far is durable and names that
+state with a token; ``append_if(token)`` appends only if nothing was appended
+since (else ``conflict``). Both are served only under the broker's lease,
+so a deposed owner never answers after its successor took a write.
+The map is a producer like any other: a write whose answer was lost
+(timeout, broker death) is sent again as the same chunk, same producer id
+and sequence, and the broker acknowledges a copy it already holds instead of
+comparing it, so the writer learns the outcome and never applies twice.
+
+- A read (``get``, ``items``) asks for the tail, then reads the stream up to
+  it: every write acknowledged before the read began is applied, and nothing
+  that could later vanish is (reads stop at the durable end).
+- A write reads to the tail, decides against that state (``compare_and_set``
+  checks the version there), and appends with the tail's token: it takes
+  effect only if the state it decided on is still the log's end. On a
+  conflict it reads again and decides again.
+
+So failed attempts never reach the log: every record is a committed
+operation, the state is the log's fold, and key compaction (the latest record
+per key) keeps exactly that state. Records: key = the map key; value =
+msgpack ``[version, value]`` for a put, empty for a delete (a tombstone). A
+key's version counts its puts since it was last absent, as etcd's does.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+
+import msgpack
+import trio
+
+from kera import chunk as chunkfmt
+from kera.errors import Conflict, KeraError, StreamExists, Unavailable
+from kera.position import DONE
+from kera.rpc import open_pool, unwrapped
+
+from .admin import AsyncAdmin, default_coordinator, suspect
+from .consumer import AsyncConsumer
+from .portal import Portal
+
+RETRY = 0.05
+
+
+def _key(k) -> bytes:
+    return k.encode() if isinstance(k, str) else bytes(k)
+
+
+def _caught_up(pos: dict, tail: dict) -> bool:
+    """The consumer position ``pos`` is at or past the ``tail`` positions in every group."""
+    for gid, end in tail["groups"].items():
+        gid = int(gid)
+        if gid < pos["low"]:
+            continue
+        cur = pos["groups"].get(gid, 0)
+        if cur != DONE and (end == DONE or cur < end):
+            return False
+    return True
+
+
+class AsyncKVMap:
+    """``put``, ``get``, ``put_if_absent``, ``compare_and_set``, ``delete``, ``items``.
+
+    ``reads="local"`` answers reads from what this object last read, with no round trip
+    (etcd's serializable reads): fast, possibly stale, not linearizable."""
+
+    def __init__(self, pool, coordinator: str, name: str, timeout: float = 30.0,
+                 reads: str = "linearizable"):
+        if reads not in ("linearizable", "local"):
+            raise ValueError("reads must be 'linearizable' or 'local'")
+        self.pool, self.name, self.timeout, self.reads = pool, name, timeout, reads
+        self.admin = AsyncAdmin(pool, coordinator, timeout)
+        self.reader = AsyncConsumer(pool, coordinator, [name], start="earliest")
+        self.state: dict[bytes, tuple[int, bytes]] = {}
+        self.producer_id = 0
+        self.sequence = 0          # of our next record: advanced only when one is appended
+        self._unsure = False       # the last chunk sent got no answer (see _write)
+        self._lock = trio.Lock()   # one operation at a time per map object
+
+    async def open(self, create: bool = True, replication: int | None = None) -> None:
+        if create:
+            try:
+                await self.admin.create_stream(self.name, streamlets=1, groups=1, replication=replication)
+            except StreamExists:
+                pass
+        await self.reader._metadata()
+        r, _ = await self.admin.coordinator.call("producer_id", {}, timeout=self.timeout)
+        self.producer_id = r["id"]
+
+    # -- the two primitives -----------------------------------------------------------------
+    def _owner(self) -> tuple[str | None, dict]:
+        s = self.reader.streams[self.name]
+        return s["addrs"][0], s
+
+    async def _sync(self) -> list:
+        """Read to the durable end as of now; returns the tail's token."""
+        deadline = trio.current_time() + self.timeout
+        while True:
+            addr, s = self._owner()
+            try:
+                if addr is None:
+                    raise Unavailable(f"map {self.name} has no live owner yet")
+                r, _ = await self.pool.call(addr, "tail", {"stream_id": s["id"], "streamlet": 0},
+                                            timeout=max(0.1, deadline - trio.current_time()))
+                break
+            except KeraError as e:
+                await self._moved(addr, e, deadline)
+        pos = self.reader.positions[(self.name, 0)]
+        while not _caught_up(pos, r):
+            if trio.current_time() > deadline:
+                raise Unavailable(f"map {self.name}: could not read to its end in {self.timeout} s")
+            for ch in await self.reader.poll_chunks(0.5):
+                self._apply(ch)
+            pos = self.reader.positions[(self.name, 0)]
+        return r["token"]
+
+    async def _moved(self, addr, err: KeraError, deadline: float) -> None:
+        """The owner did not answer or refused: look it up again, then retry (until deadline)."""
+        if trio.current_time() > deadline or not err.retriable and err.code not in (
+                "not_owner", "recovering", "fenced"):
+            raise err
+        if addr is not None and err.code == "unavailable":
+            self.pool.drop(addr)
+            await suspect(self.reader.coordinator, addr)
+        await trio.sleep(RETRY)
+        try:
+            await self.reader._metadata()
+        except KeraError:
+            pass
+
+    def _apply(self, ch) -> None:
+        for k, v in zip(ch.view.keys(), ch.view.values(), strict=True):
+            if not v:
+                self.state.pop(bytes(k), None)
+                continue
+            version, value = msgpack.unpackb(v)
+            self.state[bytes(k)] = (version, value)
+
+    async def _write(self, key: bytes, decide):
+        """``decide(current)`` -> (record value, or None to change nothing; the caller's
+        result); appended only if the log's end is still the state it decided on."""
+        deadline = trio.current_time() + self.timeout
+        async with self._lock:
+            while True:
+                token = await self._sync()
+                record, result = decide(self.state.get(key))
+                if record is None:
+                    return result
+                addr, s = self._owner()
+                data = chunkfmt.build(s["id"], 0, self.producer_id, self.sequence, [record], [key],
+                                      flags=chunkfmt.SEQ_RESET if self._unsure else 0)
+                try:
+                    if await self._append(addr, token, data, deadline):
+                        self.sequence += 1
+                        self._unsure = False
+                        return result
+                except BaseException:
+                    # the chunk may land later or not at all: the next one starts a new
+                    # sequence base, so neither can be taken for the other
+                    self.sequence += 1
+                    self._unsure = True
+                    raise
+
+    async def _append(self, addr, token, data, deadline) -> bool:
+        """The same chunk until an answer: True once appended, False if refused (conflict)."""
+        while True:
+            try:
+                if addr is None:
+                    raise Unavailable(f"map {self.name} has no live owner yet")
+                await self.pool.call(addr, "append_if", {"expect": token}, data,
+                                     timeout=max(0.1, deadline - trio.current_time()))
+                return True
+            except Conflict:
+                return False
+            except KeraError as e:
+                await self._moved(addr, e, deadline)
+                addr, _ = self._owner()
+
+    async def _read(self) -> dict:
+        async with self._lock:
+            if self.reads == "linearizable":
+                await self._sync()
+            return self.state
+
+    async def get(self, key) -> bytes | None:
+        v = (await self._read()).get(_key(key))
+        return None if v is None else v[1]
+
+    async def get_versioned(self, key) -> tuple[int, bytes] | None:
+        """(version, value), or None when absent."""
+        return (await self._read()).get(_key(key))
+
+    async def items(self) -> list[tuple[bytes, int, bytes]]:
+        """(key, version, value) of every key, sorted by key."""
+        return sorted((k, ver, v) for k, (ver, v) in (await self._read()).items())
+
+    async def put(self, key, value) -> int:
+        """Set ``key``; returns its new version."""
+        return await self._write(_key(key), _Put(_val(value)))
+
+    async def put_if_absent(self, key, value) -> bool:
+        return await self._write(_key(key), _Put(_val(value), only_if_absent=True))
+
+    async def compare_and_set(self, key, expected_version: int, value) -> bool:
+        """Set ``key`` only if its version is ``expected_version`` (0: absent)."""
+        return await self._write(_key(key), _Put(_val(value), expected=expected_version))
+
+    async def delete(self, key) -> bool:
+        """Remove ``key``; False if it was absent."""
+        return await self._write(_key(key), _delete)
+
+
+def _val(v) -> bytes:
+    return v.encode() if isinstance(v, str) else bytes(v)
+
+
+class _Put:
+    """A put's decision on the current (version, value): the record to append, or None."""
+
+    def __init__(self, value: bytes, expected: int | None = None, only_if_absent: bool = False):
+        self.value, self.expected, self.only_if_absent = value, expected, only_if_absent
+
+    def __call__(self, cur):
+        version = cur[0] if cur else 0
+        if self.only_if_absent and cur is not None or \
+                self.expected is not None and self.expected != version:
+            return None, False
+        record = msgpack.packb([version + 1, self.value])
+        return record, (version + 1 if self.expected is None and not self.only_if_absent else True)
+
+
+def _delete(cur):
+    return (b"", True) if cur is not None else (None, False)
+
+
+@asynccontextmanager
+async def open_kv(name: str, coordinator: str | None = None, create: bool = True, **kw):
+    """``async with open_kv("config") as m: await m.put("k", "v")``."""
+    async with unwrapped(), open_pool() as pool:
+        m = AsyncKVMap(pool, coordinator or default_coordinator(), name, **kw)
+        await m.open(create)
+        yield m
+
+
+class KVMap:
+    """Synchronous map: ``KVMap("config").put("k", "v")``; the same operations as AsyncKVMap."""
+
+    def __init__(self, name: str, coordinator: str | None = None, create: bool = True, **kw):
+        self.portal = Portal("kera-kv")
+        try:
+            self._m: AsyncKVMap = self.portal.start(self._serve, name, coordinator, create, kw)
+        except BaseException:
+            self.portal.close()
+            raise
+
+    async def _serve(self, name, coordinator, create, kw, task_status):
+        async with open_kv(name, coordinator, create, **kw) as m:
+            task_status.started(m)
+            await trio.sleep_forever()
+
+    def __getattr__(self, name):
+        fn = getattr(self._m, name)
+        return lambda *a, **k: self.portal.call(lambda: fn(*a, **k))
+
+    def close(self) -> None:
+        self.portal.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
