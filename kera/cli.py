@@ -62,7 +62,7 @@ def cmd_stream(args) -> None:
                 span = f"{created[0]['name']} ... {created[-1]['name']}" if created else "none"
                 print(f"created {len(created)} streams ({span}) in {time.monotonic() - t0:.2f} s")
             elif args.action == "list":
-                for s in await a.list_streams(args.pattern):
+                async for s in a.iter_streams(args.pattern):
                     print(f"{s['name']}\t{s['streamlets']} streamlets\tR={s['replication']}")
             elif args.action == "describe":
                 print(json.dumps(await a.describe_stream(args.name), indent=2))
@@ -219,7 +219,7 @@ def cmd_status(args) -> None:
 
 def _recovery_line(r: dict) -> str:
     return (f"recovery of broker {r['broker']} (epoch {r['epoch']}): {r['state']}, "
-            f"{len(r['streamlets'])} streamlets, {r['vlogs']} vlogs from {r['backups']} backups, "
+            f"{r['streamlets']} streamlets, {r['vlogs']} vlogs from {r['backups']} backups, "
             f"{r['bytes'] / 1e6:.1f} of {r['total_bytes'] / 1e6:.1f} MB in {r['seconds']} s "
             f"({r['rate_mb_s']} MB/s){' ' + r['error'] if r['error'] else ''}"
             + "".join(f"\n  LOST vlog {x['vlog']} vseg {x['vseg']} bytes {x['offset']}.."

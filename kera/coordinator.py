@@ -13,8 +13,6 @@ refused (fencing).
 from __future__ import annotations
 
 import argparse
-import collections
-import fnmatch
 import logging
 import os
 import time
@@ -22,6 +20,7 @@ import time
 import trio
 
 from . import etcd, limits
+from .catalog import NameIndex
 from .errors import (
     Fenced,
     InvalidArgument,
@@ -35,6 +34,7 @@ from .errors import (
     UnknownStream,
 )
 from .etcd_meta import Election, EtcdMeta
+from .holdings import Holdings
 from .metalog import MetaLog
 from .names import check_stream_name
 from .recovery import RecoveryManager
@@ -57,6 +57,21 @@ DEFAULTS = {
     "group_segments": 8,
 }
 VLOG_POLICIES = ("shared", "per-stream", "per-group")
+
+
+def _batches(entries: list) -> list[list]:
+    """[[stream, streamlets], ...] cut into parts that each fit one request's meta."""
+    parts: list[list] = [[]]
+    streamlets = 0
+    for entry in entries:
+        n = len(entry[1])
+        if parts[-1] and (len(parts[-1]) == limits.MAX_BATCH_STREAMS
+                          or streamlets + n > limits.MAX_BATCH_STREAMLETS):
+            parts.append([])
+            streamlets = 0
+        parts[-1].append(entry)
+        streamlets += n
+    return parts
 
 
 def _check_stream_limits(cfg: dict) -> None:
@@ -122,9 +137,8 @@ class Coordinator(Service):
         """Lead with ``store``'s state: membership starts empty, servers (re)register."""
         self.log = store
         self.meta = store.state   # changed only through self.log
-        self._owned: collections.Counter[int] = collections.Counter()   # broker -> streamlets
-        for st in self.meta["streams"].values():
-            self._owned.update(b for b, _ in st["owners"])
+        self.holdings = Holdings(self.meta["streams"].values())   # incarnation -> streamlets
+        self.names = NameIndex(self.meta["streams"])              # stream names in order
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.started = time.monotonic()
         self.ready = self.expect_nodes == 0
@@ -163,8 +177,7 @@ class Coordinator(Service):
         if self.meta["streams"].get(s["name"]) is not s:   # deleted meanwhile: nothing to keep
             s["owners"][i] = [m.id, m.epoch]
             return
-        self._owned[s["owners"][i][0]] -= 1
-        self._owned[m.id] += 1
+        self.holdings.move(s["name"], i, tuple(s["owners"][i]), (m.id, m.epoch))
         self.log.set(("streams", s["name"], "owners", i), [m.id, m.epoch])
 
     def _take(self, counter: str) -> int:
@@ -412,7 +425,8 @@ class Coordinator(Service):
             owners = [[m.id, m.epoch] for m in self.spread(cfg["streamlets"], salt=sid)]
             s = {"name": name, "id": sid, **cfg, "owners": owners, "created": now}
             self.log.set(("streams", name), s)
-            self._owned.update(b for b, _ in owners)
+            self.holdings.add(s)
+            self.names.add(name)
             created.append(s)
         await self.commit()
         await self._assign(created)
@@ -424,11 +438,12 @@ class Coordinator(Service):
         return created
 
     def spread(self, n: int, salt: int = 0) -> list[Member]:
-        """n owners among live brokers, each time the least loaded (streamlets owned)."""
+        """n owners among live brokers, each time the least loaded (streamlets its
+        incarnation owns)."""
         brokers = sorted((m for m in self.members["broker"].values() if m.alive), key=lambda m: m.id)
         if not brokers:
             raise NotEnoughBackups("no live broker")
-        load = {m.id: self._owned[m.id] for m in brokers}
+        load = {m.id: self.holdings.count((m.id, m.epoch)) for m in brokers}
         out = []
         for _i in range(n):
             m = min(brokers, key=lambda m: (load[m.id], (m.id + salt) % len(brokers)))
@@ -436,12 +451,14 @@ class Coordinator(Service):
             out.append(m)
         return out
 
-    async def assign(self, m: Member, s: dict, streamlets: list[int], recovering: bool = False,
-                     seal: bool = False) -> None:
-        """``seal``: the recovery of these streamlets lost data; their groups are closed."""
-        await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "stream": s, "streamlets": streamlets,
-                                                "recovering": recovering, "seal": seal,
-                                                "backups": self._live("backup")}, timeout=10)
+    async def assign(self, m: Member, entries: list, recovering: bool = False, seal: bool = False) -> None:
+        """Tell ``m`` it owns ``entries`` ([[stream, [streamlet, ...]], ...]), in as few requests
+        as a frame allows. ``seal``: the recovery of these streamlets lost data; their groups
+        are closed."""
+        backups = self._live("backup")
+        for part in _batches(entries):
+            await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": part, "recovering": recovering,
+                                                    "seal": seal, "backups": backups}, timeout=10)
 
     async def _assign(self, streams: list[dict]) -> None:
         """Tell each owner broker about its streamlets of ``streams``: one request per broker,
@@ -459,8 +476,7 @@ class Coordinator(Service):
             if m is None:
                 return
             try:
-                await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": entries,
-                                                        "backups": self._live("backup")}, timeout=10)
+                await self.assign(m, entries)
             except KeraError as e:
                 log.warning("assigning %d streams to broker %d failed: %s", len(entries), bid, e)
 
@@ -469,10 +485,35 @@ class Coordinator(Service):
                 n.start_soon(one, bid, epoch, entries)
 
     def rpc_list_streams(self, meta, payload):
-        pattern = meta.get("pattern")
-        out = [self._describe(s) for n, s in sorted(self.meta["streams"].items())
-               if pattern is None or fnmatch.fnmatchcase(n, pattern)]
-        return {"streams": out}
+        """One page of the streams matching ``pattern`` (all if None), in name order, from just
+        after ``after``: at most ``limit`` (``MAX_LIST_PAGE``) streams and
+        ``MAX_LIST_PAGE_STREAMLETS`` streamlets. ``next`` is the ``after`` of the next page,
+        None once the listing is complete (a page may be empty and still have a next)."""
+        pattern, after, limit = meta.get("pattern"), meta.get("after"), meta.get("limit")
+        for key, v in (("pattern", pattern), ("after", after)):
+            if v is not None and not isinstance(v, str):
+                raise InvalidArgument(f"list_streams: {key} must be a string")
+        if limit is None:
+            limit = limits.MAX_LIST_PAGE
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise InvalidArgument("list_streams: limit must be a positive integer")
+        if limit > limits.MAX_LIST_PAGE:
+            raise LimitExceeded(f"limit {limit} exceeds MAX_LIST_PAGE ({limits.MAX_LIST_PAGE})",
+                                limit="MAX_LIST_PAGE", bound=limits.MAX_LIST_PAGE, size=limit)
+        out: list[dict] = []
+        streamlets = scanned = 0
+        for name, match in self.names.scan(pattern, after):
+            if match:
+                s = self.meta["streams"][name]
+                if out and (len(out) == limit
+                            or streamlets + s["streamlets"] > limits.MAX_LIST_PAGE_STREAMLETS):
+                    return {"streams": out, "next": out[-1]["name"]}
+                out.append(self._describe(s))
+                streamlets += s["streamlets"]
+            scanned += 1
+            if scanned == limits.MAX_LIST_SCAN:
+                return {"streams": out, "next": name}
+        return {"streams": out, "next": None}
 
     def rpc_describe_stream(self, meta, payload):
         return {"stream": self._describe(self._stream(meta.get("name")))}
@@ -481,19 +522,23 @@ class Coordinator(Service):
         """Where streams live: by names (missing ones are reported) and/or a pattern."""
         names = meta.get("names") or []
         pattern = meta.get("pattern")
+        if pattern is not None and not isinstance(pattern, str):
+            raise InvalidArgument("metadata: pattern must be a string")
         out, missing = [], []
         for n in names:
             s = self.meta["streams"].get(n)
             (out.append(self._describe(s)) if s else missing.append(n))
         if pattern:
-            out += [self._describe(s) for n, s in sorted(self.meta["streams"].items())
-                    if fnmatch.fnmatchcase(n, pattern) and n not in names]
+            given = set(names)
+            out += [self._describe(self.meta["streams"][n]) for n, match in self.names.scan(pattern)
+                    if match and n not in given]
         return {"streams": out, "missing": missing}
 
     async def rpc_delete_stream(self, meta, payload):
         s = self._stream(meta.get("name"))
         self.log.delete(("streams", s["name"]))
-        self._owned.subtract(b for b, _ in s["owners"])
+        self.holdings.remove(s)
+        self.names.discard(s["name"])
         await self.commit()
 
         async def one(bid, epoch):

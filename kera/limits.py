@@ -39,6 +39,12 @@ MAX_BATCH_STREAMS = 4096
 MAX_BATCH_STREAMLETS = 65536
 BATCH_STREAM_BYTES = 512          # packed size of one stream's description, name of 249 included
 BATCH_STREAMLET_BYTES = 16        # and of each of its streamlets (owner, index)
+# one list_streams page: up to this many streams and streamlets (each described with its
+# owner and address), after scanning at most MAX_LIST_SCAN names; the answer says where to go on
+MAX_LIST_PAGE = 1024
+MAX_LIST_PAGE_STREAMLETS = 32768
+LIST_STREAMLET_BYTES = 48
+MAX_LIST_SCAN = 65536
 
 # -- producer requests (client, broker) ---------------------------------------------
 MAX_REQUEST = 32 * MiB            # producer request.size is clamped to this
@@ -74,4 +80,7 @@ assert MIN_SEGMENT_SIZE <= MAX_SEGMENT_SIZE
 assert MAX_STREAMLETS <= MAX_BATCH_STREAMLETS, "a stream of the most streamlets must fit a batch"
 assert (MAX_BATCH_STREAMS * BATCH_STREAM_BYTES + MAX_BATCH_STREAMLETS * BATCH_STREAMLET_BYTES
         <= MAX_META), "every create_streams request, reply and assign must fit a frame's meta"
+assert MAX_STREAMLETS <= MAX_LIST_PAGE_STREAMLETS, "a stream of the most streamlets must fit a page"
+assert (MAX_LIST_PAGE * BATCH_STREAM_BYTES + MAX_LIST_PAGE_STREAMLETS * LIST_STREAMLET_BYTES
+        <= MAX_META), "every list_streams page must fit a frame's meta"
 assert MAX_META < MAX_METALOG_RECORD, "every metadata change a request carries must fit a log record"

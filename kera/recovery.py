@@ -73,7 +73,7 @@ class Recovery:
     def describe(self) -> dict:
         end = self.finished or time.time()
         return {"broker": self.broker, "epoch": self.epoch, "state": self.state,
-                "streamlets": [f"{n}/{i}" for n, i in self.streamlets], "vlogs": self.vlogs,
+                "streamlets": len(self.streamlets), "vlogs": self.vlogs,
                 "backups": len(self.sources), "chunks": self.chunks, "bytes": self.bytes,
                 "total_bytes": self.total,
                 "seconds": round(end - self.started, 3),
@@ -94,12 +94,9 @@ class RecoveryManager:
         self.first_try: dict[tuple[int, int], float] = {}  # grace for truncations counts from here
 
     def orphans(self) -> dict[tuple[int, int], list]:
-        out: dict[tuple[int, int], list] = {}
-        for s in self.coord.meta["streams"].values():
-            for i, (b, e) in enumerate(s["owners"]):
-                if self.coord.live_broker(b, e) is None:
-                    out.setdefault((b, e), []).append((s["name"], i))
-        return out
+        """Streamlets by owning incarnation, of incarnations no longer alive (an index
+        lookup, not a walk over every stream: it runs ten times a second)."""
+        return self.coord.holdings.orphans(lambda b, e: self.coord.live_broker(b, e) is not None)
 
     def _backups_ready(self) -> bool:
         """Every backup ever known is back, or was seen dying, or the grace is over.
@@ -168,32 +165,37 @@ class RecoveryManager:
             for b in backups:  # a backup that does not answer gets the fence when it registers
                 n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
         # 2. new owners, in recovering state
-        streams = {s["name"]: s for s in coord.meta["streams"].values()}
+        known = coord.meta["streams"]   # those deleted meanwhile are left out
+        streams = {n: known[n] for n, _ in rec.streamlets if n in known}
         sls = [(n, i) for n, i in rec.streamlets if n in streams]
         targets = coord.spread(len(sls), salt=rec.broker)
         plan: dict[tuple, object] = {}
-        per_target: dict[tuple, list[int]] = {}
+        per_target: dict[int, dict[str, list[int]]] = {}   # broker -> stream -> streamlets
         for (name, i), m in zip(sls, targets, strict=True):
             plan[(name, i)] = m
-            per_target.setdefault((m.id, name), []).append(i)
-        try:
+            per_target.setdefault(m.id, {}).setdefault(name, []).append(i)
+        entries = {mid: [[streams[name], idx] for name, idx in mine.items()]
+                   for mid, mine in per_target.items()}
+
+        async def assign_all(recovering: bool, seal: bool = False) -> None:
+            """One request per target broker (or as few as a frame allows), all in parallel."""
             async with trio.open_nursery() as n:
-                for (mid, name), idx in per_target.items():
-                    n.start_soon(coord.assign, coord.members["broker"][mid], streams[name], idx, True)
+                for mid, mine in entries.items():
+                    n.start_soon(coord.assign, coord.members["broker"][mid], mine, recovering, seal)
+
+        try:
+            await assign_all(recovering=True)
             rec.state = "replaying"
             replayed = await self._replay(rec, backups, streams, plan)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 async with trio.open_nursery() as n:
-                    for (mid, name), idx in per_target.items():
-                        n.start_soon(self._unassign, coord.members["broker"][mid], streams[name], idx)
+                    for mid, mine in entries.items():
+                        n.start_soon(self._unassign, coord.members["broker"][mid], mine)
             raise
         # 4. hand over: the new owners serve, the metadata says so
         # after a loss the groups are sealed: no position of the lost range is ever reused
-        async with trio.open_nursery() as n:
-            for (mid, name), idx in per_target.items():
-                n.start_soon(coord.assign, coord.members["broker"][mid], streams[name], idx, False,
-                             not replayed.complete)
+        await assign_all(recovering=False, seal=not replayed.complete)
         for (name, i), m in plan.items():
             coord.set_owner(streams[name], i, m)
         await coord.commit()
@@ -294,9 +296,9 @@ class RecoveryManager:
             raise LogIncomplete(f"vlog {t.vlog} ends at vseg {t.vseg} offset {t.offset} ({t.reason}); "
                                 f"{' and '.join(why)}: they may hold the rest")
 
-    async def _unassign(self, m, stream, streamlets) -> None:
+    async def _unassign(self, m, entries: list) -> None:
         try:
-            await self._call(m.addr, "unassign", {"stream_id": stream["id"], "streamlets": streamlets})
+            await self._call(m.addr, "unassign", {"streams": [[s["id"], idx] for s, idx in entries]})
         except KeraError as e:
             log.info("unassign after a failed recovery: %s", e)
 

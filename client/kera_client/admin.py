@@ -80,7 +80,20 @@ class AsyncAdmin:
         return out
 
     async def list_streams(self, pattern: str | None = None) -> list[dict]:
-        return (await self.call("list_streams", pattern=pattern))["streams"]
+        """Every stream matching ``pattern`` (fnmatch; all if None), in name order."""
+        return [s async for s in self.iter_streams(pattern)]
+
+    async def iter_streams(self, pattern: str | None = None, page: int | None = None):
+        """The same, a page (``page`` streams, at most ``MAX_LIST_PAGE``) per request, so a
+        caller can show the first ones before the last are fetched."""
+        after = None
+        while True:
+            r = await self.call("list_streams", pattern=pattern, after=after, limit=page)
+            for s in r["streams"]:
+                yield s
+            after = r.get("next")
+            if after is None:
+                return
 
     async def describe_stream(self, name: str) -> dict:
         return (await self.call("describe_stream", name=name))["stream"]

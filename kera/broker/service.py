@@ -149,13 +149,28 @@ class BrokerService(Service):
                     sl.seal()
 
     def rpc_unassign(self, meta, payload):
-        sid = meta.get("stream_id")
-        only = meta.get("streamlets")
-        for key in [k for k in self.streamlets if k[0] == sid and (only is None or k[1] in only)]:
-            self.memory.release(self.streamlets.pop(key).allocated())
-        if not any(k[0] == sid for k in self.streamlets):
-            self.streams.pop(sid, None)
-            self.mapping.forget(sid)
+        """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
+        many (``streams``: [[stream id, streamlets or None], ...]). Costs what is dropped,
+        not what this broker holds."""
+        entries = meta.get("streams")
+        if entries is None:
+            entries = [[meta.get("stream_id"), meta.get("streamlets")]]
+        if not isinstance(entries, list) or not all(
+                isinstance(e, list) and len(e) == 2 and (e[1] is None or isinstance(e[1], list))
+                for e in entries):
+            raise InvalidArgument("unassign needs [[stream id, streamlets or None], ...]")
+        for sid, only in entries:
+            s = self.streams.get(sid)
+            if s is None:
+                continue
+            every = range(s.get("streamlets", 0))
+            for i in every if only is None else only:
+                sl = self.streamlets.pop((sid, i), None)
+                if sl is not None:
+                    self.memory.release(sl.allocated())
+            if not any((sid, i) in self.streamlets for i in every):
+                self.streams.pop(sid, None)
+                self.mapping.forget(sid)
         return {}
 
     def rpc_ping(self, meta, payload):
