@@ -62,7 +62,7 @@ def cmd_stream(args) -> None:
                 span = f"{created[0]['name']} ... {created[-1]['name']}" if created else "none"
                 print(f"created {len(created)} streams ({span}) in {time.monotonic() - t0:.2f} s")
             elif args.action == "list":
-                async for s in a.iter_streams(args.pattern):
+                async for s in a.iter_streams(args.pattern or args.pattern_opt):
                     print(f"{s['name']}\t{s['streamlets']} streamlets\tR={s['replication']}")
             elif args.action == "describe":
                 print(json.dumps(await a.describe_stream(args.name), indent=2))
@@ -92,8 +92,15 @@ def cmd_produce(args) -> None:
             p = Producer(_coordinator(args), _producer_options(args))
             try:
                 for n, line in enumerate(sys.stdin.buffer, 1):
+                    value = line.rstrip(b"\n")
+                    if args.keyed:   # key<TAB>value; an empty value is a tombstone
+                        key, tab, value = value.partition(b"\t")
+                        if not tab:
+                            print(f"error: line {n}: --keyed needs key<TAB>value", file=sys.stderr, flush=True)
+                            ok = False
+                            continue
                     try:
-                        p.send(args.stream, line.rstrip(b"\n"), key=key)
+                        p.send(args.stream, value, key=key)
                     except RecordTooLarge as e:  # that line only: the others still go
                         print(f"error: line {n}: {e.code}: {e}", file=sys.stderr, flush=True)
                         ok = False
@@ -154,7 +161,8 @@ def cmd_consume(args) -> None:
 
     async def go():
         nonlocal count
-        async with open_consumer([args.stream], _coordinator(args), start=args.start) as c:
+        async with open_consumer([args.stream], _coordinator(args), start=args.start,
+                                 group=args.group) as c:
             idle_since = time.monotonic()
             out = sys.stdout.buffer
             while args.max is None or count < args.max:
@@ -164,15 +172,24 @@ def cmd_consume(args) -> None:
                 chunks = await c.poll_chunks(min(1.0, left))
                 if chunks:
                     idle_since = time.monotonic()
-                for ch in chunks:
+                for j, ch in enumerate(chunks):
                     n = len(ch)
                     if args.max is not None:
                         n = min(n, args.max - count)
                     if not args.count_only:
-                        out.write(b"".join(v + b"\n" for v in ch.values()[:n]))
+                        values = ch.values()[:n]
+                        if args.keys:
+                            values = [(k or b"") + b"\t" + v for k, v in zip(ch.keys(), values, strict=False)]
+                        out.write(b"".join(v + b"\n" for v in values))
                     count += n
+                    if n < len(ch) or (args.max is not None and count >= args.max):
+                        # stopped here: the group resumes at the first record not printed
+                        c.rewind(chunks[j:] if n < len(ch) else chunks[j + 1:], n if n < len(ch) else 0)
+                        break
             if not args.count_only:
                 out.flush()
+            if args.group:
+                await c.commit()
 
     try:
         trio.run(go)
@@ -314,13 +331,16 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--segment-size", type=int, default=None)
     c.add_argument("--group-segments", type=int, default=None, help="segments per group (G)")
     ls = _client(ssub.add_parser("list"))
-    ls.add_argument("--pattern", default=None)
+    ls.add_argument("pattern", nargs="?", default=None, metavar="PATTERN",
+                    help="fnmatch pattern (e.g. 'orders-*'); streams are fetched a page at a time")
+    ls.add_argument("--pattern", dest="pattern_opt", default=None, help=argparse.SUPPRESS)
     for a in ("describe", "delete"):
         _client(ssub.add_parser(a)).add_argument("name")
 
     p = _client(sub.add_parser("produce", help="produce stdin lines, or --generate synthetic records"))
     p.add_argument("stream")
     p.add_argument("--key", default=None)
+    p.add_argument("--keyed", action="store_true", help="stdin lines are key<TAB>value (empty value: tombstone)")
     p.add_argument("--generate", type=int, default=None, metavar="N")
     p.add_argument("--size", type=int, default=100)
     p.add_argument("--producers", type=int, default=1)
@@ -336,6 +356,8 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--max", type=int, default=None)
     co.add_argument("--timeout", type=float, default=10.0, help="stop after this long with nothing new")
     co.add_argument("--count-only", action="store_true")
+    co.add_argument("--keys", action="store_true", help="print key<TAB>value lines")
+    co.add_argument("--group", default=None, help="consumer group: start where it stopped, commit at the end")
 
     s = _client(sub.add_parser("status", help="nodes, streams, per-broker and per-vlog counters"))
     s.add_argument("--json", action="store_true")
