@@ -28,16 +28,21 @@ Record = namedtuple("Record", "stream streamlet key value timestamp")
 
 
 class Chunk:
-    """A chunk as received: where it came from, and zero-copy access to its records."""
+    """A chunk as received: where it came from, and zero-copy access to its records.
 
-    __slots__ = ("stream", "streamlet", "group", "position", "view")
+    ``skip``: how many of its first records its consumer group had already consumed
+    (a group may stop in the middle of a chunk); they are left out of ``len``,
+    ``values``, ``keys`` and ``records``."""
 
-    def __init__(self, stream, streamlet, group, position, view):
+    __slots__ = ("stream", "streamlet", "group", "position", "view", "skip")
+
+    def __init__(self, stream, streamlet, group, position, view, skip: int = 0):
         self.stream, self.streamlet, self.group, self.position, self.view = \
             stream, streamlet, group, position, view
+        self.skip = skip
 
     def __len__(self):
-        return len(self.view)
+        return len(self.view) - self.skip
 
     @property
     def producer(self) -> int:
@@ -48,11 +53,16 @@ class Chunk:
         return self.view.header.sequence
 
     def values(self) -> list[bytes]:
-        return self.view.values()
+        v = self.view.values()
+        return v[self.skip:] if self.skip else v
+
+    def keys(self) -> list[bytes | None]:
+        return self.view.keys()[self.skip:]
 
     def records(self):
-        for k, v, t in self.view.records():
-            yield Record(self.stream, self.streamlet, k, v, t)
+        for n, (k, v, t) in enumerate(self.view.records()):
+            if n >= self.skip:
+                yield Record(self.stream, self.streamlet, k, v, t)
 
 
 def _compact(p: dict) -> None:
@@ -81,6 +91,7 @@ class AsyncConsumer:
         self.positions: dict[tuple, dict] = {}  # (name, streamlet) -> position
         self.records_read = 0
         self._meta_at = 0.0
+        self._skips: dict[tuple, tuple[int, int]] = {}   # (name, streamlet, group) -> (pos, records)
 
     async def _metadata(self) -> None:
         self._meta_at = time.monotonic()
@@ -112,6 +123,8 @@ class AsyncConsumer:
                     p = saved[key]
                     self.positions[(s["name"], i)] = {"low": p["low"],
                                                       "groups": {int(g): v for g, v in p["groups"].items()}}
+                    for g, (pos, k) in (p.get("skip") or {}).items():
+                        self._skips[(s["name"], i, int(g))] = (pos, k)
                 elif self.start == "latest":
                     latest.append((s, i))
                 else:
@@ -126,9 +139,34 @@ class AsyncConsumer:
                     self.positions[(self.by_id[sid]["name"], i)] = {"low": low, "groups": dict(pos)}
 
     def position(self) -> dict:
-        """Current positions, JSON-friendly: ``{"stream/streamlet": {"low", "groups"}}``."""
-        return {f"{n}/{i}": {"low": p["low"], "groups": {str(g): v for g, v in p["groups"].items()}}
-                for (n, i), p in self.positions.items()}
+        """Current positions, JSON-friendly: ``{"stream/streamlet": {"low", "groups"}}``, with
+        ``"skip": {group: [pos, records]}`` where the group stopped inside a chunk."""
+        out = {}
+        for (n, i), p in self.positions.items():
+            out[f"{n}/{i}"] = e = {"low": p["low"], "groups": {str(g): v for g, v in p["groups"].items()}}
+            skip = {str(g): list(v) for (n2, i2, g), v in self._skips.items() if (n2, i2) == (n, i)}
+            if skip:
+                e["skip"] = skip
+        return out
+
+    def rewind(self, unconsumed: list[Chunk], taken: int = 0) -> None:
+        """Step back before chunks polled but not consumed (in poll order), the first of
+        them ``taken`` records in: what a group commits next resumes exactly there."""
+        first: dict[tuple, Chunk] = {}
+        for ch in unconsumed:
+            first.setdefault((ch.stream, ch.streamlet, ch.group), ch)
+        if unconsumed and taken:
+            ch = unconsumed[0]
+            self._skips[(ch.stream, ch.streamlet, ch.group)] = (ch.position, ch.skip + taken)
+        for (name, i, gid), ch in sorted(first.items(), key=lambda kv: kv[0][2]):
+            p = self.positions[(name, i)]
+            if gid < p["low"]:   # the group (and those after it) were read to their end
+                for g in range(gid + 1, p["low"]):
+                    p["groups"].setdefault(g, DONE)
+                p["low"] = gid
+            p["groups"][gid] = ch.position
+            if not (unconsumed and taken and ch is unconsumed[0]) and ch.skip:
+                self._skips[(name, i, gid)] = (ch.position, ch.skip)
 
     async def commit(self) -> None:
         if not self.group:
@@ -194,8 +232,14 @@ class AsyncConsumer:
                 at += n
                 pos = pack(si, off)
                 for h, o in chunkfmt.scan(buf):
-                    out.append(Chunk(s["name"], i, gid, pos + o, chunkfmt.ChunkView(buf, o, h)))
-                    self.records_read += h.record_count
+                    skip = 0
+                    sk = self._skips.get((s["name"], i, gid))
+                    if sk is not None and sk[0] == pos + o:
+                        skip = sk[1]
+                        del self._skips[(s["name"], i, gid)]
+                    if skip < h.record_count:
+                        out.append(Chunk(s["name"], i, gid, pos + o, chunkfmt.ChunkView(buf, o, h), skip))
+                    self.records_read += h.record_count - skip
             p["groups"][gid] = nxt
             _compact(p)
 
