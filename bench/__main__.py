@@ -4,6 +4,7 @@
     python -m bench throughput [--quick] # B: 1 stream x 32 streamlets x 4 groups, chunk and producers
     python -m bench vlogs [--quick]      # C: V = 1 -> 32 shared vlogs, 128 and 512 streams, R=3
     python -m bench latency [--quick]    # p50/p99 ack latency at half the maximum rate, R=3
+    python -m bench metadata [--quick]   # 100k streams: create rate, RSS per stream, fan-out (bench/metadata.py)
 
 Each writes bench/results/<experiment>.json and .png and prints a table. Ratios
 compare runs of the same invocation on the same machine, same record size,
@@ -130,10 +131,19 @@ def exp_vlogs(args) -> dict:
     return {"experiment": "vlogs", "records": n, "rows": rows, "nodes": args.nodes}
 
 
+def exp_metadata(args) -> dict:
+    from .metadata import run
+    return run(args)
+
+
 def table(res: dict) -> str:
     rows = res["rows"]
     keys = [k for k in ("system", "streams", "vlogs", "chunk", "producers", "rate", "produce_rps", "consume_rps",
-                        "produce_p50_ms", "produce_p99_ms", "chunks_per_rpc") if any(k in r for r in rows)]
+                        "produce_p50_ms", "produce_p99_ms", "chunks_per_rpc",
+                        *sorted({k for r in rows for k in r if k.startswith("create_per_s@")},
+                                key=lambda k: int(k.split("@")[1])),
+                        "create_rate_vs_peer", "rss_kib_per_stream", "probe_max_ms", "fanout_streams",
+                        "fanout_s", "consume_s") if any(k in r for r in rows)]
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in rows:
         lines.append("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |")
@@ -153,7 +163,7 @@ def table(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench")
-    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency"])
+    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency", "metadata"])
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
     ap.add_argument("--records", type=int, default=0)
     ap.add_argument("--producers", type=int, default=1)
@@ -163,7 +173,7 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     res = {"streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,
-           "latency": exp_latency}[args.experiment](args)
+           "latency": exp_latency, "metadata": exp_metadata}[args.experiment](args)
     res["machine"] = machine()
     res["seconds"] = round(time.monotonic() - t0, 1)
     print(table(res))

@@ -89,10 +89,11 @@ def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", sk
 class KeraRun:
     """A cluster for a series of runs (streams are created per run)."""
 
-    def __init__(self, nodes: int, broker_args=(), backup_args=()):
+    def __init__(self, nodes: int, broker_args=(), backup_args=(), coordinators: int = 1):
         self.dir = tempfile.mkdtemp(prefix="kera-bench-")
         self.cluster = LocalCluster(os.path.join(self.dir, "data"), nodes, port=0,
-                                    broker_args=list(broker_args), backup_args=list(backup_args))
+                                    broker_args=list(broker_args), backup_args=list(backup_args),
+                                    coordinators=coordinators)
         self.runs = 0
 
     def __enter__(self):

@@ -26,6 +26,13 @@ def plot(res: dict, path: str) -> None:
                          if (r["system"], r["streams"]) == key and r["chunk"] == 1024)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}, {key[1]} streams")
         ax.set_xscale("log", base=2)
+    elif res["experiment"] == "metadata":
+        x, title = "streams", "streams (topics) created per second, by step, 1 streamlet, kera R=3"
+        for r in rows:
+            pts = [(c["streams"], c["step_per_s"]) for c in r["create"]]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["system"])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     elif res["experiment"] == "latency":
         x, title = "rate", "produce-ack latency, R=3, 128 streams"
         labels = [str(r["rate"]) for r in rows]
@@ -40,7 +47,7 @@ def plot(res: dict, path: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}, {key[1]} producers")
         ax.set_xscale("log", base=2)
     ax.set_xlabel(x)
-    ax.set_ylabel("ms" if res["experiment"] == "latency" else "records/s")
+    ax.set_ylabel({"latency": "ms", "metadata": "created/s"}.get(res["experiment"], "records/s"))
     ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
