@@ -247,6 +247,7 @@ class BrokerService(Service):
                 idx = vlog.append(seg, soff, size, h.body_checksum)
                 sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + size)
                 waits[vlog] = sl.tails[vlog] = idx
+                sl.plain_last = sl.appended_chunks
             except KeraError as e:
                 errors.append([i, e.code])
         result = {"errors": errors}
@@ -268,9 +269,11 @@ class BrokerService(Service):
         return {"token": token, "low": low, "groups": groups}
 
     def rpc_append_if(self, meta, payload):
-        """One chunk, appended only if the streamlet is still in the state ``expect`` (a
-        ``tail`` token) names, else ``conflict``: the compare-and-set on a log's end that a
-        key-value map's writes need. Answered once durable, with the new token.
+        """One chunk of one keyed record, appended only if no record with that key (and no
+        produced chunk) was appended since the state ``expect`` (a ``tail`` token) names,
+        else ``conflict``: the compare-and-set a key-value map's writes need. A write
+        decided on a key's state at the token applies to the same state, so writes to
+        other keys need not conflict. Answered once durable.
 
         A resend of a chunk already appended (same producer and sequence, here or before a
         recovery) is acknowledged, not compared: a writer whose answer was lost learns that
@@ -282,18 +285,23 @@ class BrokerService(Service):
         if len(chunks) != 1:
             raise InvalidArgument("append_if takes exactly one chunk")
         h, off = chunks[0]
+        if h.record_count != 1:
+            raise InvalidArgument("append_if takes a chunk of exactly one record")
         sl = self._streamlet(h.stream_id, h.streamlet)
-        st = sl.check_sequence(h.producer_id, h.sequence)
+        st = sl.check_sequence(h.producer_id, h.sequence, h.flags & chunk.SEQ_RESET)
         if st is not None:
             return self._acked_when_durable(dict(st.waits()), {"duplicate": True})
-        if meta.get("expect") != [self.epoch, sl.appended_chunks]:
-            raise Conflict(f"stream {h.stream_id} streamlet {h.streamlet} changed since "
-                           f"{meta.get('expect')}")
+        key = chunk.ChunkView(payload, off, h).keys()[0] or b""
+        expect = meta.get("expect")
+        if not (isinstance(expect, list) and len(expect) == 2 and expect[0] == self.epoch
+                and isinstance(expect[1], int) and expect[1] >= max(sl.plain_last, sl.key_last.get(key, 0))):
+            raise Conflict(f"stream {h.stream_id} streamlet {h.streamlet} changed since {expect}")
         g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
         chunk.place(seg.view, soff, g.id, seg.id, soff)
         vlog = g.vlog or self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
         idx = sl.tails[vlog] = vlog.append(seg, soff, h.size, h.body_checksum)
         sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)
+        sl.key_last[bytes(key)] = sl.appended_chunks
         return self._acked_when_durable({vlog: idx}, {"duplicate": False})
 
     async def _acked_when_durable(self, waits: dict, reply: dict) -> dict:

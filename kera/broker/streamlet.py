@@ -54,6 +54,10 @@ class Streamlet:
         self.appended_chunks = 0
         self.appended_bytes = 0
         self.tails: dict = {}    # vlog -> ref of this streamlet's last chunk in it (a tail's barrier)
+        # for append_if: appended_chunks after the last chunk appended by produce, and after
+        # the last append_if of each key (a conditional write conflicts only with its key)
+        self.plain_last = 0
+        self.key_last: dict[bytes, int] = {}
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
         self.memory = memory     # the broker's budget (see MemoryBudget)
 
