@@ -5,6 +5,13 @@ below ``low`` are read to their end, a group absent from ``groups`` is read
 from its start, and ``pos`` packs (segment << 32 | offset), or -1 once a
 closed group was read to its end. Positions are what the broker wrote in the
 chunk headers, so they stay valid when a streamlet is recovered elsewhere.
+
+Retention frees old segments: a position before what a broker still holds
+is answered ``out_of_range``, and ``auto_offset_reset`` (Kafka's
+``auto.offset.reset``) says what then: ``earliest`` (default) moves the
+groups concerned to their first retained position (a group freed entirely
+is skipped), ``latest`` to the durable end, ``none`` raises ``OutOfRange``.
+``resets`` counts how often it happened.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, UnknownStream
+from kera.errors import KeraError, OutOfRange, UnknownStream
 from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
 
@@ -64,9 +71,13 @@ def _compact(p: dict) -> None:
 class AsyncConsumer:
     def __init__(self, pool, coordinator: str, streams=None, pattern: str | None = None,
                  start="earliest", group: str | None = None, max_bytes: int = 8 << 20,
-                 max_wait_ms: int = 200):
+                 max_wait_ms: int = 200, auto_offset_reset: str = "earliest"):
         if not streams and not pattern:
             raise ValueError("give streams or a pattern")
+        if auto_offset_reset not in ("earliest", "latest", "none"):
+            raise ValueError("auto_offset_reset must be earliest, latest or none")
+        self.auto_offset_reset = auto_offset_reset
+        self.resets = 0
         self.pool = pool
         self.coordinator = coordinator
         self.names = list(streams or [])
@@ -178,7 +189,35 @@ class AsyncConsumer:
             return
         if r["errors"]:
             stale[0] = True
+            for e in r["errors"]:
+                if len(e) > 3 and e[2] == OutOfRange.code:
+                    await self._reset(e[0], e[1], e[3])
         self._absorb(r["entries"], payload, out)
+
+    async def _reset(self, sid: int, i: int, starts: dict) -> None:
+        """Our position in a streamlet was freed by retention (``auto_offset_reset``)."""
+        s = self.by_id.get(sid)
+        if s is None:
+            return
+        p = self.positions[(s["name"], i)]
+        if self.auto_offset_reset == "none":
+            raise OutOfRange(f"stream {s['name']} streamlet {i}: position {p} is before the "
+                             f"retained data")
+        self.resets += 1
+        if self.auto_offset_reset == "latest":
+            r, _ = await self.pool.call(s["addrs"][i], "offsets", {"streamlets": [[sid, i]]}, timeout=30)
+            for _, _, low, pos in r["offsets"]:
+                self.positions[(s["name"], i)] = {"low": low, "groups": dict(pos)}
+            return
+        held = {int(g): v for g, v in starts["groups"].items()}
+        for g, v in list(p["groups"].items()):
+            if v == DONE:
+                continue
+            if g not in held:
+                p["groups"][g] = DONE  # freed entirely
+            elif v < held[g]:
+                p["groups"][g] = held[g]
+        _compact(p)
 
     def _absorb(self, entries, payload, out) -> None:
         at = 0

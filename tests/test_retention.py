@@ -1,0 +1,144 @@
+"""Retention, reclaiming and reads of evicted data, on real processes.
+
+- a scaled-down soak: brokers with a 32 MiB budget keep streams whose retained
+  data is larger than that; a consumer from earliest reads the whole retained
+  range, most of it read back from the backups' disks, exactly once and in order;
+- retention.ms expiry and stream deletion free broker memory (the broker's own
+  accounting and its RSS) and delete segment files on the backups (on disk);
+- a reader positioned before the retained range gets out_of_range, or restarts at
+  the earliest retained record (auto.offset.reset).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import trio
+from kera_client import open_admin, open_consumer, open_producer
+
+from kera.errors import InvalidArgument, OutOfRange
+
+from .workload import values
+
+pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
+
+MiB = 1 << 20
+SIZE = 1000
+
+
+def counters(chunk) -> np.ndarray:
+    data = np.frombuffer(chunk.view.value_data, np.uint8).reshape(-1, SIZE)
+    return data[:, 4:12].copy().view("<u8").ravel()
+
+
+async def produce(coord, stream: str, n: int, start: int = 0, step: int = 5000) -> None:
+    async with open_producer(coord, **{"linger.ms": 2}) as p:
+        for at in range(start, start + n, step):
+            await p.send_many(stream, values(0, at, min(step, start + n - at), SIZE))
+        await p.flush()
+        assert p.acked == n
+
+
+async def read_all(coord, streams, idle: float = 5.0, **kw) -> dict:
+    """Every stream's counters from earliest, until nothing new came for ``idle`` seconds."""
+    got: dict[str, list] = {s: [] for s in streams}
+    async with open_consumer(streams, coord, start="earliest", **kw) as c:
+        quiet_until = trio.current_time() + idle
+        while trio.current_time() < quiet_until:
+            chunks = await c.poll_chunks(1.0)
+            if chunks:
+                quiet_until = trio.current_time() + idle
+            for ch in chunks:
+                got[ch.stream].append(counters(ch))
+    return {s: np.concatenate(v) if v else np.zeros(0, np.uint64) for s, v in got.items()}
+
+
+async def wait_for(cond, what: str, timeout: float = 30.0, every: float = 0.2):
+    """Poll ``cond`` (async) until it is truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = await cond()
+        if r:
+            return r
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await trio.sleep(every)
+
+
+def seg_files(cluster) -> list[str]:
+    out = []
+    for root, _, files in os.walk(cluster.data):
+        out += [os.path.join(root, f) for f in files if f.endswith(".seg")]
+    return out
+
+
+def disk_bytes(cluster) -> int:
+    return sum(os.path.getsize(f) for f in seg_files(cluster))
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_soak_small_budget_reads_evicted_range_once_in_order(make_cluster):
+    """3 streams of 80 MiB retention each on brokers with a 32 MiB budget; 160 MB per stream
+    ingested. Each stream's retained suffix is read back exactly once, in order, most of it
+    from backups (evicted), and no broker ever holds more than its budget."""
+    budget = 32 * MiB
+    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)])
+    streams = ["soak-0", "soak-1", "soak-2"]
+    retention = 80 * MiB
+    n = 160_000  # 160 MB of 1000-byte records per stream: 5x the budget each
+
+    async def main():
+        async with open_admin(c.coordinator) as a:
+            await a.create_streams(streams, streamlets=1, replication=3, segment_size=256 << 10,
+                                   group_segments=4, retention_bytes=retention)
+        t0 = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for s in streams:
+                nursery.start_soon(produce, c.coordinator, s, n)
+        ingest = time.monotonic() - t0
+
+        async def settled():  # retention and eviction passes caught up with the ingest
+            async with open_admin(c.coordinator) as a:
+                stats = await a.broker_stats(streams=True)
+            ok = all(sum(e["retained"] for e in b["streams"].values()) <= retention + 2 * MiB
+                     for b in stats)
+            return stats if ok and len(stats) == 3 else None
+
+        stats = await wait_for(settled, "retention to free the oldest segments")
+        t1 = time.monotonic()
+        got = await read_all(c.coordinator, streams)
+        read_s = time.monotonic() - t1
+        async with open_admin(c.coordinator) as a:
+            after = await a.broker_stats()
+        return ingest, stats, got, read_s, after
+
+    ingest, stats, got, read_s, after = trio.run(main)
+    total = 0
+    for s in streams:
+        arr = got[s]
+        assert len(arr), f"{s}: nothing read"
+        first = int(arr[0])
+        # the retained suffix, exactly once and in order
+        assert (arr == np.arange(first, n, dtype=np.uint64)).all(), f"{s}: not the suffix {first}..{n}"
+        assert len(arr) * (SIZE + 64) >= retention, f"{s}: only {len(arr)} records kept"  # + chunk overhead
+        assert len(arr) * SIZE <= retention + 2 * MiB, f"{s}: {len(arr)} records kept, retention is 80 MiB"
+        total += len(arr)
+    for b in stats:
+        assert b["memory"] <= budget, b
+        assert b["evictions"] > 0, "a broker holding more than its budget evicted nothing"
+    tiered = sum(b["tiered_bytes"] for b in after)
+    assert tiered > total * SIZE // 2, "most of the retained range was read back from backups"
+    print(f"\ningested {3 * n * SIZE / MiB:.0f} MiB in {ingest:.1f} s; read {total} records "
+          f"({total * SIZE / MiB:.0f} MiB, {tiered / MiB:.0f} MiB from backups) from earliest in "
+          f"{read_s:.1f} s: {total * SIZE / MiB / read_s:.1f} MiB/s; evictions "
+          f"{sum(b['evictions'] for b in after)}")
