@@ -142,3 +142,107 @@ def test_soak_small_budget_reads_evicted_range_once_in_order(make_cluster):
           f"({total * SIZE / MiB:.0f} MiB, {tiered / MiB:.0f} MiB from backups) from earliest in "
           f"{read_s:.1f} s: {total * SIZE / MiB / read_s:.1f} MiB/s; evictions "
           f"{sum(b['evictions'] for b in after)}")
+
+
+def test_retention_ms_and_delete_free_broker_memory_and_backup_files(make_cluster):
+    """Two idle streams of ~24 MB each on a one-node cluster: lowering one's retention.ms
+    frees its segments (all but the one still open) in the broker; deleting the other frees
+    the rest, and the backup files holding them are deleted. Measured from the broker's RSS
+    and the segment files on disk, with the broker's own accounting beside."""
+    c = make_cluster(1, broker_args=["--vseg-size", str(1 * MiB), "--vlogs", "1"])
+    broker_pid = c.procs["node1-broker"].pid
+    n = 24_000
+
+    async def memory():
+        async with open_admin(c.coordinator) as a:
+            (b,) = await a.broker_stats(streams=True)
+        return b
+
+    async def main():
+        async with open_admin(c.coordinator) as a:
+            await a.create_streams(["keep", "drop"], streamlets=1, replication=1,
+                                   segment_size=256 << 10, group_segments=4)
+        base_rss = rss(broker_pid)
+        await produce(c.coordinator, "drop", n)
+        await produce(c.coordinator, "keep", n)
+        full = await memory()
+        full_rss, full_disk = rss(broker_pid), disk_bytes(c)
+        async with open_admin(c.coordinator) as a:
+            s = await a.alter_stream("keep", retention_ms=500)
+            assert s["retention_ms"] == 500
+            with pytest.raises(InvalidArgument):
+                await a.alter_stream("keep", retention_ms=-5)
+            assert (await a.describe_stream("keep"))["retention_ms"] == 500  # nothing changed
+
+        async def keep_expired():
+            b = await memory()
+            (kept,) = [e for sid, e in b["streams"].items() if e["retained"] < 512 << 10] or [None]
+            return b if kept is not None else None
+
+        expired = await wait_for(keep_expired, "retention.ms to free stream keep")
+        # its files go once the vsegs below them hold nothing live either: stream drop's,
+        # written before into the same vlog, pin them until it is deleted
+        mid_rss = rss(broker_pid)
+        async with open_admin(c.coordinator) as a:
+            await a.delete_stream("drop")
+
+        async def dropped():
+            b = await memory()
+            return b if not b["streams"] or len(b["streams"]) == 1 else None
+
+        gone = await wait_for(dropped, "deletion to free stream drop")
+
+        async def files_gone():  # all but the vsegs holding keep's open segment
+            return disk_bytes(c) < 3 * MiB
+
+        await wait_for(files_gone, "backup files of the freed vsegs to be deleted")
+        return base_rss, full, full_rss, full_disk, expired, mid_rss, gone
+
+    base_rss, full, full_rss, full_disk, expired, mid_rss, gone = trio.run(main)
+    end_rss, end_disk = rss(broker_pid), disk_bytes(c)
+    assert full["memory"] >= 2 * n * SIZE * 0.9
+    assert expired["memory"] < full["memory"] * 0.6, "retention.ms freed little of the broker's memory"
+    assert gone["memory"] <= 2 * (256 << 10), "deletion left segments in the broker's memory"
+    # from the process and the disk, not counters alone
+    assert full_rss - end_rss > n * SIZE, f"broker RSS {full_rss >> 20} -> {end_rss >> 20} MiB"
+    assert full_disk > 2 * n * SIZE * 0.9 and end_disk < 3 * MiB, (full_disk, end_disk)
+    print(f"\nbroker RSS {base_rss / MiB:.0f} MiB empty, {full_rss / MiB:.0f} MiB with 2 x 24 MB, "
+          f"{mid_rss / MiB:.0f} after retention.ms, {end_rss / MiB:.0f} after delete; backup files "
+          f"{full_disk / MiB:.1f} -> {end_disk / MiB:.2f} MiB")
+
+
+def test_reader_before_retained_range_gets_out_of_range_or_resets(make_cluster):
+    """A consumer positioned in freed segments: with auto_offset_reset='none' it gets the
+    typed error; by default it continues at the first retained record."""
+    c = make_cluster(1, broker_args=["--vseg-size", str(256 << 10)])
+
+    async def main():
+        async with open_admin(c.coordinator) as a:
+            await a.create_stream("r", streamlets=1, replication=1, segment_size=64 << 10,
+                                  group_segments=4, retention_bytes=256 << 10)
+        await produce(c.coordinator, "r", 500, step=50)
+        async with open_consumer(["r"], c.coordinator, start="earliest") as early:
+            first = counters((await early.poll_chunks(5.0))[0])
+            saved = early.position()
+        assert first[0] == 0
+        await produce(c.coordinator, "r", 2000, start=500, step=50)
+
+        async def freed():
+            async with open_admin(c.coordinator) as a:
+                (b,) = await a.broker_stats(streams=True)
+            return all(st[1] > 0 or st[0] > 0 for e in b["streams"].values()
+                       for st in e["starts"].values())
+
+        await wait_for(freed, "retention to free the first segments")
+        start = {("r", 0): {"low": saved["r/0"]["low"],
+                            "groups": {int(g): v for g, v in saved["r/0"]["groups"].items()}}}
+        async with open_consumer(["r"], c.coordinator, start=start, auto_offset_reset="none") as strict:
+            with pytest.raises(OutOfRange):
+                await strict.poll_chunks(3.0)
+        async with open_consumer(["r"], c.coordinator, start=start) as lenient:
+            chunks = await lenient.poll_chunks(5.0)
+            assert lenient.resets == 1
+        return counters(chunks[0])
+
+    got = trio.run(main)
+    assert got[0] > 0, "the reset consumer did not skip the freed records"

@@ -78,6 +78,7 @@ class AsyncConsumer:
             raise ValueError("auto_offset_reset must be earliest, latest or none")
         self.auto_offset_reset = auto_offset_reset
         self.resets = 0
+        self._out_of_range: OutOfRange | None = None
         self.pool = pool
         self.coordinator = coordinator
         self.names = list(streams or [])
@@ -166,6 +167,9 @@ class AsyncConsumer:
             async with trio.open_nursery() as n:
                 for addr, sls in by_addr.items():
                     n.start_soon(self._pull, addr, sls, wait, out, stale)
+            if self._out_of_range is not None:  # auto_offset_reset='none'
+                err, self._out_of_range = self._out_of_range, None
+                raise err
             if stale[0]:
                 try:
                     await self._metadata()
@@ -201,8 +205,9 @@ class AsyncConsumer:
             return
         p = self.positions[(s["name"], i)]
         if self.auto_offset_reset == "none":
-            raise OutOfRange(f"stream {s['name']} streamlet {i}: position {p} is before the "
-                             f"retained data")
+            self._out_of_range = OutOfRange(f"stream {s['name']} streamlet {i}: position {p} is "
+                                            f"before the retained data")
+            return
         self.resets += 1
         if self.auto_offset_reset == "latest":
             r, _ = await self.pool.call(s["addrs"][i], "offsets", {"streamlets": [[sid, i]]}, timeout=30)

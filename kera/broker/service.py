@@ -400,6 +400,11 @@ class BrokerService(Service):
                 freed = sl.expired(now)
                 if freed:
                     self._free(freed)
+                if sl.waiting is not None and sl.waiting.vlog is not None:
+                    # expired, but its chunks sit in a vseg still open on an idle vlog: close it
+                    v = sl.waiting.vlog
+                    if v.log.open is not None and v.log.open in sl.waiting.vsegs and v.log.close_open():
+                        v.poke()
         for v in self.vlogs.values():
             if v.log.advance_floor() or v.log.floor > v.trimmed:
                 v.poke()

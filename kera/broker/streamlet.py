@@ -61,6 +61,7 @@ class Streamlet:
         self.filled: deque = deque()  # (group, segment) that take no more chunks, oldest first
         self.freed_bytes = 0     # chunk bytes freed by retention
         self.freed_segments = 0
+        self.waiting = None      # an expired segment whose vsegs are still open (idle vlog)
         self.configure(stream)
 
     def configure(self, stream: dict) -> None:
@@ -88,6 +89,7 @@ class Streamlet:
         whose chunks are settled on the backups go (the others wait for the next pass).
         Returns the segments freed (the caller releases their memory and vsegs)."""
         out = []
+        self.waiting = None
         rb, rm = self.retention_bytes, self.retention_ms
         if rb < 0 and rm < 0:
             return out
@@ -96,7 +98,10 @@ class Streamlet:
             g, seg = self.filled[0]
             old = (rb >= 0 and retained - seg.head >= rb) or \
                 (rm >= 0 and seg.filled_at * 1000 <= now * 1000 - rm)
-            if not old or g.segments[g.start] is not seg or not seg.replicated():
+            if not old or g.segments[g.start] is not seg:
+                break
+            if not seg.replicated():
+                self.waiting = seg
                 break
             self.filled.popleft()
             g.free_front()

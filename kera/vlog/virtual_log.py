@@ -123,6 +123,17 @@ class VirtualLog:
         return vs.frozen and bool(vs.copies) and all(
             c.acked == vs.size and c.closed for c in vs.copies.values())
 
+    def close_open(self) -> bool:
+        """Close the open vseg once its chunks are durable (retention waits on it while the
+        vlog is idle); the next append opens a new one. True if it was closed."""
+        vs = self.open
+        if vs is None or vs.durable < len(vs.refs):
+            return False
+        vs.closed = True
+        self.open = None
+        self.active[vs.id] = vs
+        return True
+
     def advance_floor(self) -> bool:
         """Release the vsegs at the bottom that hold nothing live and are settled; True if the
         floor moved (their backup files may then be deleted). An open vseg whose chunks are
@@ -133,10 +144,8 @@ class VirtualLog:
             vs = self.vsegs[self.floor]
             if vs.live > 0:
                 break
-            if vs is self.open and vs.durable == len(vs.refs):
-                vs.closed = True
-                self.open = None
-                self.active[vs.id] = vs
+            if vs is self.open:
+                self.close_open()
             if not self.done(vs):
                 break
             self.active.pop(vs.id, None)
