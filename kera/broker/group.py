@@ -59,7 +59,7 @@ class Group:
         on every copy: refused with ``DataLoss``, never stored over the hole.
         """
         n = len(self.segments)
-        if n == 0 and segment > 0:
+        if n == 0 and (segment > 0 or offset > 0):
             if offset != 0:
                 # the rest of a segment whose start was freed by retention before the copies of
                 # its first chunks were released: not kept (retention frees whole segments)

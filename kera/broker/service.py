@@ -156,6 +156,7 @@ class BrokerService(Service):
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
+                self._free(sl.expired(time.time(), settled_only=False))
                 if seal:
                     log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
                               s.get("name"), i)

@@ -83,11 +83,13 @@ class Streamlet:
         if self.memory is not None:
             self.memory.filled(seg)
 
-    def expired(self, now: float) -> list:
+    def expired(self, now: float, settled_only: bool = True) -> list:
         """Retention: free whole segments, oldest first, while the rest still holds
         ``retention_bytes`` or while the oldest is older than ``retention_ms``. Only segments
         whose chunks are settled on the backups go (the others wait for the next pass).
-        Returns the segments freed (the caller releases their memory and vsegs)."""
+        Returns the segments freed (the caller releases their memory and vsegs).
+        ``settled_only`` False: a streamlet just recovered drops what its dead broker had
+        freed already (replayed from vsegs shared with live data) before it serves."""
         out = []
         self.waiting = None
         rb, rm = self.retention_bytes, self.retention_ms
@@ -100,7 +102,7 @@ class Streamlet:
                 (rm >= 0 and seg.filled_at * 1000 <= now * 1000 - rm)
             if not old or g.segments[g.start] is not seg:
                 break
-            if not seg.replicated():
+            if settled_only and not seg.replicated():
                 self.waiting = seg
                 break
             self.filled.popleft()
@@ -242,6 +244,8 @@ class Streamlet:
             if slot < self.q and not g.closed:
                 self.active[slot] = g
         self._closed_last()
+        # replayed vlog by vlog: oldest first is group order, not the order they were placed
+        self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
         self.recovering = False
 
     def _closed_last(self) -> None:
