@@ -51,7 +51,7 @@ class Group:
             seg = self._segment()
         return seg, seg.append(chunk)
 
-    def place(self, segment: int, offset: int, chunk) -> Segment | None:
+    def place(self, segment: int, offset: int, chunk, late_start: bool = False) -> Segment | None:
         """Recovery append at a recorded placement; None if already there (a replayed copy).
 
         A group's chunks are replayed in the order they were appended, so a
@@ -59,7 +59,9 @@ class Group:
         on every copy: refused with ``DataLoss``, never stored over the hole.
         """
         n = len(self.segments)
-        if n == 0 and (segment > 0 or offset > 0):
+        # ``late_start`` (the stream has retention): the group's first segments may have been
+        # freed on the dead broker; without retention a late start is a hole like any other
+        if late_start and n == 0 and (segment > 0 or offset > 0):
             if offset != 0:
                 # the rest of a segment whose start was freed by retention before the copies of
                 # its first chunks were released: not kept (retention frees whole segments)

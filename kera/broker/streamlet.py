@@ -196,7 +196,7 @@ class Streamlet:
         if created:
             g = self._new_group(producer % self.q, group)
         try:
-            seg = g.place(segment, offset, chunk)
+            seg = g.place(segment, offset, chunk, self.retention_bytes >= 0 or self.retention_ms >= 0)
         except DataLoss as e:
             if created and not g.segments:  # made for this chunk: leave no trace of it
                 del self.groups[group]
