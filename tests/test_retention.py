@@ -76,7 +76,13 @@ def seg_files(cluster) -> list[str]:
 
 
 def disk_bytes(cluster) -> int:
-    return sum(os.path.getsize(f) for f in seg_files(cluster))
+    total = 0
+    for f in seg_files(cluster):
+        try:
+            total += os.path.getsize(f)
+        except FileNotFoundError:  # deleted by a trim since it was listed
+            pass
+    return total
 
 
 def rss(pid: int) -> int:
