@@ -5,6 +5,7 @@
     python -m bench vlogs [--quick]      # C: V = 1 -> 32 shared vlogs, 128 and 512 streams, R=3
     python -m bench latency [--quick]    # p50/p99 ack latency at half the maximum rate, R=3
     python -m bench metadata [--quick]   # 100k streams: create rate, RSS per stream, fan-out (bench/metadata.py)
+    python -m bench soak [--quick]       # retention: ingest 8 GiB past a 256 MiB broker budget
 
 Each writes bench/results/<experiment>.json and .png and prints a table. Ratios
 compare runs of the same invocation on the same machine, same record size,
@@ -162,8 +163,13 @@ def table(res: dict) -> str:
 
 
 def main() -> None:
+    import sys
+    if sys.argv[1:2] == ["soak"]:  # its own options (bench/soak.py)
+        from .soak import main as soak
+        soak(sys.argv[2:])
+        return
     ap = argparse.ArgumentParser(prog="python -m bench")
-    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency", "metadata"])
+    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency", "metadata", "soak"])
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
     ap.add_argument("--records", type=int, default=0)
     ap.add_argument("--producers", type=int, default=1)

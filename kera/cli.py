@@ -47,7 +47,8 @@ def cmd_stream(args) -> None:
             if args.action == "create":
                 shape = {"streamlets": args.streamlets, "groups": args.groups,
                          "replication": args.replication, "vlogs": args.vlogs,
-                         "segment_size": args.segment_size, "group_segments": args.group_segments}
+                         "segment_size": args.segment_size, "group_segments": args.group_segments,
+                         "retention_bytes": args.retention_bytes, "retention_ms": args.retention_ms}
                 if len(args.name) == 1 and args.count is None:
                     s = await a.create_stream(args.name[0], **shape)
                     print(f"created stream {s['name']}: {s['streamlets']} streamlets, {s['groups']} active "
@@ -66,6 +67,13 @@ def cmd_stream(args) -> None:
                     print(f"{s['name']}\t{s['streamlets']} streamlets\tR={s['replication']}")
             elif args.action == "describe":
                 print(json.dumps(await a.describe_stream(args.name), indent=2))
+            elif args.action == "alter":
+                if args.retention_bytes is None and args.retention_ms is None:
+                    print("error: give --retention-bytes and/or --retention-ms", file=sys.stderr)
+                    sys.exit(2)
+                s = await a.alter_stream(args.name, args.retention_bytes, args.retention_ms)
+                print(f"altered stream {s['name']}: retention.bytes={s.get('retention_bytes', -1)} "
+                      f"retention.ms={s.get('retention_ms', -1)}")
             elif args.action == "delete":
                 await a.delete_stream(args.name)
                 print(f"deleted stream {args.name}")
@@ -208,9 +216,13 @@ def cmd_status(args) -> None:
 
     async def go():
         async with open_admin(_coordinator(args)) as a:
-            return await a.status()
+            st = await a.status()
+            st["broker_stats"] = {b["broker"]: b for b in await a.broker_stats(streams=True, status=st)}
+            st["backup_stats"] = {b["backup"]: b for b in await a.backup_stats(status=st)}
+            names = {s["id"]: s for s in await a.list_streams()} if st["broker_stats"] else {}
+            return st, names
 
-    st = _run(go)
+    st, names = _run(go)
     if args.json:
         print(json.dumps(st, indent=2))
         return
@@ -219,17 +231,44 @@ def cmd_status(args) -> None:
           f"metadata in {c.get('store', '?')}")
     if c.get("standbys"):
         print(f"standby coordinators: {', '.join(c['standbys'])}")
+    mib = 1 << 20
+    per_stream: dict = {}
     for b in st["brokers"]:
         s = b.get("stats") or {}
+        own = st["broker_stats"].get(b["id"]) or {}
+        limit = own.get("memory_limit", s.get("memory_limit", 0))
+        used = own.get("memory", s.get("memory", 0)) / mib
+        mem = f"memory={used:.1f}/{limit / mib:.0f} MiB" if limit else f"memory={used:.1f} MiB (no limit)"
         print(f"broker {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'} "
-              f"streamlets={s.get('streamlets', 0)} chunks={s.get('chunks', 0)} bytes={s.get('bytes', 0)}")
+              f"streamlets={s.get('streamlets', 0)} chunks={s.get('chunks', 0)} bytes={s.get('bytes', 0)} "
+              f"{mem}", end="")
+        print(f" evictions={own.get('evictions', 0)} ({own.get('evicted_bytes', 0) / mib:.1f} MiB) "
+              f"freed={own.get('freed_bytes', 0) / mib:.1f} MiB tiered reads={own.get('tiered_reads', 0)} "
+              f"({own.get('tiered_bytes', 0) / mib:.1f} MiB)")
         for v in s.get("vlogs", []):
             per = v["durable"] / v["rpcs"] if v["rpcs"] else 0.0
             print(f"  vlog {v['vlog']} R={v['replication']}: chunks={v['appended']} rpcs={v['rpcs']} "
                   f"chunks/rpc={per:.1f} lag={v['lag']} vsegs={v['vsegs']} "
-                  f"with R copies={v['fully_replicated']}")
+                  f"with R copies={v['fully_replicated']} released={v.get('released', 0)}")
+        for sid, e in (own.get("streams") or {}).items():
+            t = per_stream.setdefault(int(sid), {"retained": 0, "evicted": 0, "starts": {}})
+            t["retained"] += e["retained"]
+            t["evicted"] += e["evicted"]
+            t["starts"].update(e["starts"])
     for b in st["backups"]:
-        print(f"backup {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'}")
+        own = st["backup_stats"].get(b["id"]) or {}
+        print(f"backup {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'} "
+              f"disk={own.get('disk_bytes', 0) / mib:.1f} MiB in {own.get('segments', 0)} files "
+              f"reclaimed={own.get('reclaimed_bytes', 0) / mib:.1f} MiB")
+    shown = sorted(per_stream.items(), key=lambda kv: names.get(kv[0], {}).get("name", str(kv[0])))
+    for sid, t in shown[:50]:
+        s = names.get(sid, {})
+        starts = " ".join(f"{i}:{g}.{seg}" for i, (g, seg) in sorted(t["starts"].items(), key=lambda x: int(x[0])))
+        print(f"stream {s.get('name', sid)}: retained={t['retained'] / mib:.1f} MiB "
+              f"(evicted {t['evicted'] / mib:.1f}) retention.bytes={s.get('retention_bytes', -1)} "
+              f"retention.ms={s.get('retention_ms', -1)} start(streamlet:group.segment)={starts}")
+    if len(shown) > 50:
+        print(f"... {len(shown) - 50} more streams (--json for all)")
     for r in st.get("recoveries", []):
         print(_recovery_line(r))
 
@@ -330,6 +369,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--vlogs", choices=["shared", "per-stream", "per-group"], default=None)
     c.add_argument("--segment-size", type=int, default=None)
     c.add_argument("--group-segments", type=int, default=None, help="segments per group (G)")
+    for x in (c, al := _client(ssub.add_parser("alter", help="change a stream's retention"))):
+        x.add_argument("--retention-bytes", type=int, default=None, metavar="B",
+                       help="retention.bytes: bytes the stream keeps at least, over all its "
+                            "streamlets; older whole segments are freed (-1: unbounded)")
+        x.add_argument("--retention-ms", type=int, default=None, metavar="MS",
+                       help="retention.ms: segments older than this are freed (-1: unbounded)")
+    al.add_argument("name")
     ls = _client(ssub.add_parser("list"))
     ls.add_argument("pattern", nargs="?", default=None, metavar="PATTERN",
                     help="fnmatch pattern (e.g. 'orders-*'); streams are fetched a page at a time")

@@ -57,6 +57,23 @@ DEFAULTS = {
     "group_segments": 8,
 }
 VLOG_POLICIES = ("shared", "per-stream", "per-group")
+# retention, Kafka's names and meaning (-1: unbounded); the cluster's defaults are the
+# coordinator's --retention-bytes / --retention-ms. retention_bytes is the stream's total.
+RETENTION = {"retention_bytes": "retention.bytes", "retention_ms": "retention.ms"}
+RETENTION_DEFAULTS = {"retention_bytes": -1, "retention_ms": -1}
+
+
+def _retention(spec: dict) -> dict:
+    """The retention settings a spec gives (either spelling), checked: -1 or >= 0."""
+    out = {}
+    for key, kafka in RETENTION.items():
+        v = spec.get(key, spec.get(kafka))
+        if v is None:
+            continue
+        if not isinstance(v, int) or isinstance(v, bool) or v < -1:
+            raise InvalidArgument(f"{kafka} must be an integer >= 0, or -1 for unbounded, not {v!r}")
+        out[key] = v
+    return out
 
 
 def _batches(entries: list) -> list[list]:
@@ -378,6 +395,7 @@ class Coordinator(Service):
         if policy is not None and policy not in VLOG_POLICIES:
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
         cfg["vlogs"] = policy
+        cfg.update({**getattr(self, "retention_defaults", RETENTION_DEFAULTS), **_retention(spec)})
         if spec.get("replication") is None:
             cfg["replication"] = min(cfg["replication"], max(1, nodes))
         if cfg["replication"] > nodes:
@@ -554,6 +572,32 @@ class Coordinator(Service):
                 n.start_soon(one, bid, epoch)
         return {"deleted": s["name"]}
 
+    async def rpc_alter_stream(self, meta, payload):
+        """Change a stream's retention (``retention_bytes`` / ``retention_ms``, or Kafka's
+        dotted names): persisted, then pushed to the brokers owning its streamlets, which
+        apply it at their next reclaim pass. Refused as a whole if any value is invalid."""
+        s = self._stream(meta.get("name"))
+        changes = _retention(meta)
+        if not changes:
+            raise InvalidArgument("alter_stream needs retention_bytes and/or retention_ms")
+        for key, v in changes.items():
+            self.log.set(("streams", s["name"], key), v)
+        await self.commit()
+
+        async def one(bid, epoch):
+            m = self.live_broker(bid, epoch)
+            if m is not None:
+                try:
+                    await self.pool.call(m.addr, "configure", {"epoch": m.epoch, "stream": s}, timeout=10)
+                except KeraError as e:  # it gets the stream again with its next assign
+                    log.warning("configure on broker %d failed: %s", bid, e)
+
+        async with trio.open_nursery() as n:
+            for bid, epoch in {tuple(o) for o in s["owners"]}:
+                n.start_soon(one, bid, epoch)
+        log.info("stream %s: %s", s["name"], changes)
+        return {"stream": self._describe(s)}
+
     async def rpc_producer_id(self, meta, payload):
         pid = self._take("next_producer_id")
         await self.commit()
@@ -672,10 +716,16 @@ def main(argv=None) -> None:
                          "only while elected there (default: a log in --data)")
     ap.add_argument("--advertise", default="", help="HOST:PORT others reach this coordinator at "
                     "(default: --host:--port)")
+    ap.add_argument("--retention-bytes", type=int, default=-1,
+                    help="default retention.bytes of new streams (-1: unbounded)")
+    ap.add_argument("--retention-ms", type=int, default=-1,
+                    help="default retention.ms of new streams (-1: unbounded)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
     coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr)
+    coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,
+                                           "retention_ms": args.retention_ms})
 
     async def run():
         async with trio.open_nursery() as n:

@@ -152,12 +152,22 @@ class DataLoss(KeraError):
     code = "data_loss"
 
 
+class OutOfRange(KeraError):
+    """A reader's position is before the start of what is retained (expired or deleted
+    segments): it may restart from the earliest retained position (Kafka's
+    ``auto.offset.reset``). ``starts`` (when sent) maps each retained group to its first
+    position and ``first`` is the lowest group still held."""
+
+    code = "out_of_range"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in [
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
         LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
-        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader, DataLoss, Conflict,
+        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader,
+        DataLoss, Conflict, OutOfRange,
     ]
 }
 

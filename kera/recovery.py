@@ -211,11 +211,14 @@ class RecoveryManager:
         # 3. what the backups hold of this incarnation; one that does not answer fails this
         # attempt: it may hold the only intact copy
         listings: dict[int, list] = {}
+        floors: dict[int, int] = {}  # vlog -> vsegs below were released by the broker (retention)
         for b in backups:
             r = await self._call(b.addr, "list", {"broker": rec.broker}, timeout=10)
             listings[b.id] = r["segments"]
+            for _, vlog, floor in r.get("floors") or []:
+                floors[vlog] = max(floors.get(vlog, 0), floor)
         addrs = {b.id: b.addr for b in backups}
-        replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec))
+        replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
         routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]
         rec.vlogs = len(replay_plan.vlogs)
         rec.total = replay_plan.total_bytes

@@ -13,6 +13,9 @@ Pure decisions (no I/O, no trio, no clock), driven by ``kera.recovery``:
   corrupt chunk; the next step continues at the offset where it stopped,
   from whichever copy holds the next bytes intact (spreading steps over
   backups so that many read at once).
+- Where a log starts: at vseg 0, or at the *floor* the broker recorded on
+  the backups when retention released the vsegs below it (nothing in them
+  was live; their files are deleted), so those are not holes.
 - Where a log ends: after the last vseg, when no copy holds the next chunk
   intact, when a vseg id is missing (ids start at 0 and have no holes), or
   when the new owner refuses a chunk (a hole in its group). Everything from
@@ -145,21 +148,29 @@ class _Vlog:
     steps: int = 0
     corrupt_steps: int = 0
     failed_steps: int = 0
+    floor: int = 0     # the vsegs below were released by the broker
 
 
 class RecoveryPlan:
     """The replay plan of one dead incarnation (broker, epoch), all of its vlogs."""
 
     def __init__(self, broker: int, epoch: int, listings: Mapping[int, Iterable[dict]],
-                 expected: Iterable[int] = ()):
+                 expected: Iterable[int] = (), floors: Mapping[int, int] | None = None):
         """``expected``: vlogs known to hold durable chunks (the broker said so while alive);
-        one that no backup listed has lost everything, rather than never existed."""
+        one that no backup listed has lost everything, rather than never existed.
+        ``floors``: per vlog, the vsegs below it were released (retention), not lost."""
         self.broker, self.epoch = broker, epoch
+        floors = {v: f for v, f in (floors or {}).items() if v >> 32 == epoch and f > 0}
         self._vlogs: dict[int, _Vlog] = {v: _Vlog(v, {}) for v in expected if v >> 32 == epoch}
+        for v, f in floors.items():
+            self._vlogs.setdefault(v, _Vlog(v, {})).vseg = f
+            self._vlogs[v].floor = f
         for backup, segments in sorted(listings.items()):
             for sg in segments:
                 if sg["broker"] != broker or sg["vlog"] >> 32 != epoch:
                     continue
+                if int(sg["vseg"]) < floors.get(sg["vlog"], 0):
+                    continue  # released: its file is on its way out
                 regions = sorted((int(c["offset"]), int(c["offset"]) + int(c["length"]))
                                  for c in sg.get("corrupt") or [])
                 copy = _Copy(backup, int(sg["length"]), int(sg.get("chunks", 0)),
@@ -199,6 +210,9 @@ class RecoveryPlan:
         while True:
             copies = v.vsegs.get(v.vseg)
             if copies is None:
+                if not v.vsegs and v.floor and v.vseg == v.floor:
+                    v.outcome = Done(vlog, v.floor, 0, False)  # everything in it was released
+                    return v.outcome
                 if not v.vsegs:
                     return self._truncate(v, "missing", "no copy of any of its vsegs")
                 if any(s > v.vseg for s in v.vsegs):

@@ -79,6 +79,13 @@ class AsyncAdmin:
             await send()
         return out
 
+    async def alter_stream(self, name: str, retention_bytes: int | None = None,
+                           retention_ms: int | None = None) -> dict:
+        """Change a stream's retention (Kafka's retention.bytes / retention.ms; -1 unbounded)."""
+        extra = {k: v for k, v in (("retention_bytes", retention_bytes),
+                                   ("retention_ms", retention_ms)) if v is not None}
+        return (await self.call("alter_stream", name=name, **extra))["stream"]
+
     async def list_streams(self, pattern: str | None = None) -> list[dict]:
         """Every stream matching ``pattern`` (fnmatch; all if None), in name order."""
         return [s async for s in self.iter_streams(pattern)]
@@ -104,14 +111,22 @@ class AsyncAdmin:
     async def status(self) -> dict:
         return await self.call("status")
 
-    async def broker_stats(self) -> list[dict]:
-        """Every live broker's own counters (chunks, bytes, memory, per-vlog replication),
-        asked of the brokers themselves; one that does not answer is left out."""
+    async def broker_stats(self, streams: bool = False, status: dict | None = None) -> list[dict]:
+        """Every live broker's own counters (chunks, bytes, memory, evictions, per-vlog
+        replication; with ``streams``, retained bytes and start per stream), asked of the
+        brokers themselves; one that does not answer is left out."""
+        return await self._member_stats("brokers", {"streams": streams}, status)
+
+    async def backup_stats(self, status: dict | None = None) -> list[dict]:
+        """Every live backup's own counters (disk used, reclaimed, reads)."""
+        return await self._member_stats("backups", {}, status)
+
+    async def _member_stats(self, role: str, meta: dict, status: dict | None) -> list[dict]:
         out = []
-        for b in (await self.status())["brokers"]:
+        for b in (status or await self.status())[role]:
             if b["alive"]:
                 try:
-                    r, _ = await self.pool.call(b["addr"], "stats", {}, timeout=self.timeout)
+                    r, _ = await self.pool.call(b["addr"], "stats", meta, timeout=self.timeout)
                 except KeraError:
                     continue
                 out.append(r)

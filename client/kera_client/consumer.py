@@ -5,6 +5,13 @@ below ``low`` are read to their end, a group absent from ``groups`` is read
 from its start, and ``pos`` packs (segment << 32 | offset), or -1 once a
 closed group was read to its end. Positions are what the broker wrote in the
 chunk headers, so they stay valid when a streamlet is recovered elsewhere.
+
+Retention frees old segments: a position before what a broker still holds
+is answered ``out_of_range``, and ``auto_offset_reset`` (Kafka's
+``auto.offset.reset``) says what then: ``earliest`` (default) moves the
+groups concerned to their first retained position (a group freed entirely
+is skipped), ``latest`` to the durable end, ``none`` raises ``OutOfRange``.
+``resets`` counts how often it happened.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera.coordinator_link import CoordinatorLink
-from kera.errors import KeraError, UnknownStream
+from kera.errors import KeraError, OutOfRange, UnknownStream
 from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
 
@@ -75,9 +82,14 @@ def _compact(p: dict) -> None:
 class AsyncConsumer:
     def __init__(self, pool, coordinator: str, streams=None, pattern: str | None = None,
                  start="earliest", group: str | None = None, max_bytes: int = 8 << 20,
-                 max_wait_ms: int = 200):
+                 max_wait_ms: int = 200, auto_offset_reset: str = "earliest"):
         if not streams and not pattern:
             raise ValueError("give streams or a pattern")
+        if auto_offset_reset not in ("earliest", "latest", "none"):
+            raise ValueError("auto_offset_reset must be earliest, latest or none")
+        self.auto_offset_reset = auto_offset_reset
+        self.resets = 0
+        self._out_of_range: OutOfRange | None = None
         self.pool = pool
         self.coordinator = CoordinatorLink(pool, coordinator)
         self.names = list(streams or [])
@@ -194,6 +206,9 @@ class AsyncConsumer:
             async with trio.open_nursery() as n:
                 for addr, sls in by_addr.items():
                     n.start_soon(self._pull, addr, sls, wait, out, stale)
+            if self._out_of_range is not None:  # auto_offset_reset='none'
+                err, self._out_of_range = self._out_of_range, None
+                raise err
             if stale[0]:
                 try:
                     await self._metadata()
@@ -217,7 +232,36 @@ class AsyncConsumer:
             return
         if r["errors"]:
             stale[0] = True
+            for e in r["errors"]:
+                if len(e) > 3 and e[2] == OutOfRange.code:
+                    await self._reset(e[0], e[1], e[3])
         self._absorb(r["entries"], payload, out)
+
+    async def _reset(self, sid: int, i: int, starts: dict) -> None:
+        """Our position in a streamlet was freed by retention (``auto_offset_reset``)."""
+        s = self.by_id.get(sid)
+        if s is None:
+            return
+        p = self.positions[(s["name"], i)]
+        if self.auto_offset_reset == "none":
+            self._out_of_range = OutOfRange(f"stream {s['name']} streamlet {i}: position {p} is "
+                                            f"before the retained data")
+            return
+        self.resets += 1
+        if self.auto_offset_reset == "latest":
+            r, _ = await self.pool.call(s["addrs"][i], "offsets", {"streamlets": [[sid, i]]}, timeout=30)
+            for _, _, low, pos in r["offsets"]:
+                self.positions[(s["name"], i)] = {"low": low, "groups": dict(pos)}
+            return
+        held = {int(g): v for g, v in starts["groups"].items()}
+        for g, v in list(p["groups"].items()):
+            if v == DONE:
+                continue
+            if g not in held:
+                p["groups"][g] = DONE  # freed entirely
+            elif v < held[g]:
+                p["groups"][g] = held[g]
+        _compact(p)
 
     def _absorb(self, entries, payload, out) -> None:
         at = 0

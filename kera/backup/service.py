@@ -35,9 +35,9 @@ import sys
 
 import trio
 
-from .. import limits
+from .. import limits, metafile
 from ..coordinator_link import CoordinatorLink
-from ..errors import BackupError, InvalidArgument, KeraError
+from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError
 from ..rpc import Service, open_pool
 from . import disk, segment_file
 from .membership import load_id, run_membership
@@ -50,6 +50,7 @@ from .store import MAX_SEGMENT_BYTES as MAX_SEGMENT_BYTES
 log = logging.getLogger("kera.backup")
 
 SEGMENTS_DIR = "segments"
+FLOORS_FILE = "floors.meta"    # (broker, vlog) -> vsegs below were released by their broker
 MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
 _U63 = 1 << 63
@@ -98,7 +99,8 @@ class BackupService(Service):
         self.stopping = False
         self.counters = dict.fromkeys(
             ("replicate_rpcs", "chunks", "bytes_received", "duplicates", "bytes_flushed", "fsyncs",
-             "errors", "write_errors", "reads", "bytes_read", "drops"), 0)
+             "errors", "write_errors", "reads", "bytes_read", "drops", "trims", "tiered_reads",
+             "tiered_bytes"), 0)
         self._io: trio.Lock | None = None
         self._kick: trio.Event | None = None
         self._round_done: trio.Event | None = None
@@ -112,6 +114,7 @@ class BackupService(Service):
         """Reload DIR, serve, flush; returns after ``stop()`` with everything fsynced."""
         self._io, self._kick, self._round_done = trio.Lock(), trio.Event(), trio.Event()
         self._stop, self.registered = trio.Event(), trio.Event()
+        self._floors_lock = trio.Lock()
         await self.reload()
         async with open_pool() as pool, trio.open_nursery() as nursery:
             self.pool = pool
@@ -154,6 +157,20 @@ class BackupService(Service):
             self.store.load(rep, ld.file_size)
         if loaded:
             log.info("reloaded %d segment files (%d bytes)", len(loaded), self.store.committed)
+        floors = await trio.to_thread.run_sync(metafile.load, os.path.join(self.dir, FLOORS_FILE), [])
+        for b, v, f in floors:
+            self.store.raise_floor(b, v, f)
+        for rep in self.store.below_floor():  # released before a crash, not yet deleted
+            await self._release(rep)
+
+    async def _release(self, rep: Replica) -> int:
+        """Delete the file of a released vseg; the bytes it took."""
+        size = rep.budget
+        if self.store.drop(rep.key) is None:
+            return 0
+        await self._unlink(rep)
+        self.store.reclaimed += size
+        return size
 
     def holds(self) -> list[list]:
         return self.store.holds()
@@ -306,7 +323,60 @@ class BackupService(Service):
     # -- list / read / drop / stats ------------------------------------------
 
     def rpc_list(self, meta: dict, payload):
-        return {"backup": self.id, "segments": self.store.listing(meta.get("broker"))}
+        b = meta.get("broker")
+        return {"backup": self.id, "segments": self.store.listing(b), "floors": self.store.floor_list(b)}
+
+    async def rpc_trim(self, meta: dict, payload):
+        """The broker released the vsegs of a vlog below ``floor`` (nothing live in them):
+        the floor is recorded first (a recovery then knows they are not lost), then their
+        files are deleted."""
+        b, v, floor = _uint(meta, "broker"), _uint(meta, "vlog"), _uint(meta, "floor")
+        self.counters["trims"] += 1
+        if self.store.raise_floor(b, v, floor):
+            body = self.store.floor_list()
+            async with self._floors_lock:
+                await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, FLOORS_FILE), body)
+        freed = 0
+        for rep in self.store.below_floor(b, v):
+            freed += await self._release(rep)
+        return {"bytes": freed}
+
+    def rpc_read_chunks(self, meta: dict, payload):
+        """Chunks of one replica by [offset, size] (a broker reading back an evicted segment):
+        each verified again when it comes from the file; a corrupt one is never served."""
+        rep = self.store.get(_key(meta))
+        ranges = self.store.chunk_ranges(rep, meta.get("ranges"))
+        self.counters["tiered_reads"] += 1
+        if all(off >= rep.mem_base for off, _ in ranges):
+            parts = [p for off, size in ranges for p in rep.memory_parts(off, off + size)]
+            self.counters["tiered_bytes"] += sum(size for _, size in ranges)
+            return {"chunks": len(ranges)}, parts
+        return self._read_chunks_file(rep, ranges)
+
+    async def _read_chunks_file(self, rep: Replica, ranges):
+        def work():
+            out = []
+            for off, size in ranges:
+                data, bad = disk.read_verified(rep.path, off, off + size, [off], [off + size])
+                if bad is not None:
+                    return out, bad
+                out.append(data)
+            return out, None
+
+        async with self._io:
+            if rep.dropped:
+                raise BackupError(f"replica {rep.key} was dropped")
+            try:
+                parts, bad = await trio.to_thread.run_sync(work)
+            except OSError as e:
+                raise BackupError(f"reading replica {rep.key}: {e}") from None
+        if bad is not None:
+            off, size, reason = bad
+            log.error("replica %s: chunk at %d failed verification: %s; never served", rep.key, off, reason)
+            rep.mark_corrupt(off, size, reason)
+            raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+        self.counters["tiered_bytes"] += sum(len(p) for p in parts)
+        return {"chunks": len(parts)}, parts
 
     def rpc_read(self, meta: dict, payload):
         key = _key(meta)
@@ -393,7 +463,7 @@ class BackupService(Service):
         s = self.store
         return {"backup": self.id, **self.counters, "segments": len(s.replicas),
                 "memory_bytes": s.memory, "unflushed_bytes": s.unflushed,
-                "disk_bytes": s.committed, "disk_error": s.disk_error}
+                "disk_bytes": s.committed, "disk_error": s.disk_error, "reclaimed_bytes": s.reclaimed}
 
 
 # -- command line ----------------------------------------------------------------

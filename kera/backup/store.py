@@ -24,7 +24,14 @@ from typing import NamedTuple
 
 from .. import chunk as chunkfmt
 from .. import limits
-from ..errors import BackupError, ChecksumError, Fenced, InvalidArgument, ProtocolError
+from ..errors import (
+    BackupError,
+    ChecksumError,
+    Fenced,
+    InvalidArgument,
+    LimitExceeded,
+    ProtocolError,
+)
 from . import segment_file
 from .replica import Replica
 
@@ -102,6 +109,47 @@ class BackupStore:
         self.committed = 0    # bytes the segment files will take (checked against max_bytes)
         self.unflushed = 0    # accepted bytes not yet written
         self.memory = 0       # payload bytes held in memory
+        self.floors: dict[tuple[int, int], int] = {}  # (broker, vlog) -> vsegs below were released
+        self.reclaimed = 0    # file bytes deleted because their vsegs were released
+
+    # -- released vsegs ---------------------------------------------------------------------
+
+    def raise_floor(self, broker: int, vlog: int, floor: int) -> bool:
+        """The broker released every vseg of ``vlog`` below ``floor``; True if that is news."""
+        if floor <= self.floors.get((broker, vlog), 0):
+            return False
+        self.floors[(broker, vlog)] = floor
+        return True
+
+    def below_floor(self, broker: int | None = None, vlog: int | None = None) -> list[Replica]:
+        """Replicas of released vsegs: their files are to be deleted."""
+        return [r for (b, v, s), r in self.replicas.items()
+                if (broker is None or (b == broker and v == vlog)) and s < self.floors.get((b, v), 0)]
+
+    def floor_list(self, broker: int | None = None) -> list[list[int]]:
+        return [[b, v, f] for (b, v), f in sorted(self.floors.items()) if broker is None or b == broker]
+
+    def chunk_ranges(self, rep: Replica, ranges) -> list[tuple[int, int]]:
+        """Validate ``ranges`` ([[offset, size], ...]): each exactly one good chunk of ``rep``,
+        all together at most a read reply (or one chunk)."""
+        if not isinstance(ranges, list) or not ranges:
+            raise InvalidArgument("read_chunks needs ranges [[offset, size], ...]")
+        out, total = [], 0
+        for r in ranges:
+            if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int and x >= 0 for x in r)):
+                raise InvalidArgument("a range is [offset, size]")
+            off, size = r
+            i = bisect_left(rep.starts, off)
+            if i < len(rep.corrupt_starts) and off in rep.corrupt_starts:
+                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt; never served")
+            if i >= len(rep.starts) or rep.starts[i] != off or rep.ends[i] != off + size:
+                raise InvalidArgument(f"replica {rep.key}: [{off}, {off + size}) is not a chunk")
+            out.append((off, size))
+            total += size
+        if total > limits.MAX_READ and len(out) > 1:
+            raise LimitExceeded(f"read_chunks of {total} bytes exceeds MAX_READ", limit="MAX_READ",
+                                bound=limits.MAX_READ, size=total)
+        return out
 
     def path_for(self, key: Key) -> str:
         return os.path.join(self.segdir, segment_file.file_name(*key))

@@ -1,7 +1,9 @@
 """Group: a sub-partition of a streamlet, made of up to G segments.
 
 An active group accepts appends; once its G-th segment is full it closes and
-becomes immutable. A consumer position in a group is (segment, offset),
+becomes immutable. Retention frees a group's oldest segments whole: ``start``
+is its first segment still held, and a reader positioned before it gets
+``OutOfRange``. A consumer position in a group is (segment, offset),
 packed in one int (``kera.position``). The same placement is written in
 every chunk header, so positions survive recovery.
 """
@@ -10,13 +12,14 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-from ..errors import DataLoss
+from ..errors import DataLoss, OutOfRange
 from ..position import DONE, pack, unpack
 from .segment import Segment
 
 
 class Group:
-    __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed", "vlog", "memory")
+    __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed", "vlog", "memory",
+                 "start", "on_filled")
 
     def __init__(self, id: int, slot: int, segment_size: int, max_segments: int, memory=None):
         self.id = id
@@ -27,6 +30,12 @@ class Group:
         self.closed = False
         self.vlog = None  # the virtual log its chunks go to (one per group, fixed once chosen)
         self.memory = memory  # the broker's budget, charged for every segment allocated
+        self.start = 0        # segments below were freed by retention
+        self.on_filled = None  # called with (group, segment) when a segment takes no more chunks
+
+    def _filled(self, seg: Segment) -> None:
+        if self.on_filled is not None:
+            self.on_filled(self, seg)
 
     def append(self, chunk) -> tuple[Segment, int] | None:
         """Append one chunk; None if the group is full (it is then closed)."""
@@ -35,11 +44,14 @@ class Group:
         if seg is None or seg.room() < n:
             if len(self.segments) >= self.max_segments:
                 self.closed = True
+                self._filled(seg)
                 return None
+            if seg is not None:
+                self._filled(seg)
             seg = self._segment()
         return seg, seg.append(chunk)
 
-    def place(self, segment: int, offset: int, chunk) -> Segment | None:
+    def place(self, segment: int, offset: int, chunk, late_start: bool = False) -> Segment | None:
         """Recovery append at a recorded placement; None if already there (a replayed copy).
 
         A group's chunks are replayed in the order they were appended, so a
@@ -47,6 +59,16 @@ class Group:
         on every copy: refused with ``DataLoss``, never stored over the hole.
         """
         n = len(self.segments)
+        # ``late_start`` (the stream has retention): the group's first segments may have been
+        # freed on the dead broker; without retention a late start is a hole like any other
+        if late_start and n == 0 and (segment > 0 or offset > 0):
+            if offset != 0:
+                # the rest of a segment whose start was freed by retention before the copies of
+                # its first chunks were released: not kept (retention frees whole segments)
+                return None
+            # the first segment retained: the ones before it were freed on the dead broker
+            self.segments = [Segment.gone(i) for i in range(segment)]
+            self.start = n = segment
         head = self.segments[segment].head if segment < n else 0
         if segment < n and offset < head:
             return None
@@ -59,6 +81,8 @@ class Group:
             err.group, err.segment, err.offset = self.id, segment, offset
             raise err
         if segment == n:
+            if n > self.start:
+                self._filled(self.segments[-1])
             self._segment()
         seg = self.segments[segment]
         seg.append(chunk)
@@ -71,10 +95,24 @@ class Group:
         self.segments.append(seg)
         return seg
 
+    def free_front(self) -> Segment:
+        """Retention: the oldest segment held goes (the caller frees its bytes)."""
+        seg = self.segments[self.start]
+        self.start += 1
+        return seg
+
+    def gone(self) -> bool:
+        """Closed and every segment freed: nothing of it is left to read."""
+        return self.closed and self.start >= len(self.segments)
+
+    def first(self) -> int:
+        """The first position still held."""
+        return pack(self.start, 0)
+
     def durable_end(self) -> int:
         """Just past the durable prefix: never ahead of a segment whose tail is not durable yet
         (a new last segment with durable 0 must not vouch for the end of the one before)."""
-        for seg in self.segments:
+        for seg in self.segments[self.start:]:
             if seg.durable < seg.head:
                 return pack(seg.id, seg.durable)
         if not self.segments:
@@ -104,6 +142,10 @@ class Group:
         when the group is finished and fully read.
         """
         si, off = unpack(pos)
+        if si < self.start:
+            err = OutOfRange(f"group {self.id} position {si}:{off} is before its first retained "
+                             f"segment {self.start}")
+            raise err
         while si < len(self.segments):
             seg = self.segments[si]
             n = seg.readable(off, max_bytes)

@@ -1,27 +1,90 @@
-"""MemoryBudget: the bound on what a broker's segments may take.
+"""MemoryBudget: the bound on what a broker's segments may take, and eviction.
 
 Segments are charged at their full capacity when allocated (an mmap costs
-address space, and will cost pages as it fills); a stream's segments are
-credited back when it leaves the broker. Past the budget, appends that need
-a new segment are refused with a typed error instead of growing without
-bound.
+address space, and will cost pages as it fills) and credited back when they
+are evicted, freed by retention, or their stream leaves the broker.
+
+Brokers are a cache of the recent data: a segment that takes no more chunks
+(*filled*) and whose chunks are settled on their backups (every vseg holding
+them closed and on all its copies) may be *evicted*: its buffer is dropped,
+only its index stays (per chunk: vseg id and offset), and reads of it are
+served from a backup's copy (``kera.broker.tiered``). Eviction takes the
+oldest filled segments first. A new segment is refused (``BrokerFull``) only
+when the budget is spent and nothing in memory can be evicted, i.e. all of it
+still waits for replication.
 """
 
 from __future__ import annotations
 
+import os
+from collections import OrderedDict
+
 from ..errors import BrokerFull
+
+LOW_WATER = 0.85   # the background pass evicts down to this fraction of the budget
+SLACK = 1 / 32     # an eviction on the allocation path frees this much of the budget more
+
+
+def default_budget() -> int:
+    """A quarter of the machine's physical memory (``--memory`` overrides it; 0: no limit)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
 
 
 class MemoryBudget:
     def __init__(self, limit: int):
         self.limit = limit  # bytes; 0: no limit
         self.used = 0
+        self.resident: OrderedDict = OrderedDict()  # filled segments still in memory, oldest first
+        self.evictions = 0       # segments evicted, ever
+        self.evicted_bytes = 0   # their chunk bytes
 
     def reserve(self, n: int) -> None:
         if self.limit and self.used + n > self.limit:
-            raise BrokerFull(f"broker memory budget of {self.limit} bytes is spent "
-                             f"({self.used} in segments); no new segment")
+            self.evict(self.used + n - self.limit + int(self.limit * SLACK))
+            if self.used + n > self.limit:
+                raise BrokerFull(f"broker memory budget of {self.limit} bytes is spent "
+                                 f"({self.used} in segments, none of them replicated yet); "
+                                 f"no new segment")
         self.used += n
 
     def release(self, n: int) -> None:
         self.used = max(0, self.used - n)
+
+    def filled(self, seg) -> None:
+        """``seg`` takes no more chunks: a candidate for eviction once replicated."""
+        if seg.buf is not None:
+            self.resident[seg] = None
+
+    def evict(self, need: int) -> int:
+        """Evict the oldest replicated filled segments until ``need`` bytes are released."""
+        freed = 0
+        for seg in list(self.resident):
+            if freed >= need:
+                break
+            if not seg.replicated():
+                continue
+            del self.resident[seg]
+            for vs in seg.vsegs:
+                vs.frozen = True  # its bytes are not all in memory any more
+            seg.evicted = True
+            seg.drop_buffer()
+            self.used -= seg.capacity
+            freed += seg.capacity
+            self.evictions += 1
+            self.evicted_bytes += seg.head
+        return freed
+
+    def relieve(self) -> int:
+        """The background pass: down to the low-water mark, so allocations rarely wait on it."""
+        if not self.limit or self.used <= self.limit * LOW_WATER:
+            return 0
+        return self.evict(self.used - int(self.limit * LOW_WATER))
+
+    def free(self, seg) -> None:
+        """``seg`` is gone for good (retention, deletion): its memory, if it still has any."""
+        self.resident.pop(seg, None)
+        if not seg.evicted and seg.capacity:
+            self.release(seg.capacity)

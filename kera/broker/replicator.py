@@ -26,8 +26,13 @@ class Replicator:
     """A broker's virtual log with its replication task."""
 
     def __init__(self, vlog: VirtualLog, pool: Pool, identity: Callable[[], tuple[int, int]],
-                 addr_of: Callable[[int], str], on_durable: Callable[[], None]):
+                 addr_of: Callable[[int], str], on_durable: Callable[[], None],
+                 live_backups: Callable[[], list] = list):
         self.log = vlog
+        self.live_backups = live_backups  # [(backup id, addr)]: where released vsegs are trimmed
+        self.trimmed = 0      # floor every live backup was told of
+        self.trimming = False
+        self.reclaimed = 0    # file bytes backups reported deleted for this vlog
         self.pool = pool
         self.identity = identity      # (broker id, epoch) named in every replicate
         self.addr_of = addr_of        # backup id -> address
@@ -41,8 +46,39 @@ class Replicator:
 
     def append(self, segment, offset: int, length: int, body_checksum: int) -> int:
         idx = self.log.append(segment, offset, length, body_checksum)
+        vs = self.log.open
+        segment.noted(self, vs, vs.size - length)  # where a backup will hold it
         self.wake.set()
         return idx
+
+    async def _trim(self) -> None:
+        """Tell every live backup that this vlog's vsegs below the floor hold nothing live:
+        each records the floor (so a recovery knows they were released, not lost) and
+        deletes its files of them. Retried after a failure."""
+        floor = self.log.floor
+        broker, _ = self.identity()
+        ok = [True]
+
+        async def one(addr):
+            try:
+                r, _ = await self.pool.call(addr, "trim", {"broker": broker, "vlog": self.log.id,
+                                                           "floor": floor}, timeout=self.log.timeout)
+                self.reclaimed += int(r.get("bytes", 0))
+            except KeraError as e:
+                ok[0] = False
+                log.info("vlog %d: trim to vseg %d on %s failed: %s", self.log.id, floor, addr, e)
+
+        try:
+            async with trio.open_nursery() as n:
+                for _, addr in self.live_backups():
+                    n.start_soon(one, addr)
+            if ok[0]:
+                self.trimmed = max(self.trimmed, floor)
+            else:
+                await trio.sleep(1.0)
+        finally:
+            self.trimming = False
+            self.wake.set()
 
     async def wait_durable(self, index: int) -> None:
         while self.log.durable < index:
@@ -65,6 +101,9 @@ class Replicator:
                 await trio.sleep(0)
                 for s in self.log.poll(trio.current_time()):
                     nursery.start_soon(self._send, s)
+                if self.log.floor > self.trimmed and not self.trimming:
+                    self.trimming = True
+                    nursery.start_soon(self._trim)
                 if self.log.fenced:
                     raise Fenced(f"vlog {self.log.id}: a backup says this incarnation is fenced")
                 deadline = self.log.next_deadline(trio.current_time())

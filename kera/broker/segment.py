@@ -3,16 +3,23 @@
 Backed by an anonymous mmap, so capacity costs address space only until it
 is written: idle streams stay cheap. ``head`` is where the next chunk goes,
 ``durable`` how far chunks are on all copies (consumers stop there).
+
+Each chunk also records where its vlog put it (virtual segment id, byte
+offset there): once the segment is full and its virtual segments are fully
+replicated, the buffer can be *evicted* and the chunks read back from a
+backup's copy (``kera.broker.tiered``), or *freed* for good by retention.
 """
 
 from __future__ import annotations
 
 import mmap
+from array import array
 from bisect import bisect_right
 
 
 class Segment:
-    __slots__ = ("id", "capacity", "buf", "view", "head", "durable", "ends")
+    __slots__ = ("id", "capacity", "buf", "view", "head", "durable", "ends", "vlog", "vsegs",
+                 "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed")
 
     def __init__(self, id: int, capacity: int):
         self.id = id
@@ -22,6 +29,24 @@ class Segment:
         self.head = 0
         self.durable = 0
         self.ends: list[int] = []  # end offset of each chunk, to cut reads at chunk boundaries
+        self.vlog = None           # the replicator its chunks went to (one per group)
+        self.vsegs: list = []      # the distinct virtual segments holding its chunks, in order
+        self.vseg_ids = array("Q")   # per chunk: its virtual segment id ...
+        self.vseg_offs = array("Q")  # ... and byte offset there (where a backup holds it)
+        self.filled_at = 0.0       # wall time it stopped taking chunks (retention.ms)
+        self.evicted = False       # buffer dropped, chunks on backups only
+        self.freed = False         # retention or deletion: gone for good
+
+    @classmethod
+    def gone(cls, id: int) -> Segment:
+        """A placeholder for a segment freed before this broker held its group (recovery)."""
+        seg = cls.__new__(cls)
+        seg.id, seg.capacity, seg.buf, seg.view = id, 0, None, None
+        seg.head = seg.durable = 0
+        seg.ends, seg.vlog, seg.vsegs = [], None, []
+        seg.vseg_ids, seg.vseg_offs = array("Q"), array("Q")
+        seg.filled_at, seg.evicted, seg.freed = 0.0, False, True
+        return seg
 
     def room(self) -> int:
         return self.capacity - self.head
@@ -35,6 +60,28 @@ class Segment:
         self.head = end
         self.ends.append(end)
         return off
+
+    def noted(self, vlog, vs, vseg_offset: int) -> None:
+        """Where the vlog put the chunk just appended (O(1); one new entry per new vseg)."""
+        self.vlog = vlog
+        if not self.vsegs or self.vsegs[-1] is not vs:
+            self.vsegs.append(vs)
+            vs.live += 1
+        self.vseg_ids.append(vs.id)
+        self.vseg_offs.append(vseg_offset)
+
+    def replicated(self) -> bool:
+        """Every vseg holding its chunks is closed and on all its copies: the bytes are safe
+        on the backups and no re-replication will need them from here."""
+        v = self.vlog
+        return v is not None and self.durable == self.head and all(
+            vs.closed and v.log.done(vs) for vs in self.vsegs)
+
+    def drop_buffer(self) -> None:
+        """Forget the bytes (slices still out, e.g. in a reply being sent, keep the mmap alive
+        until they are gone; nothing here reads it again)."""
+        self.view = None
+        self.buf = None
 
     def readable(self, offset: int, max_bytes: int) -> int:
         """Bytes of whole durable chunks from ``offset``, at most ``max_bytes`` (but >= 1 chunk)."""

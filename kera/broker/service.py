@@ -4,7 +4,12 @@ Producer requests carry chunks for many streamlets; each chunk is verified,
 appended with one copy into its streamlet's active group, stamped with its
 placement, and referenced in its virtual log. The request then waits (for
 ``acks=all``) until every vlog it touched is durable past its chunks. Pulls
-return durable chunks of many streamlets as slices of the segments.
+return durable chunks of many streamlets as slices of the segments, or, for
+segments evicted from memory, as chunks read back from a backup's copy.
+
+A background pass (``_reclaim``) applies retention (whole segments freed),
+releases the vsegs nothing live references (their backups delete the files)
+and evicts replicated segments down to the memory budget's low-water mark.
 """
 
 from __future__ import annotations
@@ -24,21 +29,25 @@ from ..errors import (
     InvalidArgument,
     KeraError,
     NotOwner,
+    OutOfRange,
     Recovering,
     Unavailable,
     UnknownMember,
 )
 from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
-from .memory import MemoryBudget
+from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
 from .streamlet import Streamlet
+from .tiered import TieredReader
 
 log = logging.getLogger("kera.broker")
 
 MAX_PULL_BYTES = limits.MAX_PULL
 MAX_PULL_WAIT = 30.0
 HEARTBEAT = 0.5
+RECLAIM_INTERVAL = 0.25
+TIERED_CACHE = 32 << 20   # bytes of evicted segments read back, kept for the next pulls
 
 
 class BrokerService(Service):
@@ -71,6 +80,9 @@ class BrokerService(Service):
         self.heartbeat = HEARTBEAT
         self.lease = 0.0           # seconds a heartbeat answer lets us serve
         self.lease_until = 0.0     # monotonic time our lease ends
+        self.tiered: TieredReader | None = None
+        self.freed_segments = 0    # by retention or deletion
+        self.freed_bytes = 0
 
     # -- virtual logs ----------------------------------------------------------------
     def notify_durable(self) -> None:
@@ -95,7 +107,8 @@ class BrokerService(Service):
             vlog = VirtualLog(vid, stream["replication"], self.vseg_size, self.backup_set,
                               self.replicate_timeout)
             v = self.vlogs[key] = Replicator(vlog, self.pool, lambda: (self.broker_id, self.epoch),
-                                             self.backup_addr, self.notify_durable)
+                                             self.backup_addr, self.notify_durable,
+                                             lambda: [(b, m["addr"]) for b, m in self.backups.items()])
             self.nursery.start_soon(v.run)
         g.vlog = v
         return v
@@ -138,15 +151,51 @@ class BrokerService(Service):
         self.streams[s["id"]] = s
         for i in streamlets:
             sl = self.streamlets.get((s["id"], i))
+            if sl is not None:
+                sl.configure(s)
             if sl is None:
                 sl = self.streamlets[(s["id"], i)] = Streamlet(s, i, self.memory)
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
+                self._free(sl.expired(time.time(), settled_only=False))
                 if seal:
                     log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
                               s.get("name"), i)
                     sl.seal()
+
+    def rpc_configure(self, meta, payload):
+        """A stream's changed configuration (retention): applied by the next reclaim pass."""
+        self._check_epoch(meta)
+        s = meta.get("stream")
+        if not isinstance(s, dict) or not isinstance(s.get("id"), int):
+            raise InvalidArgument("configure needs a stream")
+        if s["id"] in self.streams:
+            self.streams[s["id"]] = s
+            for (sid, _), sl in self.streamlets.items():
+                if sid == s["id"]:
+                    sl.configure(s)
+        return {}
+
+    def _free(self, segments) -> None:
+        """Segments gone for good: their memory, their share of their vsegs' lives."""
+        for seg in segments:
+            if seg.freed and seg.buf is None and seg.capacity == 0:
+                continue  # a placeholder (recovery) never held anything
+            settled = seg.replicated()
+            self.memory.free(seg)
+            if self.tiered is not None:
+                self.tiered.forget(seg)
+            for vs in seg.vsegs:
+                vs.live -= 1
+                if settled:
+                    vs.frozen = True
+            self.freed_segments += 1
+            self.freed_bytes += seg.head
+            seg.freed = True
+            if settled:  # else its vsegs still send from it; they drop it when released
+                seg.drop_buffer()
+            seg.vsegs, seg.ends = [], []
 
     def rpc_unassign(self, meta, payload):
         """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
@@ -167,10 +216,13 @@ class BrokerService(Service):
             for i in every if only is None else only:
                 sl = self.streamlets.pop((sid, i), None)
                 if sl is not None:
-                    self.memory.release(sl.allocated())
+                    self._free(sl.everything())
+                    sl.groups.clear()
+                    sl.producers.clear()
             if not any((sid, i) in self.streamlets for i in every):
                 self.streams.pop(sid, None)
                 self.mapping.forget(sid)
+        self._reclaim_once()
         return {}
 
     def rpc_ping(self, meta, payload):
@@ -325,6 +377,8 @@ class BrokerService(Service):
             event = self.durable_event
             entries, parts, errors, moved = self._collect(reqs, max_bytes)
             if parts or errors or moved or trio.current_time() >= deadline:
+                if any(isinstance(p, tuple) for p in parts):
+                    parts = await self._read_evicted(parts)
                 return {"entries": entries, "errors": errors}, parts
             with trio.move_on_at(deadline):
                 await event.wait()
@@ -348,14 +402,37 @@ class BrokerService(Service):
                 continue
             if budget <= 0:
                 continue
-            for gid, si, off, n, nxt in sl.read(low, positions, budget):
+            try:
+                got = sl.read(low, positions, budget)
+            except OutOfRange:
+                errors.append([stream_id, index, OutOfRange.code, sl.starts()])
+                continue
+            except (TypeError, ValueError):
+                errors.append([stream_id, index, InvalidArgument.code])
+                continue
+            for gid, si, off, n, nxt in got:
                 entries.append([stream_id, index, gid, si, off, n, nxt])
                 if n:
-                    parts.append(sl.groups[gid].segments[si].view[off:off + n])
+                    seg = sl.groups[gid].segments[si]
+                    # an evicted segment: read back from a backup before the reply goes
+                    parts.append(seg.view[off:off + n] if seg.view is not None else (seg, gid, off, n))
                     budget -= n
                 else:
                     moved = True
         return entries, parts, errors, moved
+
+    async def _read_evicted(self, parts: list) -> list:
+        """The parts of evicted segments, fetched from the backups (segments in parallel)."""
+        need = {p[0]: p[1] for p in parts if isinstance(p, tuple)}
+        got: dict = {}
+
+        async def one(seg, gid):
+            got[seg] = await self.tiered.segment(seg, gid)
+
+        async with trio.open_nursery() as n:
+            for seg, gid in need.items():
+                n.start_soon(one, seg, gid)
+        return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
 
     def rpc_offsets(self, meta, payload):
         """Latest durable positions of streamlets: where a consumer 'from latest' starts."""
@@ -380,14 +457,60 @@ class BrokerService(Service):
                 errors.append([stream_id, index, e.code])
         return {"positions": out, "errors": errors}
 
+    # -- retention, reclaiming, eviction -----------------------------------------------
+    def _reclaim_once(self) -> None:
+        """One pass: retention frees whole expired segments, vsegs nothing live references are
+        released (their backups are told), memory is brought down to the low-water mark."""
+        now = time.time()
+        for sl in self.streamlets.values():
+            if sl.filled and not sl.recovering and (sl.retention_bytes >= 0 or sl.retention_ms >= 0):
+                freed = sl.expired(now)
+                if freed:
+                    self._free(freed)
+                if sl.waiting is not None and sl.waiting.vlog is not None:
+                    # expired, but its chunks sit in a vseg still open on an idle vlog: close it
+                    v = sl.waiting.vlog
+                    if v.log.open is not None and v.log.open in sl.waiting.vsegs and v.log.close_open():
+                        v.poke()
+        for v in self.vlogs.values():
+            if v.log.advance_floor() or v.log.floor > v.trimmed:
+                v.poke()
+        self.memory.relieve()
+
+    async def _reclaimer(self) -> None:
+        while True:
+            await trio.sleep(RECLAIM_INTERVAL)
+            self._reclaim_once()
+
+    def retention_stats(self) -> dict:
+        """Per stream here: retained chunk bytes, evicted bytes, and where each streamlet
+        starts (lowest group held, its first segment)."""
+        out: dict = {}
+        for (sid, i), sl in self.streamlets.items():
+            gid, seg, held = sl.start_position()
+            evicted = sum(s.head for g in sl.groups.values() for s in g.segments[g.start:] if s.evicted)
+            e = out.setdefault(sid, {"retained": 0, "evicted": 0, "freed": 0, "starts": {}})
+            e["retained"] += held
+            e["evicted"] += evicted
+            e["freed"] += sl.freed_bytes
+            e["starts"][i] = [gid, seg]
+        return out
+
     def stats(self) -> dict:
         vl = []
         for r in self.vlogs.values():
             v = r.log
             vl.append({"vlog": v.id, "replication": v.replication, "appended": v.appended,
                        "durable": v.durable, "lag": v.lag(), "rpcs": v.rpcs,
-                       "failures": v.failures, "give_ups": v.give_ups, **v.copies_held()})
+                       "failures": v.failures, "give_ups": v.give_ups, **v.copies_held(),
+                       "trimmed": r.trimmed, "reclaimed": r.reclaimed})
+        t = self.tiered
         return {"memory": self.memory.used, "memory_limit": self.memory.limit,
+                "evictions": self.memory.evictions, "evicted_bytes": self.memory.evicted_bytes,
+                "freed_segments": self.freed_segments, "freed_bytes": self.freed_bytes,
+                "tiered_reads": t.reads if t else 0, "tiered_bytes": t.bytes if t else 0,
+                "tiered_seconds": round(t.seconds, 3) if t else 0.0,
+                "tiered_cache": t.cached if t else 0,
                 "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl}
@@ -399,7 +522,10 @@ class BrokerService(Service):
             for v in self.vlogs.values() for vs in v.log.vsegs]}
 
     def rpc_stats(self, meta, payload):
-        return {"broker": self.broker_id, **self.stats()}
+        out = {"broker": self.broker_id, **self.stats()}
+        if meta.get("streams"):
+            out["streams"] = self.retention_stats()
+        return out
 
     # -- membership ------------------------------------------------------------------
     async def _register(self) -> None:
@@ -468,6 +594,10 @@ class BrokerService(Service):
         self.streams.clear()
         self.streamlets.clear()
         self.memory.used = 0
+        self.memory.resident.clear()
+        if self.tiered is not None:
+            self.tiered.cache.clear()
+            self.tiered.cached = 0
         self.vlogs.clear()
         self.mapping.shared.clear()
         self.backups.clear()
@@ -480,6 +610,9 @@ class BrokerService(Service):
         async with trio.open_nursery() as nursery:
             self.pool = Pool(nursery)
             self.coord = CoordinatorLink(self.pool, self.coordinator)
+            self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.backup_addr,
+                                       min(TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
+                                       if self.memory.limit else TIERED_CACHE)
             bound = await nursery.start(self.serve, host, port)
             self.addr = f"{host}:{bound}"
             while True:
@@ -492,6 +625,7 @@ class BrokerService(Service):
                     async with trio.open_nursery() as incarnation:
                         self.nursery = incarnation
                         incarnation.start_soon(self._heartbeats)
+                        incarnation.start_soon(self._reclaimer)
                 except* Fenced:
                     log.error("broker %d epoch %d fenced: dropping its state, joining again",
                               self.broker_id, self.epoch)
@@ -516,15 +650,18 @@ def main(argv=None) -> None:
     ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
     ap.add_argument("--vseg-size", type=_vseg_size, default=limits.DEFAULT_VSEG_SIZE,
                     help=f"virtual segment capacity, bytes (at most MAX_VSEG_SIZE, {limits.MAX_VSEG_SIZE})")
-    ap.add_argument("--memory", type=int, default=0,
-                    help="bytes of segments this broker may allocate (0: no limit)")
+    ap.add_argument("--memory", type=int, default=None,
+                    help="bytes of segments this broker keeps in memory; older replicated ones are "
+                         "evicted and read back from backups (default: a quarter of the machine's "
+                         "RAM; 0: no limit)")
     ap.add_argument("--replicate-timeout", type=float, default=5.0,
                     help="seconds before a silent backup is replaced")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
     svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
                         VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
-                        args.replicate_timeout, args.memory)
+                        args.replicate_timeout,
+                        default_budget() if args.memory is None else args.memory)
 
     from ..process import run_until_signal
     run_until_signal(svc.run, args.host, args.port)

@@ -11,9 +11,12 @@ sequence is its new base.
 
 from __future__ import annotations
 
-from ..errors import DataLoss, OutOfOrderSequence, RecordTooLarge
+import time
+from collections import deque
+
+from ..errors import DataLoss, OutOfOrderSequence, OutOfRange, RecordTooLarge
 from ..limits import MAX_CHUNK
-from ..position import DONE
+from ..position import DONE, unpack
 from .group import Group
 
 SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
@@ -60,11 +63,83 @@ class Streamlet:
         self.key_last: dict[bytes, int] = {}
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
         self.memory = memory     # the broker's budget (see MemoryBudget)
+        self.filled: deque = deque()  # (group, segment) that take no more chunks, oldest first
+        self.freed_bytes = 0     # chunk bytes freed by retention
+        self.freed_segments = 0
+        self.waiting = None      # an expired segment whose vsegs are still open (idle vlog)
+        self.configure(stream)
+
+    def configure(self, stream: dict) -> None:
+        """Retention (Kafka's meaning, -1 unbounded): ``retention_bytes`` is the stream's total,
+        shared by its streamlets; ``retention_ms`` the age of a segment's last chunk."""
+        rb = stream.get("retention_bytes", -1)
+        rb = -1 if rb is None else rb
+        self.retention_bytes = -1 if rb < 0 else -(-rb // max(1, stream.get("streamlets", 1)))
+        rm = stream.get("retention_ms", -1)
+        self.retention_ms = -1 if rm is None else rm
+
+    @property
+    def retained_bytes(self) -> int:
+        return self.appended_bytes - self.freed_bytes
+
+    def _on_filled(self, g: Group, seg) -> None:
+        seg.filled_at = time.time()
+        self.filled.append((g, seg))
+        if self.memory is not None:
+            self.memory.filled(seg)
+
+    def expired(self, now: float, settled_only: bool = True) -> list:
+        """Retention: free whole segments, oldest first, while the rest still holds
+        ``retention_bytes`` or while the oldest is older than ``retention_ms``. Only segments
+        whose chunks are settled on the backups go (the others wait for the next pass).
+        Returns the segments freed (the caller releases their memory and vsegs).
+        ``settled_only`` False: a streamlet just recovered drops what its dead broker had
+        freed already (replayed from vsegs shared with live data) before it serves."""
+        out = []
+        self.waiting = None
+        rb, rm = self.retention_bytes, self.retention_ms
+        if rb < 0 and rm < 0:
+            return out
+        retained = self.retained_bytes
+        while self.filled:
+            g, seg = self.filled[0]
+            old = (rb >= 0 and retained - seg.head >= rb) or \
+                (rm >= 0 and seg.filled_at * 1000 <= now * 1000 - rm)
+            if not old or g.segments[g.start] is not seg:
+                break
+            if settled_only and not seg.replicated():
+                self.waiting = seg
+                break
+            self.filled.popleft()
+            g.free_front()
+            retained -= seg.head
+            self.freed_bytes += seg.head
+            self.freed_segments += 1
+            out.append(seg)
+            if g.gone():
+                del self.groups[g.id]
+        return out
+
+    def everything(self) -> list:
+        """Every segment still held (the stream leaves this broker)."""
+        return [seg for g in self.groups.values() for seg in g.segments[g.start:]]
+
+    def starts(self) -> dict:
+        """Where a reader may restart: each group's first position, and the next group id."""
+        return {"next": self.next_group, "groups": {gid: g.first() for gid, g in self.groups.items()}}
+
+    def start_position(self) -> tuple[int, int, int]:
+        """(lowest group held, its first segment, chunk bytes held): for status."""
+        if not self.groups:
+            return self.next_group, 0, 0
+        gid = min(self.groups)
+        return gid, self.groups[gid].start, self.retained_bytes
 
     def _new_group(self, slot: int, gid: int | None = None) -> Group:
         if gid is None:
             gid = self.next_group
         g = Group(gid, slot, self.segment_size, self.max_segments, self.memory)
+        g.on_filled = self._on_filled
         self.groups[gid] = g
         self.next_group = max(self.next_group, gid + 1)
         return g
@@ -126,7 +201,7 @@ class Streamlet:
         if created:
             g = self._new_group(producer % self.q, group)
         try:
-            seg = g.place(segment, offset, chunk)
+            seg = g.place(segment, offset, chunk, self.retention_bytes >= 0 or self.retention_ms >= 0)
         except DataLoss as e:
             if created and not g.segments:  # made for this chunk: leave no trace of it
                 del self.groups[group]
@@ -173,7 +248,17 @@ class Streamlet:
         for slot, g in newest.items():
             if slot < self.q and not g.closed:
                 self.active[slot] = g
+        self._closed_last()
+        # replayed vlog by vlog: oldest first is group order, not the order they were placed
+        self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
         self.recovering = False
+
+    def _closed_last(self) -> None:
+        """A closed group's last segment takes no more chunks: retention and eviction may take it."""
+        held = {id(seg) for _, seg in self.filled}
+        for g in self.groups.values():
+            if g.closed and len(g.segments) > g.start and id(g.segments[-1]) not in held:
+                self._on_filled(g, g.segments[-1])
 
     def seal(self) -> None:
         """Recovered with a range lost on every copy: close every group and number new ones
@@ -183,6 +268,7 @@ class Streamlet:
             g.closed = True
         self.active = [None] * self.q
         self.next_group += SEAL_GAP
+        self._closed_last()
 
     def read(self, low: int, positions: dict, max_bytes: int):
         """Entries (group, segment, offset, length, next_pos) of durable data to pull.
@@ -191,6 +277,13 @@ class Streamlet:
         the later groups of its slot, so one producer's records come out in
         the order they were sent.
         """
+        for gid, pos in positions.items():
+            if pos == DONE or gid < low:
+                continue
+            g = self.groups.get(gid)
+            if (g is None and gid < self.next_group) or (g is not None and unpack(pos)[0] < g.start):
+                raise OutOfRange(f"stream {self.stream_id} streamlet {self.index} group {gid}: "
+                                 f"position {pos} was freed by retention")
         out = []
         budget = max_bytes
         blocked = set()
@@ -198,7 +291,9 @@ class Streamlet:
             if gid < low or budget <= 0:
                 continue
             g = self.groups[gid]
-            pos = positions.get(gid, 0)
+            pos = positions.get(gid)
+            if pos is None:
+                pos = g.first()
             if pos == DONE:
                 continue
             if g.slot in blocked:

@@ -84,6 +84,7 @@ class VirtualLog:
         self.give_ups = 0
         self._tokens = 0
         self._membership = -1
+        self.floor = 0       # vsegs below are released: nothing live in them, files may be deleted
 
     # -- appends ------------------------------------------------------------------
     def append(self, segment, offset: int, length: int, body_checksum: int) -> int:
@@ -104,9 +105,54 @@ class VirtualLog:
         return self.appended - self.durable
 
     def copies_held(self) -> dict:
-        full = sum(1 for vs in self.vsegs if len(vs.copies) >= self.need
+        held = self.vsegs[self.floor:]
+        full = sum(1 for vs in held if len(vs.copies) >= self.need
                    and all(c.acked == vs.size for c in vs.copies.values()))
-        return {"vsegs": len(self.vsegs), "fully_replicated": full}
+        return {"vsegs": len(held), "fully_replicated": full, "released": self.floor}
+
+    # -- reclaiming ---------------------------------------------------------------------
+    def done(self, vs: VirtualSegment) -> bool:
+        """Closed, durable and settled on its copies: nothing more will be sent for it.
+
+        A frozen vseg (some of its bytes left broker memory) that lost a copy cannot get
+        another one; it is settled on the copies it has left, if any."""
+        if not vs.closed or vs.durable < len(vs.refs):
+            return False
+        if self._done(vs):
+            return True
+        return vs.frozen and bool(vs.copies) and all(
+            c.acked == vs.size and c.closed for c in vs.copies.values())
+
+    def close_open(self) -> bool:
+        """Close the open vseg once its chunks are durable (retention waits on it while the
+        vlog is idle); the next append opens a new one. True if it was closed."""
+        vs = self.open
+        if vs is None or vs.durable < len(vs.refs):
+            return False
+        vs.closed = True
+        self.open = None
+        self.active[vs.id] = vs
+        return True
+
+    def advance_floor(self) -> bool:
+        """Release the vsegs at the bottom that hold nothing live and are settled; True if the
+        floor moved (their backup files may then be deleted). An open vseg whose chunks are
+        all freed is closed, so an idle vlog's last vseg is released too once its close is on
+        every copy."""
+        moved = False
+        while self.floor < len(self.vsegs):
+            vs = self.vsegs[self.floor]
+            if vs.live > 0:
+                break
+            if vs is self.open:
+                self.close_open()
+            if not self.done(vs):
+                break
+            self.active.pop(vs.id, None)
+            vs.release()
+            self.floor += 1
+            moved = True
+        return moved
 
     # -- replication decisions -------------------------------------------------------
     def _done(self, vs: VirtualSegment) -> bool:
@@ -120,10 +166,12 @@ class VirtualLog:
             return []
         if self._membership != self.backups.version:
             self._membership = self.backups.version
-            for vs in self.vsegs:
+            for vs in self.vsegs[self.floor:]:
                 for b, c in list(vs.copies.items()):
                     if not self.backups.alive(b):
                         self._drop_copy(vs, b, now, avoid=False)  # gone: replaced at once
+                    elif c.incarnation != self.backups.incarnation(b) and vs.frozen:
+                        c.incarnation = self.backups.incarnation(b)  # it reloads its file; reads check
                     elif c.incarnation != self.backups.incarnation(b):
                         # restarted: it says how much it kept when asked from offset 0
                         c.incarnation = self.backups.incarnation(b)
@@ -131,7 +179,7 @@ class VirtualLog:
                         self.active[vs.id] = vs
         out = []
         for vs in list(self.active.values()):
-            if self._done(vs):
+            if vs.frozen or self._done(vs):  # frozen: its bytes left memory, its copies are all
                 del self.active[vs.id]
                 continue
             if len(vs.copies) < self.need:

@@ -33,7 +33,7 @@ class Copy:
 
 class VirtualSegment:
     __slots__ = ("id", "capacity", "refs", "ends", "size", "closed", "copies", "avoid",
-                 "confirmed", "durable", "sums")
+                 "confirmed", "durable", "sums", "live", "frozen", "released")
 
     def __init__(self, id: int, capacity: int):
         self.id = id
@@ -47,6 +47,15 @@ class VirtualSegment:
         self.confirmed = 0   # refs that were on every copy once (first time through): never shrinks
         self.durable = 0     # refs whose segments' durable heads were moved (<= confirmed)
         self.sums = array("Q")             # the chunks' body checksums, in order
+        self.live = 0        # broker segments with chunks here that are not freed (retention)
+        self.frozen = False  # some of its chunks left broker memory: no copy can be made again
+        self.released = False  # below the vlog's floor: nothing live, its files may go
+
+    def release(self) -> None:
+        """Nothing live references it any more: forget the refs (and with them the segments)."""
+        self.released = True
+        self.refs, self.ends, self.sums = [], [], array("Q")
+        self.copies, self.avoid = {}, {}
 
     def has_room(self, length: int) -> bool:
         return not self.closed and (self.size == 0 or self.size + length <= self.capacity)

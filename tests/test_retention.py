@@ -1,0 +1,303 @@
+"""Retention, reclaiming and reads of evicted data, on real processes.
+
+- a scaled-down soak: brokers with a 32 MiB budget keep streams whose retained
+  data is larger than that; a consumer from earliest reads the whole retained
+  range, most of it read back from the backups' disks, exactly once and in order;
+- retention.ms expiry and stream deletion free broker memory (the broker's own
+  accounting and its RSS) and delete segment files on the backups (on disk);
+- a reader positioned before the retained range gets out_of_range, or restarts at
+  the earliest retained record (auto.offset.reset).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import trio
+from kera_client import open_admin, open_consumer, open_producer
+
+from kera.errors import InvalidArgument, OutOfRange
+
+from .workload import values
+
+pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
+
+MiB = 1 << 20
+SIZE = 1000
+
+
+def counters(chunk) -> np.ndarray:
+    data = np.frombuffer(chunk.view.value_data, np.uint8).reshape(-1, SIZE)
+    return data[:, 4:12].copy().view("<u8").ravel()
+
+
+async def produce(coord, stream: str, n: int, start: int = 0, step: int = 5000) -> None:
+    async with open_producer(coord, **{"linger.ms": 2}) as p:
+        for at in range(start, start + n, step):
+            await p.send_many(stream, values(0, at, min(step, start + n - at), SIZE))
+        await p.flush()
+        assert p.acked == n
+
+
+async def read_all(coord, streams, idle: float = 5.0, **kw) -> dict:
+    """Every stream's counters from earliest, until nothing new came for ``idle`` seconds."""
+    got: dict[str, list] = {s: [] for s in streams}
+    async with open_consumer(streams, coord, start="earliest", **kw) as c:
+        quiet_until = trio.current_time() + idle
+        while trio.current_time() < quiet_until:
+            chunks = await c.poll_chunks(1.0)
+            if chunks:
+                quiet_until = trio.current_time() + idle
+            for ch in chunks:
+                got[ch.stream].append(counters(ch))
+    return {s: np.concatenate(v) if v else np.zeros(0, np.uint64) for s, v in got.items()}
+
+
+async def wait_for(cond, what: str, timeout: float = 30.0, every: float = 0.2):
+    """Poll ``cond`` (async) until it is truthy; fail with ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = await cond()
+        if r:
+            return r
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await trio.sleep(every)
+
+
+def seg_files(cluster) -> list[str]:
+    out = []
+    for root, _, files in os.walk(cluster.data):
+        out += [os.path.join(root, f) for f in files if f.endswith(".seg")]
+    return out
+
+
+def disk_bytes(cluster) -> int:
+    total = 0
+    for f in seg_files(cluster):
+        try:
+            total += os.path.getsize(f)
+        except FileNotFoundError:  # deleted by a trim since it was listed
+            pass
+    return total
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_soak_small_budget_reads_evicted_range_once_in_order(make_cluster):
+    """3 streams of 80 MiB retention each on brokers with a 32 MiB budget; 160 MB per stream
+    ingested. Each stream's retained suffix is read back exactly once, in order, most of it
+    from backups (evicted), and no broker ever holds more than its budget."""
+    budget = 32 * MiB
+    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)])
+    streams = ["soak-0", "soak-1", "soak-2"]
+    retention = 80 * MiB
+    n = 160_000  # 160 MB of 1000-byte records per stream: 5x the budget each
+
+    async def main():
+        async with open_admin(c.coordinator) as a:
+            await a.create_streams(streams, streamlets=1, replication=3, segment_size=256 << 10,
+                                   group_segments=4, retention_bytes=retention)
+        t0 = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            for s in streams:
+                nursery.start_soon(produce, c.coordinator, s, n)
+        ingest = time.monotonic() - t0
+
+        async def settled():  # retention and eviction passes caught up with the ingest
+            async with open_admin(c.coordinator) as a:
+                stats = await a.broker_stats(streams=True)
+            ok = all(sum(e["retained"] for e in b["streams"].values()) <= retention + 2 * MiB
+                     for b in stats)
+            return stats if ok and len(stats) == 3 else None
+
+        stats = await wait_for(settled, "retention to free the oldest segments")
+        t1 = time.monotonic()
+        got = await read_all(c.coordinator, streams)
+        read_s = time.monotonic() - t1
+        async with open_admin(c.coordinator) as a:
+            after = await a.broker_stats()
+        return ingest, stats, got, read_s, after
+
+    ingest, stats, got, read_s, after = trio.run(main)
+    total = 0
+    for s in streams:
+        arr = got[s]
+        assert len(arr), f"{s}: nothing read"
+        first = int(arr[0])
+        # the retained suffix, exactly once and in order
+        assert (arr == np.arange(first, n, dtype=np.uint64)).all(), f"{s}: not the suffix {first}..{n}"
+        assert len(arr) * (SIZE + 64) >= retention, f"{s}: only {len(arr)} records kept"  # + chunk overhead
+        assert len(arr) * SIZE <= retention + 2 * MiB, f"{s}: {len(arr)} records kept, retention is 80 MiB"
+        total += len(arr)
+    for b in stats:
+        assert b["memory"] <= budget, b
+        assert b["evictions"] > 0, "a broker holding more than its budget evicted nothing"
+    tiered = sum(b["tiered_bytes"] for b in after)
+    assert tiered > total * SIZE // 2, "most of the retained range was read back from backups"
+    print(f"\ningested {3 * n * SIZE / MiB:.0f} MiB in {ingest:.1f} s; read {total} records "
+          f"({total * SIZE / MiB:.0f} MiB, {tiered / MiB:.0f} MiB from backups) from earliest in "
+          f"{read_s:.1f} s: {total * SIZE / MiB / read_s:.1f} MiB/s; evictions "
+          f"{sum(b['evictions'] for b in after)}")
+
+
+def test_retention_ms_and_delete_free_broker_memory_and_backup_files(make_cluster):
+    """Two idle streams of ~24 MB each on a one-node cluster: lowering one's retention.ms
+    frees its segments (all but the one still open) in the broker; deleting the other frees
+    the rest, and the backup files holding them are deleted. Measured from the broker's RSS
+    and the segment files on disk, with the broker's own accounting beside."""
+    c = make_cluster(1, broker_args=["--vseg-size", str(1 * MiB), "--vlogs", "1"])
+    broker_pid = c.procs["node1-broker"].pid
+    n = 24_000
+
+    async def memory():
+        async with open_admin(c.coordinator) as a:
+            (b,) = await a.broker_stats(streams=True)
+        return b
+
+    async def main():
+        async with open_admin(c.coordinator) as a:
+            await a.create_streams(["keep", "drop"], streamlets=1, replication=1,
+                                   segment_size=256 << 10, group_segments=4)
+        base_rss = rss(broker_pid)
+        await produce(c.coordinator, "drop", n)
+        await produce(c.coordinator, "keep", n)
+        full = await memory()
+        full_rss, full_disk = rss(broker_pid), disk_bytes(c)
+        async with open_admin(c.coordinator) as a:
+            s = await a.alter_stream("keep", retention_ms=500)
+            assert s["retention_ms"] == 500
+            with pytest.raises(InvalidArgument):
+                await a.alter_stream("keep", retention_ms=-5)
+            assert (await a.describe_stream("keep"))["retention_ms"] == 500  # nothing changed
+
+        async def keep_expired():
+            b = await memory()
+            (kept,) = [e for sid, e in b["streams"].items() if e["retained"] < 512 << 10] or [None]
+            return b if kept is not None else None
+
+        expired = await wait_for(keep_expired, "retention.ms to free stream keep")
+        # its files go once the vsegs below them hold nothing live either: stream drop's,
+        # written before into the same vlog, pin them until it is deleted
+        mid_rss = rss(broker_pid)
+        async with open_admin(c.coordinator) as a:
+            await a.delete_stream("drop")
+
+        async def dropped():
+            b = await memory()
+            return b if not b["streams"] or len(b["streams"]) == 1 else None
+
+        gone = await wait_for(dropped, "deletion to free stream drop")
+
+        async def files_gone():  # all but the vsegs holding keep's open segment
+            return disk_bytes(c) < 3 * MiB
+
+        await wait_for(files_gone, "backup files of the freed vsegs to be deleted")
+        return base_rss, full, full_rss, full_disk, expired, mid_rss, gone
+
+    base_rss, full, full_rss, full_disk, expired, mid_rss, gone = trio.run(main)
+    end_rss, end_disk = rss(broker_pid), disk_bytes(c)
+    assert full["memory"] >= 2 * n * SIZE * 0.9
+    assert expired["memory"] < full["memory"] * 0.6, "retention.ms freed little of the broker's memory"
+    assert gone["memory"] <= 2 * (256 << 10), "deletion left segments in the broker's memory"
+    # from the process and the disk, not counters alone
+    assert full_rss - end_rss > n * SIZE, f"broker RSS {full_rss >> 20} -> {end_rss >> 20} MiB"
+    assert full_disk > 2 * n * SIZE * 0.9 and end_disk < 3 * MiB, (full_disk, end_disk)
+    print(f"\nbroker RSS {base_rss / MiB:.0f} MiB empty, {full_rss / MiB:.0f} MiB with 2 x 24 MB, "
+          f"{mid_rss / MiB:.0f} after retention.ms, {end_rss / MiB:.0f} after delete; backup files "
+          f"{full_disk / MiB:.1f} -> {end_disk / MiB:.2f} MiB")
+
+
+def test_reader_before_retained_range_gets_out_of_range_or_resets(make_cluster):
+    """A consumer positioned in freed segments: with auto_offset_reset='none' it gets the
+    typed error; by default it continues at the first retained record."""
+    c = make_cluster(1, broker_args=["--vseg-size", str(256 << 10)])
+
+    async def main():
+        async with open_admin(c.coordinator) as a:
+            await a.create_stream("r", streamlets=1, replication=1, segment_size=64 << 10,
+                                  group_segments=4, retention_bytes=256 << 10)
+        await produce(c.coordinator, "r", 500, step=50)
+        async with open_consumer(["r"], c.coordinator, start="earliest") as early:
+            first = counters((await early.poll_chunks(5.0))[0])
+            saved = early.position()
+        assert first[0] == 0
+        await produce(c.coordinator, "r", 2000, start=500, step=50)
+
+        async def freed():
+            async with open_admin(c.coordinator) as a:
+                (b,) = await a.broker_stats(streams=True)
+            return all(st[1] > 0 or st[0] > 0 for e in b["streams"].values()
+                       for st in e["starts"].values())
+
+        await wait_for(freed, "retention to free the first segments")
+        start = {("r", 0): {"low": saved["r/0"]["low"],
+                            "groups": {int(g): v for g, v in saved["r/0"]["groups"].items()}}}
+        async with open_consumer(["r"], c.coordinator, start=start, auto_offset_reset="none") as strict:
+            with pytest.raises(OutOfRange):
+                await strict.poll_chunks(3.0)
+        async with open_consumer(["r"], c.coordinator, start=start) as lenient:
+            chunks = await lenient.poll_chunks(5.0)
+            assert lenient.resets == 1
+        return counters(chunks[0])
+
+    got = trio.run(main)
+    assert got[0] > 0, "the reset consumer did not skip the freed records"
+
+
+def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_cluster):
+    """kill -9 the broker of a stream retaining 48 MiB with a 32 MiB budget (most of it
+    evicted): the recovery completes into another broker with the same budget, and the
+    whole retained range is read back exactly once and in order."""
+    budget = 32 * MiB
+    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)])
+    retention = 48 * MiB
+    n = 64_000
+
+    async def main():
+        async with open_admin(c.coordinator) as a:
+            s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
+                                      group_segments=4, retention_bytes=retention)
+        await produce(c.coordinator, "big", n)
+
+        async def evicted():
+            async with open_admin(c.coordinator) as a:
+                stats = await a.broker_stats(streams=True)
+            return any(b["evictions"] and b["streams"] for b in stats)
+
+        await wait_for(evicted, "the owner to evict part of the stream")
+        victim = next(name for name, addr in c.addrs.items() if addr == s["addrs"][0])
+        c.kill(victim)
+        t0 = time.monotonic()
+
+        async def recovered():
+            async with open_admin(c.coordinator) as a:
+                st = await a.status()
+                d = await a.describe_stream("big")
+            victim_id = next(b["id"] for b in st["brokers"] if b["addr"] == s["addrs"][0])
+            done = [r for r in st["recoveries"] if r["state"] == "done" and r["broker"] == victim_id]
+            return (done[0], d) if done and d["addrs"][0] not in (None, s["addrs"][0]) else None
+
+        rec, d = await wait_for(recovered, "the recovery of the killed broker", timeout=120)
+        took = time.monotonic() - t0
+        got = await read_all(c.coordinator, ["big"])
+        async with open_admin(c.coordinator) as a:
+            stats = await a.broker_stats()
+        return rec, took, got["big"], stats
+
+    rec, took, arr, stats = trio.run(main)
+    assert not rec["lost"], rec
+    assert len(arr) and (arr == np.arange(int(arr[0]), n, dtype=np.uint64)).all(), "not the retained suffix"
+    assert len(arr) * (SIZE + 64) >= retention
+    assert all(b["memory"] <= budget for b in stats)
+    print(f"\nrecovery of {rec['bytes'] / MiB:.1f} MiB in {rec['seconds']} s ({took:.1f} s from the kill "
+          f"to the hand-over seen); {len(arr)} retained records read back")
