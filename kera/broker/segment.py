@@ -1,7 +1,10 @@
 """Segment: a fixed-capacity in-memory buffer of back-to-back chunks.
 
 Backed by an anonymous mmap, so capacity costs address space only until it
-is written: idle streams stay cheap. ``head`` is where the next chunk goes,
+is written: idle streams stay cheap. The mapping is private: the kernel merges
+adjacent private anonymous mappings into one area, while shared ones (mmap's
+default) each take one of the process's ``vm.max_map_count`` areas (65,530
+by default), which capped a broker at about that many segments. ``head`` is where the next chunk goes,
 ``durable`` how far chunks are on all copies (consumers stop there).
 
 Each chunk also records where its vlog put it (virtual segment id, byte
@@ -24,7 +27,7 @@ class Segment:
     def __init__(self, id: int, capacity: int):
         self.id = id
         self.capacity = capacity
-        self.buf = mmap.mmap(-1, capacity)
+        self.buf = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.view = memoryview(self.buf)
         self.head = 0
         self.durable = 0
