@@ -1,5 +1,6 @@
 """Benchmarks: kera beside a Kafka-protocol broker (Tansu), after the paper's experiments.
 
+    python -m bench compare [--quick]    # the headline: like for like beside the peer, 3 runs each
     python -m bench streams [--quick]    # A: streams 1 -> 512, latency config, vs the peer
     python -m bench throughput [--quick] # B: 1 stream x 32 streamlets x 4 groups, chunk and producers
     python -m bench vlogs [--quick]      # C: V = 1 -> 32 shared vlogs, 128 and 512 streams, R=3
@@ -132,12 +133,22 @@ def exp_vlogs(args) -> dict:
     return {"experiment": "vlogs", "records": n, "rows": rows, "nodes": args.nodes}
 
 
+def exp_compare(args) -> dict:
+    from .compare import run
+    counts = [1, 512] if args.quick else [1, 128, 512, 2048]
+    n = args.records or (100_000 if args.quick else 300_000)
+    return run(counts, n, args.repeats, args.concurrent, say)
+
+
 def exp_metadata(args) -> dict:
     from .metadata import run
     return run(args)
 
 
 def table(res: dict) -> str:
+    if res["experiment"] == "compare":
+        from .compare import table as compare_table
+        return compare_table(res)
     rows = res["rows"]
     keys = [k for k in ("system", "streams", "vlogs", "chunk", "producers", "rate", "produce_rps", "consume_rps",
                         "produce_p50_ms", "produce_p99_ms", "chunks_per_rpc",
@@ -169,7 +180,10 @@ def main() -> None:
         soak(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(prog="python -m bench")
-    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency", "metadata", "soak"])
+    ap.add_argument("experiment", choices=["compare", "streams", "throughput", "vlogs", "latency", "metadata",
+                                           "soak"])
+    ap.add_argument("--repeats", type=int, default=3, help="compare: runs per cell, systems alternating")
+    ap.add_argument("--concurrent", action="store_true", help="compare: also producer and consumer at once")
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
     ap.add_argument("--records", type=int, default=0)
     ap.add_argument("--producers", type=int, default=1)
@@ -178,7 +192,7 @@ def main() -> None:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     t0 = time.monotonic()
-    res = {"streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,
+    res = {"compare": exp_compare, "streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,
            "latency": exp_latency, "metadata": exp_metadata}[args.experiment](args)
     res["machine"] = machine()
     res["seconds"] = round(time.monotonic() - t0, 1)

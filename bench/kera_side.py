@@ -67,8 +67,13 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
         p.portal.close()
 
 
-def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", skip=0, barrier=None) -> dict:
-    """Reads ``n_records`` (of which the first ``skip``, the warm-up, are not reported)."""
+def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", skip=0, barrier=None,
+                    touch=False) -> dict:
+    """Reads ``n_records`` (of which the first ``skip``, the warm-up, are not reported).
+
+    ``touch``: every record's value is taken as a bytes object and its length added up,
+    the same per-record work the peer's consumer does (``len(m.value())``); without it
+    records are counted from chunk headers (kera's chunk-level reading, labelled so)."""
     from kera_client import open_consumer
 
     async def run():
@@ -77,11 +82,15 @@ def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", sk
                 await trio.to_thread.run_sync(barrier.wait)
             t0 = time.monotonic()
             n = 0
+            total = 0
             with trio.move_on_after(timeout_s):
                 while n < n_records:
                     for ch in await c.poll_chunks(1.0):
+                        if touch:
+                            for v in ch.values():
+                                total += len(v)
                         n += len(ch)
-            return {"records": n - skip, "t_start": t0, "t_end": time.monotonic()}
+            return {"records": n - skip, "t_start": t0, "t_end": time.monotonic(), "bytes": total}
 
     return trio.run(run)
 
@@ -137,8 +146,23 @@ class KeraRun:
 
         return trio.run(go)
 
+    def delete(self, streams) -> None:
+        """Drop a run's streams, so the next run meets a cluster as fresh as the peer's."""
+        from kera_client import open_admin
+
+        async def go():
+            async with open_admin(self.cluster.coordinator) as a:
+                for n in streams:
+                    await a.delete_stream(n)
+
+        trio.run(go)
+
     def measure(self, streams, n_records, size, producers, consumers, cfg, *, mode="send",
-                rate=0.0, warmup=0.05, timeout_s=300.0) -> dict:
+                rate=0.0, warmup=0.05, timeout_s=300.0, sequential=False, touch=False,
+                chunk_read=False) -> dict:
+        """``sequential``: consumers start once the producers are done (reading alone);
+        ``chunk_read`` then reads the same records again counting chunk headers only
+        (``consume_rps_chunks``)."""
         coord = self.cluster.coordinator
         ctx = multiprocessing.get_context("spawn")
         n_warm = max(len(streams), int(n_records * warmup)) // producers
@@ -168,15 +192,30 @@ class KeraRun:
             for t in range(len(streams)):
                 warm[t] += full + (1 if t < rem else 0)
         wshare = [sum(warm[k::consumers]) for k in range(consumers)]
-        jobs += [("c", k, consume_worker, (coord, groups[k], share[k] + wshare[k], timeout_s),
-                  {"skip": wshare[k]}) for k in range(consumers)]
-        outs = run_stage(ctx, jobs, timeout_s + 60)
+        cjobs = [("c", k, consume_worker, (coord, groups[k], share[k] + wshare[k], timeout_s),
+                  {"skip": wshare[k], "touch": touch}) for k in range(consumers)]
+        if sequential:
+            outs = run_stage(ctx, jobs, timeout_s + 60)
+            if cjobs:
+                outs.update(run_stage(ctx, cjobs, timeout_s + 60))
+        else:
+            outs = run_stage(ctx, jobs + cjobs, timeout_s + 60)
+        chunk_rps = None
+        if sequential and chunk_read and cjobs:
+            again = run_stage(ctx, [(kind, k, fn, args, {**kw, "touch": False})
+                                    for kind, k, fn, args, kw in cjobs], timeout_s + 60)
+            c2 = list(again.values())
+            chunk_rps = round(sum(o["records"] for o in c2) /
+                              (max(o["t_end"] for o in c2) - min(o["t_start"] for o in c2)))
         after = self.stats()
-        out = summarize([outs[("p", j)] for j in range(producers)],
-                        [outs[("c", k)] for k in range(consumers)])
+        couts = [outs[("c", k)] for k in range(consumers)]
+        out = summarize([outs[("p", j)] for j in range(producers)], couts,
+                        min(o["t_start"] for o in couts) if sequential and couts else None)
         out.update(rpcs=after["rpcs"] - before["rpcs"], chunks=after["chunks"] - before["chunks"])
         if consumers:
             out["expected"] = sum(share)
         out["chunks_per_rpc"] = round(out["chunks"] / out["rpcs"], 1) if out["rpcs"] else None
+        if chunk_rps is not None:
+            out["consume_rps_chunks"] = chunk_rps
         return out
 

@@ -482,6 +482,7 @@ def consume_worker(
     start_offsets: dict | None = None,
     batch: int = 1000,
     barrier=None,
+    touch: bool = False,
 ) -> dict:
     """Read ``topics`` from the earliest offset until ``n_records`` are read or
     ``timeout_s`` passes.
@@ -519,7 +520,7 @@ def consume_worker(
             barrier.wait()
         t_start = time.monotonic()
         deadline = t_start + timeout_s
-        got = 0
+        got = total = 0
         consume = c.consume
         timed_out = False
         while got < n_records:
@@ -530,6 +531,8 @@ def consume_worker(
             for m in consume(num_messages=batch, timeout=min(0.5, left)):
                 if m.error() is None:
                     got += 1
+                    if touch:   # the same per-record work as kera's touching consumer
+                        total += len(m.value())
         t_end = time.monotonic()
     finally:
         c.close()
@@ -572,6 +575,7 @@ def run_peer(
     warmup: float = 0.02,
     sequential: bool = False,
     timeout_s: float = 300.0,
+    touch: bool = False,
 ) -> dict:
     """Run Tansu, create ``n_topics`` one-partition topics, and measure.
 
@@ -646,7 +650,7 @@ def run_peer(
                 k,
                 consume_worker,
                 (bootstrap, topics[k::consumers], sum(per_topic[k::consumers]), timeout_s),
-                {"start_offsets": start_offsets},
+                {"start_offsets": start_offsets, "touch": touch},
             )
             for k in range(consumers)
         ]

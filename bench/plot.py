@@ -10,8 +10,25 @@ def plot(res: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    rows = res["rows"]
-    if res["experiment"] == "streams":
+    rows = res.get("rows", [])
+    if res["experiment"] == "compare":
+        x, title = "streams", "records/s vs streams, median and range of runs (100 B, linger 5 ms, 16 KB)"
+        for phase in ("sequential",):
+            for system in ("peer", "kera R=1", "kera R=3"):
+                for what, style in (("produce_rps", "-"), ("consume_rps", ":")):
+                    cells = sorted((c for c in res["cells"] if c["system"] == system and c["phase"] == phase
+                                    and c[what]), key=lambda c: c["streams"])
+                    if not cells:
+                        continue
+                    xs = [c["streams"] for c in cells]
+                    med = [c[what]["median"] for c in cells]
+                    err = [[m - c[what]["min"] for m, c in zip(med, cells, strict=True)],
+                           [c[what]["max"] - m for m, c in zip(med, cells, strict=True)]]
+                    ax.errorbar(xs, med, yerr=err, marker="o", linestyle=style, capsize=3,
+                                label=f"{system} {what.split('_')[0]}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+    elif res["experiment"] == "streams":
         x, title = "streams", "records/s produced vs number of streams (linger 1 ms)"
         for key in sorted({(r["system"], r["chunk"]) for r in rows}):
             pts = sorted((r[x], r["produce_rps"]) for r in rows if (r["system"], r["chunk"]) == key)
