@@ -78,19 +78,35 @@ def exp_streams(args) -> dict:
 
 
 def exp_latency(args) -> dict:
-    """p50/p99 produce-ack latency at half of the maximum rate (R=3, 128 streams, 1 KB chunks)."""
-    n = args.records or (100_000 if args.quick else 300_000)
+    """Produce-ack latency against offered load, kera (R=1, R=3) and the peer in one run.
+
+    128 streams, 100-byte records, one producer process pacing its sends to the
+    offered load, acks=all, linger 1 ms, 16 KB chunk = batch.size; about four
+    seconds of records per point; the systems alternate at every load. kera's
+    latency is a chunk's first record to its ack (the longest wait in the chunk);
+    the peer's is librdkafka's produce() to ack of every 100th record."""
+    loads = [20_000, 80_000] if args.quick else [10_000, 20_000, 50_000, 100_000, 200_000]
+    cfg = {"acks": "all", "linger.ms": 1, "chunk.size": 16384}
+    from .peer import run_peer
     rows = []
     with KeraRun(args.nodes) as k:
-        streams = k.create(128, replication=3)
-        top = k.measure(streams, n, 100, args.producers, 0, latency_cfg(1024))
-        rows.append({"system": "kera R=3", "streams": 128, "rate": "max", **top})
-        say(f"max: {top}")
-        rate = top["produce_rps"] / 2 / args.producers
-        half = k.measure(streams, n // 2, 100, args.producers, 0, latency_cfg(1024), rate=rate)
-        rows.append({"system": "kera R=3", "streams": 128, "rate": round(rate * args.producers), **half})
-        say(f"half: {half}")
-    return {"experiment": "latency", "records": n, "rows": rows, "nodes": args.nodes}
+        for i, load in enumerate(loads):
+            n = min(load * 4, 800_000)
+            order = ["peer", "kera R=1", "kera R=3"]
+            order = order[i % 3:] + order[:i % 3]
+            for system in order:
+                say(f"latency: {system}, offered {load:,} records/s")
+                if system == "peer":
+                    out = run_peer(128, n, 100, 1, 0, linger_ms=1, batch_size=16384, count="sampled", rate=load)
+                else:
+                    streams = k.create(128, replication=int(system[-1]))
+                    out = k.measure(streams, n, 100, 1, 0, cfg, rate=load)
+                    k.delete(streams)
+                rows.append({"system": system, "offered": load, "streams": 128,
+                             **{key: out.get(key) for key in ("produced", "produce_rps", "produce_p50_ms",
+                                                              "produce_p99_ms", "produce_p999_ms")}})
+                say(f"   {rows[-1]}")
+    return {"experiment": "latency", "rows": rows, "nodes": args.nodes, "config": cfg, "streams": 128}
 
 
 def exp_throughput(args) -> dict:
@@ -150,8 +166,8 @@ def table(res: dict) -> str:
         from .compare import table as compare_table
         return compare_table(res)
     rows = res["rows"]
-    keys = [k for k in ("system", "streams", "vlogs", "chunk", "producers", "rate", "produce_rps", "consume_rps",
-                        "produce_p50_ms", "produce_p99_ms", "chunks_per_rpc",
+    keys = [k for k in ("system", "streams", "vlogs", "chunk", "producers", "rate", "offered", "produce_rps",
+                        "consume_rps", "produce_p50_ms", "produce_p99_ms", "produce_p999_ms", "chunks_per_rpc",
                         *sorted({k for r in rows for k in r if k.startswith("create_per_s@")},
                                 key=lambda k: int(k.split("@")[1])),
                         "create_rate_vs_peer", "rss_kib_per_stream", "probe_max_ms", "fanout_streams",

@@ -359,6 +359,7 @@ def produce_worker(
     start_index: int = 0,
     sample_every: int = LATENCY_SAMPLE_EVERY,
     barrier=None,
+    rate: float = 0.0,
 ) -> dict:
     """Produce ``n_records`` records of ``size`` bytes, cycling over ``topics``.
 
@@ -448,6 +449,11 @@ def produce_worker(
         barrier.wait()
     t_start = time.monotonic()
     for i in range(n_records):
+        if rate and i % max(1, int(rate / 1000)) == 0:   # offered load: paced per millisecond
+            wait = t_start + i / rate - time.monotonic()
+            if wait > 0:
+                poll(0)
+                time.sleep(wait)
         topic = topics[(start_index + i) % nt]
         while True:
             try:
@@ -576,6 +582,7 @@ def run_peer(
     sequential: bool = False,
     timeout_s: float = 300.0,
     touch: bool = False,
+    rate: float = 0.0,
 ) -> dict:
     """Run Tansu, create ``n_topics`` one-partition topics, and measure.
 
@@ -640,7 +647,7 @@ def run_peer(
                 j,
                 produce_worker,
                 (bootstrap, topics, p_counts[j], size, linger_ms, batch_size, acks),
-                {"count": count, "start_index": p_starts[j]},
+                {"count": count, "start_index": p_starts[j], "rate": rate / producers},
             )
             for j in range(producers)
         ]

@@ -51,11 +51,15 @@ def plot(res: dict, path: str) -> None:
         ax.set_xscale("log")
         ax.set_yscale("log")
     elif res["experiment"] == "latency":
-        x, title = "rate", "produce-ack latency, R=3, 128 streams"
-        labels = [str(r["rate"]) for r in rows]
-        ax.bar([i - 0.2 for i in range(len(rows))], [r["produce_p50_ms"] for r in rows], 0.4, label="p50 ms")
-        ax.bar([i + 0.2 for i in range(len(rows))], [r["produce_p99_ms"] for r in rows], 0.4, label="p99 ms")
-        ax.set_xticks(range(len(rows)), labels)
+        x, title = "offered", "produce-ack latency vs offered load, 128 streams (p50 solid, p99 dashed)"
+        for system in ("peer", "kera R=1", "kera R=3"):
+            pts = sorted((r["offered"], r["produce_p50_ms"], r["produce_p99_ms"]) for r in rows
+                         if r["system"] == system and r.get("produce_p50_ms") is not None)
+            if pts:
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{system} p50")
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", linestyle="--",
+                        color=line.get_color(), label=f"{system} p99")
+        ax.set_xscale("log")
         ax.set_yscale("log")
     else:
         x, title = "chunk", "records/s produced, 1 stream x 32 streamlets x 4 groups, R=3"

@@ -99,6 +99,7 @@ def summarize(pouts: list[dict], couts: list[dict], consume_start: float | None 
     out = {"produced": produced, "produce_s": round(p_end - start, 3),
            "produce_rps": round(produced / (p_end - start)),
            "produce_p50_ms": rounded(percentile(lat, 50)), "produce_p99_ms": rounded(percentile(lat, 99)),
+           "produce_p999_ms": rounded(percentile(lat, 99.9)),
            "latency_samples": len(lat), "wall_s": round(p_end - start, 3)}
     if couts:
         c_start = start if consume_start is None else consume_start
