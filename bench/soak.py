@@ -74,6 +74,7 @@ def run(args) -> dict:
             rec = np.full((args.batch, args.size), ord("s"), dtype=np.uint8)
             want = args.ingest // args.size
             async with open_producer(c.coordinator, **{"linger.ms": 5}) as p:
+                state["producer"] = p  # the sampler reads its acknowledged count live
                 await p.load_metadata(names)
                 sent = 0
                 while sent < want:
@@ -83,15 +84,26 @@ def run(args) -> dict:
                     state["acked"] = p.acked
                 await p.flush()
                 state["acked"] = p.acked
-            state["done"] = True
+            state["done"], state["t_end"] = True, time.monotonic()
 
         async def sample(t0):
-            while not state["done"]:
-                samples.append({"t": round(time.monotonic() - t0, 2),
-                                "acked_bytes": state["acked"] * args.size,
-                                "broker_rss": {n: rss(pid) for n, pid in brokers.items()},
-                                "backup_disk": {n: dir_bytes(d) for n, d in backups.items()}})
-                await trio.sleep(args.every)
+            from kera_client import open_admin
+            async with open_admin(c.coordinator) as a:
+                while True:  # one last sample once every record is acknowledged
+                    p = state.get("producer")
+                    s = {"t": round(time.monotonic() - t0, 2),
+                         "acked_bytes": (p.acked if p is not None else state["acked"]) * args.size,
+                         "broker_rss": {n: rss(pid) for n, pid in brokers.items()},
+                         "backup_disk": {n: dir_bytes(d) for n, d in backups.items()}}
+                    # the brokers' view, to split the disk into what retention keeps, what the
+                    # vsegs holding it add, and what backups have not deleted yet
+                    st = await a.broker_stats(streams=True)
+                    s["retained"] = sum(e["retained"] for b in st for e in b.get("streams", {}).values())
+                    s["held_vsegs"] = sum(v.get("held_bytes", 0) for b in st for v in b["vlogs"])
+                    samples.append(s)
+                    if state["done"]:
+                        break
+                    await trio.sleep(args.every)
 
         async def consume():
             from kera_client import open_consumer
@@ -116,7 +128,7 @@ def run(args) -> dict:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(sample, t0)
                 await produce()
-            ingest_s = time.monotonic() - t0
+            ingest_s = state["t_end"] - t0
             await trio.sleep(3)  # the last reclaim passes
             after_ingest = {"broker_rss": {n: rss(pid) for n, pid in brokers.items()},
                             "backup_disk": {n: dir_bytes(d) for n, d in backups.items()}}
@@ -134,6 +146,13 @@ def run(args) -> dict:
         if b["t"] > a["t"]:
             rates.append((b["acked_bytes"] - a["acked_bytes"]) / (b["t"] - a["t"]))
     q = max(1, len(rates) // 4)
+    quarters = []
+    if len(samples) >= 5:  # acked bytes over each quarter of the ingest time
+        t_end = samples[-1]["t"]
+        at = [min(samples, key=lambda s, t=t: abs(s["t"] - t)) for t in np.linspace(0, t_end, 5)]
+        quarters = [round((b["acked_bytes"] - a["acked_bytes"]) / max(b["t"] - a["t"], 1e-6) / 1e6, 1)
+                    for a, b in zip(at, at[1:], strict=False)]
+    steady = [s for s in samples if s["t"] >= samples[-1]["t"] / 4] if samples else []
     brokers_after, backups_after = after
     tiered = sum(b["tiered_bytes"] for b in brokers_after) - sum(b["tiered_bytes"] for b in before[0])
     peak_rss = max((max(s["broker_rss"].values()) for s in samples), default=0)
@@ -152,6 +171,11 @@ def run(args) -> dict:
             "rate_first_quarter_mb_s": round(float(np.mean(rates[:q])) / 1e6, 1) if rates else None,
             "rate_last_quarter_mb_s": round(float(np.mean(rates[-q:])) / 1e6, 1) if rates else None,
             "rate_stdev_mb_s": round(float(np.std(rates)) / 1e6, 1) if rates else None,
+            "rate_per_quarter_mb_s": quarters,
+            # after the first quarter (retention has started freeing): the disk, split
+            "steady_retained_mib": round(float(np.mean([s["retained"] for s in steady])) / MiB, 1) if steady else None,
+            "steady_held_vsegs_mib": round(float(np.mean([s["held_vsegs"] for s in steady])) / MiB, 1) if steady else None,
+            "steady_backup_disk_mib": round(float(np.mean([sum(s["backup_disk"].values()) for s in steady])) / MiB, 1) if steady else None,
             "peak_broker_rss_mib": round(peak_rss / MiB, 1),
             "peak_backup_disk_mib": round(peak_disk / MiB, 1),
             "after_ingest_broker_rss_mib": {n: round(v / MiB, 1) for n, v in after_ingest["broker_rss"].items()},
@@ -166,7 +190,9 @@ def run(args) -> dict:
         },
         "samples": [{"t": s["t"], "acked_mib": round(s["acked_bytes"] / MiB, 1),
                      "max_broker_rss_mib": round(max(s["broker_rss"].values()) / MiB, 1),
-                     "backup_disk_mib": round(sum(s["backup_disk"].values()) / MiB, 1)}
+                     "backup_disk_mib": round(sum(s["backup_disk"].values()) / MiB, 1),
+                     "retained_mib": round(s["retained"] / MiB, 1),
+                     "held_vsegs_mib": round(s["held_vsegs"] / MiB, 1)}
                     for s in samples],
         "acked_bytes_sampled": acked,
     }
@@ -185,6 +211,11 @@ def plot(res: dict, path: str) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(t, [x["max_broker_rss_mib"] for x in s], label="largest broker RSS (MiB)")
     ax.plot(t, [x["backup_disk_mib"] for x in s], label="backup files, all backups (MiB)")
+    if s and "held_vsegs_mib" in s[0]:
+        ax.plot(t, [x["held_vsegs_mib"] for x in s], label="vsegs brokers hold (one copy, MiB)")
+        ax.plot(t, [x["retained_mib"] for x in s], label="retained by brokers (MiB)")
+    ax.axhline(res["config"]["retained_total"] / MiB, linestyle=":", color="grey",
+               label="retention.bytes, all streams")
     ax.axhline(res["config"]["broker_budget"] / MiB, linestyle="--", color="grey", label="broker budget")
     ax2 = ax.twinx()
     ax2.plot(t, [x["acked_mib"] / 1024 for x in s], color="black", linestyle=":", label="ingested (GiB)")
@@ -204,7 +235,7 @@ def main(argv=None) -> None:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
-    args.size, args.every = 1000, 2.0
+    args.size, args.every = 1000, 1.0
     if args.quick:
         args.streams, args.memory, args.retained, args.ingest, args.batch = 50, 64 * MiB, 128 * MiB, GiB, 200
     else:

@@ -447,6 +447,11 @@ class AsyncProducer:
                     self.inflight_keys.add(k)
                 if not q:
                     del self.ready[k]
+                elif len(items) > taken:
+                    # served: to the back, so the streamlets after it go first next time (else,
+                    # with a deep buffer, the first ones in the dict always fill the requests
+                    # and the others' records wait, and age, in the buffer)
+                    self.ready[k] = self.ready.pop(k)
             for addr, items in plans.items():
                 if items:
                     self.inflight[addr] = self.inflight.get(addr, 0) + 1

@@ -221,7 +221,6 @@ class BrokerService(Service):
                     sl.producers.clear()
             if not any((sid, i) in self.streamlets for i in every):
                 self.streams.pop(sid, None)
-                self.mapping.forget(sid)
         self._reclaim_once()
         return {}
 
@@ -599,7 +598,7 @@ class BrokerService(Service):
             self.tiered.cache.clear()
             self.tiered.cached = 0
         self.vlogs.clear()
-        self.mapping.shared.clear()
+        self.mapping.turn = 0
         self.backups.clear()
         self.backup_set.set_live({})
         self.fenced = False

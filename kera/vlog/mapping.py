@@ -24,7 +24,9 @@ class VlogMapping:
             raise ValueError("at least one vlog")
         self.policy = policy
         self.vlogs = vlogs
-        self.shared: dict[tuple, int] = {}  # (stream, streamlet, group) -> shared vlog index
+        # the next shared vlog, in turn: a counter, not a map of every group ever placed (the
+        # broker caches a group's vlog on the group, so each group asks once)
+        self.turn = 0
 
     def key(self, stream: dict, streamlet: int, group: int) -> tuple:
         policy = stream.get("vlogs") or self.policy
@@ -33,12 +35,6 @@ class VlogMapping:
             return (r, "g", stream["id"], streamlet, group)
         if policy == "per-stream":
             return (r, "s", stream["id"])
-        g = (stream["id"], streamlet, group)
-        i = self.shared.get(g)
-        if i is None:
-            i = self.shared[g] = len(self.shared) % self.vlogs
+        i = self.turn % self.vlogs
+        self.turn += 1
         return (r, "v", i)
-
-    def forget(self, stream_id: int) -> None:
-        for g in [g for g in self.shared if g[0] == stream_id]:
-            del self.shared[g]

@@ -108,7 +108,8 @@ class VirtualLog:
         held = self.vsegs[self.floor:]
         full = sum(1 for vs in held if len(vs.copies) >= self.need
                    and all(c.acked == vs.size for c in vs.copies.values()))
-        return {"vsegs": len(held), "fully_replicated": full, "released": self.floor}
+        return {"vsegs": len(held), "fully_replicated": full, "released": self.floor,
+                "held_bytes": sum(vs.size for vs in held)}
 
     # -- reclaiming ---------------------------------------------------------------------
     def done(self, vs: VirtualSegment) -> bool:
