@@ -149,6 +149,7 @@ class _Vlog:
     corrupt_steps: int = 0
     failed_steps: int = 0
     floor: int = 0     # the vsegs below were released by the broker
+    skip: set[int] = field(default_factory=set)  # settled vsegs whose chunks are all re-pointed
 
 
 class RecoveryPlan:
@@ -199,6 +200,33 @@ class RecoveryPlan:
         return [(v.id, s, c.backup) for v in self._vlogs.values()
                 for s, cs in sorted(v.vsegs.items()) for c in cs]
 
+    # -- re-pointing (settled history stays on the backups) ----------------------------
+    def settled(self, vlog: int) -> list[tuple[int, list[int]]]:
+        """The vlog's settled prefix from its floor: (vseg, backups holding it whole), for
+        vsegs that are closed on some copy with no corrupt region, up to the first that is
+        not. Only chunks in it may be re-pointed: a whole intact copy lists every chunk of
+        the vseg, so no chunk of a re-pointed segment can be missing from the index."""
+        v = self._vlog(vlog)
+        out, s = [], v.vseg
+        while (copies := v.vsegs.get(s)) is not None:
+            end = _length(copies)
+            whole = [c.backup for c in copies if c.final and not c.regions and c.length == end
+                     and not c.failed]
+            if not whole:
+                break
+            out.append((s, sorted(whole)))
+            s += 1
+        return out
+
+    def skip(self, vlog: int, vsegs: Iterable[int]) -> None:
+        """Do not replay these vsegs (all in the settled prefix, not started yet)."""
+        v = self._vlog(vlog)
+        vsegs = set(vsegs)
+        settled = {s for s, _ in self.settled(vlog)}
+        if not vsegs <= settled or v.steps or v.offset:
+            raise PlanError(f"vlog {vlog}: only settled vsegs may be skipped, before replay")
+        v.skip |= vsegs
+
     # -- the state machine ----------------------------------------------------------
     def next_step(self, vlog: int) -> Step | Done | Truncated:
         """The next replay step of ``vlog``, or how it ended. One step at a time per vlog."""
@@ -222,6 +250,8 @@ class RecoveryPlan:
                 v.outcome = Done(vlog, last, self.vseg_length(vlog, last), closed)
                 return v.outcome
             end = _length(copies)
+            if v.offset == 0 and v.vseg in v.skip:
+                v.offset = end  # every chunk in it was re-pointed (or belongs to nobody recovered)
             if v.offset >= end:
                 if not any(c.final for c in copies) and any(s > v.vseg for s in v.vsegs):
                     # an open vseg followed by others: a vlog's durable head passes a vseg only

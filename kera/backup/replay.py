@@ -40,7 +40,15 @@ def parse_routes(routes) -> dict[tuple[int, int], tuple[str, int]]:
         raise InvalidArgument("routes must be [[stream_id, streamlet, addr, epoch], ...]") from None
 
 
-async def replay(read, pool, routes: dict, offset: int, length: int) -> dict:
+def parse_replay_from(entries) -> dict[tuple[int, int, int], int]:
+    """[[stream_id, streamlet, group, segment], ...]: the segments below were re-pointed."""
+    try:
+        return {(int(sid), int(i), int(g)): int(s) for sid, i, g, s in entries or []}
+    except (TypeError, ValueError):
+        raise InvalidArgument("replay_from must be [[stream_id, streamlet, group, segment], ...]") from None
+
+
+async def replay(read, pool, routes: dict, offset: int, length: int, replay_from=None) -> dict:
     """Replay from ``offset`` until the copy's end or its first undeliverable chunk.
 
     ``read(offset, max_bytes)`` -> (meta, data) of whole verified chunks, as
@@ -56,7 +64,8 @@ async def replay(read, pool, routes: dict, offset: int, length: int) -> dict:
         per_target: dict[tuple[str, int], tuple[list, list[int]]] = {}
         for h, o in chunkfmt.scan(data):
             target = routes.get((h.stream_id, h.streamlet))
-            if target is None:
+            if target is None or (replay_from and h.segment < replay_from.get(
+                    (h.stream_id, h.streamlet, h.group), -1)):
                 out["skipped"] += 1
                 continue
             parts, offsets = per_target.setdefault(target, ([], []))

@@ -27,21 +27,24 @@ Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 from __future__ import annotations
 
 import argparse
+import bisect
 import inspect
 import logging
 import os
 import signal
 import sys
+from array import array
 
 import trio
 
+from .. import chunk as chunkfmt
 from .. import limits, metafile
 from ..coordinator_link import CoordinatorLink
-from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError
+from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, ProtocolError
 from ..rpc import Service, open_pool
 from . import disk, segment_file
 from .membership import load_id, run_membership
-from .replay import parse_routes, replay
+from .replay import parse_replay_from, parse_routes, replay
 from .replica import Replica
 from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob, Key
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
@@ -378,6 +381,39 @@ class BackupService(Service):
         self.counters["tiered_bytes"] += sum(len(p) for p in parts)
         return {"chunks": len(parts)}, parts
 
+    async def rpc_index(self, meta: dict, payload):
+        """A closed, intact replica's chunks without their bodies (a recovery re-pointing
+        evicted history): per chunk, 9 little-endian u64s in the payload (vseg offset, size,
+        stream, streamlet, group, segment, segment offset, producer, sequence), from each
+        header (its checksum verified; it covers the placement)."""
+        rep = self.store.get(_key(meta))
+        if not rep.closed or rep.corrupt or rep.damaged:
+            raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
+        starts = rep.starts.tolist()
+        ends = rep.ends.tolist()
+        cut = bisect.bisect_left(starts, rep.mem_base)
+        heads = []
+        if cut:
+            async with self._io:
+                if rep.dropped:
+                    raise BackupError(f"replica {rep.key} was dropped")
+                try:
+                    heads = await trio.to_thread.run_sync(disk.read_headers, rep.path, starts[:cut])
+                except OSError as e:
+                    raise BackupError(f"reading replica {rep.key}: {e}") from None
+        for s in starts[cut:]:
+            heads.append(bytes(b"".join(rep.memory_parts(s, s + chunkfmt.HEADER_SIZE))))
+        rows = array("Q")
+        for s, e, hb in zip(starts, ends, heads, strict=True):
+            try:
+                h = chunkfmt.parse_header(hb)
+            except (ChecksumError, ProtocolError) as err:
+                raise ChecksumError(f"replica {rep.key}: header at {s}: {err}") from None
+            rows.extend((s, e - s, h.stream_id, h.streamlet, h.group, h.segment, h.offset,
+                         h.producer_id, h.sequence))
+        self.counters["indexes"] = self.counters.get("indexes", 0) + 1
+        return {"chunks": len(starts), "length": rep.length}, rows.tobytes()
+
     def rpc_read(self, meta: dict, payload):
         key = _key(meta)
         offset = _uint(meta, "offset", 0)
@@ -455,7 +491,8 @@ class BackupService(Service):
                                  "max_bytes": max_bytes}, b"")
             return await res if inspect.iscoroutine(res) else res
 
-        out = await replay(read, self.pool, routes, offset, rep.length)
+        out = await replay(read, self.pool, routes, offset, rep.length,
+                           parse_replay_from(meta.get("replay_from")))
         log.info("replayed replica %s from %d: %s", key, offset, out)
         return out
 
