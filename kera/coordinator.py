@@ -130,6 +130,7 @@ class Coordinator(Service):
                  metadata: str | None = None, addr: str = ""):
         self.data_dir = data_dir
         self.dead_after = dead_after
+        self.repoint_evicted = False  # recovery re-points settled history (kera.repoint)
         self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
         self.addr = addr
@@ -716,6 +717,10 @@ def main(argv=None) -> None:
                          "only while elected there (default: a log in --data)")
     ap.add_argument("--advertise", default="", help="HOST:PORT others reach this coordinator at "
                     "(default: --host:--port)")
+    ap.add_argument("--repoint-evicted", action="store_true",
+                    help="recovery hands a dead broker's settled segments to their new owners as "
+                         "evicted segments read from the backups' copies, instead of replaying "
+                         "them (off by default: see docs/retention.md for what it does not cover)")
     ap.add_argument("--retention-bytes", type=int, default=-1,
                     help="default retention.bytes of new streams (-1: unbounded)")
     ap.add_argument("--retention-ms", type=int, default=-1,
@@ -724,6 +729,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
     coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr)
+    coord.repoint_evicted = args.repoint_evicted
     coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,
                                            "retention_ms": args.retention_ms})
 

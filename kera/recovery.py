@@ -39,6 +39,7 @@ import trio
 
 from .errors import KeraError, Unavailable
 from .recovery_plan import CORRUPT, END, FAILED, REFUSED, Done, RecoveryPlan, Step, Truncated
+from .repoint import repoint
 
 log = logging.getLogger("kera.recovery")
 
@@ -69,6 +70,10 @@ class Recovery:
         self.corrupt_steps = 0              # steps that stopped on a corrupt chunk
         self.failed_steps = 0               # steps whose backup failed
         self.lost: list[dict] = []          # ranges no copy could deliver (vlog, vseg, offset, end)
+        self.adopted_segments = 0           # re-pointed at the backups' copies, not replayed
+        self.adopted_bytes = 0
+        self.index_seconds = 0.0            # listing the settled vsegs' chunks (no bodies)
+        self.keep: set[tuple[int, int]] = set()  # (vlog, vseg) adopted segments point into
 
     def describe(self) -> dict:
         end = self.finished or time.time()
@@ -79,7 +84,9 @@ class Recovery:
                 "seconds": round(end - self.started, 3),
                 "rate_mb_s": round(self.bytes / max(end - self.started, 1e-6) / 1e6, 2),
                 "steps": self.steps, "corrupt_steps": self.corrupt_steps,
-                "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error}
+                "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
+                "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
+                "index_seconds": round(self.index_seconds, 3)}
 
 
 class RecoveryManager:
@@ -204,6 +211,8 @@ class RecoveryManager:
         addrs = {b.id: b.addr for b in backups}
         async with trio.open_nursery() as n:
             for vlog, vseg, bid in replayed.copies():
+                if (vlog, vseg) in rec.keep:
+                    continue  # adopted segments read from it (see kera.repoint)
                 n.start_soon(self._quiet, addrs[bid], "drop",
                              {"broker": rec.broker, "vlog": vlog, "vseg": vseg})
 
@@ -222,6 +231,10 @@ class RecoveryManager:
         routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]
         rec.vlogs = len(replay_plan.vlogs)
         rec.total = replay_plan.total_bytes
+        replay_from: list = []
+        if self.coord.repoint_evicted:
+            replay_from = await repoint(self.coord.pool, rec, replay_plan, addrs, {
+                (streams[n]["id"], i): m for (n, i), m in plan.items()})
 
         async def replay_vlog(vlog: int) -> None:
             while isinstance(step := replay_plan.next_step(vlog), Step):
@@ -230,7 +243,7 @@ class RecoveryManager:
                 try:
                     r = await self._call(addrs[step.backup], "replay", {
                         "broker": rec.broker, "vlog": vlog, "vseg": step.vseg, "offset": step.offset,
-                        "routes": routes}, timeout=REPLAY_TIMEOUT)
+                        "routes": routes, "replay_from": replay_from}, timeout=REPLAY_TIMEOUT)
                 except KeraError as e:
                     if getattr(e, "target", None):  # a new owner failed, not the copy: plan again
                         raise

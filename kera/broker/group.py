@@ -81,7 +81,7 @@ class Group:
             err.group, err.segment, err.offset = self.id, segment, offset
             raise err
         if segment == n:
-            if n > self.start:
+            if n > self.start and not self.segments[-1].evicted:  # adopted ones were noted filled
                 self._filled(self.segments[-1])
             self._segment()
         seg = self.segments[segment]

@@ -18,6 +18,7 @@ import argparse
 import logging
 import os
 import time
+from array import array
 
 import trio
 
@@ -36,9 +37,10 @@ from ..errors import (
 )
 from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
+from .adopted import ForeignVlog, ForeignVseg, adopted_segment
 from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
-from .streamlet import Streamlet
+from .streamlet import ProducerState, Streamlet
 from .tiered import TieredReader
 
 log = logging.getLogger("kera.broker")
@@ -254,6 +256,44 @@ class BrokerService(Service):
             waits[vlog] = sl.tails[vlog] = idx
             placed += 1
         return self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
+
+    def rpc_adopt(self, meta, payload):
+        """Recovery re-points the dead broker's settled segments here as evicted segments:
+        ``segments`` [[stream, streamlet, group, producer, segment, vlog, chunks]], ``copies``
+        [[vlog, vseg, [backups]]] of the dead ``source`` broker, ``producers`` [[stream,
+        streamlet, producer, sequence]]; the payload holds per chunk (end, vseg, vseg offset)
+        as little-endian u64s, segment after segment."""
+        self._check_epoch(meta)
+        self._check_lease()
+        try:
+            src = int(meta["source"])
+            rows = array("Q")
+            rows.frombytes(bytes(payload))
+            foreign = {(src, int(v), int(s)): ForeignVseg(src, int(v), int(s), bs)
+                       for v, s, bs in meta["copies"]}
+            at, adopted = 0, 0
+            for sid, i, gid, producer, sno, vlog, n in meta["segments"]:
+                sl = self.streamlets.get((sid, i))
+                if sl is None or not sl.recovering:
+                    raise NotOwner(f"stream {sid} streamlet {i} is not being recovered here")
+                part = rows[3 * at:3 * (at + n)]
+                at += n
+                if len(part) != 3 * n or n == 0:
+                    raise InvalidArgument("adopt: payload shorter than its segments")
+                seg = adopted_segment(sno, sl.segment_size, part[0::3], part[1::3], part[2::3],
+                                      ForeignVlog(src, vlog), foreign)
+                adopted += sl.adopt(gid, producer, seg)
+            for sid, i, producer, seq in meta.get("producers") or []:
+                sl = self.streamlets.get((sid, i))
+                if sl is not None and sl.recovering:
+                    st = sl.producers.get(producer)
+                    if st is None:
+                        sl.producers[producer] = ProducerState(seq, {})
+                    elif seq > st.last_seq:
+                        st.last_seq = seq
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"adopt: malformed request: {e}") from None
+        return {"adopted": adopted}
 
     def _check_lease(self) -> None:
         if time.monotonic() > self.lease_until:

@@ -18,6 +18,7 @@ from ..errors import DataLoss, OutOfOrderSequence, OutOfRange, RecordTooLarge
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from .group import Group
+from .segment import Segment
 
 SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
 
@@ -213,6 +214,27 @@ class Streamlet:
             self.appended_chunks += 1
             self.appended_bytes += len(chunk)
         return g, seg
+
+    def adopt(self, group: int, producer: int, seg) -> bool:
+        """Recovery: a segment re-pointed at the dead broker's backups (evicted, index only),
+        next in its group; False if the group holds it already (an adopt sent again)."""
+        g = self.groups.get(group)
+        if g is None:
+            g = self._new_group(producer % self.q, group)
+        n = len(g.segments)
+        if seg.id < n:
+            return False
+        if n == 0 and seg.id > 0:  # the ones before were freed on the dead broker
+            g.segments = [Segment.gone(i) for i in range(seg.id)]
+            g.start = n = seg.id
+        if seg.id != n:
+            raise DataLoss(f"stream {self.stream_id} streamlet {self.index}: adopted segment "
+                           f"{seg.id} of group {group} after {n} segments")
+        g.segments.append(seg)
+        self._on_filled(g, seg)
+        self.appended_chunks += len(seg.ends)
+        self.appended_bytes += seg.head
+        return True
 
     def note_producer(self, producer: int, sequence: int, vlog, ref: int, segment=None,
                       end: int = 0) -> None:

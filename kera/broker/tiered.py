@@ -82,7 +82,10 @@ class TieredReader:
                 break
             try:
                 addr = self.addr_of(backup)
-                meta = {"broker": self.identity(), "vlog": seg.vlog.id, "vseg": vs.id,
+                # an adopted segment's vsegs are a dead incarnation's (ForeignVseg names it)
+                foreign = hasattr(vs, "broker")
+                meta = {"broker": vs.broker if foreign else self.identity(),
+                        "vlog": vs.vlog if foreign else seg.vlog.id, "vseg": vs.id,
                         "ranges": [[off, size] for off, size, _ in chunks]}
                 _, payload = await self.pool.call(addr, "read_chunks", meta, timeout=READ_TIMEOUT)
                 self._place(seg, group, chunks, memoryview(payload), buf)
