@@ -219,10 +219,9 @@ def cmd_status(args) -> None:
             st = await a.status()
             st["broker_stats"] = {b["broker"]: b for b in await a.broker_stats(streams=True, status=st)}
             st["backup_stats"] = {b["backup"]: b for b in await a.backup_stats(status=st)}
-            names = {s["id"]: s for s in await a.list_streams()} if st["broker_stats"] else {}
-            return st, names
+            return st
 
-    st, names = _run(go)
+    st = _run(go)
     if args.json:
         print(json.dumps(st, indent=2))
         return
@@ -251,7 +250,9 @@ def cmd_status(args) -> None:
                   f"chunks/rpc={per:.1f} lag={v['lag']} vsegs={v['vsegs']} "
                   f"with R copies={v['fully_replicated']} released={v.get('released', 0)}")
         for sid, e in (own.get("streams") or {}).items():
-            t = per_stream.setdefault(int(sid), {"retained": 0, "evicted": 0, "starts": {}})
+            t = per_stream.setdefault(int(sid), {"retained": 0, "evicted": 0, "starts": {}, "name": e.get("name"),
+                                                 "retention_bytes": e.get("retention_bytes", -1),
+                                                 "retention_ms": e.get("retention_ms", -1)})
             t["retained"] += e["retained"]
             t["evicted"] += e["evicted"]
             t["starts"].update(e["starts"])
@@ -260,13 +261,12 @@ def cmd_status(args) -> None:
         print(f"backup {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'} "
               f"disk={own.get('disk_bytes', 0) / mib:.1f} MiB in {own.get('segments', 0)} files "
               f"reclaimed={own.get('reclaimed_bytes', 0) / mib:.1f} MiB")
-    shown = sorted(per_stream.items(), key=lambda kv: names.get(kv[0], {}).get("name", str(kv[0])))
+    shown = sorted(per_stream.items(), key=lambda kv: kv[1]["name"] or str(kv[0]))
     for sid, t in shown[:50]:
-        s = names.get(sid, {})
         starts = " ".join(f"{i}:{g}.{seg}" for i, (g, seg) in sorted(t["starts"].items(), key=lambda x: int(x[0])))
-        print(f"stream {s.get('name', sid)}: retained={t['retained'] / mib:.1f} MiB "
-              f"(evicted {t['evicted'] / mib:.1f}) retention.bytes={s.get('retention_bytes', -1)} "
-              f"retention.ms={s.get('retention_ms', -1)} start(streamlet:group.segment)={starts}")
+        print(f"stream {t['name'] or sid}: retained={t['retained'] / mib:.1f} MiB "
+              f"(evicted {t['evicted'] / mib:.1f}) retention.bytes={t['retention_bytes']} "
+              f"retention.ms={t['retention_ms']} start(streamlet:group.segment)={starts}")
     if len(shown) > 50:
         print(f"... {len(shown) - 50} more streams (--json for all)")
     for r in st.get("recoveries", []):

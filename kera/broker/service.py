@@ -523,12 +523,18 @@ class BrokerService(Service):
 
     def retention_stats(self) -> dict:
         """Per stream here: retained chunk bytes, evicted bytes, and where each streamlet
-        starts (lowest group held, its first segment)."""
+        starts (lowest group held, its first segment); with the stream's name and retention,
+        so a status needs no listing of every stream."""
         out: dict = {}
         for (sid, i), sl in self.streamlets.items():
             gid, seg, held = sl.start_position()
             evicted = sum(s.head for g in sl.groups.values() for s in g.segments[g.start:] if s.evicted)
-            e = out.setdefault(sid, {"retained": 0, "evicted": 0, "freed": 0, "starts": {}})
+            e = out.get(sid)
+            if e is None:
+                s = self.streams.get(sid) or {}
+                e = out[sid] = {"name": s.get("name"), "retention_bytes": s.get("retention_bytes", -1),
+                                "retention_ms": s.get("retention_ms", -1),
+                                "retained": 0, "evicted": 0, "freed": 0, "starts": {}}
             e["retained"] += held
             e["evicted"] += evicted
             e["freed"] += sl.freed_bytes
