@@ -30,6 +30,7 @@ from .errors import InvalidArgument, Unavailable
 log = logging.getLogger("kera.etcd")
 
 DEFAULT_PREFIX = "/kera/"
+MAX_IDLE = 8   # connections kept per endpoint between requests
 
 
 class EtcdError(Unavailable):
@@ -158,7 +159,7 @@ class Etcd:
                 h.start_next_cycle()
                 ok = True
         finally:
-            if ok:
+            if ok and len(idle) < MAX_IDLE:
                 idle.append(conn)
             else:
                 with trio.CancelScope(shield=True):

@@ -50,3 +50,10 @@ async def test_keyed_lines_in_and_out(make_cluster):
     assert out.strip() == "acknowledged: 4"
     got = await trio.to_thread.run_sync(lambda: kera(cluster, "consume", "c", "--keys", "--max", "4"))
     assert got == "a\t1\nb\t2\na\t3\nb\t\n"
+    # a line without a key: that line is refused, the others still go, the status says so
+    env = dict(os.environ, KERA_COORDINATOR=cluster.coordinator)
+    r = await trio.to_thread.run_sync(lambda: subprocess.run(
+        [sys.executable, "-m", "kera", "produce", "c", "--keyed"], input=b"c\t4\nno-tab\nd\t5\n",
+        capture_output=True, env=env, timeout=60))
+    assert r.returncode == 1 and b"line 2: --keyed needs key<TAB>value" in r.stderr
+    assert r.stdout.decode().strip() == "acknowledged: 2"

@@ -13,6 +13,9 @@ import trio
 from kera_client import open_admin
 from kera_client.kv import open_kv
 
+from kera import chunk
+from kera.errors import KeraError
+
 from .linearizability import Op, check
 from .workload import status
 
@@ -87,6 +90,37 @@ async def test_map_operations_versions_and_a_second_client(make_cluster):
         async with open_admin(coord) as adm:
             s = await adm.describe_stream("m")
             assert s["streamlets"] == 1 and s["groups"] == 1
+
+
+async def test_bad_conditional_appends_are_refused_and_store_nothing(make_cluster):
+    """append_if takes one chunk of one record with a current token; anything else gets a
+    typed error, the streamlet is unchanged, and the broker serves the next request."""
+    cluster = make_cluster(1)
+    with trio.fail_after(60):
+        async with open_kv("m", cluster.coordinator) as m:
+            await m.put("k", "v")
+            addr, s = m._owner()
+            sid = s["id"]
+            r, _ = await m.pool.call(addr, "tail", {"stream_id": sid, "streamlet": 0}, timeout=5)
+            token = r["token"]
+            one = chunk.build(sid, 0, 999, 0, [b"x"], [b"k"])
+            cases = [
+                ({"expect": token}, one + one, "invalid_argument"),                   # two chunks
+                ({"expect": token}, chunk.build(sid, 0, 999, 0, [b"a", b"b"], [b"k", b"k"]),
+                 "invalid_argument"),                                                 # two records
+                ({"expect": [token[0], token[1] - 1]}, one, "conflict"),             # stale token
+                ({"expect": "nonsense"}, one, "conflict"),
+                ({}, one, "conflict"),
+                ({"expect": token}, chunk.build(sid + 1000, 0, 999, 0, [b"x"], [b"k"]), "not_owner"),
+                ({"expect": token}, b"garbage" * 20, "protocol"),
+            ]
+            for meta, payload, code in cases:
+                with pytest.raises(KeraError) as e:
+                    await m.pool.call(addr, "append_if", meta, payload, timeout=5)
+                assert e.value.code == code, (meta, e.value)
+            r, _ = await m.pool.call(addr, "tail", {"stream_id": sid, "streamlet": 0}, timeout=5)
+            assert r["token"] == token, "a refused append changed the streamlet"
+            assert await m.get("k") == b"v" and await m.put("k", "w") == 2
 
 
 async def test_map_survives_a_broker_kill_without_losing_or_resurrecting(make_cluster):

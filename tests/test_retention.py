@@ -279,15 +279,7 @@ def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_c
         c.kill(victim)
         t0 = time.monotonic()
 
-        async def recovered():
-            async with open_admin(c.coordinator) as a:
-                st = await a.status()
-                d = await a.describe_stream("big")
-            victim_id = next(b["id"] for b in st["brokers"] if b["addr"] == s["addrs"][0])
-            done = [r for r in st["recoveries"] if r["state"] == "done" and r["broker"] == victim_id]
-            return (done[0], d) if done and d["addrs"][0] not in (None, s["addrs"][0]) else None
-
-        rec, d = await wait_for(recovered, "the recovery of the killed broker", timeout=120)
+        rec = await wait_recovered(c, s, timeout=120)
         took = time.monotonic() - t0
         got = await read_all(c.coordinator, ["big"])
         async with open_admin(c.coordinator) as a:
@@ -301,6 +293,19 @@ def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_c
     assert all(b["memory"] <= budget for b in stats)
     print(f"\nrecovery of {rec['bytes'] / MiB:.1f} MiB in {rec['seconds']} s ({took:.1f} s from the kill "
           f"to the hand-over seen); {len(arr)} retained records read back")
+
+
+async def wait_recovered(c, s: dict, timeout: float) -> dict:
+    """The done recovery of the broker that owned streamlet 0 of ``s``, once a new owner serves it."""
+    async def recovered():
+        async with open_admin(c.coordinator) as a:
+            st = await a.status()
+            d = await a.describe_stream(s["name"])
+        victim_id = next(b["id"] for b in st["brokers"] if b["addr"] == s["addrs"][0])
+        done = [r for r in st["recoveries"] if r["state"] == "done" and r["broker"] == victim_id]
+        return done[0] if done and d["addrs"][0] not in (None, s["addrs"][0]) else None
+
+    return await wait_for(recovered, "the recovery of the killed broker", timeout=timeout)
 
 
 def _recover_repointed(make_cluster, history: int) -> dict:
@@ -328,15 +333,7 @@ def _recover_repointed(make_cluster, history: int) -> dict:
         await wait_for(held, "the owner to evict all but its budget")
         c.kill(victim)
 
-        async def recovered():
-            async with open_admin(c.coordinator) as a:
-                st = await a.status()
-                d = await a.describe_stream("big")
-            victim_id = next(b["id"] for b in st["brokers"] if b["addr"] == s["addrs"][0])
-            done = [r for r in st["recoveries"] if r["state"] == "done" and r["broker"] == victim_id]
-            return done[0] if done and d["addrs"][0] not in (None, s["addrs"][0]) else None
-
-        rec = await wait_for(recovered, "the recovery of the killed broker", timeout=60)
+        rec = await wait_recovered(c, s, timeout=60)
         got = await read_all(c.coordinator, ["big"], idle=2.0)
         async with open_admin(c.coordinator) as a:
             stats = await a.broker_stats()

@@ -10,7 +10,7 @@ from kera.coordinator_link import CoordinatorLink
 from kera.errors import KeraError
 from kera.rpc import open_pool
 
-from .portal import Portal
+from .portal import Synced
 
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
 
@@ -139,32 +139,8 @@ async def open_admin(coordinator: str | None = None):
         yield AsyncAdmin(pool, coordinator)
 
 
-class Admin:
+class Admin(Synced):
     """Synchronous admin client: ``Admin().create_stream("s", streamlets=4)``."""
 
     def __init__(self, coordinator: str | None = None):
-        self.portal = Portal("kera-admin")
-        self._admin = self.portal.start(self._serve, coordinator)
-
-    async def _serve(self, coordinator, task_status):
-        async with open_admin(coordinator) as a:
-            task_status.started(a)
-            await trio_sleep_forever()
-
-    def __getattr__(self, name):
-        fn = getattr(self._admin, name)
-        return lambda *a, **k: self.portal.call(lambda: fn(*a, **k))
-
-    def close(self) -> None:
-        self.portal.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-async def trio_sleep_forever():
-    import trio
-    await trio.sleep_forever()
+        super().__init__("kera-admin", open_admin, coordinator)

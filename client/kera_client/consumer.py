@@ -29,7 +29,7 @@ from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
 
 from .admin import default_coordinator, suspect
-from .portal import Portal
+from .portal import Synced
 
 Record = namedtuple("Record", "stream streamlet key value timestamp")
 
@@ -307,21 +307,12 @@ async def open_consumer(streams=None, coordinator: str | None = None, **kw):
         yield c
 
 
-class Consumer:
+class Consumer(Synced):
     """Synchronous consumer: ``for record in Consumer(["s"]).records(timeout=5): ...``."""
 
     def __init__(self, streams=None, coordinator: str | None = None, **kw):
-        self.portal = Portal("kera-consumer")
-        try:
-            self._c: AsyncConsumer = self.portal.start(self._serve, streams, coordinator, kw)
-        except BaseException:
-            self.portal.close()
-            raise
-
-    async def _serve(self, streams, coordinator, kw, task_status):
-        async with open_consumer(streams, coordinator, **kw) as c:
-            task_status.started(c)
-            await trio.sleep_forever()
+        super().__init__("kera-consumer", open_consumer, streams, coordinator, **kw)
+        self._c: AsyncConsumer = self._obj
 
     def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
         return self.portal.call(self._c.poll_chunks, timeout)
@@ -350,13 +341,4 @@ class Consumer:
 
     def commit(self) -> None:
         self.portal.call(self._c.commit)
-
-    def close(self) -> None:
-        self.portal.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 

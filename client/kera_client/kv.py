@@ -40,7 +40,7 @@ from kera.rpc import open_pool, unwrapped
 
 from .admin import AsyncAdmin, default_coordinator, suspect
 from .consumer import AsyncConsumer
-from .portal import Portal
+from .portal import Synced
 
 RETRY = 0.05
 
@@ -245,31 +245,8 @@ async def open_kv(name: str, coordinator: str | None = None, create: bool = True
         yield m
 
 
-class KVMap:
+class KVMap(Synced):
     """Synchronous map: ``KVMap("config").put("k", "v")``; the same operations as AsyncKVMap."""
 
     def __init__(self, name: str, coordinator: str | None = None, create: bool = True, **kw):
-        self.portal = Portal("kera-kv")
-        try:
-            self._m: AsyncKVMap = self.portal.start(self._serve, name, coordinator, create, kw)
-        except BaseException:
-            self.portal.close()
-            raise
-
-    async def _serve(self, name, coordinator, create, kw, task_status):
-        async with open_kv(name, coordinator, create, **kw) as m:
-            task_status.started(m)
-            await trio.sleep_forever()
-
-    def __getattr__(self, name):
-        fn = getattr(self._m, name)
-        return lambda *a, **k: self.portal.call(lambda: fn(*a, **k))
-
-    def close(self) -> None:
-        self.portal.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        super().__init__("kera-kv", open_kv, name, coordinator, create, **kw)

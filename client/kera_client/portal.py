@@ -55,3 +55,38 @@ class Portal:
             except trio.RunFinishedError:
                 pass
             self._thread.join()
+
+
+class Synced:
+    """A synchronous face for an async client: the object ``opener(*args, **kw)`` yields
+    (an async context manager) lives in a background trio loop, and each of its
+    coroutine methods, called from here, runs there and is waited for."""
+
+    def __init__(self, name: str, opener, *args, **kw):
+        self.portal = Portal(name)
+        try:
+            self._obj = self.portal.start(self._serve, opener, args, kw)
+        except BaseException:
+            self.portal.close()
+            raise
+
+    @staticmethod
+    async def _serve(opener, args, kw, task_status):
+        async with opener(*args, **kw) as obj:
+            task_status.started(obj)
+            await trio.sleep_forever()
+
+    def __getattr__(self, name):
+        if name == "_obj":   # not started (a failed __init__): no recursion
+            raise AttributeError(name)
+        fn = getattr(self._obj, name)
+        return lambda *a, **k: self.portal.call(lambda: fn(*a, **k))
+
+    def close(self) -> None:
+        self.portal.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

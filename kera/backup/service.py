@@ -366,17 +366,9 @@ class BackupService(Service):
                 out.append(data)
             return out, None
 
-        async with self._io:
-            if rep.dropped:
-                raise BackupError(f"replica {rep.key} was dropped")
-            try:
-                parts, bad = await trio.to_thread.run_sync(work)
-            except OSError as e:
-                raise BackupError(f"reading replica {rep.key}: {e}") from None
+        parts, bad = await self._read_replica(rep, work)
         if bad is not None:
-            off, size, reason = bad
-            log.error("replica %s: chunk at %d failed verification: %s; never served", rep.key, off, reason)
-            rep.mark_corrupt(off, size, reason)
+            off, size, reason = self._corrupt(rep, bad)
             raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
         self.counters["tiered_bytes"] += sum(len(p) for p in parts)
         return {"chunks": len(parts)}, parts
@@ -394,13 +386,7 @@ class BackupService(Service):
         cut = bisect.bisect_left(starts, rep.mem_base)
         heads = []
         if cut:
-            async with self._io:
-                if rep.dropped:
-                    raise BackupError(f"replica {rep.key} was dropped")
-                try:
-                    heads = await trio.to_thread.run_sync(disk.read_headers, rep.path, starts[:cut])
-                except OSError as e:
-                    raise BackupError(f"reading replica {rep.key}: {e}") from None
+            heads = await self._read_replica(rep, disk.read_headers, rep.path, starts[:cut])
         for s in starts[cut:]:
             heads.append(bytes(b"".join(rep.memory_parts(s, s + chunkfmt.HEADER_SIZE))))
         rows = array("Q")
@@ -426,20 +412,30 @@ class BackupService(Service):
             return BackupStore.read_meta(rep, nxt, corrupt_at), parts
         return self._read_file(rep, start, stop, corrupt_at, nxt)
 
-    async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):
-        starts, ends = BackupStore.chunk_bounds(rep, start, stop)
+    async def _read_replica(self, rep: Replica, fn, *args):
+        """``fn(*args)`` in a worker thread, reading ``rep``'s file under the I/O lock: a
+        replica dropped meanwhile, or an I/O error, is a ``BackupError``."""
         async with self._io:
             if rep.dropped:
                 raise BackupError(f"replica {rep.key} was dropped")
             try:
-                data, bad = await trio.to_thread.run_sync(disk.read_verified, rep.path, start, stop,
-                                                          starts, ends)
+                return await trio.to_thread.run_sync(fn, *args)
             except OSError as e:
                 raise BackupError(f"reading replica {rep.key}: {e}") from None
+
+    @staticmethod
+    def _corrupt(rep: Replica, bad: tuple) -> tuple:
+        """A chunk that failed verification on read: logged, marked, never served."""
+        off, size, reason = bad
+        log.error("replica %s: chunk at %d failed verification: %s; never served", rep.key, off, reason)
+        rep.mark_corrupt(off, size, reason)
+        return bad
+
+    async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):
+        starts, ends = BackupStore.chunk_bounds(rep, start, stop)
+        data, bad = await self._read_replica(rep, disk.read_verified, rep.path, start, stop, starts, ends)
         if bad is not None:
-            off, size, reason = bad
-            log.error("replica %s: chunk at %d failed verification: %s; never served", rep.key, off, reason)
-            rep.mark_corrupt(off, size, reason)
+            off, size, _ = self._corrupt(rep, bad)
             corrupt_at, nxt = off, off + size
         self.counters["bytes_read"] += len(data)
         return BackupStore.read_meta(rep, nxt, corrupt_at), data
