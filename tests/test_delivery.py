@@ -4,12 +4,19 @@ caller's thread, in order per streamlet, and exact across a broker's SIGKILL."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import trio
-from kera_client import BatchReport, DeliveryReport, ProduceError, Producer, open_admin, open_consumer, open_producer
+from kera_client import (
+    BatchReport,
+    DeliveryReport,
+    ProduceError,
+    Producer,
+    open_admin,
+    open_consumer,
+    open_producer,
+)
 
 from kera import position
 from kera.errors import DeliveryTimeout, RecordTooLarge, UnknownStream

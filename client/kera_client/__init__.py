@@ -1,8 +1,8 @@
 """Python client for kera: producers, consumers, admin, and the Spark data source."""
 
 from .admin import Admin, AsyncAdmin, open_admin
-from .delivery import BatchReport, DeliveryReport, Pending
 from .consumer import AsyncConsumer, Chunk, Consumer, Record, open_consumer
+from .delivery import BatchReport, DeliveryReport, Pending
 from .kv import AsyncKVMap, KVMap, open_kv
 from .producer import AsyncProducer, ProduceError, Producer, open_producer
 

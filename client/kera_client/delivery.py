@@ -23,6 +23,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 
@@ -33,9 +34,8 @@ log = logging.getLogger("kera.producer")
 TIMEOUT = "delivery timeout"  # the producer's reason for chunks past delivery.timeout.ms
 
 
-@dataclass(frozen=True, slots=True)
-class DeliveryReport:
-    """One record's outcome. ``group``, ``segment`` and ``offset`` place its chunk (the
+class DeliveryReport(NamedTuple):
+    """One record's outcome (a named tuple: cheap to make, one per record). ``group``, ``segment`` and ``offset`` place its chunk (the
     offset in bytes inside the segment, as in the chunk header) and ``index`` is the
     record's place in that chunk; they are None when the record failed, or when the
     broker acknowledged a resent chunk it already held (its first answer was lost).
@@ -150,25 +150,38 @@ class Deliveries:
             self.ready.append((w, None, None, None, None, w.t_end))
 
     # -- serving ----------------------------------------------------------------------------
-    def _reports(self, item):
+    @staticmethod
+    def _reports(item) -> list:
+        """(callback, error, report) of one settled chunk or batch call (a list: built already)."""
+        if type(item) is list:
+            return item
         w, stream, streamlet, error, pos, t = item
         if isinstance(w, BatchWaiter):
-            yield w.report()
-            return
-        g, s, o = pos or (None, None, None)
-        for index, cb, t0, key, value in w:
-            yield cb, error, DeliveryReport(stream, streamlet, key, value, t - t0, g, s, o,
-                                            None if pos is None else index)
+            return [w.report()]
+        new = tuple.__new__
+        if pos is None:
+            return [(cb, error, new(DeliveryReport, (stream, streamlet, key, value, t - t0,
+                                                     None, None, None, None)))
+                    for _, cb, t0, key, value in w]
+        g, s, o = pos
+        return [(cb, error, new(DeliveryReport, (stream, streamlet, key, value, t - t0, g, s, o, index)))
+                for index, cb, t0, key, value in w]
 
-    def serve(self, limit: float = float("inf")) -> int:
+    def serve(self) -> int:
         """Call the waiting callbacks, on this thread; returns how many were called. An
-        exception from a callback propagates (the reports after it stay queued)."""
+        exception from a callback propagates; the reports after it stay queued."""
         n = 0
         ready = self.ready
-        while ready and n < limit:
-            for cb, error, report in self._reports(ready.popleft()):
+        while ready:
+            reports = self._reports(ready.popleft())
+            for j, (cb, error, report) in enumerate(reports):
                 n += 1
-                cb(error, report)
+                try:
+                    cb(error, report)
+                except BaseException:
+                    if j + 1 < len(reports):
+                        ready.appendleft(reports[j + 1:])
+                    raise
         return n
 
     def hand(self) -> None:

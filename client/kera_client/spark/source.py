@@ -6,6 +6,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
+from itertools import pairwise
 
 import numpy as np
 import pyarrow as pa
@@ -347,7 +348,7 @@ def _write(o: WriteOptions, batches) -> KeraCommit:
                 order = np.argsort(sl, kind="stable")
                 values, keys = values.take(order), keys.take(order)
                 bounds = np.searchsorted(sl[order], np.arange(count + 1))
-                parts = [(i, int(a), int(z)) for i, (a, z) in enumerate(zip(bounds, bounds[1:])) if z > a]
+                parts = [(i, int(a), int(z)) for i, (a, z) in enumerate(pairwise(bounds)) if z > a]
             else:
                 parts = [(None, 0, len(values))]
             for streamlet, a, z in parts:
