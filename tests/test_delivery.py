@@ -154,13 +154,18 @@ async def test_async_producer_awaits_records_and_batches(make_cluster):
     cluster = make_cluster(1)
     coord = cluster.coordinator
     await create(coord, ["a"], streamlets=2, replication=1)
-    async with open_producer(coord, **{"chunk.size": 512, "linger.ms": 1}) as p:
+    default = Reports()
+    async with open_producer(coord, on_delivery=default, **{"chunk.size": 512, "linger.ms": 1}) as p:
+        for i in range(50):
+            await p.send("a", b"d%d" % i)                 # the producer-wide callback, on this loop
         handles = [await p.send("a", b"r%d" % i, key=b"k", report=True) for i in range(200)]
         batch = await p.send_many("a", np.full((1000, 20), ord("z"), dtype=np.uint8), report=True)
         with pytest.raises(UnknownStream):
             await (await p.send("missing", b"v", report=True))
         records = [await h for h in handles]
         b = await batch
+    assert sorted(r.value for r in default.ok()) == sorted(b"d%d" % i for i in range(50))
+    assert default.threads == {threading.get_ident()}
     assert [r.value for r in records] == [b"r%d" % i for i in range(200)]
     at = [(r.group, r.segment, r.offset, r.index) for r in records]
     assert at == sorted(at) and len({r.streamlet for r in records}) == 1
