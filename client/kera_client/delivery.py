@@ -111,6 +111,7 @@ class Deliveries:
     def settle(self, c, stream: str, error: KeraError | str | None, position=None) -> None:
         """Chunk ``c`` (with ``c.reports`` set) was acknowledged (``error`` None, at
         ``position`` (group, segment, offset) when known) or given up on."""
+        why = error
         if isinstance(error, str):
             error = error_for(error)
         now = time.monotonic()
@@ -128,8 +129,8 @@ class Deliveries:
             if w.closed and w.pending == 0:
                 self.ready.append((w, None, None, None, None, now))
             return
-        if error is not None:
-            self.silent += c.records - len(w)
+        if error is not None and c.records > len(w):  # some of its records have no callback
+            self._silent(c.records - len(w), why if isinstance(why, str) else error.code)
         self.ready.append((w, stream, c.key[1], error, position, now))
 
     def refused(self, stream: str, key, value, cb, error: KeraError) -> None:
@@ -139,7 +140,10 @@ class Deliveries:
 
     def failed_silently(self, c, why: str) -> None:
         """A chunk without reports was given up on: counted for ``flush``."""
-        self.silent += c.records
+        self._silent(c.records, why)
+
+    def _silent(self, records: int, why: str) -> None:
+        self.silent += records
         if len(self.silent_why) < 100:
             self.silent_why.append(why)
 
