@@ -87,8 +87,10 @@ class AsyncConsumer:
     def __init__(self, pool, coordinator: str, streams=None, pattern: str | None = None,
                  start="earliest", group: str | None = None, max_bytes: int = 8 << 20,
                  max_wait_ms: int = 200, auto_offset_reset: str = "earliest",
-                 streamlets: list[int] | None = None):
-        """``streamlets``: read only these streamlets of each stream (default: all)."""
+                 streamlets: list[int] | None = None, positions=None):
+        """``streamlets``: read only these streamlets of each stream (default: all).
+        ``positions``: a ``GroupPositions`` shared with other consumers of the process
+        (their commits then leave together); default: one of its own, on first use."""
         if not streams and not pattern:
             raise ValueError("give streams or a pattern")
         if auto_offset_reset not in ("earliest", "latest", "none"):
@@ -103,7 +105,7 @@ class AsyncConsumer:
         self.start = start
         self.group = group
         self.only = streamlets
-        self._committer = None   # GroupPositions, on first use
+        self._committer = positions
         self.max_bytes = max_bytes
         self.max_wait_ms = max_wait_ms
         self.streams: dict[str, dict] = {}
