@@ -360,3 +360,6 @@ class Consumer(Synced):
     def commit(self) -> None:
         self.portal.call(self._c.commit)
 
+    def committed(self) -> dict:
+        return self.portal.call(self._c.committed)
+
