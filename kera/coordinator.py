@@ -1,9 +1,10 @@
 """The coordinator: stream metadata, placement, recovery, and leadership.
 
-Metadata (streams, streamlet owners, identities, fences) lives in ``self.meta``, kept by a ``MetaLog`` in the data dir or by
-``EtcdMeta`` in etcd: each change is recorded as it is made, and a request
-whose change must survive a crash awaits ``commit()`` before it answers (one
-write for many requests). Membership and failure detection (soft state) are
+Metadata (streams, streamlet owners, identities, fences) lives in
+``self.meta``, kept by a ``MetaLog`` in the data dir or by ``EtcdMeta`` in
+etcd: each change is recorded as it is made, and a request whose change must
+survive a crash awaits ``commit()`` before it answers (one write for many
+requests). Membership and failure detection (soft state) are
 in ``kera.membership``; with etcd, this process serves only while it leads.
 Consumer-group positions are not metadata: they are records of an internal
 stream (``kera.group_positions``) that this process only creates.
@@ -156,7 +157,7 @@ class Coordinator(Membership, Service):
         self.names = NameIndex(n for n in self.meta["streams"] if not is_internal(n))  # listed, in order
         if "positions" in self.meta:   # group positions of an older version: they start afresh
             store.delete(("positions",))
-        self._internal = trio.Lock()
+        self._creating = trio.Lock()   # an internal stream, on first use
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.started = time.monotonic()
         self.ready = self.expect_nodes == 0
@@ -474,7 +475,7 @@ class Coordinator(Membership, Service):
     async def rpc_positions_stream(self, meta, payload):
         """The internal stream consumer groups commit their positions to, created on first
         use (``kera.group_positions``): the coordinator never sees a commit."""
-        async with self._internal:
+        async with self._creating:
             s = self.meta["streams"].get(group_positions.NAME)
             if s is None:
                 s, = await self._create([{"name": group_positions.NAME, **group_positions.SHAPE}],

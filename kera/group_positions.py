@@ -58,15 +58,16 @@ def encode(group: str, positions: dict, ids: dict[str, int]) -> tuple[list[bytes
 
 
 def decode(group: str, latest: dict[bytes, bytes], ids: dict[str, int] | None = None) -> dict:
-    """``group``'s positions from the latest value of every key of its streamlet, leaving
-    out streams whose id is not the one in ``ids`` (re-created since the commit)."""
+    """``group``'s positions from the latest value of every key of its streamlet; with
+    ``ids`` (name -> id), only of those streams, as they are now (a stream re-created
+    since the commit has another id)."""
     out = {}
     for key, value in latest.items():
         g, name = msgpack.unpackb(key)
         if g != group or not value:
             continue
         sid, sls = msgpack.unpackb(value, strict_map_key=False)
-        if ids is not None and ids.get(name, sid) != sid:
+        if ids is not None and ids.get(name) != sid:
             continue
         for i, low, groups, skip in sls:
             e = out[f"{name}/{i}"] = {"low": low, "groups": {str(k): v for k, v in groups.items()}}

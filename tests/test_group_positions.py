@@ -17,7 +17,9 @@ from kera_client import open_admin, open_consumer
 from kera_client.positions import GroupPositions
 
 from kera import group_positions as gp
+from kera.coordinator import INITIAL, Coordinator
 from kera.errors import InvalidArgument, InvalidName
+from kera.metalog import MetaLog
 from kera.rpc import open_pool
 
 from .test_scale import serving
@@ -27,6 +29,25 @@ from .workload import create, read_values, send_and_flush
 def _pairs(values) -> list[tuple[int, int]]:
     """(producer, counter) of each value (``workload.values``' layout), sorted."""
     return sorted((int.from_bytes(v[0:4], "little"), int.from_bytes(v[4:12], "little")) for v in values)
+
+
+def test_records_round_trip_per_stream_and_forget_recreated_streams():
+    pos = {"a/0": {"low": 0, "groups": {"0": 5}},
+           "a/1": {"low": 1, "groups": {"1": 7}, "skip": {"1": [7, 3]}},
+           "b/0": {"low": 2, "groups": {}}}
+    keys, values = gp.encode("G", pos, {"a": 1, "b": 2})
+    assert len(keys) == 2   # one record per stream
+    latest = dict(zip(keys, values, strict=True))
+    other, ov = gp.encode("H", {"a/0": {"low": 0, "groups": {"0": 9}}}, {"a": 1})
+    latest.update(zip(other, ov, strict=True))   # another group in the same streamlet
+    assert gp.decode("G", latest) == pos
+    assert gp.decode("G", latest, {"a": 1, "b": 3}) == {k: v for k, v in pos.items() if k[0] == "a"}
+    assert gp.decode("G", latest, {"b": 2}) == {"b/0": pos["b/0"]}
+    assert gp.decode("nobody", latest) == {}
+    assert 0 <= gp.streamlet_of("G", 8) < 8
+    for bad in ("", "x" * 250, 7, None):
+        with pytest.raises(InvalidArgument):
+            gp.check_group(bad)
 
 
 async def test_positions_survive_a_broker_kill_and_a_whole_cluster_restart(make_cluster):
@@ -169,3 +190,29 @@ async def test_a_thousand_committing_consumers_leave_the_coordinator_alone(make_
     print(f"\ncoordinator metadata before: {_percentiles(before)}, CPU {cpu_before:.1%}"
           f"\ncoordinator metadata during: {_percentiles(during)}, CPU {cpu_during:.1%}"
           f"\ncommits: {rate:.0f}/s while measured; latency {_percentiles(latencies)}")
+
+
+async def test_positions_of_an_older_metadata_are_dropped_once(tmp_path):
+    """Positions an earlier version committed to the coordinator's metadata: groups start
+    afresh, and the metadata no longer carries them."""
+    d = str(tmp_path)
+
+    async def persisted(store, change=None):
+        async with trio.open_nursery() as n:
+            await n.start(store.run)
+            if change:
+                store.set(*change)
+            await store.commit()
+            n.cancel_scope.cancel()
+        store.close()
+
+    await persisted(MetaLog(d, INITIAL), (("positions",), {"g": {"s/0": {"low": 0, "groups": {"0": 7}}}}))
+    m = MetaLog(d, INITIAL)
+    assert m.state["positions"]
+    m.close()
+    c = Coordinator(d)
+    assert "positions" not in c.meta
+    await persisted(c.log)
+    m = MetaLog(d, INITIAL)
+    assert "positions" not in m.state
+    m.close()

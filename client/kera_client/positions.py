@@ -98,8 +98,8 @@ class GroupPositions:
         await log.append("produce", {"acks": "all"}, values[start:], keys[start:])
 
     async def fetch(self, group: str, ids: dict[str, int] | None = None) -> dict:
-        """``group``'s latest committed positions (streams re-created since, per ``ids``,
-        left out); every commit acknowledged before the call is seen."""
+        """``group``'s latest committed positions (with ``ids``, name -> id: of those streams
+        only, as they are now); every commit acknowledged before the call is seen."""
         sl = await self._streamlet(group)
         async with sl.reading:
             def fold(ch):
