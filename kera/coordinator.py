@@ -1,11 +1,13 @@
 """The coordinator: stream metadata, placement, recovery, and leadership.
 
-Metadata (streams, streamlet owners, identities, fences, committed positions)
-lives in ``self.meta``, kept by a ``MetaLog`` in the data dir or by
-``EtcdMeta`` in etcd: each change is recorded as it is made, and a request
-whose change must survive a crash awaits ``commit()`` before it answers (one
-write for many requests). Membership and failure detection (soft state) are
+Metadata (streams, streamlet owners, identities, fences) lives in
+``self.meta``, kept by a ``MetaLog`` in the data dir or by ``EtcdMeta`` in
+etcd: each change is recorded as it is made, and a request whose change must
+survive a crash awaits ``commit()`` before it answers (one write for many
+requests). Membership and failure detection (soft state) are
 in ``kera.membership``; with etcd, this process serves only while it leads.
+Consumer-group positions are not metadata: they are records of an internal
+stream (``kera.group_positions``) that this process only creates.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import time
 
 import trio
 
-from . import etcd, limits
+from . import etcd, group_positions, limits
 from .catalog import NameIndex
 from .errors import (
     InvalidArgument,
+    InvalidName,
     KeraError,
     LimitExceeded,
     NotEnoughBackups,
@@ -33,7 +36,7 @@ from .etcd_meta import Election, EtcdMeta
 from .holdings import Holdings
 from .membership import Member, Membership
 from .metalog import MetaLog
-from .names import check_stream_name
+from .names import check_stream_name, is_internal
 from .recovery import RecoveryManager
 from .rpc import Pool, Service
 
@@ -41,7 +44,7 @@ log = logging.getLogger("kera.coordinator")
 
 INITIAL = {   # the metadata of a new cluster
     "next_stream_id": 1, "next_producer_id": 1, "next_epoch": 1,
-    "next_id": {"broker": 1, "backup": 1}, "streams": {}, "positions": {},
+    "next_id": {"broker": 1, "backup": 1}, "streams": {},
     "backups": [],   # every backup id ever registered
     "fences": {},    # broker id -> newest epoch fenced
 }
@@ -71,6 +74,19 @@ def _retention(spec: dict) -> dict:
             raise InvalidArgument(f"{kafka} must be an integer >= 0, or -1 for unbounded, not {v!r}")
         out[key] = v
     return out
+
+
+CLEANUP_POLICIES = ("delete", "compact", "compact,delete")
+
+
+def _cleanup_policy(spec: dict) -> dict:
+    """The cleanup policy a spec gives (either spelling), checked: Kafka's values."""
+    v = spec.get("cleanup_policy", spec.get("cleanup.policy"))
+    if v is None:
+        return {}
+    if v not in CLEANUP_POLICIES:
+        raise InvalidArgument(f"cleanup.policy must be one of {', '.join(CLEANUP_POLICIES)}, not {v!r}")
+    return {"cleanup_policy": v}
 
 
 def _batches(entries: list) -> list[list]:
@@ -138,7 +154,10 @@ class Coordinator(Membership, Service):
         self.log = store
         self.meta = store.state   # changed only through self.log
         self.holdings = Holdings(self.meta["streams"].values())   # incarnation -> streamlets
-        self.names = NameIndex(self.meta["streams"])              # stream names in order
+        self.names = NameIndex(n for n in self.meta["streams"] if not is_internal(n))  # listed, in order
+        if "positions" in self.meta:   # group positions of an older version: they start afresh
+            store.delete(("positions",))
+        self._creating = trio.Lock()   # an internal stream, on first use
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.started = time.monotonic()
         self.ready = self.expect_nodes == 0
@@ -202,6 +221,13 @@ class Coordinator(Membership, Service):
             raise UnknownStream(f"no stream named {name!r}")
         return s
 
+    def _user_stream(self, name) -> dict:
+        """A stream a user may change: internal ones are kera's."""
+        s = self._stream(name)
+        if is_internal(name):
+            raise InvalidName(f"stream {name!r} is internal: it cannot be deleted or altered")
+        return s
+
     async def rpc_create_stream(self, meta, payload):
         """One stream: the batch path with one entry."""
         s, = await self._create([meta])
@@ -215,11 +241,12 @@ class Coordinator(Membership, Service):
             raise InvalidArgument("create_streams needs a non-empty list of streams")
         return {"ids": [s["id"] for s in await self._create(specs)]}
 
-    def _config(self, spec, nodes: int) -> tuple[str, dict]:
-        """One spec's name and shape, defaults filled in; refused if invalid, taken or too large."""
+    def _config(self, spec, nodes: int, internal: bool = False) -> tuple[str, dict]:
+        """One spec's name and shape, defaults filled in; refused if invalid, taken or too large.
+        ``internal``: one of kera's own streams, whose name a user's cannot be."""
         if not isinstance(spec, dict):
             raise InvalidArgument("a stream spec must be a map")
-        name = check_stream_name(spec.get("name"))
+        name = spec["name"] if internal else check_stream_name(spec.get("name"))
         if name in self.meta["streams"]:
             raise StreamExists(f"stream {name!r} exists")
         cfg = {}
@@ -235,6 +262,7 @@ class Coordinator(Membership, Service):
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
         cfg["vlogs"] = policy
         cfg.update({**getattr(self, "retention_defaults", RETENTION_DEFAULTS), **_retention(spec)})
+        cfg.update(_cleanup_policy(spec))
         if spec.get("replication") is None:
             cfg["replication"] = min(cfg["replication"], max(1, nodes))
         if cfg["replication"] > nodes:
@@ -242,7 +270,7 @@ class Coordinator(Membership, Service):
                 f"replication {cfg['replication']} needs {cfg['replication']} nodes, {nodes} alive")
         return name, cfg
 
-    async def _create(self, specs: list) -> list[dict]:
+    async def _create(self, specs: list, internal: bool = False) -> list[dict]:
         """Create all of ``specs`` or none of them, with one commit and one assign per broker.
 
         Every spec is checked before anything is recorded, with no await in between, so
@@ -259,7 +287,7 @@ class Coordinator(Membership, Service):
         checked: dict[str, dict] = {}
         for i, spec in enumerate(specs):
             try:
-                name, cfg = self._config(spec, nodes)
+                name, cfg = self._config(spec, nodes, internal)
                 if name in checked:
                     raise InvalidArgument(f"stream {name!r} is named twice in the batch")
             except KeraError as e:
@@ -283,7 +311,8 @@ class Coordinator(Membership, Service):
             s = {"name": name, "id": sid, **cfg, "owners": owners, "created": now}
             self.log.set(("streams", name), s)
             self.holdings.add(s)
-            self.names.add(name)
+            if not internal:
+                self.names.add(name)
             created.append(s)
         await self.commit()
         await self._assign(created)
@@ -392,7 +421,7 @@ class Coordinator(Membership, Service):
         return {"streams": out, "missing": missing}
 
     async def rpc_delete_stream(self, meta, payload):
-        s = self._stream(meta.get("name"))
+        s = self._user_stream(meta.get("name"))
         self.log.delete(("streams", s["name"]))
         self.holdings.remove(s)
         self.names.discard(s["name"])
@@ -415,7 +444,7 @@ class Coordinator(Membership, Service):
         """Change a stream's retention (``retention_bytes`` / ``retention_ms``, or Kafka's
         dotted names): persisted, then pushed to the brokers owning its streamlets, which
         apply it at their next reclaim pass. Refused as a whole if any value is invalid."""
-        s = self._stream(meta.get("name"))
+        s = self._user_stream(meta.get("name"))
         changes = _retention(meta)
         if not changes:
             raise InvalidArgument("alter_stream needs retention_bytes and/or retention_ms")
@@ -443,19 +472,15 @@ class Coordinator(Membership, Service):
         return {"id": pid}
 
     # -- consumer positions ----------------------------------------------
-    async def rpc_commit(self, meta, payload):
-        group = meta.get("group")
-        if not isinstance(group, str) or not group or len(group) > 249:
-            raise InvalidArgument("commit needs a consumer group name")
-        positions = meta.get("positions")
-        if not isinstance(positions, dict):
-            raise InvalidArgument("commit needs positions")
-        self.log.merge(("positions", group), positions)   # O(this commit), fsync shared
-        await self.commit()
-        return {}
-
-    def rpc_positions(self, meta, payload):
-        return {"positions": self.meta["positions"].get(meta.get("group"), {})}
+    async def rpc_positions_stream(self, meta, payload):
+        """The internal stream consumer groups commit their positions to, created on first
+        use (``kera.group_positions``): the coordinator never sees a commit."""
+        async with self._creating:
+            s = self.meta["streams"].get(group_positions.NAME)
+            if s is None:
+                s, = await self._create([{"name": group_positions.NAME, **group_positions.SHAPE}],
+                                        internal=True)
+        return {"stream": self._describe(s)}
 
     # -- status -----------------------------------------------------------
     async def rpc_status(self, meta, payload):

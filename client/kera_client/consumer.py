@@ -6,6 +6,10 @@ from its start, and ``pos`` packs (segment << 32 | offset), or -1 once a
 closed group was read to its end. Positions are what the broker wrote in the
 chunk headers, so they stay valid when a streamlet is recovered elsewhere.
 
+A consumer in a ``group`` starts where the group's committed positions say, and
+``commit`` stores its current ones, both through the internal positions stream
+(``kera_client.positions``).
+
 Retention frees old segments: a position before what a broker still holds
 is answered ``out_of_range``, and ``auto_offset_reset`` (Kafka's
 ``auto.offset.reset``) says what then: ``earliest`` (default) moves the
@@ -82,7 +86,11 @@ def _compact(p: dict) -> None:
 class AsyncConsumer:
     def __init__(self, pool, coordinator: str, streams=None, pattern: str | None = None,
                  start="earliest", group: str | None = None, max_bytes: int = 8 << 20,
-                 max_wait_ms: int = 200, auto_offset_reset: str = "earliest"):
+                 max_wait_ms: int = 200, auto_offset_reset: str = "earliest",
+                 streamlets: list[int] | None = None, positions=None):
+        """``streamlets``: read only these streamlets of each stream (default: all).
+        ``positions``: a ``GroupPositions`` shared with other consumers of the process
+        (their commits then leave together); default: one of its own, on first use."""
         if not streams and not pattern:
             raise ValueError("give streams or a pattern")
         if auto_offset_reset not in ("earliest", "latest", "none"):
@@ -96,6 +104,8 @@ class AsyncConsumer:
         self.pattern = pattern
         self.start = start
         self.group = group
+        self.only = streamlets
+        self._committer = positions
         self.max_bytes = max_bytes
         self.max_wait_ms = max_wait_ms
         self.streams: dict[str, dict] = {}
@@ -121,13 +131,10 @@ class AsyncConsumer:
             await self._init_positions(new)
 
     async def _init_positions(self, streams) -> None:
-        saved = {}
-        if self.group:
-            r, _ = await self.coordinator.call("positions", {"group": self.group}, timeout=30)
-            saved = r["positions"]
+        saved = await self.committed() if self.group else {}
         latest = []
         for s in streams:
-            for i in range(s["streamlets"]):
+            for i in (range(s["streamlets"]) if self.only is None else self.only):
                 key = f"{s['name']}/{i}"
                 if isinstance(self.start, dict) and (s["name"], i) in self.start:
                     self.positions[(s["name"], i)] = _copy(self.start[(s["name"], i)])
@@ -180,11 +187,22 @@ class AsyncConsumer:
             if not (unconsumed and taken and ch is unconsumed[0]) and ch.skip:
                 self._skips[(name, i, gid)] = (ch.position, ch.skip)
 
-    async def commit(self) -> None:
+    def _positions(self):
         if not self.group:
-            raise ValueError("commit needs a consumer group name")
-        await self.coordinator.call("commit", {"group": self.group,
-                                                          "positions": self.position()}, timeout=30)
+            raise ValueError("committed positions need a consumer group name")
+        if self._committer is None:
+            from .positions import GroupPositions  # it reads with consumers of its own
+            self._committer = GroupPositions(self.pool, self.coordinator.addrs)
+        return self._committer
+
+    async def commit(self) -> None:
+        """Store the current positions as the group's; returns once they are durable."""
+        await self._positions().commit(self.group, self.position(),
+                                       {n: s["id"] for n, s in self.streams.items()})
+
+    async def committed(self) -> dict:
+        """The group's last committed positions of this consumer's streams (``position``'s shape)."""
+        return await self._positions().fetch(self.group, {n: s["id"] for n, s in self.streams.items()})
 
     async def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
         """Chunks after the current positions, from every broker at once (zero-copy views)."""
@@ -341,4 +359,7 @@ class Consumer(Synced):
 
     def commit(self) -> None:
         self.portal.call(self._c.commit)
+
+    def committed(self) -> dict:
+        return self.portal.call(self._c.committed)
 

@@ -249,9 +249,10 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict) -> None:
         if self.o.consumer_group:  # lets `kera` tools see how far the query is
             e = Offsets.from_json(end)
+            rt = io.Runtime.get()
             try:
-                io.Runtime.get().call(self.o.coordinator, "commit", {
-                    "group": self.o.consumer_group, "positions": e.to_json()["positions"]})
+                rt.run(rt.group_positions(self.o.coordinator).commit, self.o.consumer_group,
+                       e.to_json()["positions"], e.streams)
             except Exception as ex:  # monitoring only: never fail the query for it
                 log.warning("committing positions to kera failed: %s", ex)
 
