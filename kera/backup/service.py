@@ -96,6 +96,7 @@ class BackupService(Service):
         self.fsync_interval = fsync_interval
         self.store = BackupStore(self.segdir, max_bytes=max_bytes, max_memory=max_memory)
         self.claims = Claims()
+        self._claims_changed = self._claims_saved = 0   # changes made, changes on disk
         self.coordinator = coordinator
         self.node = node
         self.id: int | None = load_id(directory) if os.path.isdir(directory) else None
@@ -173,9 +174,15 @@ class BackupService(Service):
         await self._delete_unclaimed()  # dropped, last claim released before a crash
 
     async def _save_claims(self) -> None:
+        """Persist the claims as they are now; concurrent changes share one write."""
+        self._claims_changed += 1
+        mine = self._claims_changed
         async with self._floors_lock:
-            await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, CLAIMS_FILE),
-                                          self.claims.dump())
+            if self._claims_saved >= mine:
+                return  # a write that began after our change covered it
+            now, body = self._claims_changed, self.claims.dump()
+            await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, CLAIMS_FILE), body)
+            self._claims_saved = now
 
     async def _delete_unclaimed(self) -> int:
         """Delete the dropped files no claim holds any more; the bytes they took."""
