@@ -76,6 +76,7 @@ class Recovery:
         self.adopted_segments = 0           # re-pointed at the backups' copies, not replayed
         self.adopted_bytes = 0
         self.index_seconds = 0.0            # listing the settled vsegs' chunks (no bodies)
+        self.adopt_seconds = 0.0            # new owners adopting them (claimed, durable)
 
     def describe(self) -> dict:
         end = self.finished or time.time()
@@ -88,7 +89,8 @@ class Recovery:
                 "steps": self.steps, "corrupt_steps": self.corrupt_steps,
                 "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
                 "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
-                "index_seconds": round(self.index_seconds, 3)}
+                "index_seconds": round(self.index_seconds, 3),
+                "adopt_seconds": round(self.adopt_seconds, 3)}
 
 
 class RecoveryManager:

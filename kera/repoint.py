@@ -106,16 +106,18 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict) -> l
                 size += len(data)
 
     members = {m.id: m for m in owners.values()}
+    t1 = time.monotonic()
     async with trio.open_nursery() as n:
         for mid, mine in per_owner.items():
             n.start_soon(adopt, members[mid], mine)
+    rec.adopt_seconds = time.monotonic() - t1
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
     rec.adopted_segments = len(rp.adopted)
     rec.adopted_bytes = rp.bytes + indexed
     log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies, %d vsegs "
-             "not replayed, index in %.2f s", rec.broker, rec.epoch, len(rp.adopted), rp.bytes,
-             sum(len(v) for v in rp.skip.values()), rec.index_seconds)
+             "not replayed, index in %.2f s, adopted in %.2f s", rec.broker, rec.epoch, len(rp.adopted),
+             rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.index_seconds, rec.adopt_seconds)
     return [[*k, s] for k, s in rp.replay_from.items()]
 
 

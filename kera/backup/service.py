@@ -40,7 +40,7 @@ import trio
 from .. import chunk as chunkfmt
 from .. import limits, metafile
 from ..coordinator_link import CoordinatorLink
-from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, ProtocolError
+from ..errors import BackupError, ChecksumError, Fenced, InvalidArgument, KeraError, ProtocolError
 from ..rpc import Service, open_pool
 from . import disk, segment_file
 from .claims import Claims
@@ -491,6 +491,8 @@ class BackupService(Service):
         released. Recorded before the answer; ``held``: per file, whether it is here."""
         owner = (_uint(meta, "owner"), _uint(meta, "epoch"))
         keys = self._claim_keys(meta)
+        if owner[1] < self.store.broker_epochs.get(owner[0], 0):
+            raise Fenced(f"broker {owner[0]} epoch {owner[1]} is fenced; it claims nothing")
         held, changed = self.claims.claim(owner, keys, lambda k: k in self.store.replicas)
         self.counters["claims"] += 1
         if changed:

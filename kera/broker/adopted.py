@@ -181,6 +181,7 @@ class Claims:
                 for b in vs.copies:
                     per.setdefault(b, []).append(vs)
             held: dict[ForeignVseg, set[int]] = {vs: set() for vs in todo}
+            asked: set[ForeignVseg] = set()
 
             async def one(b: int, mine: list[ForeignVseg]) -> None:
                 try:
@@ -190,6 +191,7 @@ class Claims:
                 r, _ = await self.pool.call(addr, "claim", {
                     "owner": owner, "epoch": epoch, "claims": [list(vs.key) for vs in mine]},
                     timeout=CLAIM_TIMEOUT)
+                asked.update(mine)
                 for vs, ok in zip(mine, r["held"], strict=True):
                     if ok:
                         held[vs].add(b)
@@ -198,6 +200,9 @@ class Claims:
                 for b, mine in per.items():
                     n.start_soon(one, b, mine)
             for vs, bs in held.items():
+                if vs not in asked:  # no backup of it is known alive here yet: try again later
+                    raise Unavailable(f"no live backup to claim vseg {vs.id} of vlog {vs.vlog} of "
+                                      f"broker {vs.broker} on")
                 if not bs:
                     raise DataLoss(f"no backup holds vseg {vs.id} of vlog {vs.vlog} of broker "
                                    f"{vs.broker} any more: its adopted chunks are lost")
