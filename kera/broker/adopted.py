@@ -135,8 +135,10 @@ class Claims:
         if vs is None:
             vs = self.vsegs[key] = ForeignVseg(broker, vlog, vseg, copies)
         else:
-            for b in copies:
-                vs.copies.setdefault(int(b), None)
+            new = [int(b) for b in copies if int(b) not in vs.copies]
+            if new:  # a copy we hold no claim on yet: claimed with the next adoption
+                vs.copies.update(dict.fromkeys(new))
+                vs.claimed = False
         return vs
 
     def attach(self, seg: AdoptedSegment, holder: IndexHolder) -> None:

@@ -552,6 +552,12 @@ class BrokerService(Service):
         while True:
             await trio.sleep(RECLAIM_INTERVAL)
             self._reclaim_once()
+
+    async def _releaser(self) -> None:
+        """Claims on foreign vsegs nothing of ours needs any more go (apart from the reclaim
+        pass, so a slow backup never delays retention or eviction)."""
+        while True:
+            await trio.sleep(RECLAIM_INTERVAL)
             await self.claims.release()
 
     def retention_stats(self) -> dict:
@@ -708,6 +714,7 @@ class BrokerService(Service):
                         self.nursery = incarnation
                         incarnation.start_soon(self._heartbeats)
                         incarnation.start_soon(self._reclaimer)
+                        incarnation.start_soon(self._releaser)
                 except* Fenced:
                     log.error("broker %d epoch %d fenced: dropping its state, joining again",
                               self.broker_id, self.epoch)
