@@ -19,7 +19,9 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer, open_producer
 
-from kera.errors import InvalidArgument, OutOfRange, Unavailable
+from kera import chunk
+from kera.errors import InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
+from kera.rpc import open_pool
 
 from .conftest import free_port
 from .workload import values
@@ -438,8 +440,17 @@ def test_retention_frees_adopted_segments_and_the_dead_brokers_files(make_cluste
         return [f for f in seg_files(c) if os.path.basename(f).startswith(f"{broker}-")]
 
     async def main():
-        _, rec, dead = await _lose_owner_of_history(c, history, budget)
+        s, rec, dead = await _lose_owner_of_history(c, history, budget)
         kept = len(files_of(dead))
+        async with open_admin(c.coordinator) as a:
+            d = await a.describe_stream("big")
+            owner = next(b for b in (await a.status())["brokers"] if b["addr"] == d["addrs"][0])
+        async with open_pool() as pool:  # bad adoptions are refused, typed, and change nothing
+            with pytest.raises(ProtocolError):
+                await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]}, parts=[b"\x00" * 96])
+            with pytest.raises(NotOwner):  # a serving streamlet adopts nothing
+                await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]},
+                                parts=[chunk.build(s["id"], 0, 1, 0, [b"x" * 8], flags=chunk.INDEX)])
         await produce(c.coordinator, "big", n + n // 4, start=n, step=2000)
 
         async def gone():
