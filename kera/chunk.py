@@ -15,7 +15,9 @@ checksum (xxh32 of the header bytes before it) also covers the
 
 ``flags`` (one byte): ``SEQ_RESET`` marks the first chunk a producer sends
 after giving up on earlier ones of the streamlet; the broker takes its
-sequence as the producer's new base (see ``Streamlet.check_sequence``).
+sequence as the producer's new base (see ``Streamlet.check_sequence``);
+``INDEX`` marks an index chunk, which lives only in a virtual log
+(``kera.index_chunk``).
 Builders refuse more than ``limits.MAX_RECORDS`` records or ``limits.MAX_CHUNK``
 bytes.
 """
@@ -51,6 +53,7 @@ _ZERO = (0,)
 assert sys.byteorder == "little" and array("I").itemsize == 4, "chunks are little endian"
 NO_PLACEMENT = 0xFFFFFFFF
 SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on the streamlet
+INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.index_chunk``)
 
 
 _Fields = namedtuple("_Fields", "flags stream_id streamlet record_count producer_id sequence ts_min "

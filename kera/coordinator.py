@@ -128,7 +128,7 @@ class Coordinator(Membership, Service):
                  metadata: str | None = None, addr: str = ""):
         self.data_dir = data_dir
         self.dead_after = dead_after
-        self.repoint_evicted = False  # recovery re-points settled history (kera.repoint)
+        self.repoint_evicted = True  # recovery re-points settled history (kera.repoint)
         self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
         self.addr = addr
@@ -580,10 +580,10 @@ def main(argv=None) -> None:
                          "only while elected there (default: a log in --data)")
     ap.add_argument("--advertise", default="", help="HOST:PORT others reach this coordinator at "
                     "(default: --host:--port)")
-    ap.add_argument("--repoint-evicted", action="store_true",
+    ap.add_argument("--repoint-evicted", action=argparse.BooleanOptionalAction, default=True,
                     help="recovery hands a dead broker's settled segments to their new owners as "
                          "evicted segments read from the backups' copies, instead of replaying "
-                         "them (off by default: see docs/retention.md for what it does not cover)")
+                         "them (default; --no-repoint-evicted replays everything retained)")
     ap.add_argument("--retention-bytes", type=int, default=-1,
                     help="default retention.bytes of new streams (-1: unbounded)")
     ap.add_argument("--retention-ms", type=int, default=-1,
