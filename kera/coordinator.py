@@ -73,6 +73,30 @@ def _retention(spec: dict) -> dict:
     return out
 
 
+# key compaction, Kafka's names and meaning: cleanup.policy, delete.retention.ms (tombstones),
+# segment.ms (a compacted stream's newest segment is rolled, and so compacted, after it)
+CLEANUP = {"cleanup_policy": "cleanup.policy", "delete_retention_ms": "delete.retention.ms",
+           "segment_ms": "segment.ms"}
+CLEANUP_POLICIES = ("delete", "compact", "compact,delete")
+
+
+def _cleanup_policy(spec: dict) -> dict:
+    """The compaction settings a spec gives (either spelling), checked."""
+    out = {}
+    for key, kafka in CLEANUP.items():
+        v = spec.get(key, spec.get(kafka))
+        if v is None:
+            continue
+        if key == "cleanup_policy":
+            v = ",".join(sorted(p.strip() for p in v.split(","))) if isinstance(v, str) else v
+            if v not in CLEANUP_POLICIES:
+                raise InvalidArgument(f"{kafka} must be one of {', '.join(CLEANUP_POLICIES)}, not {v!r}")
+        elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidArgument(f"{kafka} must be an integer >= 0, not {v!r}")
+        out[key] = v
+    return out
+
+
 def _batches(entries: list) -> list[list]:
     """[[stream, streamlets], ...] cut into parts that each fit one request's meta."""
     parts: list[list] = [[]]
@@ -235,6 +259,7 @@ class Coordinator(Membership, Service):
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
         cfg["vlogs"] = policy
         cfg.update({**getattr(self, "retention_defaults", RETENTION_DEFAULTS), **_retention(spec)})
+        cfg.update({"cleanup_policy": "delete", **_cleanup_policy(spec)})
         if spec.get("replication") is None:
             cfg["replication"] = min(cfg["replication"], max(1, nodes))
         if cfg["replication"] > nodes:
@@ -412,13 +437,15 @@ class Coordinator(Membership, Service):
         return {"deleted": s["name"]}
 
     async def rpc_alter_stream(self, meta, payload):
-        """Change a stream's retention (``retention_bytes`` / ``retention_ms``, or Kafka's
-        dotted names): persisted, then pushed to the brokers owning its streamlets, which
-        apply it at their next reclaim pass. Refused as a whole if any value is invalid."""
+        """Change a stream's retention (``retention_bytes`` / ``retention_ms``) or compaction
+        (``cleanup_policy``, ``delete_retention_ms``, ``segment_ms``), or Kafka's dotted names:
+        persisted, then pushed to the brokers owning its streamlets, which apply it at their
+        next pass. Refused as a whole if any value is invalid."""
         s = self._stream(meta.get("name"))
-        changes = _retention(meta)
+        changes = {**_retention(meta), **_cleanup_policy(meta)}
         if not changes:
-            raise InvalidArgument("alter_stream needs retention_bytes and/or retention_ms")
+            raise InvalidArgument("alter_stream needs retention_bytes, retention_ms, cleanup_policy, "
+                                  "delete_retention_ms and/or segment_ms")
         for key, v in changes.items():
             self.log.set(("streams", s["name"], key), v)
         await self.commit()

@@ -20,6 +20,8 @@ from ..position import DONE, unpack
 from .group import Group
 from .segment import Segment
 
+DELETE_RETENTION_MS = 86_400_000  # Kafka's delete.retention.ms default: tombstones kept a day
+SEGMENT_MS = 60_000  # segment.ms of compacted streams: their newest segment is compacted a minute on
 SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
 
 
@@ -78,16 +80,38 @@ class Streamlet:
         self.retention_bytes = -1 if rb < 0 else -(-rb // max(1, stream.get("streamlets", 1)))
         rm = stream.get("retention_ms", -1)
         self.retention_ms = -1 if rm is None else rm
+        # key compaction (Kafka's cleanup.policy, delete.retention.ms, segment.ms): see compactor
+        self.compact = "compact" in (stream.get("cleanup_policy") or "delete")
+        self.delete_retention_ms = stream.get("delete_retention_ms", DELETE_RETENTION_MS)
+        self.segment_ms = stream.get("segment_ms", SEGMENT_MS)
+        self.tombstone_due = None  # wall time (s) the oldest tombstone kept by compaction expires
 
     @property
     def retained_bytes(self) -> int:
         return self.appended_bytes - self.freed_bytes
 
     def _on_filled(self, g: Group, seg) -> None:
+        if seg.filled_at:  # rolled by segment.ms already
+            return
         seg.filled_at = time.time()
         self.filled.append((g, seg))
-        if self.memory is not None:
+        # a compacted stream's segments are not evicted: compaction rewrites them in memory
+        if self.memory is not None and not self.compact:
             self.memory.filled(seg)
+
+    def roll(self, now: float) -> None:
+        """Kafka's ``segment.ms``: an active segment older than it takes no more chunks (the
+        next chunk opens a new one), so compaction, which only rewrites closed segments,
+        reaches the newest records of a stream that stopped writing."""
+        for g in self.active:
+            if g is None or not g.segments:
+                continue
+            seg = g.segments[-1]
+            if seg.head and not seg.filled_at and now - seg.opened_at >= self.segment_ms / 1000:
+                if self.memory is not None:
+                    self.memory.release(seg.capacity - seg.head)
+                seg.capacity = seg.head
+                self._on_filled(g, seg)
 
     def expired(self, now: float, settled_only: bool = True) -> list:
         """Retention: free whole segments, oldest first, while the rest still holds
