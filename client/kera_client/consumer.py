@@ -266,7 +266,7 @@ class AsyncConsumer:
 
     def _absorb(self, entries, payload, out) -> None:
         at = 0
-        for sid, i, gid, si, off, n, nxt in entries:
+        for sid, i, gid, _seg, _off, n, nxt in entries:
             s = self.by_id.get(sid)
             if s is None:
                 at += n
