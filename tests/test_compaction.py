@@ -7,7 +7,9 @@ import time
 import numpy as np
 import pytest
 import trio
-from kera_client import open_admin, open_consumer, open_producer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kera_client import ProduceError, open_admin, open_consumer, open_producer
 
 from kera import chunk
 from kera.broker.compactor import compact, key_ids
@@ -103,6 +105,39 @@ def test_a_compacted_segment_serves_reads_at_original_positions():
     assert seg.span(seg.head, 1 << 20) == (seg.head, 0, seg.head)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from([b"", b"a", b"b", b"ab", b"a\x00", b"x" * 70]),
+                                   st.sampled_from([b"", b"1", b"22"]), st.booleans()),
+                         min_size=1, max_size=6), min_size=1, max_size=8),
+       st.integers(1, 3), st.booleans())
+def test_a_pass_agrees_with_a_per_record_model(chunks, per_segment, drop):
+    """Against the obvious loop: a record stays iff it has no key, or it is its key's last and
+    not a tombstone past its retention; chunks keep their placement; twice changes nothing."""
+    now = 1_000_000
+    built, model = [], []
+    for i, recs in enumerate(chunks):
+        ts = [now - (50 if old else 0) for _, _, old in recs]
+        built.append(chunk.build(1, 0, 1, i, [v for _, v, _ in recs], [k for k, _, _ in recs], ts))
+        model += [(i, j, k, v, t) for j, ((k, v, _), t) in enumerate(zip(recs, ts, strict=True))]
+    last = {k: n for n, (_, _, k, _, _) in enumerate(model) if k}
+    want = [(i, j) for n, (i, j, k, v, t) in enumerate(model)
+            if not k or (last[k] == n and not (drop and v == b"" and t <= now - 10))]
+    segs = [_segment(built[a:a + per_segment], a) for a in range(0, len(built), per_segment)]
+    out, _ = compact(segs, now, 10, drop)
+    got = []
+    for seg, data in segs:
+        held = out[seg].buf if seg in out else data
+        for h, off in chunk.scan(held):
+            view = chunk.ChunkView(held, off, h)
+            i = next(n for n, c in enumerate(built) if h.sequence == n)
+            assert h.offset == [0, *np.cumsum([len(c) for c in built[seg.id:i]]).tolist()][-1] \
+                and h.segment == seg.id
+            got += [(i, int(j)) for j in chunk.original_indices(view)]
+    assert got == want
+    again = [(s, out[s].buf if s in out else d) for s, d in segs]
+    assert compact(again, now, 10, drop)[0] == {}
+
+
 # -- a compacted stream on a real cluster ---------------------------------------------------
 async def _read_all(coord: str, name: str, idle: float = 1.0) -> list:
     """(key, value) of every record from earliest, until a poll of ``idle`` seconds is empty."""
@@ -161,18 +196,24 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
 
     with trio.fail_after(120):
         seen: dict = {}
+        compacted = trio.Event()
 
         async def reader():
-            """From earliest while compaction runs: must see every key's latest value."""
-            async with open_consumer(["c"], coord, start="earliest") as c:
+            """From earliest while records arrive and compaction runs; a third of the way in it
+            waits until the segments it is positioned in were compacted, then reads on: it
+            must see every key's latest value."""
+            async with open_consumer(["c"], coord, start="earliest", max_bytes=16 << 10) as c:
                 while seen != want:
                     for ch in await c.poll_chunks(1.0):
                         seen.update(zip(ch.keys(), ch.values(), strict=True))
+                    if c.records_read >= KEYS * ROUNDS // 3 and not compacted.is_set():
+                        await compacted.wait()
 
         async with trio.open_nursery() as n:
             n.start_soon(reader)
             await _produce(coord, "c", range(ROUNDS))
-        got = await _compacted(coord, "c", want, 2 * KEYS)
+            got = await _compacted(coord, "c", want, 2 * KEYS)
+            compacted.set()
         assert len(got) <= 2 * KEYS
 
         # tombstones: kept while delete.retention.ms runs, then gone with their keys
@@ -203,3 +244,24 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
                 assert all(latest.get(b"k%d" % k, b"") == b"" for k in range(100))
                 if len(got) <= 2 * KEYS and latest == gone:
                     break
+
+
+async def test_a_compacted_stream_past_the_budget_is_refused_not_evicted(make_cluster):
+    """Compacted segments are not evicted: once live keys outgrow a broker's budget, new
+    segments are refused with broker_full; what was acknowledged
+    stays readable."""
+    cluster = make_cluster(1, broker_args=["--memory", str(512 << 10)])
+    coord = cluster.coordinator
+    async with open_admin(coord) as adm:
+        await adm.create_stream("u", replication=1, segment_size=64 << 10, cleanup_policy="compact")
+    with trio.fail_after(60):
+        acked = 0
+        with pytest.raises(ProduceError, match="broker_full"):
+            async with open_producer(coord, **{"linger.ms": 5}) as p:
+                for r in range(40):   # unique keys: compaction keeps every one
+                    await p.send_many("u", [b"v" * 100] * 200, [b"u%d-%d" % (r, i) for i in range(200)])
+                    await p.flush()
+                    acked = p.acked
+        assert 0 < acked < 40 * 200
+        got = await _read_all(coord, "u")
+        assert len(got) >= acked and len(set(k for k, _ in got)) == len(got)

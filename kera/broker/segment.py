@@ -94,6 +94,7 @@ class Segment:
         until they are gone; nothing here reads it again)."""
         self.view = None
         self.buf = None
+        self.compacted = None
 
     def readable(self, offset: int, max_bytes: int) -> int:
         """Bytes of whole durable chunks from ``offset``, at most ``max_bytes`` (but >= 1 chunk)."""
