@@ -1,6 +1,7 @@
 """Key compaction figures: throughput of a pass and write amplification.
 
-    python -m bench.compaction [--keys 1000] [--rounds 100] [--value 100] [--cluster]
+    python -m bench.compaction [--keys 1000] [--rounds 100] [--value 100] [--cluster] [--sweep]
+                               [--out bench/results/compaction.json]
 
 In process: a streamlet's worth of 1 MiB segments of keyed chunks (``--keys``
 keys written ``--rounds`` times, ``--value``-byte values) is compacted the way
@@ -28,6 +29,7 @@ from kera.broker.segment import Segment
 
 SEGMENT = 1 << 20
 CHUNK_RECORDS = 256
+SWEEP = [(10_000, 100, 100), (100_000, 10, 100), (1000, 100, 10)]   # (keys, rounds, value bytes)
 
 
 def _segments(keys: int, rounds: int, value: int):
@@ -129,11 +131,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--value", type=int, default=100)
     ap.add_argument("--cluster", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also more keys, fewer rounds, smaller values")
+    ap.add_argument("--out", default=None, help="write the JSON there too (bench/results/compaction.json)")
     a = ap.parse_args()
-    out = {"in_process": in_process(a.keys, a.rounds, a.value)}
+    out = {"in_process": [in_process(a.keys, a.rounds, a.value)]}
     if a.cluster:
         out["cluster"] = on_cluster(a.keys, a.rounds, a.value)
-    print(json.dumps(out, indent=1))
+    if a.sweep:
+        out["in_process"] += [in_process(k, r, v) for k, r, v in SWEEP]
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
