@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import numpy as np
@@ -217,11 +219,13 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
         assert len(got) <= 2 * KEYS
 
         # tombstones: kept while delete.retention.ms runs, then gone with their keys
-        async with open_admin(coord) as adm:
-            await adm.alter_stream("c", delete_retention_ms=2000)
-        async with open_producer(coord, **{"linger.ms": 5}) as p:
-            await p.send_many("c", [b""] * 100, [b"k%d" % k for k in range(100)])
-            await p.flush()
+        # through the CLI: kera stream alter, and tombstones as key<TAB> lines
+        env = {**os.environ, "KERA_COORDINATOR": coord}
+        out = await trio.run_process([sys.executable, "-m", "kera", "stream", "alter", "c",
+                                      "--delete-retention-ms", "2000"], capture_stdout=True, env=env)
+        assert "cleanup.policy=compact" in out.stdout.decode()
+        await trio.run_process([sys.executable, "-m", "kera", "produce", "c", "--keyed"], env=env,
+                               stdin=b"".join(b"k%d\t\n" % k for k in range(100)), capture_stdout=True)
         gone = {k: v for k, v in want.items() if int(k[1:]) >= 100}
         await _compacted(coord, "c", {**gone, **{b"k%d" % k: b"" for k in range(100)}}, 2 * KEYS, 30)
         got = await _compacted(coord, "c", gone, 2 * KEYS, 60)

@@ -46,6 +46,7 @@ import trio
 import xxhash
 
 from .. import chunk as chunkfmt
+from ..errors import KeraError
 from .segment import Compacted, close_waiting
 
 log = logging.getLogger("kera.broker")
@@ -168,8 +169,12 @@ class Compactor:
         for sl in [sl for sl in self.streamlets.values() if sl.compact and not sl.recovering]:
             sl.roll(now)
             job = self._job(sl, now)
-            if job is not None:
+            if job is None:
+                continue
+            try:
                 done += await self._compact(sl, *job)
+            except (KeraError, ValueError) as e:  # its segments stay as they are; readers unaffected
+                log.error("compacting stream %d streamlet %d failed: %s", sl.stream_id, sl.index, e)
         return done
 
     def _job(self, sl, now: float):
