@@ -80,8 +80,10 @@ CLEANUP = {"cleanup_policy": "cleanup.policy", "delete_retention_ms": "delete.re
 CLEANUP_POLICIES = ("delete", "compact", "compact,delete")
 
 
-def _cleanup_policy(spec: dict) -> dict:
-    """The compaction settings a spec gives (either spelling), checked."""
+def _cleanup_policy(spec: dict, groups: int = 1) -> dict:
+    """The compaction settings a spec gives (either spelling), checked. Compaction keeps the
+    last record per key in a streamlet's one order, so a compacted stream has one active
+    group per streamlet (``groups`` > 1 would let two producers' writes of a key race)."""
     out = {}
     for key, kafka in CLEANUP.items():
         v = spec.get(key, spec.get(kafka))
@@ -94,6 +96,9 @@ def _cleanup_policy(spec: dict) -> dict:
         elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise InvalidArgument(f"{kafka} must be an integer >= 0, not {v!r}")
         out[key] = v
+    if "compact" in out.get("cleanup_policy", "") and groups > 1:
+        raise InvalidArgument(f"cleanup.policy {out['cleanup_policy']} needs groups=1 (one order per "
+                              f"streamlet for the latest record of a key), not {groups}")
     return out
 
 
@@ -259,7 +264,7 @@ class Coordinator(Membership, Service):
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
         cfg["vlogs"] = policy
         cfg.update({**getattr(self, "retention_defaults", RETENTION_DEFAULTS), **_retention(spec)})
-        cfg.update({"cleanup_policy": "delete", **_cleanup_policy(spec)})
+        cfg.update({"cleanup_policy": "delete", **_cleanup_policy(spec, cfg["groups"])})
         if spec.get("replication") is None:
             cfg["replication"] = min(cfg["replication"], max(1, nodes))
         if cfg["replication"] > nodes:
@@ -442,7 +447,7 @@ class Coordinator(Membership, Service):
         persisted, then pushed to the brokers owning its streamlets, which apply it at their
         next pass. Refused as a whole if any value is invalid."""
         s = self._stream(meta.get("name"))
-        changes = {**_retention(meta), **_cleanup_policy(meta)}
+        changes = {**_retention(meta), **_cleanup_policy(meta, s["groups"])}
         if not changes:
             raise InvalidArgument("alter_stream needs retention_bytes, retention_ms, cleanup_policy, "
                                   "delete_retention_ms and/or segment_ms")

@@ -188,12 +188,16 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
                                     cleanup_policy="compact", segment_ms=500)
         assert (s["cleanup_policy"], s["segment_ms"]) == ("compact", 500)
         for bad in ({"cleanup_policy": "shrink"}, {"cleanup.policy": 3}, {"delete_retention_ms": -5},
-                    {"segment.ms": "soon"}):
+                    {"segment.ms": "soon"}, {"cleanup_policy": "compact", "groups": 2}):
             with pytest.raises(KeraError) as e:
                 await adm.create_stream("bad", **bad)
             assert e.value.code == "invalid_argument"
         with pytest.raises(KeraError):
             await adm.alter_stream("c", cleanup_policy="shrink")
+        await adm.create_stream("q", groups=2)
+        with pytest.raises(KeraError, match="groups=1"):
+            await adm.alter_stream("q", cleanup_policy="compact")
+        assert (await adm.describe_stream("q"))["cleanup_policy"] == "delete"
         assert (await adm.describe_stream("c"))["cleanup_policy"] == "compact"
 
     with trio.fail_after(120):

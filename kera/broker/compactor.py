@@ -7,7 +7,8 @@ record of the same key exists in the segments compacted together; a record
 with an empty value is a *tombstone*, kept as the key's latest until
 ``delete_retention_ms`` after its timestamp, then removed (with every older
 record of its key, which it superseded). Records without a key are kept.
-"Later" is the order readers see: group id, then position in the group.
+"Later" is the append order: group id, then position (a compacted stream has one
+active group per streamlet, so its groups follow one another).
 
 What stays true (docs/compaction.md has the reasoning):
 
