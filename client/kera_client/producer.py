@@ -15,7 +15,12 @@ Chunks keep the sequence they were sealed with, so one that may already sit
 on the broker is never stored again under another number.
 
 A record whose chunk could not fit min(MAX_CHUNK, the stream's segment size)
-is refused by ``send`` with ``RecordTooLarge``, before anything is sent.
+is refused by ``send`` with ``RecordTooLarge``, before anything is sent (with
+a delivery callback, that error is its report instead).
+
+Delivery reports (``on_delivery``, see ``delivery``) hook in where a record
+joins its open chunk, where a sealed chunk is acknowledged and where one is
+given up on; records sent without a callback carry nothing.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kera.limits import MAX_CHUNK, MAX_REQUEST
 from kera.rpc import open_pool, unwrapped
 
 from .admin import default_coordinator, suspect
+from .delivery import TIMEOUT, BatchWaiter, Deliveries, Pending
 from .partitioner import RoundRobin, key_streamlet
 from .portal import Portal
 
@@ -119,7 +125,7 @@ def _wall_ms(monotonic: float) -> int:
 class _Batch:
     """An open chunk: records of one streamlet, columns kept as lists until sealed."""
 
-    __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky")
+    __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky", "reports")
 
     def __init__(self, key: tuple, created: float, deadline: float, sticky: bool):
         self.key = key
@@ -130,21 +136,23 @@ class _Batch:
         self.created = created  # the first record's arrival: latencies count from here
         self.deadline = deadline
         self.sticky = sticky    # the round-robin streamlet of its stream, until sealed
+        self.reports: list | None = None  # (index, callback, send time, key, value) of records with one
 
 
 class _Sealed:
     """A chunk ready to leave; ``data`` is replaced by a SEQ_RESET copy if it follows a hole."""
 
-    __slots__ = ("key", "seq", "data", "records", "created")
+    __slots__ = ("key", "seq", "data", "records", "created", "reports")
 
-    def __init__(self, key, seq, data, records, created):
+    def __init__(self, key, seq, data, records, created, reports=None):
         self.key, self.seq, self.data, self.records, self.created = key, seq, data, records, created
+        self.reports = reports  # its records' callbacks (a list), a batch call's BatchWaiter, or None
 
 
 class AsyncProducer:
     """The trio-native producer. Use ``open_producer`` (or ``Producer`` from sync code)."""
 
-    def __init__(self, pool, nursery, coordinator: str, cfg: dict):
+    def __init__(self, pool, nursery, coordinator: str, cfg: dict, deliveries: Deliveries | None = None):
         self.pool = pool
         self.nursery = nursery
         self.coordinator = CoordinatorLink(pool, coordinator)
@@ -179,7 +187,7 @@ class AsyncProducer:
         self.outstanding = 0     # records not yet acknowledged nor failed
         self.acked = 0           # records acknowledged
         self.failed = 0          # records given up on
-        self.errors: list[str] = []
+        self.delivery = deliveries or Deliveries()
         self.latencies: deque = deque(maxlen=100_000)  # seconds, a chunk's first record -> ack
         self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)
@@ -199,7 +207,9 @@ class AsyncProducer:
                 self.by_id[s["id"]] = s
                 self.room[s["id"]] = chunkfmt.record_room(min(MAX_CHUNK, s["segment_size"]))
         if r.get("missing"):
-            raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
+            e = UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
+            e.missing = r["missing"]
+            raise e
 
     async def load_metadata(self, names) -> None:
         """Fetch where many streams live in one call (else each first send asks alone)."""
@@ -247,7 +257,7 @@ class AsyncProducer:
                 b = self._open(s, key_streamlet(key, s["streamlets"]), False)
         return b
 
-    def _append(self, s: dict, value: bytes, key, timestamp) -> None:
+    def _append(self, s: dict, value: bytes, key, timestamp, cb=None) -> None:
         """Add one record to its streamlet's open chunk (caller holds the lock).
 
         The hot path of ``send``: a few attribute and dict operations, no
@@ -257,7 +267,10 @@ class AsyncProducer:
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
         room = self.room[s["id"]]
         if n > room:
-            raise self._too_large(s, n, "record")
+            if cb is None:
+                raise self._too_large(s, n, "record")
+            self.delivery.refused(s["name"], key, value, cb, self._too_large(s, n, "record"))
+            return
         b = self._batch(s, key)
         if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
             self._seal(b)
@@ -271,6 +284,11 @@ class AsyncProducer:
             if b.ts is None:
                 b.ts = [_wall_ms(b.created)] * len(b.values)
             b.ts.append(timestamp if timestamp is not None else int(time.time() * 1000))
+        if cb is not None:
+            if b.reports is None:
+                b.reports = []
+                self.delivery.used = True
+            b.reports.append((len(b.values), cb, time.monotonic(), key, value))
         b.values.append(value)
         b.size += n
         self.buffered += n
@@ -299,31 +317,47 @@ class AsyncProducer:
         ts = b.ts if b.ts is not None else _wall_ms(b.created)  # records without their own: the chunk's first
         seq = self.seq.get(k, 0)
         self._enqueue(k, seq, chunkfmt.build(k[0], k[1], self.producer_id, seq, b.values, b.keys, ts),
-                      len(b.values), b.created)
+                      len(b.values), b.created, b.reports)
 
-    def _enqueue(self, k, seq: int, data: bytes, records: int, created: float | None = None) -> None:
+    def _enqueue(self, k, seq: int, data: bytes, records: int, created: float | None = None,
+                 reports=None) -> None:
         """Queue a chunk built with sequence ``seq``: only now is the sequence taken, so a
         build that failed leaves no hole."""
         self.seq[k] = seq + 1
         q = self.ready.get(k)
         if q is None:
             q = self.ready[k] = deque()
-        q.append(_Sealed(k, seq, data, records, created or time.monotonic()))
+        q.append(_Sealed(k, seq, data, records, created or time.monotonic(), reports))
 
     def _wait_space(self) -> None:
         """Block the calling (non-loop) thread while the buffer is full."""
         while self.buffered >= self.buffer_memory:
             self.space.wait(0.1)
 
-    async def send(self, stream: str, value: bytes, key: bytes | None = None,
-                   timestamp: int | None = None) -> None:
-        s = self.streams.get(stream) or await self.stream(stream)
+    async def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
+                   on_delivery=None, report: bool = False) -> Pending | None:
+        """Queue one record. ``on_delivery(error, DeliveryReport)`` is called once with its
+        outcome (default: the producer's); ``report=True`` returns a ``Pending`` to await instead."""
+        cb = Pending() if report else on_delivery or self.delivery.default
+        try:
+            s = self.streams.get(stream) or await self.stream(stream)
+        except UnknownStream as e:
+            if cb is None:
+                raise
+            with self.lock:
+                self.delivery.refused(stream, key, value, cb, e)
+            self.delivery.hand()
+            return cb if report else None
         while self.buffered >= self.buffer_memory:
             await self._progress.wait()
         with self.lock:
-            self._append(s, value, key, timestamp)
+            self._append(s, value, key, timestamp, cb)
+        if self.delivery.ready:
+            self.delivery.hand()
+        return cb if report else None
 
-    async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None) -> None:
+    async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None,
+                        on_delivery=None, report: bool = False) -> Pending | None:
         """Send many records at once, packed into chunks with numpy.
 
         ``values`` is a list of bytes or a 2-D uint8 array (one row per record),
@@ -339,19 +373,25 @@ class AsyncProducer:
         else:
             voff, vdata = _offsets(values)
         koff, kdata = (None, b"") if keys is None else _offsets([k or b"" for k in keys])
-        await self.send_columns(stream, voff, vdata, koff, kdata, None, streamlet)
+        return await self.send_columns(stream, voff, vdata, koff, kdata, None, streamlet, on_delivery, report)
 
     async def send_columns(self, stream: str, value_offsets, value_data, key_offsets=None,
-                           key_data=b"", timestamps=None, streamlet: int | None = None) -> None:
+                           key_data=b"", timestamps=None, streamlet: int | None = None,
+                           on_delivery=None, report: bool = False) -> Pending | None:
         """Send records given as columns, Arrow's binary layout: ``value_offsets`` (int[n + 1])
         into ``value_data``, optionally the same for keys (length 0: no key) and int64
-        millisecond ``timestamps``. Chunks are cut and packed with numpy: no per-record work."""
+        millisecond ``timestamps``. Chunks are cut and packed with numpy: no per-record work.
+
+        ``on_delivery(error, BatchReport)`` is called once, when all its chunks are acknowledged
+        or given up on (``error``: the first failure); ``report=True`` returns a ``Pending``."""
+        cb = Pending() if report else on_delivery
+        w = None if cb is None else BatchWaiter(cb, stream)
         s = self.streams.get(stream) or await self.stream(stream)
         voff = np.asarray(value_offsets, dtype=np.int64)
         koff = None if key_offsets is None else np.asarray(key_offsets, dtype=np.int64)
         n = len(voff) - 1
         if n <= 0:
-            return
+            return self._closed(w, cb)
         ts = np.full(n, int(time.time() * 1000), np.int64) if timestamps is None \
             else np.asarray(timestamps, dtype=np.int64)
         size = np.diff(voff) + 16
@@ -382,8 +422,22 @@ class AsyncProducer:
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])
                 self.buffered += len(data)
                 self.outstanding += b - a
-                self._enqueue(k, seq, data, b - a)
+                if w is not None:
+                    w.pending += 1
+                    self.delivery.used = True
+                self._enqueue(k, seq, data, b - a, reports=w)
             self._notify()
+        return self._closed(w, cb)
+
+    def _closed(self, w: BatchWaiter | None, cb):
+        """A batch call has queued all its chunks: its report may now go out."""
+        if w is None:
+            return None
+        with self.lock:
+            self.delivery.close(w)
+            self.space.notify_all()
+        self.delivery.hand()
+        return cb if isinstance(cb, Pending) else None
 
     # -- sending (loop thread) ----------------------------------------------------
     def _seal_expired(self, now: float) -> None:
@@ -421,6 +475,8 @@ class AsyncProducer:
                 if addr is None:
                     if s is not None:
                         self.stale.add(s["name"])
+                    while q and now - q[0].created > self.delivery_timeout:  # no owner for too long
+                        self._give_up([q.popleft()], TIMEOUT)
                     self.retry_at[k] = now + 0.05
                     next_retry = min(next_retry, now + 0.05)
                     continue
@@ -434,7 +490,7 @@ class AsyncProducer:
                 while q and (sizes.get(addr, 0) == 0 or sizes[addr] + len(q[0].data) <= self.request_size):
                     c = q.popleft()
                     if now - c.created > self.delivery_timeout:
-                        self._give_up([c], "delivery timeout")
+                        self._give_up([c], TIMEOUT)
                         gap = self.gaps[k]
                         continue
                     if gap is not None and c.seq > gap:  # the first chunk after a hole: a new base
@@ -456,6 +512,8 @@ class AsyncProducer:
                 if items:
                     self.inflight[addr] = self.inflight.get(addr, 0) + 1
                     self.nursery.start_soon(self._request, addr, items)
+        if self.delivery.ready:
+            self.delivery.hand()
         if self.stale:
             if now >= self.refresh_at:
                 self.refresh_at = math.inf  # one refresh at a time
@@ -468,7 +526,10 @@ class AsyncProducer:
         """Metadata of streams whose owners moved; backs off while the coordinator is away."""
         names, self.stale = self.stale, set()
         try:
-            await self._load(names)
+            try:
+                await self._load(names)
+            except UnknownStream as e:  # deleted: its chunks fail with the error, others were loaded
+                self._forget(set(e.missing))
             self.refresh_backoff = REFRESH_MIN
             self.refresh_at = 0.0
         except KeraError as e:
@@ -479,13 +540,30 @@ class AsyncProducer:
             self.refresh_backoff = min(self.refresh_backoff * 2, REFRESH_MAX)
         self._wake.set()
 
+    def _forget(self, names: set) -> None:
+        """Streams that no longer exist: their queued chunks fail with UnknownStream."""
+        with self.lock:
+            for k in list(self.ready):
+                s = self.by_id.get(k[0])
+                if s is not None and s["name"] in names and k not in self.inflight_keys:
+                    self._give_up(list(self.ready.pop(k)), UnknownStream.code)
+            for name in names:
+                self.streams.pop(name, None)
+        self.delivery.hand()
+
     async def _request(self, addr: str, items: list) -> None:
+        meta = {"producer": self.producer_id, "acks": self.acks}
+        if self.delivery.used and any(c.reports is not None for c in items):
+            meta["positions"] = True  # where each chunk was placed, for its delivery reports
+        where = {}
         try:
-            r, _ = await self.pool.call(addr, "produce", {"producer": self.producer_id, "acks": self.acks},
-                                        parts=[c.data for c in items], timeout=self.request_timeout)
+            r, _ = await self.pool.call(addr, "produce", meta, parts=[c.data for c in items],
+                                        timeout=self.request_timeout)
             results = [None] * len(items)  # the broker names only the chunks it refused
             for i, code in r["errors"]:
                 results[i] = code
+            for i, g, seg, off in r.get("placed") or ():
+                where[i] = (g, seg, off)
         except KeraError as e:
             log.info("produce to %s failed: %s", addr, e)
             results = [e.code] * len(items)
@@ -496,13 +574,15 @@ class AsyncProducer:
         with self.lock:
             self.inflight[addr] -= 1
             retry: dict[tuple, list] = {}
-            for c, res in zip(items, results, strict=False):
+            for i, (c, res) in enumerate(zip(items, results, strict=False)):
                 self.inflight_keys.discard(c.key)
                 if res is None:
                     self.acked += c.records
                     self.outstanding -= c.records
                     self.buffered -= len(c.data)
                     self.latencies.append(now - c.created)
+                    if c.reports is not None:
+                        self.delivery.settle(c, self.by_id[c.key[0]]["name"], None, where.get(i))
                 elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
                     retry.setdefault(c.key, []).append(c)
                 else:
@@ -515,6 +595,7 @@ class AsyncProducer:
                 if s is not None:
                     self.stale.add(s["name"])
             self.space.notify_all()
+        self.delivery.hand()
         self._progress.set()
         self._progress = trio.Event()
         self._wake.set()
@@ -529,8 +610,11 @@ class AsyncProducer:
             self.buffered -= len(c.data)
             if c.seq > gaps.get(c.key, -1):
                 gaps[c.key] = c.seq
-        if len(self.errors) < 100:
-            self.errors.append(why)
+            if c.reports is not None:
+                self.delivery.settle(c, self.by_id[c.key[0]]["name"], why)
+            else:
+                self.delivery.failed_silently(c, why)
+        self.space.notify_all()
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         r, _ = await self.coordinator.call("producer_id", {}, timeout=self.request_timeout)
@@ -547,22 +631,34 @@ class AsyncProducer:
                 await self._wake.wait()
             self._wake = trio.Event()
 
-    async def flush(self) -> None:
-        """Wait until every record sent so far is acknowledged (or failed)."""
+    def kick(self) -> None:
+        """Seal every open chunk and wake the sender (what ``flush`` starts with)."""
         self.seal_all()
         self._wake.set()
+
+    def check(self) -> None:
+        """Raise ProduceError if records failed that no delivery report told of."""
+        d = self.delivery
+        if d.silent:
+            raise ProduceError(f"{d.silent} records failed: {'; '.join(d.silent_why[:3])}")
+
+    async def flush(self) -> None:
+        """Wait until every record sent so far is acknowledged (or failed); raises ProduceError
+        for failed records sent without a delivery callback."""
+        self.kick()
         while self.outstanding > 0:
             await self._progress.wait()
-        if self.failed:
-            raise ProduceError(f"{self.failed} records failed: {'; '.join(self.errors[:3])}")
+        self.delivery.hand()
+        self.check()
 
 
 @asynccontextmanager
-async def open_producer(coordinator: str | None = None, config: dict | None = None, **kw):
-    """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``."""
+async def open_producer(coordinator: str | None = None, config: dict | None = None, on_delivery=None, **kw):
+    """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``;
+    ``on_delivery(error, report)``: the default delivery callback of ``send``."""
     cfg = _config(config, kw)
     async with unwrapped(), open_pool() as pool, trio.open_nursery() as nursery:
-        p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
+        p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg, Deliveries(on_delivery))
         await nursery.start(p.run)
         try:
             yield p
@@ -575,53 +671,101 @@ class Producer:
     """Synchronous producer for ordinary scripts; the network runs in a background thread.
 
     ``send`` never blocks on the network (only when ``buffer.memory`` is full);
-    ``flush`` waits for acknowledgements.
+    ``flush`` waits for acknowledgements. Delivery callbacks (``on_delivery``, per
+    record, per batch call or producer-wide) run on the thread calling ``send``,
+    ``poll`` or ``flush``, never on the network thread.
     """
 
-    def __init__(self, coordinator: str | None = None, config: dict | None = None, **kw):
+    def __init__(self, coordinator: str | None = None, config: dict | None = None, on_delivery=None, **kw):
         self.portal = Portal("kera-producer")
+        self._default = on_delivery
         try:
             self._p: AsyncProducer = self.portal.start(self._serve, coordinator, config, kw)
         except BaseException:
             self.portal.close()
             raise
+        self._d = self._p.delivery
 
     async def _serve(self, coordinator, config, kw, task_status):
         cfg = _config(config, kw)
         async with open_pool() as pool:
             async with trio.open_nursery() as nursery:
-                p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
+                p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
+                                  Deliveries(self._default, queued=True))
                 await nursery.start(p.run)
                 task_status.started(p)
 
-    def _stream(self, name: str) -> dict:
+    def _stream(self, name: str, value, key, cb) -> dict | None:
         s = self._p.streams.get(name)
         if s is None:
-            self.portal.call(self._p.stream, name)
+            try:
+                self.portal.call(self._p.stream, name)
+            except UnknownStream as e:
+                if cb is None:
+                    raise
+                self._d.refused(name, key, value, cb, e)  # told by the next poll
+                return None
             s = self._p.streams[name]
         return s
 
-    def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None) -> None:
+    def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
+             on_delivery=None) -> None:
+        """Queue one record; first serve any delivery reports waiting. ``on_delivery(error,
+        DeliveryReport)`` (default: the producer's) is called once with the record's outcome."""
         p = self._p
-        s = p.streams.get(stream) or self._stream(stream)
+        if self._d.ready:
+            self._d.serve()
+        cb = on_delivery or self._default
+        s = p.streams.get(stream) or self._stream(stream, value, key, cb)
+        if s is None:
+            return
         with p.lock:
             if p.buffered >= p.buffer_memory:
                 p._wait_space()
-            p._append(s, value, key, timestamp)
+            p._append(s, value, key, timestamp, cb)
 
-    def send_many(self, stream: str, values, keys=None, streamlet: int | None = None) -> None:
-        self.portal.call(self._p.send_many, stream, values, keys, streamlet)
+    def send_many(self, stream: str, values, keys=None, streamlet: int | None = None, on_delivery=None) -> None:
+        """See ``AsyncProducer.send_many``; ``on_delivery(error, BatchReport)`` once for the call."""
+        self.portal.call(self._p.send_many, stream, values, keys, streamlet, on_delivery)
 
     def send_columns(self, stream: str, value_offsets, value_data, key_offsets=None, key_data=b"",
-                     timestamps=None, streamlet: int | None = None) -> None:
+                     timestamps=None, streamlet: int | None = None, on_delivery=None) -> None:
+        """See ``AsyncProducer.send_columns``; ``on_delivery(error, BatchReport)`` once for the call."""
         self.portal.call(self._p.send_columns, stream, value_offsets, value_data, key_offsets,
-                         key_data, timestamps, streamlet)
+                         key_data, timestamps, streamlet, on_delivery)
+
+    def poll(self, timeout: float = 0) -> int:
+        """Serve waiting delivery reports on this thread, waiting up to ``timeout`` seconds for
+        one if none is waiting; returns how many callbacks were called."""
+        d = self._d
+        if not d.ready and timeout > 0:
+            p = self._p
+            with p.lock:
+                if not d.ready:
+                    p.space.wait(timeout)
+        return d.serve()
 
     def flush(self, timeout: float | None = None) -> None:
-        async def go():
-            with trio.fail_after(timeout if timeout is not None else math.inf):
-                await self._p.flush()
-        self.portal.call(go)
+        """Wait until every record sent so far is acknowledged or failed, serving delivery
+        reports meanwhile; trio.TooSlowError after ``timeout`` seconds. Raises ProduceError
+        for failed records sent without a callback."""
+        p, d = self._p, self._d
+
+        async def kick():
+            p.kick()
+        self.portal.call(kick)
+        end = time.monotonic() + (timeout if timeout is not None else math.inf)
+        while True:
+            d.serve()
+            with p.lock:
+                if p.outstanding <= 0 and not d.ready:
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise trio.TooSlowError(f"{p.outstanding} records not acknowledged after {timeout} s")
+                if not d.ready:
+                    p.space.wait(min(left, 0.1))
+        p.check()
 
     @property
     def acked(self) -> int:

@@ -321,6 +321,7 @@ class BrokerService(Service):
         chunks = chunk.scan(payload)  # every checksum verified before anything is stored
         self.requests += 1
         errors = []
+        placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
         waits: dict[Replicator, int] = {}
         streams, streamlets = self.streams, self.streamlets
         for i, (h, off) in enumerate(chunks):
@@ -337,6 +338,8 @@ class BrokerService(Service):
                 size = h.size
                 g, seg, soff = sl.append(payload[off:off + size], h.producer_id)
                 chunk.place(seg.view, soff, g.id, seg.id, soff)
+                if placed is not None:
+                    placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[h.stream_id], h.streamlet, g)
                 idx = vlog.append(seg, soff, size, h.body_checksum)
                 sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + size)
@@ -344,7 +347,7 @@ class BrokerService(Service):
                 sl.plain_last = sl.appended_chunks
             except KeraError as e:
                 errors.append([i, e.code])
-        result = {"errors": errors}
+        result = {"errors": errors} if placed is None else {"errors": errors, "placed": placed}
         if acks != "all" or not waits:
             return result
         return self._acked_when_durable(waits, result)
