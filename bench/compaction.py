@@ -118,8 +118,14 @@ def on_cluster(keys: int, rounds: int, value: int) -> dict:
         done = time.monotonic() - t0
         async with open_admin(coord) as adm:
             stats = [b.get("compaction") for b in await adm.broker_stats()]
+            with trio.move_on_after(10):   # the floors move at the next reclaim passes
+                while not sum(b.get("reclaimed_bytes", 0) for b in await adm.backup_stats()):
+                    await trio.sleep(0.25)
+            backups = await adm.backup_stats()
         return {"produce_s": round(produced, 2), "compacted_after_s": round(done, 2),
-                "records_left": n, "brokers": [s for s in stats if s and s["passes"]]}
+                "records_left": n, "brokers": [s for s in stats if s and s["passes"]],
+                "backup_disk_bytes": sum(b.get("disk_bytes", 0) for b in backups),
+                "backup_reclaimed_bytes": sum(b.get("reclaimed_bytes", 0) for b in backups)}
 
     with KeraRun(3) as run:
         return trio.run(go, run.cluster.coordinator)

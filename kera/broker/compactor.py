@@ -21,7 +21,9 @@ What stays true (docs/compaction.md has the reasoning):
   every copy are compacted, nothing is re-replicated, and their vsegs are
   frozen (the buffer the vlog would send from is gone). Recovery replays the
   originals (the state before compaction, every latest value in it) and the
-  new owner compacts again. Backup disk is reclaimed by retention, not here.
+  new owner compacts again. Segments left without a record are freed like
+  expired ones (``Streamlet.drop_empty``): the vlog floors move past them and
+  the backups delete their files; the originals of the others stay.
 - **Never evicted.** A compacted stream's segments stay in memory (their
   compacted bytes exist nowhere else); memory is bounded by compaction itself,
   and a compacted stream whose live keys outgrow the budget is refused a new
@@ -147,9 +149,10 @@ def compact(segments: list, now_ms: int, delete_retention_ms: int, drop_tombston
 class Compactor:
     """The background passes of one broker incarnation (``run`` lives in its nursery)."""
 
-    def __init__(self, streamlets: dict, memory):
+    def __init__(self, streamlets: dict, memory, free):
         self.streamlets = streamlets  # (stream id, index) -> Streamlet, the broker's own dict
         self.memory = memory
+        self.free = free              # the broker's: segments gone for good (memory, vseg lives)
         self.passes = 0
         self.records_in = 0     # records read by passes
         self.records_out = 0    # records they kept
@@ -242,6 +245,7 @@ class Compactor:
             self.records_out += seg.compacted.records
             self.bytes_out += len(seg.compacted.buf)
         sl.tombstone_due = None if due is None else due / 1000
+        self.free(sl.drop_empty())
         return len(result)
 
     def _swap(self, seg, new: Compacted) -> None:

@@ -73,7 +73,7 @@ class BrokerService(Service):
         self.addr = ""
         self.streams: dict[int, dict] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
-        self.compactor = Compactor(self.streamlets, self.memory)  # key compaction passes
+        self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
         self.vlogs: dict[tuple, Replicator] = {}
         self.backups: dict[int, dict] = {}
         self.backup_set = BackupSet(node)

@@ -135,14 +135,30 @@ class Streamlet:
             if settled_only and not seg.replicated():
                 self.waiting = seg
                 break
-            self.filled.popleft()
-            g.free_front()
             retained -= seg.head
-            self.freed_bytes += seg.head
-            self.freed_segments += 1
-            out.append(seg)
-            if g.gone():
-                del self.groups[g.id]
+            out.append(self._free_first())
+        return out
+
+    def _free_first(self):
+        """The oldest filled segment, first of its group, goes (the caller frees its bytes)."""
+        g, seg = self.filled.popleft()
+        g.free_front()
+        self.freed_bytes += seg.head
+        self.freed_segments += 1
+        if g.gone():
+            del self.groups[g.id]
+        return seg
+
+    def drop_empty(self) -> list:
+        """Compaction left the oldest segments without a record (every one superseded): they
+        go like expired ones, so their vsegs' floors move and the backups delete their files.
+        Returns the segments (the caller frees them)."""
+        out = []
+        while self.filled:
+            g, seg = self.filled[0]
+            if seg.compacted is None or seg.compacted.records or g.segments[g.start] is not seg:
+                break
+            out.append(self._free_first())
         return out
 
     def everything(self) -> list:
@@ -226,7 +242,9 @@ class Streamlet:
         if created:
             g = self._new_group(producer % self.q, group)
         try:
-            seg = g.place(segment, offset, chunk, self.retention_bytes >= 0 or self.retention_ms >= 0)
+            # retention or compaction may have freed the group's first segments on the dead broker
+            seg = g.place(segment, offset, chunk,
+                          self.retention_bytes >= 0 or self.retention_ms >= 0 or self.compact)
         except DataLoss as e:
             if created and not g.segments:  # made for this chunk: leave no trace of it
                 del self.groups[group]
@@ -323,14 +341,19 @@ class Streamlet:
         the later groups of its slot, so one producer's records come out in
         the order they were sent.
         """
+        out = []
         for gid, pos in positions.items():
             if pos == DONE or gid < low:
                 continue
             g = self.groups.get(gid)
             if (g is None and gid < self.next_group) or (g is not None and unpack(pos)[0] < g.start):
-                raise OutOfRange(f"stream {self.stream_id} streamlet {self.index} group {gid}: "
-                                 f"position {pos} was freed by retention")
-        out = []
+                if not self.compact:
+                    raise OutOfRange(f"stream {self.stream_id} streamlet {self.index} group {gid}: "
+                                     f"position {pos} was freed by retention")
+                # a compacted stream: what was freed held nothing a reader still needs (Kafka's
+                # positions in a compacted log stay valid): read on from what is left
+                if g is None:
+                    out.append((gid, 0, 0, 0, DONE))
         budget = max_bytes
         blocked = set()
         for gid in sorted(self.groups):
@@ -338,7 +361,7 @@ class Streamlet:
                 continue
             g = self.groups[gid]
             pos = positions.get(gid)
-            if pos is None:
+            if pos is None or (pos != DONE and unpack(pos)[0] < g.start):
                 pos = g.first()
             if pos == DONE:
                 continue
