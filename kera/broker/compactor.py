@@ -159,7 +159,6 @@ class Compactor:
         self.bytes_in = 0
         self.bytes_out = 0
         self.seconds = 0.0      # CPU time of the passes' worker threads
-        self._oldest = 0.0      # when the oldest dirty segment of the streamlet looked at filled
 
     async def run(self) -> None:
         while True:
@@ -184,40 +183,27 @@ class Compactor:
     def _job(self, sl, now: float):
         """(segments, may drop tombstones), or None: the closed prefix of the streamlet in
         reading order, compacted ones and at most PASS_BYTES of dirty ones."""
-        take, clean, dirty = [], 0, 0
-        self._oldest = now
-        for gid in sorted(sl.groups):
-            g = sl.groups[gid]
-            for seg in g.segments[g.start:]:
-                if not seg.filled_at or seg.evicted or seg.freed or seg.durable != seg.head:
-                    return self._worth(sl, take, clean, dirty, now)
-                if not seg.replicated():
-                    if close_waiting(seg):
-                        seg.vlog.poke()
-                    return self._worth(sl, take, clean, dirty, now)
-                if seg.compacted is None:
-                    if dirty and dirty + seg.head > PASS_BYTES:
-                        return self._worth(sl, take, clean, dirty, now)
-                    dirty += seg.head
-                    self._oldest = min(self._oldest, seg.filled_at)
-                else:
-                    clean += len(seg.compacted.buf)
-                take.append((g.id, seg))
-        return self._worth(sl, take, clean, dirty, now)
-
-    def _worth(self, sl, take, clean, dirty, now):
-        """A pass is due when the dirty bytes reach the compacted ones, a dirty segment waited
-        ``segment_ms`` (so a record is compacted within about twice that), or a tombstone kept
-        expires."""
+        take, clean, dirty, oldest = [], 0, 0, now
+        for seg in _prefix(sl):
+            if seg.compacted is None:
+                if dirty and dirty + seg.head > PASS_BYTES:
+                    break
+                dirty += seg.head
+                oldest = min(oldest, seg.filled_at)
+            else:
+                clean += len(seg.compacted.buf)
+            take.append(seg)
+        # due when the dirty bytes reach the compacted ones, a dirty segment waited segment_ms
+        # (a record is compacted within about twice that), or a tombstone kept expires
         due = sl.tombstone_due is not None and now >= sl.tombstone_due
-        lag = dirty and now - self._oldest >= sl.segment_ms / 1000
+        lag = dirty and now - oldest >= sl.segment_ms / 1000
         if take and (due or lag or (dirty and dirty >= DIRTY_RATIO * clean)):
             return take, True
         return None
 
     async def _compact(self, sl, take: list, drop_tombstones: bool) -> int:
         segments = [(seg, seg.compacted.buf if seg.compacted is not None else seg.view[:seg.head])
-                    for _, seg in take]
+                    for seg in take]
         now_ms = int(time.time() * 1000)
 
         def work():
@@ -227,12 +213,12 @@ class Compactor:
 
         (result, due), cpu = await trio.to_thread.run_sync(work)
         # freed, evicted or unassigned meanwhile: this result describes bytes no longer served
-        if any(seg.freed or seg.evicted for _, seg in take) or \
+        if any(seg.freed or seg.evicted for seg in take) or \
                 self.streamlets.get((sl.stream_id, sl.index)) is not sl:
             return 0
         self.passes += 1
         self.seconds += cpu
-        for _, seg in take:
+        for seg in take:
             old = seg.compacted
             self.records_in += old.records if old is not None else _records(seg.view[:seg.head])
             self.bytes_in += len(old.buf) if old is not None else seg.head
@@ -262,6 +248,21 @@ class Compactor:
     def stats(self) -> dict:
         return {"passes": self.passes, "records_in": self.records_in, "records_out": self.records_out,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "cpu_seconds": round(self.seconds, 3)}
+
+
+def _prefix(sl):
+    """The streamlet's segments in reading order up to the first that is not closed, durable,
+    in memory and settled on its copies (an idle vlog's open vseg is closed for it)."""
+    for gid in sorted(sl.groups):
+        g = sl.groups[gid]
+        for seg in g.segments[g.start:]:
+            if not seg.filled_at or seg.evicted or seg.freed or seg.durable != seg.head:
+                return
+            if not seg.replicated():
+                if close_waiting(seg):
+                    seg.vlog.poke()
+                return
+            yield seg
 
 
 def _records(data) -> int:
