@@ -76,17 +76,33 @@ def _retention(spec: dict) -> dict:
     return out
 
 
+# key compaction, Kafka's names and meaning: cleanup.policy, delete.retention.ms (tombstones),
+# segment.ms (a compacted stream's newest segment is rolled, and so compacted, after it)
+CLEANUP = {"cleanup_policy": "cleanup.policy", "delete_retention_ms": "delete.retention.ms",
+           "segment_ms": "segment.ms"}
 CLEANUP_POLICIES = ("delete", "compact", "compact,delete")
 
 
-def _cleanup_policy(spec: dict) -> dict:
-    """The cleanup policy a spec gives (either spelling), checked: Kafka's values."""
-    v = spec.get("cleanup_policy", spec.get("cleanup.policy"))
-    if v is None:
-        return {}
-    if v not in CLEANUP_POLICIES:
-        raise InvalidArgument(f"cleanup.policy must be one of {', '.join(CLEANUP_POLICIES)}, not {v!r}")
-    return {"cleanup_policy": v}
+def _cleanup_policy(spec: dict, groups: int = 1) -> dict:
+    """The compaction settings a spec gives (either spelling), checked. Compaction keeps the
+    last record per key in a streamlet's one order, so a compacted stream has one active
+    group per streamlet (``groups`` > 1 would let two producers' writes of a key race)."""
+    out = {}
+    for key, kafka in CLEANUP.items():
+        v = spec.get(key, spec.get(kafka))
+        if v is None:
+            continue
+        if key == "cleanup_policy":
+            v = ",".join(sorted(p.strip() for p in v.split(","))) if isinstance(v, str) else v
+            if v not in CLEANUP_POLICIES:
+                raise InvalidArgument(f"{kafka} must be one of {', '.join(CLEANUP_POLICIES)}, not {v!r}")
+        elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidArgument(f"{kafka} must be an integer >= 0, not {v!r}")
+        out[key] = v
+    if "compact" in out.get("cleanup_policy", "") and groups > 1:
+        raise InvalidArgument(f"cleanup.policy {out['cleanup_policy']} needs groups=1 (one order per "
+                              f"streamlet for the latest record of a key), not {groups}")
+    return out
 
 
 def _batches(entries: list) -> list[list]:
@@ -262,7 +278,7 @@ class Coordinator(Membership, Service):
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
         cfg["vlogs"] = policy
         cfg.update({**getattr(self, "retention_defaults", RETENTION_DEFAULTS), **_retention(spec)})
-        cfg.update(_cleanup_policy(spec))
+        cfg.update({"cleanup_policy": "delete", **_cleanup_policy(spec, cfg["groups"])})
         if spec.get("replication") is None:
             cfg["replication"] = min(cfg["replication"], max(1, nodes))
         if cfg["replication"] > nodes:
@@ -441,13 +457,15 @@ class Coordinator(Membership, Service):
         return {"deleted": s["name"]}
 
     async def rpc_alter_stream(self, meta, payload):
-        """Change a stream's retention (``retention_bytes`` / ``retention_ms``, or Kafka's
-        dotted names): persisted, then pushed to the brokers owning its streamlets, which
-        apply it at their next reclaim pass. Refused as a whole if any value is invalid."""
+        """Change a stream's retention (``retention_bytes`` / ``retention_ms``) or compaction
+        (``cleanup_policy``, ``delete_retention_ms``, ``segment_ms``), or Kafka's dotted names:
+        persisted, then pushed to the brokers owning its streamlets, which apply it at their
+        next pass. Refused as a whole if any value is invalid."""
         s = self._user_stream(meta.get("name"))
-        changes = _retention(meta)
+        changes = {**_retention(meta), **_cleanup_policy(meta, s["groups"])}
         if not changes:
-            raise InvalidArgument("alter_stream needs retention_bytes and/or retention_ms")
+            raise InvalidArgument("alter_stream needs retention_bytes, retention_ms, cleanup_policy, "
+                                  "delete_retention_ms and/or segment_ms")
         for key, v in changes.items():
             self.log.set(("streams", s["name"], key), v)
         await self.commit()

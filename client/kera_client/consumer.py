@@ -176,7 +176,8 @@ class AsyncConsumer:
             first.setdefault((ch.stream, ch.streamlet, ch.group), ch)
         if unconsumed and taken:
             ch = unconsumed[0]
-            self._skips[(ch.stream, ch.streamlet, ch.group)] = (ch.position, ch.skip + taken)
+            self._skips[(ch.stream, ch.streamlet, ch.group)] = (ch.position,
+                                                                 chunkfmt.skip_out(ch.view, ch.skip + taken))
         for (name, i, gid), ch in sorted(first.items(), key=lambda kv: kv[0][2]):
             p = self.positions[(name, i)]
             if gid < p["low"]:   # the group (and those after it) were read to their end
@@ -185,7 +186,7 @@ class AsyncConsumer:
                 p["low"] = gid
             p["groups"][gid] = ch.position
             if not (unconsumed and taken and ch is unconsumed[0]) and ch.skip:
-                self._skips[(name, i, gid)] = (ch.position, ch.skip)
+                self._skips[(name, i, gid)] = (ch.position, chunkfmt.skip_out(ch.view, ch.skip))
 
     def _positions(self):
         if not self.group:
@@ -283,7 +284,7 @@ class AsyncConsumer:
 
     def _absorb(self, entries, payload, out) -> None:
         at = 0
-        for sid, i, gid, si, off, n, nxt in entries:
+        for sid, i, gid, _seg, _off, n, nxt in entries:
             s = self.by_id.get(sid)
             if s is None:
                 at += n
@@ -292,15 +293,18 @@ class AsyncConsumer:
             if n:
                 buf = payload[at:at + n]
                 at += n
-                pos = pack(si, off)
                 for h, o in chunkfmt.scan(buf):
+                    # a chunk's position is its placement (a compacted segment's chunks are
+                    # not back to back in the original offsets)
+                    pos = pack(h.segment, h.offset)
+                    view = chunkfmt.ChunkView(buf, o, h)
                     skip = 0
                     sk = self._skips.get((s["name"], i, gid))
-                    if sk is not None and sk[0] == pos + o:
-                        skip = sk[1]
+                    if sk is not None and sk[0] == pos:
+                        skip = chunkfmt.skip_in(view, sk[1])
                         del self._skips[(s["name"], i, gid)]
                     if skip < h.record_count:
-                        out.append(Chunk(s["name"], i, gid, pos + o, chunkfmt.ChunkView(buf, o, h), skip))
+                        out.append(Chunk(s["name"], i, gid, pos, view, skip))
                     self.records_read += h.record_count - skip
             p["groups"][gid] = nxt
             _compact(p)

@@ -38,8 +38,10 @@ from ..errors import (
 from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
 from .adopted import AdoptedSegment, Claims, IndexHolder, adopted_segment
+from .compactor import Compactor
 from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
+from .segment import close_waiting
 from .streamlet import ProducerState, Streamlet
 from .tiered import TieredReader
 
@@ -71,6 +73,7 @@ class BrokerService(Service):
         self.addr = ""
         self.streams: dict[int, dict] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
+        self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
         self.vlogs: dict[tuple, Replicator] = {}
         self.backups: dict[int, dict] = {}
         self.backup_set = BackupSet(node)
@@ -489,7 +492,8 @@ class BrokerService(Service):
                 if n:
                     seg = sl.groups[gid].segments[si]
                     # an evicted segment: read back from a backup before the reply goes
-                    parts.append(seg.view[off:off + n] if seg.view is not None else (seg, gid, off, n))
+                    part = seg.part(off, n)
+                    parts.append(part if part is not None else (seg, gid, off, n))
                     budget -= n
                 else:
                     moved = True
@@ -541,11 +545,8 @@ class BrokerService(Service):
                 freed = sl.expired(now)
                 if freed:
                     self._free(freed)
-                if sl.waiting is not None and sl.waiting.vlog is not None:
-                    # expired, but its chunks sit in a vseg still open on an idle vlog: close it
-                    v = sl.waiting.vlog
-                    if v.log.open is not None and v.log.open in sl.waiting.vsegs and v.log.close_open():
-                        v.poke()
+                if sl.waiting is not None and close_waiting(sl.waiting):
+                    sl.waiting.vlog.poke()
         for v in self.vlogs.values():
             if v.log.advance_floor() or v.log.floor > v.trimmed:
                 v.poke()
@@ -602,7 +603,8 @@ class BrokerService(Service):
                 "foreign_released": self.claims.released if self.claims else 0,
                 "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
-                "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl}
+                "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
+                "compaction": self.compactor.stats()}
 
     def rpc_vsegs(self, meta, payload):
         """Every virtual segment with its size and the backups holding it (the broker's belief)."""
@@ -718,6 +720,7 @@ class BrokerService(Service):
                         incarnation.start_soon(self._heartbeats)
                         incarnation.start_soon(self._reclaimer)
                         incarnation.start_soon(self._releaser)
+                        incarnation.start_soon(self.compactor.run)
                 except* Fenced:
                     log.error("broker %d epoch %d fenced: dropping its state, joining again",
                               self.broker_id, self.epoch)

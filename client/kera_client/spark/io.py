@@ -253,7 +253,7 @@ class _Range:
         cut = False
         if buf is not None and len(buf):
             for h, o in chunkfmt.scan(buf):
-                p = base + o
+                p = pack(h.segment, h.offset)  # its placement: compacted chunks are not back to back
                 if p >= order(end):
                     cut = True
                     break
