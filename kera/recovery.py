@@ -238,8 +238,11 @@ class RecoveryManager:
         rec.total = replay_plan.total_bytes
         replay_from: list = []
         if self.coord.repoint_evicted:
+            # compacted streams are never evicted (their segments are rewritten in memory): they
+            # are replayed whole, so the new owner keeps compacting them
             replay_from = await repoint(self.coord.pool, rec, replay_plan, addrs, {
-                (streams[n]["id"], i): m for (n, i), m in plan.items()})
+                (streams[n]["id"], i): m for (n, i), m in plan.items()
+                if "compact" not in streams[n].get("cleanup_policy", "delete")})
 
         async def replay_vlog(vlog: int) -> None:
             while isinstance(step := replay_plan.next_step(vlog), Step):
