@@ -241,8 +241,9 @@ class RecoveryManager:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
             replay_from = await repoint(self.coord.pool, rec, replay_plan, addrs, {
-                (streams[n]["id"], i): m for (n, i), m in plan.items()
-                if "compact" not in streams[n].get("cleanup_policy", "delete")})
+                (streams[n]["id"], i): m for (n, i), m in plan.items()}, replayed={
+                (streams[n]["id"], i) for (n, i) in plan
+                if "compact" in streams[n].get("cleanup_policy", "delete")})
 
         async def replay_vlog(vlog: int) -> None:
             while isinstance(step := replay_plan.next_step(vlog), Step):

@@ -39,9 +39,11 @@ ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
 COLUMNS = len(Row._fields) - 2  # u64s per chunk in an index answer (all but vlog, vseg)
 
 
-async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict) -> list:
+async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
+                  replayed: frozenset = frozenset()) -> list:
     """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries.
-    ``owners``: (stream id, streamlet) -> the member recovering it."""
+    ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
+    (stream id, streamlet) pairs replayed whole, never re-pointed."""
     t0 = time.monotonic()
     settled = {v: plan.settled(v) for v in plan.vlogs}
     rows: list[Row] = []
@@ -81,7 +83,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict) -> l
     whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
     rows = [r for r in rows if r.vseg in whole[r.vlog]]
     rows.sort(key=lambda r: (r.vlog, r.vseg, r.voff))
-    rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()})
+    rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
     rec.index_seconds = time.monotonic() - t0
 
     per_owner: dict[int, list] = {}

@@ -93,9 +93,11 @@ class Repoint:
         return sum(a.head for a in self.adopted if not a.indexed)
 
 
-def plan_repoint(rows: Iterable[Row], settled: dict[int, Iterable[int]]) -> Repoint:
+def plan_repoint(rows: Iterable[Row], settled: dict[int, Iterable[int]],
+                 replayed: frozenset = frozenset()) -> Repoint:
     """Decide from the index ``rows`` of the settled vsegs (``settled``: vlog -> vseg ids;
-    rows of streamlets nobody recovers left out by the caller)."""
+    rows of streamlets nobody recovers left out by the caller). Streamlets in ``replayed``
+    (stream, streamlet) adopt nothing: their rows only keep their vsegs replayed."""
     by_group: dict[tuple[int, int, int], dict[int, list[Row]]] = {}
     per_vseg: dict[tuple[int, int], list[Row]] = {}
     for r in rows:
@@ -104,6 +106,8 @@ def plan_repoint(rows: Iterable[Row], settled: dict[int, Iterable[int]]) -> Repo
     out = Repoint()
     taken: set[tuple[int, int, int, int]] = set()
     for (sid, sl, gid), segs in by_group.items():
+        if (sid, sl) in replayed:
+            continue
         order = sorted(segs)
         first = order[0]
         start = 1 if segs[first][0].offset != 0 else 0  # began in released vsegs: dropped

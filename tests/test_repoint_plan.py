@@ -50,3 +50,9 @@ def test_index_chunk_round_trip_and_bad_input():
     bad = index_chunk.SegmentIndex(5, 1, 2, 3, 8, 1, rows, {3: [1]})  # no copies of vseg 4
     with pytest.raises(ProtocolError):
         index_chunk.parse(index_chunk.build(bad))
+
+
+def test_a_streamlet_replayed_whole_adopts_nothing_and_keeps_its_vsegs_replayed():
+    rows = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + rows_of(2, 0, 4, [80])
+    rp = plan_repoint(rows, {1: [1, 2]}, replayed=frozenset({(7, 0)}))
+    assert rp.adopted == [] and rp.replay_from == {} and rp.skip == {}
