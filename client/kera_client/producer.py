@@ -38,6 +38,7 @@ from kera.errors import KeraError, RecordTooLarge, UnknownStream
 from kera.limits import MAX_CHUNK, MAX_REQUEST
 from kera.rpc import open_pool, unwrapped
 
+from .accumulator import Pending, pack
 from .admin import default_coordinator, suspect
 from .partitioner import RoundRobin, key_streamlet
 from .portal import Portal
@@ -116,31 +117,6 @@ def _wall_ms(monotonic: float) -> int:
     return int((time.time() - (time.monotonic() - monotonic)) * 1000)
 
 
-class _Batch:
-    """An open chunk: records of one streamlet, columns kept as lists until sealed."""
-
-    __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky")
-
-    def __init__(self, key: tuple, created: float, deadline: float, sticky: bool):
-        self.key = key
-        self.values: list[bytes] = []
-        self.keys: list[bytes | None] | None = None   # only once a record has a key
-        self.ts: list[int] | None = None              # only once a record has its own timestamp
-        self.size = 0
-        self.created = created  # the first record's arrival: latencies count from here
-        self.deadline = deadline
-        self.sticky = sticky    # the round-robin streamlet of its stream, until sealed
-
-
-class _Sealed:
-    """A chunk ready to leave; ``data`` is replaced by a SEQ_RESET copy if it follows a hole."""
-
-    __slots__ = ("key", "seq", "data", "records", "created")
-
-    def __init__(self, key, seq, data, records, created):
-        self.key, self.seq, self.data, self.records, self.created = key, seq, data, records, created
-
-
 class AsyncProducer:
     """The trio-native producer. Use ``open_producer`` (or ``Producer`` from sync code)."""
 
@@ -162,8 +138,8 @@ class AsyncProducer:
         self.streams: dict[str, dict] = {}
         self.by_id: dict[int, dict] = {}
         self.rr = RoundRobin()
-        self.batches: dict[tuple, _Batch] = {}
-        self.sticky: dict[int, _Batch] = {}   # stream id -> open round-robin batch
+        self.batches: dict[tuple, Pending] = {}
+        self.sticky: dict[int, Pending] = {}   # stream id -> open round-robin chunk
         self.linger_q: deque = deque()
         self.seq: dict[tuple, int] = {}
         self.gaps: dict[tuple, int] = {}       # streamlet -> highest sequence given up, not yet reset
@@ -236,7 +212,7 @@ class AsyncProducer:
             f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
             bound=bound, size=size)
 
-    def _batch(self, s: dict, key) -> _Batch:
+    def _batch(self, s: dict, key) -> Pending:
         if key is None or not self.by_key:
             b = self.sticky.get(s["id"])
             if b is None:
@@ -273,16 +249,17 @@ class AsyncProducer:
             b.ts.append(timestamp if timestamp is not None else int(time.time() * 1000))
         b.values.append(value)
         b.size += n
+        b.charged += n
         self.buffered += n
         self.outstanding += 1
         if b.size >= self.chunk_size:
             self._seal(b)
             self._notify()
 
-    def _open(self, s: dict, streamlet: int, sticky: bool) -> _Batch:
+    def _open(self, s: dict, streamlet: int, sticky: bool) -> Pending:
         now = time.monotonic()
         k = (s["id"], streamlet)
-        b = self.batches[k] = _Batch(k, now, now + self.linger, sticky)
+        b = self.batches[k] = Pending(k, now, now + self.linger, sticky)
         if sticky:
             self.sticky[s["id"]] = b
         self.linger_q.append((b.deadline, b))
@@ -290,25 +267,27 @@ class AsyncProducer:
             self._notify()
         return b
 
-    def _seal(self, b: _Batch) -> None:
+    def _seal(self, b: Pending) -> None:
+        """Close the open chunk and queue it with the next sequence; it is packed with the
+        other chunks of the request it leaves in (``accumulator.pack``)."""
         k = b.key
         del self.batches[k]
         if b.sticky:
             del self.sticky[k[0]]
             self.rr.sealed(k[0], self.by_id[k[0]]["streamlets"])
-        ts = b.ts if b.ts is not None else _wall_ms(b.created)  # records without their own: the chunk's first
-        seq = self.seq.get(k, 0)
-        self._enqueue(k, seq, chunkfmt.build(k[0], k[1], self.producer_id, seq, b.values, b.keys, ts),
-                      len(b.values), b.created)
+        # records without their own timestamp get the chunk's first record's arrival
+        b.seal(self.seq.get(k, 0), _wall_ms(b.created) if b.ts is None else 0)
+        self._enqueue(b)
 
-    def _enqueue(self, k, seq: int, data: bytes, records: int, created: float | None = None) -> None:
-        """Queue a chunk built with sequence ``seq``: only now is the sequence taken, so a
-        build that failed leaves no hole."""
-        self.seq[k] = seq + 1
+    def _enqueue(self, c: Pending) -> None:
+        """Queue a sealed chunk: only now is its sequence taken, so a build that failed
+        leaves no hole."""
+        k = c.key
+        self.seq[k] = c.seq + 1
         q = self.ready.get(k)
         if q is None:
             q = self.ready[k] = deque()
-        q.append(_Sealed(k, seq, data, records, created or time.monotonic()))
+        q.append(c)
 
     def _wait_space(self) -> None:
         """Block the calling (non-loop) thread while the buffer is full."""
@@ -380,9 +359,11 @@ class AsyncProducer:
                 seq = self.seq.get(k, 0)
                 data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, ts[a:b], ko,
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])
+                c = Pending.packed(k, seq, data, b - a, time.monotonic())
+                c.charged = len(data)
                 self.buffered += len(data)
                 self.outstanding += b - a
-                self._enqueue(k, seq, data, b - a)
+                self._enqueue(c)
             self._notify()
 
     # -- sending (loop thread) ----------------------------------------------------
@@ -431,18 +412,21 @@ class AsyncProducer:
                 items = plans.setdefault(addr, [])
                 taken = len(items)
                 gap = self.gaps.get(k)
-                while q and (sizes.get(addr, 0) == 0 or sizes[addr] + len(q[0].data) <= self.request_size):
+                while q and (sizes.get(addr, 0) == 0 or sizes[addr] + q[0].size <= self.request_size):
                     c = q.popleft()
                     if now - c.created > self.delivery_timeout:
                         self._give_up([c], "delivery timeout")
                         gap = self.gaps[k]
                         continue
                     if gap is not None and c.seq > gap:  # the first chunk after a hole: a new base
-                        c.data = chunkfmt.with_flags(c.data, chunkfmt.SEQ_RESET)
+                        if c.data is None:
+                            c.flags |= chunkfmt.SEQ_RESET
+                        else:
+                            c.data, c.start = chunkfmt.with_flags(c.chunk(), chunkfmt.SEQ_RESET), 0
                         del self.gaps[k]
                         gap = None
                     items.append(c)
-                    sizes[addr] = sizes.get(addr, 0) + len(c.data)
+                    sizes[addr] = sizes.get(addr, 0) + c.size
                 if len(items) > taken:
                     self.inflight_keys.add(k)
                 if not q:
@@ -481,8 +465,10 @@ class AsyncProducer:
 
     async def _request(self, addr: str, items: list) -> None:
         try:
+            whole = pack(items, self.producer_id)
             r, _ = await self.pool.call(addr, "produce", {"producer": self.producer_id, "acks": self.acks},
-                                        parts=[c.data for c in items], timeout=self.request_timeout)
+                                        parts=[whole] if whole is not None else [c.chunk() for c in items],
+                                        timeout=self.request_timeout)
             results = [None] * len(items)  # the broker names only the chunks it refused
             for i, code in r["errors"]:
                 results[i] = code
@@ -501,7 +487,7 @@ class AsyncProducer:
                 if res is None:
                     self.acked += c.records
                     self.outstanding -= c.records
-                    self.buffered -= len(c.data)
+                    self.buffered -= c.charged
                     self.latencies.append(now - c.created)
                 elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
                     retry.setdefault(c.key, []).append(c)
@@ -526,7 +512,7 @@ class AsyncProducer:
         for c in cs:
             self.failed += c.records
             self.outstanding -= c.records
-            self.buffered -= len(c.data)
+            self.buffered -= c.charged
             if c.seq > gaps.get(c.key, -1):
                 gaps[c.key] = c.seq
         if len(self.errors) < 100:
