@@ -303,6 +303,46 @@ def scan(buf, verify_bodies: bool = True) -> list[tuple[ChunkHeader, int]]:
     return out
 
 
+_BODY_LEN = struct.Struct("<I")
+_BODY_LEN_AT = 64
+
+
+def scan_headers(buf) -> tuple[np.ndarray, list[int]]:
+    """``scan`` in one pass: every chunk filling ``buf`` exactly, checked as ``verify`` checks
+    one, its header as a ``HEADER_DTYPE`` record and its offset.
+
+    The walk reads each chunk's length, the checks on the header fields are array
+    comparisons, the checksums one call per chunk. On any damage ``scan`` runs again
+    over ``buf`` to raise the typed error of the first bad chunk.
+    """
+    n = len(buf)
+    if n == 0:
+        return np.zeros(0, HEADER_DTYPE), []
+    offs = []
+    pos = 0
+    unpack = _BODY_LEN.unpack_from
+    while pos + HEADER_SIZE <= n:
+        offs.append(pos)
+        pos += HEADER_SIZE + unpack(buf, pos + _BODY_LEN_AT)[0]
+    mv = memoryview(buf)
+    if pos == n and offs:
+        hb = b"".join([mv[o:o + HEADER_SIZE] for o in offs])
+        h = np.frombuffer(hb, HEADER_DTYPE)
+        rc, bl = h["record_count"], h["body_len"]
+        x32, b3 = xxhash.xxh32_intdigest, xxhash.xxh3_64_intdigest
+        if (h["magic"] == MAGIC).all() and (h["version"] == VERSION).all() \
+                and (np.fromiter(map(x32, (hb[i:i + _CHECKED] for i in range(0, len(hb), HEADER_SIZE))),
+                                 np.uint32, len(offs)) == h["header_checksum"]).all() \
+                and (rc > 0).all() and (rc <= MAX_RECORDS).all() and not (bl % 8).any() \
+                and (bl >= 16 * rc.astype(np.int64) + 8).all() \
+                and (np.fromiter(map(b3, (mv[o + HEADER_SIZE:o + HEADER_SIZE + z]
+                                          for o, z in zip(offs, bl.tolist(), strict=True))),
+                                 np.uint64, len(offs)) == h["body_checksum"]).all():
+            return h, offs
+    scan(buf)  # raises the first chunk's error
+    raise ProtocolError("damaged chunks")  # not reached: what fails above fails there
+
+
 def place(buf, offset: int, group: int, segment: int, seg_offset: int) -> None:
     """Write the broker-assigned placement into a chunk held in ``buf`` (O(1))."""
     _PLACEMENT.pack_into(buf, offset + _PLACEMENT_AT, group, segment, seg_offset)
