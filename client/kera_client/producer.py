@@ -262,7 +262,7 @@ class AsyncProducer:
         b = self.batches[k] = Pending(k, now, now + self.linger, sticky)
         if sticky:
             self.sticky[s["id"]] = b
-        self.linger_q.append((b.deadline, b))
+        self.linger_q.append(b)  # open chunks, oldest deadline first
         if len(self.linger_q) == 1:
             self._notify()
         return b
@@ -369,8 +369,8 @@ class AsyncProducer:
     # -- sending (loop thread) ----------------------------------------------------
     def _seal_expired(self, now: float) -> None:
         q = self.linger_q
-        while q and q[0][0] <= now:
-            _, b = q.popleft()
+        while q and q[0].deadline <= now:
+            b = q.popleft()
             if self.batches.get(b.key) is b:
                 self._seal(b)
 
@@ -528,7 +528,7 @@ class AsyncProducer:
             with self.lock:
                 self._seal_expired(now)
             next_retry = self._dispatch(now)
-            deadline = min(next_retry, self.linger_q[0][0] if self.linger_q else math.inf)
+            deadline = min(next_retry, self.linger_q[0].deadline if self.linger_q else math.inf)
             with trio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await self._wake.wait()
             self._wake = trio.Event()
