@@ -86,6 +86,7 @@ def one_run(run: KeraRun, streams: list[str], records: int, size: int, replicati
 
 
 def run(args) -> dict:
+    load_start = os.getloadavg()
     rows = []
     with KeraRun(args.nodes) as k:
         for r in range(args.repeats):
@@ -97,7 +98,7 @@ def run(args) -> dict:
     med = {h: statistics.median(x[h] for x in rows) for h in ("producer_us", "broker_us", "backup_us")}
     return {"label": args.label, "streams": args.streams, "records": args.records, "size": 100,
             "replication": 3, "nodes": args.nodes, "median_us_per_chunk": med, "runs": rows,
-            "load_before": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M")}
+            "load_start": load_start, "load_end": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def main(argv) -> None:
@@ -112,7 +113,8 @@ def main(argv) -> None:
     res = run(args)
     m = res["median_us_per_chunk"]
     print(f"{args.label}: CPU us per 1-record chunk (median of {args.repeats}): producer {m['producer_us']}, "
-          f"broker {m['broker_us']}, backup {m['backup_us']} (load {res['load_before'][0]:.1f})")
+          f"broker {m['broker_us']}, backup {m['backup_us']} (load {res['load_start'][0]:.1f} to "
+          f"{res['load_end'][0]:.1f})")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "hops.json")
     old = {}
