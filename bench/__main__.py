@@ -83,9 +83,10 @@ def exp_latency(args) -> dict:
 
     128 streams, 100-byte records, one producer process pacing its sends to the
     offered load, acks=all, linger 1 ms, 16 KB chunk = batch.size; about four
-    seconds of records per point; the systems alternate at every load. kera's
-    latency is a chunk's first record to its ack (the longest wait in the chunk);
-    the peer's is librdkafka's produce() to ack of every 100th record."""
+    seconds of records per point; the systems alternate at every load. Both
+    sides measure per record, from the send()/produce() call to its delivery
+    report, for every 100th record: kera's DeliveryReport.latency, librdkafka's
+    Message.latency()."""
     loads = [20_000, 80_000] if args.quick else [10_000, 20_000, 50_000, 100_000, 200_000]
     cfg = {"acks": "all", "linger.ms": 1, "chunk.size": 16384}
     from .peer import run_peer

@@ -4,6 +4,11 @@ Producers are the paper's proxy producers: each cycles over all streams, one
 ``send()`` per record from Python (the same shape as the peer's one
 ``produce()`` per record), so each request carries a chunk per stream.
 ``mode="batch"`` uses ``send_many`` instead (labelled separately).
+
+Latency is per record, as on the peer's side: every ``LATENCY_SAMPLE_EVERY``-th
+record is sent with a delivery callback, whose report gives the time from its
+``send`` call to its acknowledgement (``DeliveryReport.latency``). The batch
+mode reports per ``send_many`` call (call -> its last chunk acknowledged).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import trio
 
 from kera.cluster import LocalCluster
 
+from .peer import LATENCY_SAMPLE_EVERY
 from .stage import run_stage, split, summarize
 
 
@@ -34,7 +40,13 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
             p.send(streams[i % s], value)
         p.flush()
         warm = p.acked
-        p.latencies.clear()  # latencies of the measured records only
+        latencies: list[float] = []
+
+        def on_delivery(error, report):
+            if error is None:
+                latencies.append(report.latency)
+
+        every = LATENCY_SAMPLE_EVERY
         if barrier is not None:
             barrier.wait()
         t0 = time.monotonic()
@@ -46,22 +58,29 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
                 i = 0
                 while i < n_records:
                     for _ in range(min(per_tick, n_records - i)):
-                        send(streams[(start_index + i) % s], value)
+                        if i % every == 0:
+                            send(streams[(start_index + i) % s], value, on_delivery=on_delivery)
+                        else:
+                            send(streams[(start_index + i) % s], value)
                         i += 1
                     wait = t0 + i / rate - time.monotonic()
                     if wait > 0:
+                        p.poll()
                         time.sleep(wait)
             else:
                 for i in range(start_index, start_index + n_records):
-                    send(streams[i % s], value)
+                    if i % every == 0:
+                        send(streams[i % s], value, on_delivery=on_delivery)
+                    else:
+                        send(streams[i % s], value)
         else:
             per = max(1, n_records // s)
             arr = np.full((per, size), ord("x"), dtype=np.uint8)
             for j in range(s):
-                p.send_many(streams[(start_index + j) % s], arr)
+                p.send_many(streams[(start_index + j) % s], arr, on_delivery=on_delivery)
         p.flush()
         t1 = time.monotonic()
-        lat = sorted(x * 1000 for x in p.latencies)
+        lat = sorted(x * 1000 for x in latencies)
         return {"records": p.acked - warm, "t_start": t0, "t_end": t1, "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
     finally:
         p.portal.close()

@@ -15,7 +15,13 @@ checksum (xxh32 of the header bytes before it) also covers the
 
 ``flags`` (one byte): ``SEQ_RESET`` marks the first chunk a producer sends
 after giving up on earlier ones of the streamlet; the broker takes its
-sequence as the producer's new base (see ``Streamlet.check_sequence``).
+sequence as the producer's new base (see ``Streamlet.check_sequence``);
+``INDEX`` marks an index chunk, which lives only in a virtual log
+(``kera.index_chunk``); ``COMPACTED`` marks a chunk rewritten by key compaction (``rewrite``): it keeps the
+placement of the chunk it came from, and after its values a uint32 array of
+each surviving record's index in the original chunk, so a committed skip
+count ("the first k records of the chunk at this position were consumed")
+keeps its meaning (``skip_in`` / ``skip_out``).
 Builders refuse more than ``limits.MAX_RECORDS`` records or ``limits.MAX_CHUNK``
 bytes.
 """
@@ -58,6 +64,8 @@ HEADER_DTYPE = np.dtype([
     ("body_checksum", "<u8"), ("reserved", "<u8"), ("header_checksum", "<u4")])
 assert HEADER_DTYPE.itemsize == 88
 SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on the streamlet
+INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.index_chunk``)
+COMPACTED = 0x04  # flags: rewritten by compaction; original record indices follow the values
 
 
 _Fields = namedtuple("_Fields", "flags stream_id streamlet record_count producer_id sequence ts_min "
@@ -413,3 +421,61 @@ class ChunkView:
     def records(self):
         """(key, value, timestamp) tuples; a convenience for clients, never used by servers."""
         return zip(self.keys(), self.values(), self.timestamps.tolist(), strict=False)
+
+
+def original_indices(view: ChunkView) -> np.ndarray:
+    """Each record's index in the chunk as the producer built it (``COMPACTED`` chunks keep
+    the survivors' indices after their values; any other chunk is its own original)."""
+    n = len(view)
+    if not view.header.flags & COMPACTED:
+        return np.arange(n, dtype=np.uint32)
+    at = view._data_start() + int(view.key_offsets[-1]) + int(view.value_offsets[-1])
+    if at + 4 * n > view.header.size:
+        raise ProtocolError("compacted chunk without its original indices")
+    return np.frombuffer(view.buf, dtype="<u4", count=n, offset=at)
+
+
+def skip_in(view: ChunkView, consumed: int) -> int:
+    """Records of ``view`` to skip when the first ``consumed`` records of its original were read."""
+    if not consumed or not view.header.flags & COMPACTED:
+        return consumed
+    return int(np.searchsorted(original_indices(view), consumed))
+
+
+def skip_out(view: ChunkView, skipped: int) -> int:
+    """The inverse: how many records of the original the first ``skipped`` of ``view`` cover."""
+    if not skipped or not view.header.flags & COMPACTED:
+        return skipped
+    return int(original_indices(view)[skipped - 1]) + 1
+
+
+def _gather(data: np.ndarray, offsets: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, bytes]:
+    """Offsets and bytes of the variable-length items ``keep`` of an Arrow-style column."""
+    starts = offsets[keep].astype(np.int64)
+    lens = offsets[keep + 1].astype(np.int64) - starts
+    out = np.zeros(len(keep) + 1, dtype="<u4")
+    np.cumsum(lens, out=out[1:])
+    total = int(out[-1])
+    if not total:
+        return out, b""
+    idx = np.repeat(starts - out[:-1].astype(np.int64), lens) + np.arange(total)
+    return out, data[idx].tobytes()
+
+
+def rewrite(view: ChunkView, keep: np.ndarray) -> bytes:
+    """The chunk with only the records ``keep`` (sorted indices, at least one): same stream,
+    producer, sequence and placement, flagged ``COMPACTED``; numpy gathers, no per-record loop."""
+    h = view.header
+    n = len(keep)
+    assert 0 < n <= len(view)
+    ts = view.timestamps[keep]
+    koff, kbytes = _gather(np.frombuffer(view.key_data, np.uint8), view.key_offsets, keep)
+    voff, vbytes = _gather(np.frombuffer(view.value_data, np.uint8), view.value_offsets, keep)
+    orig = original_indices(view)[keep].astype("<u4")
+    raw = 16 * n + 8 + len(kbytes) + len(vbytes) + 4 * n
+    body = b"".join((ts.astype("<i8").tobytes(), koff.tobytes(), voff.tobytes(), kbytes, vbytes,
+                     orig.tobytes(), bytes(-raw % 8)))
+    out = bytearray(_seal_header(h.stream_id, h.streamlet, h.producer_id, h.sequence, n, int(ts.min()),
+                                 int(ts.max()), body, h.flags | COMPACTED))
+    place(out, 0, h.group, h.segment, h.offset)
+    return bytes(out)

@@ -48,7 +48,8 @@ def cmd_stream(args) -> None:
                 shape = {"streamlets": args.streamlets, "groups": args.groups,
                          "replication": args.replication, "vlogs": args.vlogs,
                          "segment_size": args.segment_size, "group_segments": args.group_segments,
-                         "retention_bytes": args.retention_bytes, "retention_ms": args.retention_ms}
+                         "retention_bytes": args.retention_bytes, "retention_ms": args.retention_ms,
+                         **_compaction(args)}
                 if len(args.name) == 1 and args.count is None:
                     s = await a.create_stream(args.name[0], **shape)
                     print(f"created stream {s['name']}: {s['streamlets']} streamlets, {s['groups']} active "
@@ -68,17 +69,27 @@ def cmd_stream(args) -> None:
             elif args.action == "describe":
                 print(json.dumps(await a.describe_stream(args.name), indent=2))
             elif args.action == "alter":
-                if args.retention_bytes is None and args.retention_ms is None:
-                    print("error: give --retention-bytes and/or --retention-ms", file=sys.stderr)
+                if args.retention_bytes is None and args.retention_ms is None and not _compaction(args):
+                    print("error: give --retention-bytes, --retention-ms, --cleanup-policy, "
+                          "--delete-retention-ms and/or --segment-ms", file=sys.stderr)
                     sys.exit(2)
-                s = await a.alter_stream(args.name, args.retention_bytes, args.retention_ms)
+                s = await a.alter_stream(args.name, args.retention_bytes, args.retention_ms,
+                                         **_compaction(args))
                 print(f"altered stream {s['name']}: retention.bytes={s.get('retention_bytes', -1)} "
-                      f"retention.ms={s.get('retention_ms', -1)}")
+                      f"retention.ms={s.get('retention_ms', -1)} "
+                      f"cleanup.policy={s.get('cleanup_policy', 'delete')}")
             elif args.action == "delete":
                 await a.delete_stream(args.name)
                 print(f"deleted stream {args.name}")
 
     _run(go)
+
+
+def _compaction(args) -> dict:
+    """The compaction settings given on the command line (Kafka's names, underscored)."""
+    opts = {"cleanup_policy": args.cleanup_policy, "delete_retention_ms": args.delete_retention_ms,
+            "segment_ms": args.segment_ms}
+    return {k: v for k, v in opts.items() if v is not None}
 
 
 # -- produce ----------------------------------------------------------------------
@@ -369,12 +380,19 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--vlogs", choices=["shared", "per-stream", "per-group"], default=None)
     c.add_argument("--segment-size", type=int, default=None)
     c.add_argument("--group-segments", type=int, default=None, help="segments per group (G)")
-    for x in (c, al := _client(ssub.add_parser("alter", help="change a stream's retention"))):
+    for x in (c, al := _client(ssub.add_parser("alter", help="change a stream's retention or compaction"))):
         x.add_argument("--retention-bytes", type=int, default=None, metavar="B",
                        help="retention.bytes: bytes the stream keeps at least, over all its "
                             "streamlets; older whole segments are freed (-1: unbounded)")
         x.add_argument("--retention-ms", type=int, default=None, metavar="MS",
                        help="retention.ms: segments older than this are freed (-1: unbounded)")
+        x.add_argument("--cleanup-policy", choices=["delete", "compact", "compact,delete"], default=None,
+                       help="cleanup.policy: compact keeps the latest record per key (default delete)")
+        x.add_argument("--delete-retention-ms", type=int, default=None, metavar="MS",
+                       help="delete.retention.ms: how long compaction keeps a tombstone (default 1 day)")
+        x.add_argument("--segment-ms", type=int, default=None, metavar="MS",
+                       help="segment.ms: a compacted stream's newest segment is closed (and so "
+                            "compacted) this long after it opened (default 60000)")
     al.add_argument("name")
     ls = _client(ssub.add_parser("list"))
     ls.add_argument("pattern", nargs="?", default=None, metavar="PATTERN",

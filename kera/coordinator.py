@@ -1,11 +1,13 @@
 """The coordinator: stream metadata, placement, recovery, and leadership.
 
-Metadata (streams, streamlet owners, identities, fences, committed positions)
-lives in ``self.meta``, kept by a ``MetaLog`` in the data dir or by
-``EtcdMeta`` in etcd: each change is recorded as it is made, and a request
-whose change must survive a crash awaits ``commit()`` before it answers (one
-write for many requests). Membership and failure detection (soft state) are
+Metadata (streams, streamlet owners, identities, fences) lives in
+``self.meta``, kept by a ``MetaLog`` in the data dir or by ``EtcdMeta`` in
+etcd: each change is recorded as it is made, and a request whose change must
+survive a crash awaits ``commit()`` before it answers (one write for many
+requests). Membership and failure detection (soft state) are
 in ``kera.membership``; with etcd, this process serves only while it leads.
+Consumer-group positions are not metadata: they are records of an internal
+stream (``kera.group_positions``) that this process only creates.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ import time
 
 import trio
 
-from . import etcd, limits
+from . import etcd, group_positions, limits
 from .catalog import NameIndex
 from .errors import (
     InvalidArgument,
+    InvalidName,
     KeraError,
     LimitExceeded,
     NotEnoughBackups,
@@ -33,7 +36,7 @@ from .etcd_meta import Election, EtcdMeta
 from .holdings import Holdings
 from .membership import Member, Membership
 from .metalog import MetaLog
-from .names import check_stream_name
+from .names import check_stream_name, is_internal
 from .recovery import RecoveryManager
 from .rpc import Pool, Service
 
@@ -41,7 +44,7 @@ log = logging.getLogger("kera.coordinator")
 
 INITIAL = {   # the metadata of a new cluster
     "next_stream_id": 1, "next_producer_id": 1, "next_epoch": 1,
-    "next_id": {"broker": 1, "backup": 1}, "streams": {}, "positions": {},
+    "next_id": {"broker": 1, "backup": 1}, "streams": {},
     "backups": [],   # every backup id ever registered
     "fences": {},    # broker id -> newest epoch fenced
 }
@@ -70,6 +73,35 @@ def _retention(spec: dict) -> dict:
         if not isinstance(v, int) or isinstance(v, bool) or v < -1:
             raise InvalidArgument(f"{kafka} must be an integer >= 0, or -1 for unbounded, not {v!r}")
         out[key] = v
+    return out
+
+
+# key compaction, Kafka's names and meaning: cleanup.policy, delete.retention.ms (tombstones),
+# segment.ms (a compacted stream's newest segment is rolled, and so compacted, after it)
+CLEANUP = {"cleanup_policy": "cleanup.policy", "delete_retention_ms": "delete.retention.ms",
+           "segment_ms": "segment.ms"}
+CLEANUP_POLICIES = ("delete", "compact", "compact,delete")
+
+
+def _cleanup_policy(spec: dict, groups: int = 1) -> dict:
+    """The compaction settings a spec gives (either spelling), checked. Compaction keeps the
+    last record per key in a streamlet's one order, so a compacted stream has one active
+    group per streamlet (``groups`` > 1 would let two producers' writes of a key race)."""
+    out = {}
+    for key, kafka in CLEANUP.items():
+        v = spec.get(key, spec.get(kafka))
+        if v is None:
+            continue
+        if key == "cleanup_policy":
+            v = ",".join(sorted(p.strip() for p in v.split(","))) if isinstance(v, str) else v
+            if v not in CLEANUP_POLICIES:
+                raise InvalidArgument(f"{kafka} must be one of {', '.join(CLEANUP_POLICIES)}, not {v!r}")
+        elif not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidArgument(f"{kafka} must be an integer >= 0, not {v!r}")
+        out[key] = v
+    if "compact" in out.get("cleanup_policy", "") and groups > 1:
+        raise InvalidArgument(f"cleanup.policy {out['cleanup_policy']} needs groups=1 (one order per "
+                              f"streamlet for the latest record of a key), not {groups}")
     return out
 
 
@@ -112,7 +144,7 @@ class Coordinator(Membership, Service):
                  metadata: str | None = None, addr: str = ""):
         self.data_dir = data_dir
         self.dead_after = dead_after
-        self.repoint_evicted = False  # recovery re-points settled history (kera.repoint)
+        self.repoint_evicted = True  # recovery re-points settled history (kera.repoint)
         self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
         self.addr = addr
@@ -138,7 +170,10 @@ class Coordinator(Membership, Service):
         self.log = store
         self.meta = store.state   # changed only through self.log
         self.holdings = Holdings(self.meta["streams"].values())   # incarnation -> streamlets
-        self.names = NameIndex(self.meta["streams"])              # stream names in order
+        self.names = NameIndex(n for n in self.meta["streams"] if not is_internal(n))  # listed, in order
+        if "positions" in self.meta:   # group positions of an older version: they start afresh
+            store.delete(("positions",))
+        self._creating = trio.Lock()   # an internal stream, on first use
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.started = time.monotonic()
         self.ready = self.expect_nodes == 0
@@ -202,6 +237,13 @@ class Coordinator(Membership, Service):
             raise UnknownStream(f"no stream named {name!r}")
         return s
 
+    def _user_stream(self, name) -> dict:
+        """A stream a user may change: internal ones are kera's."""
+        s = self._stream(name)
+        if is_internal(name):
+            raise InvalidName(f"stream {name!r} is internal: it cannot be deleted or altered")
+        return s
+
     async def rpc_create_stream(self, meta, payload):
         """One stream: the batch path with one entry."""
         s, = await self._create([meta])
@@ -215,11 +257,12 @@ class Coordinator(Membership, Service):
             raise InvalidArgument("create_streams needs a non-empty list of streams")
         return {"ids": [s["id"] for s in await self._create(specs)]}
 
-    def _config(self, spec, nodes: int) -> tuple[str, dict]:
-        """One spec's name and shape, defaults filled in; refused if invalid, taken or too large."""
+    def _config(self, spec, nodes: int, internal: bool = False) -> tuple[str, dict]:
+        """One spec's name and shape, defaults filled in; refused if invalid, taken or too large.
+        ``internal``: one of kera's own streams, whose name a user's cannot be."""
         if not isinstance(spec, dict):
             raise InvalidArgument("a stream spec must be a map")
-        name = check_stream_name(spec.get("name"))
+        name = spec["name"] if internal else check_stream_name(spec.get("name"))
         if name in self.meta["streams"]:
             raise StreamExists(f"stream {name!r} exists")
         cfg = {}
@@ -235,6 +278,7 @@ class Coordinator(Membership, Service):
             raise InvalidArgument(f"vlogs must be one of {', '.join(VLOG_POLICIES)}")
         cfg["vlogs"] = policy
         cfg.update({**getattr(self, "retention_defaults", RETENTION_DEFAULTS), **_retention(spec)})
+        cfg.update({"cleanup_policy": "delete", **_cleanup_policy(spec, cfg["groups"])})
         if spec.get("replication") is None:
             cfg["replication"] = min(cfg["replication"], max(1, nodes))
         if cfg["replication"] > nodes:
@@ -242,7 +286,7 @@ class Coordinator(Membership, Service):
                 f"replication {cfg['replication']} needs {cfg['replication']} nodes, {nodes} alive")
         return name, cfg
 
-    async def _create(self, specs: list) -> list[dict]:
+    async def _create(self, specs: list, internal: bool = False) -> list[dict]:
         """Create all of ``specs`` or none of them, with one commit and one assign per broker.
 
         Every spec is checked before anything is recorded, with no await in between, so
@@ -259,7 +303,7 @@ class Coordinator(Membership, Service):
         checked: dict[str, dict] = {}
         for i, spec in enumerate(specs):
             try:
-                name, cfg = self._config(spec, nodes)
+                name, cfg = self._config(spec, nodes, internal)
                 if name in checked:
                     raise InvalidArgument(f"stream {name!r} is named twice in the batch")
             except KeraError as e:
@@ -283,7 +327,8 @@ class Coordinator(Membership, Service):
             s = {"name": name, "id": sid, **cfg, "owners": owners, "created": now}
             self.log.set(("streams", name), s)
             self.holdings.add(s)
-            self.names.add(name)
+            if not internal:
+                self.names.add(name)
             created.append(s)
         await self.commit()
         await self._assign(created)
@@ -392,7 +437,7 @@ class Coordinator(Membership, Service):
         return {"streams": out, "missing": missing}
 
     async def rpc_delete_stream(self, meta, payload):
-        s = self._stream(meta.get("name"))
+        s = self._user_stream(meta.get("name"))
         self.log.delete(("streams", s["name"]))
         self.holdings.remove(s)
         self.names.discard(s["name"])
@@ -412,13 +457,15 @@ class Coordinator(Membership, Service):
         return {"deleted": s["name"]}
 
     async def rpc_alter_stream(self, meta, payload):
-        """Change a stream's retention (``retention_bytes`` / ``retention_ms``, or Kafka's
-        dotted names): persisted, then pushed to the brokers owning its streamlets, which
-        apply it at their next reclaim pass. Refused as a whole if any value is invalid."""
-        s = self._stream(meta.get("name"))
-        changes = _retention(meta)
+        """Change a stream's retention (``retention_bytes`` / ``retention_ms``) or compaction
+        (``cleanup_policy``, ``delete_retention_ms``, ``segment_ms``), or Kafka's dotted names:
+        persisted, then pushed to the brokers owning its streamlets, which apply it at their
+        next pass. Refused as a whole if any value is invalid."""
+        s = self._user_stream(meta.get("name"))
+        changes = {**_retention(meta), **_cleanup_policy(meta, s["groups"])}
         if not changes:
-            raise InvalidArgument("alter_stream needs retention_bytes and/or retention_ms")
+            raise InvalidArgument("alter_stream needs retention_bytes, retention_ms, cleanup_policy, "
+                                  "delete_retention_ms and/or segment_ms")
         for key, v in changes.items():
             self.log.set(("streams", s["name"], key), v)
         await self.commit()
@@ -443,19 +490,15 @@ class Coordinator(Membership, Service):
         return {"id": pid}
 
     # -- consumer positions ----------------------------------------------
-    async def rpc_commit(self, meta, payload):
-        group = meta.get("group")
-        if not isinstance(group, str) or not group or len(group) > 249:
-            raise InvalidArgument("commit needs a consumer group name")
-        positions = meta.get("positions")
-        if not isinstance(positions, dict):
-            raise InvalidArgument("commit needs positions")
-        self.log.merge(("positions", group), positions)   # O(this commit), fsync shared
-        await self.commit()
-        return {}
-
-    def rpc_positions(self, meta, payload):
-        return {"positions": self.meta["positions"].get(meta.get("group"), {})}
+    async def rpc_positions_stream(self, meta, payload):
+        """The internal stream consumer groups commit their positions to, created on first
+        use (``kera.group_positions``): the coordinator never sees a commit."""
+        async with self._creating:
+            s = self.meta["streams"].get(group_positions.NAME)
+            if s is None:
+                s, = await self._create([{"name": group_positions.NAME, **group_positions.SHAPE}],
+                                        internal=True)
+        return {"stream": self._describe(s)}
 
     # -- status -----------------------------------------------------------
     async def rpc_status(self, meta, payload):
@@ -555,10 +598,10 @@ def main(argv=None) -> None:
                          "only while elected there (default: a log in --data)")
     ap.add_argument("--advertise", default="", help="HOST:PORT others reach this coordinator at "
                     "(default: --host:--port)")
-    ap.add_argument("--repoint-evicted", action="store_true",
+    ap.add_argument("--repoint-evicted", action=argparse.BooleanOptionalAction, default=True,
                     help="recovery hands a dead broker's settled segments to their new owners as "
                          "evicted segments read from the backups' copies, instead of replaying "
-                         "them (off by default: see docs/retention.md for what it does not cover)")
+                         "them (default; --no-repoint-evicted replays everything retained)")
     ap.add_argument("--retention-bytes", type=int, default=-1,
                     help="default retention.bytes of new streams (-1: unbounded)")
     ap.add_argument("--retention-ms", type=int, default=-1,

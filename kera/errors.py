@@ -126,6 +126,13 @@ class Unavailable(KeraError):
     retriable = True
 
 
+class DeliveryTimeout(KeraError):
+    """A producer gave up on a record not acknowledged within its ``delivery.timeout.ms``:
+    it may or may not be stored (an acknowledgement may have been lost)."""
+
+    code = "delivery_timeout"
+
+
 class Conflict(KeraError):
     """A conditional append found the streamlet changed since the caller's ``tail`` token."""
 
@@ -167,7 +174,7 @@ _BY_CODE = {
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
         LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
         OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader,
-        DataLoss, Conflict, OutOfRange,
+        DataLoss, Conflict, OutOfRange, DeliveryTimeout,
     ]
 }
 

@@ -18,3 +18,8 @@ def check_stream_name(name) -> str:
             f"invalid stream name {name!r}: use letters, digits, '.', '_' and '-', "
             "starting with a letter or digit")
     return name
+
+
+def is_internal(name: str) -> bool:
+    """kera's own streams (``kera.group_positions``): a user's stream name cannot start so."""
+    return name.startswith("__")

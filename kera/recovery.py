@@ -18,7 +18,10 @@ cluster restarted. For each orphaned incarnation the coordinator:
    its own virtual logs;
 4. when every vlog is replayed and durable again, hands the streamlets over
    (owners updated and persisted), and lets backups drop the old replicas —
-   only if every vlog was replayed to its end.
+   only if every vlog was replayed to its end. Files that new owners claimed
+   (adopted segments read from them, ``kera.repoint``) stay until released;
+   the dead incarnation's own claims are released (its successors claimed
+   again what they adopted from it).
 
 A log that ends early (no copy holds a chunk intact, a vseg is missing) is
 accepted only once every known backup is up, or the grace period is over: a
@@ -73,7 +76,7 @@ class Recovery:
         self.adopted_segments = 0           # re-pointed at the backups' copies, not replayed
         self.adopted_bytes = 0
         self.index_seconds = 0.0            # listing the settled vsegs' chunks (no bodies)
-        self.keep: set[tuple[int, int]] = set()  # (vlog, vseg) adopted segments point into
+        self.adopt_seconds = 0.0            # new owners adopting them (claimed, durable)
 
     def describe(self) -> dict:
         end = self.finished or time.time()
@@ -86,7 +89,8 @@ class Recovery:
                 "steps": self.steps, "corrupt_steps": self.corrupt_steps,
                 "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
                 "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
-                "index_seconds": round(self.index_seconds, 3)}
+                "index_seconds": round(self.index_seconds, 3),
+                "adopt_seconds": round(self.adopt_seconds, 3)}
 
 
 class RecoveryManager:
@@ -210,11 +214,12 @@ class RecoveryManager:
             return
         addrs = {b.id: b.addr for b in backups}
         async with trio.open_nursery() as n:
-            for vlog, vseg, bid in replayed.copies():
-                if (vlog, vseg) in rec.keep:
-                    continue  # adopted segments read from it (see kera.repoint)
+            for vlog, vseg, bid in replayed.copies():  # a claimed file stays (kera.backup.claims)
                 n.start_soon(self._quiet, addrs[bid], "drop",
                              {"broker": rec.broker, "vlog": vlog, "vseg": vseg})
+        async with trio.open_nursery() as n:
+            for b in backups:
+                n.start_soon(self._quiet, b.addr, "release", {"owner": rec.broker, "epoch": rec.epoch})
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         # 3. what the backups hold of this incarnation; one that does not answer fails this
@@ -233,8 +238,11 @@ class RecoveryManager:
         rec.total = replay_plan.total_bytes
         replay_from: list = []
         if self.coord.repoint_evicted:
+            # compacted streams are never evicted (their segments are rewritten in memory): they
+            # are replayed whole, so the new owner keeps compacting them
             replay_from = await repoint(self.coord.pool, rec, replay_plan, addrs, {
-                (streams[n]["id"], i): m for (n, i), m in plan.items()})
+                (streams[n]["id"], i): m for (n, i), m in plan.items()
+                if "compact" not in streams[n].get("cleanup_policy", "delete")})
 
         async def replay_vlog(vlog: int) -> None:
             while isinstance(step := replay_plan.next_step(vlog), Step):

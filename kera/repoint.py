@@ -1,17 +1,20 @@
 """Recovery's re-pointing step: index the settled vsegs, adopt, replay only the rest.
 
-Run by ``kera.recovery`` (coordinator ``--repoint-evicted``) after the
-backups' listings, before any replay step. For each vlog's settled prefix
-(``RecoveryPlan.settled``) one whole copy per vseg lists its chunks without
-bodies (backup ``index``); ``kera.repoint_plan`` picks the re-pointed
-segments; each new owner gets them (``adopt``) as evicted segments naming the
-copies; the plan is told which settled vsegs need no replay at all, and the
-backups skip the re-pointed segments' chunks in the vsegs that are replayed.
+Run by ``kera.recovery`` (on by default; coordinator ``--no-repoint-evicted``
+turns it off) after the backups' listings, before any replay step. For each
+vlog's settled prefix (``RecoveryPlan.settled``) one whole copy per vseg
+lists its chunks without bodies (backup ``index``; the index chunks of the
+dead broker's own adoptions come whole); ``kera.repoint_plan`` picks the
+re-pointed segments; each new owner gets one index chunk per segment
+(``adopt``, ``kera.index_chunk``) and builds it evicted, naming the copies;
+the plan is told which settled vsegs need no replay at all, and the backups
+skip the re-pointed segments' chunks in the vsegs that are replayed.
 
 What keeps the adopted chunks readable: the copies named are closed and
-whole; the dead incarnation writes and trims no more (fenced), and the end of
-the recovery does not drop the vsegs adopted segments point into
-(``Recovery.keep``), so nothing deletes those files.
+whole; the dead incarnation writes and trims no more (fenced); the new owner
+claims the files on their backups before it answers ``adopt``, so the end of
+the recovery's ``drop`` leaves them until the owner releases them
+(``kera.backup.claims``).
 """
 
 from __future__ import annotations
@@ -20,17 +23,20 @@ import logging
 import time
 from array import array
 
+import numpy as np
 import trio
 
+from . import chunk, index_chunk
 from .errors import KeraError
 from .recovery_plan import RecoveryPlan
-from .repoint_plan import Row, plan_repoint
+from .repoint_plan import Adopted, Row, plan_repoint
 
 log = logging.getLogger("kera.recovery")
 
 INDEX_TIMEOUT = 30.0
 INDEX_PARALLEL = 8
-ADOPT_BATCH = 65536   # chunks per adopt request (3 x 8 bytes each in the payload)
+ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
+COLUMNS = len(Row._fields) - 2  # u64s per chunk in an index answer (all but vlog, vseg)
 
 
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict) -> list:
@@ -39,6 +45,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict) -> l
     t0 = time.monotonic()
     settled = {v: plan.settled(v) for v in plan.vlogs}
     rows: list[Row] = []
+    indexes: dict[tuple[int, int, int], bytes] = {}  # (vlog, vseg, offset) -> index chunk
     cut: dict[int, int] = {}   # vlog -> first settled vseg no copy could index
     limit = trio.CapacityLimiter(INDEX_PARALLEL)
 
@@ -46,15 +53,21 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict) -> l
         async with limit:
             for b in backups:
                 try:
-                    _, payload = await pool.call(addrs[b], "index", {
+                    meta, payload = await pool.call(addrs[b], "index", {
                         "broker": rec.broker, "vlog": vlog, "vseg": vseg}, timeout=INDEX_TIMEOUT)
-                except KeraError as e:
+                    data = b"".join(payload) if isinstance(payload, list) else bytes(payload)
+                    cut_at = meta["rows"]
+                    found = iter(chunk.scan(memoryview(data)[cut_at:]))  # index chunks, verified
+                except (KeraError, KeyError, TypeError) as e:
                     log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, e)
                     continue
                 a = array("Q")
-                a.frombytes(b"".join(payload) if isinstance(payload, list) else bytes(payload))
-                for k in range(0, len(a), 9):
-                    r = Row(vlog, vseg, *a[k:k + 9])
+                a.frombytes(data[:cut_at])
+                for k in range(0, len(a), COLUMNS):
+                    r = Row(vlog, vseg, *a[k:k + COLUMNS])
+                    if r.index:
+                        h, off = next(found)
+                        indexes[(vlog, vseg, r.voff)] = data[cut_at + off:cut_at + off + h.size]
                     if (r.stream, r.streamlet) in owners:
                         rows.append(r)
                 return
@@ -72,49 +85,47 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict) -> l
     rec.index_seconds = time.monotonic() - t0
 
     per_owner: dict[int, list] = {}
+    indexed = 0
     for a in rp.adopted:
-        per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(a)
+        if a.indexed:
+            r = a.rows[0]
+            data = indexes[(r.vlog, r.vseg, r.voff)]
+            indexed += index_chunk.parse(data).head
+        else:
+            data = _index_chunk(rec.broker, a, whole)
+        per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
 
-    async def adopt(m, mine) -> None:
-        seqs: dict[tuple, int] = {}
-        for a in mine:
-            for r in a.rows:
-                k = (r.stream, r.streamlet, r.producer)
-                seqs[k] = max(seqs.get(k, 0), r.sequence)
-        batch: list = []
+    async def adopt(m, mine: list[bytes]) -> None:
+        batch, size = [], 0
+        for data in mine + [None]:
+            if batch and (data is None or size + len(data) > ADOPT_BATCH):
+                await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch, timeout=INDEX_TIMEOUT)
+                batch, size = [], 0
+            if data is not None:
+                batch.append(data)
+                size += len(data)
 
-        async def send(last: bool) -> None:
-            used = {(r.vlog, r.vseg) for a in batch for r in a.rows}
-            payload = array("Q")
-            for a in batch:
-                for r in a.rows:
-                    payload.extend((r.offset + r.size, r.vseg, r.voff))
-            meta = {"epoch": m.epoch, "source": rec.broker,
-                    "copies": [[v, s, whole[v][s]] for v, s in sorted(used)],
-                    "segments": [[a.stream, a.streamlet, a.group, a.rows[0].producer, a.segment,
-                                  a.rows[0].vlog, len(a.rows)] for a in batch],
-                    "producers": [[*k, q] for k, q in seqs.items()] if last else []}
-            await pool.call(m.addr, "adopt", meta, parts=[payload.tobytes()], timeout=INDEX_TIMEOUT)
-            batch.clear()
-
-        chunks = 0
-        for a in mine:
-            batch.append(a)
-            chunks += len(a.rows)
-            if chunks >= ADOPT_BATCH:
-                await send(False)
-                chunks = 0
-        await send(True)
-
+    members = {m.id: m for m in owners.values()}
+    t1 = time.monotonic()
     async with trio.open_nursery() as n:
-        for mine in per_owner.values():
-            n.start_soon(adopt, owners[(mine[0].stream, mine[0].streamlet)], mine)
+        for mid, mine in per_owner.items():
+            n.start_soon(adopt, members[mid], mine)
+    rec.adopt_seconds = time.monotonic() - t1
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
     rec.adopted_segments = len(rp.adopted)
-    rec.adopted_bytes = rp.bytes
-    rec.keep = rp.keep
+    rec.adopted_bytes = rp.bytes + indexed
     log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies, %d vsegs "
-             "not replayed, index in %.2f s", rec.broker, rec.epoch, len(rp.adopted), rp.bytes,
-             sum(len(v) for v in rp.skip.values()), rec.index_seconds)
+             "not replayed, index in %.2f s, adopted in %.2f s", rec.broker, rec.epoch, len(rp.adopted),
+             rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.index_seconds, rec.adopt_seconds)
     return [[*k, s] for k, s in rp.replay_from.items()]
+
+
+def _index_chunk(broker: int, a: Adopted, whole: dict) -> bytes:
+    """The index chunk of a segment re-pointed at ``broker``'s copies."""
+    rows = np.array([(r.offset + r.size, r.vseg, r.voff, r.producer, r.sequence) for r in a.rows],
+                    "<u8")
+    vlog = a.rows[0].vlog
+    return index_chunk.build(index_chunk.SegmentIndex(
+        a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
+        {v: list(whole[vlog][v]) for v in dict.fromkeys(r.vseg for r in a.rows)}))

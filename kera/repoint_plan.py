@@ -17,6 +17,11 @@ names those copies) when:
   stays in group order; what follows is replayed as before, and a hole there
   is still ``DataLoss``).
 
+A segment the dead broker had itself adopted is listed as one *index chunk*
+(``kera.index_chunk``: the adoption it made durable in its vlog): it is
+re-pointed as it stands (it names the original copies) whenever the
+segments before it are, last or not.
+
 A group whose first listed segment starts past offset 0 began in released
 vsegs: that segment is dropped (retention frees whole segments), as replay
 drops it. A settled vseg none of whose chunks is replayed is not read at all.
@@ -27,6 +32,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from .chunk import INDEX
+from .index_chunk import MAX_ROWS
 
 
 class Row(NamedTuple):
@@ -43,17 +51,28 @@ class Row(NamedTuple):
     offset: int      # byte offset in the segment
     producer: int
     sequence: int
+    flags: int = 0
+
+    @property
+    def index(self) -> bool:
+        """An index chunk: an adopted segment, not records."""
+        return bool(self.flags & INDEX)
 
 
 @dataclass(slots=True)
 class Adopted:
-    """A re-pointed segment: its chunks in order, all in settled vsegs of one vlog."""
+    """A re-pointed segment: its chunks in order, all in settled vsegs of one vlog (or one
+    index chunk of the dead broker's own adoption of it)."""
 
     stream: int
     streamlet: int
     group: int
     segment: int
     rows: list[Row]
+
+    @property
+    def indexed(self) -> bool:
+        return self.rows[0].index
 
     @property
     def head(self) -> int:
@@ -67,11 +86,11 @@ class Repoint:
     # (stream, streamlet, group) -> first segment replayed: the backups skip chunks below it
     replay_from: dict[tuple[int, int, int], int] = field(default_factory=dict)
     skip: dict[int, set[int]] = field(default_factory=dict)   # vlog -> vsegs not replayed at all
-    keep: set[tuple[int, int]] = field(default_factory=set)   # (vlog, vseg) re-pointed into
 
     @property
     def bytes(self) -> int:
-        return sum(a.head for a in self.adopted)
+        """Chunk bytes re-pointed from the rows (index chunks' segments not counted)."""
+        return sum(a.head for a in self.adopted if not a.indexed)
 
 
 def plan_repoint(rows: Iterable[Row], settled: dict[int, Iterable[int]]) -> Repoint:
@@ -90,9 +109,13 @@ def plan_repoint(rows: Iterable[Row], settled: dict[int, Iterable[int]]) -> Repo
         start = 1 if segs[first][0].offset != 0 else 0  # began in released vsegs: dropped
         adopted = []
         prev = first if start else first - 1
-        for s in order[start:-1]:  # never the last segment listed
-            chunks = sorted(segs[s], key=lambda r: r.offset)
-            if s != prev + 1 or not _contiguous(chunks):
+        for i, s in enumerate(order[start:], start):
+            index = [r for r in segs[s] if r.index]
+            chunks = index[:1] or sorted(segs[s], key=lambda r: r.offset)
+            if s != prev + 1:
+                break
+            # a segment of records: never the last listed, whole and not too many chunks
+            if not index and (i == len(order) - 1 or not _contiguous(chunks) or len(chunks) > MAX_ROWS):
                 break
             adopted.append(Adopted(sid, sl, gid, s, chunks))
             prev = s
@@ -102,7 +125,6 @@ def plan_repoint(rows: Iterable[Row], settled: dict[int, Iterable[int]]) -> Repo
         out.replay_from[(sid, sl, gid)] = adopted[-1].segment + 1
         for a in adopted:
             taken.add((sid, sl, gid, a.segment))
-            out.keep.update((r.vlog, r.vseg) for r in a.rows)
     for vlog, vsegs in settled.items():
         for s in vsegs:
             rs = per_vseg.get((vlog, s), [])

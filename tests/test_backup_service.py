@@ -571,3 +571,32 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
             await until(lambda: _fenced(pool, bk.addr, 7, 3), "fence known again after the restart")
             bk.kill()
             nursery.cancel_scope.cancel()
+
+
+async def test_claimed_files_outlive_their_drop_until_released(backups):
+    """A file an owner claims (an adopted segment reads from it) survives its recovery's drop,
+    and a restart, and goes with its last claim; malformed claims change nothing."""
+    a = chunks_for(2)
+    bk = backups()
+    with trio.fail_after(30):
+        async with open_pool() as pool:
+            for vseg in (0, 1):
+                await replicate(pool, bk.addr, vseg, 0, a[vseg], close=True)
+            for bad in ({"owner": 5, "epoch": 1, "claims": [[1, 0]]}, {"owner": -1, "epoch": 1, "claims": []},
+                        {"owner": 5, "epoch": 1, "claims": "x"}, {"owner": 5, "claims": []}):
+                with pytest.raises(InvalidArgument):
+                    await pool.call(bk.addr, "claim", bad)
+            assert not os.path.exists(os.path.join(bk.dir, "claims.meta"))
+            r, _ = await pool.call(bk.addr, "claim", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0], [1, 0, 9]]})
+            assert r["held"] == [True, False]
+            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
+            assert r == {"dropped": False, "claimed": True} and os.path.exists(bk.seg(1, 0, 0))
+            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 1})
+            assert r == {"dropped": True} and not os.path.exists(bk.seg(1, 0, 1))
+            r, _ = await pool.call(bk.addr, "release", {"owner": 6, "epoch": 1})  # not its claim
+            assert r == {"bytes": 0} and os.path.exists(bk.seg(1, 0, 0))
+        bk.restart()
+        async with open_pool() as pool:
+            assert os.path.exists(bk.seg(1, 0, 0))  # still claimed after a restart
+            r, _ = await pool.call(bk.addr, "release", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0]]})
+            assert r["bytes"] > 0 and not os.path.exists(bk.seg(1, 0, 0))

@@ -99,7 +99,7 @@ async def test_bad_conditional_appends_are_refused_and_store_nothing(make_cluste
     with trio.fail_after(60):
         async with open_kv("m", cluster.coordinator) as m:
             await m.put("k", "v")
-            addr, s = m._owner()
+            addr, s = m.log._owner()
             sid = s["id"]
             r, _ = await m.pool.call(addr, "tail", {"stream_id": sid, "streamlet": 0}, timeout=5)
             token = r["token"]

@@ -15,7 +15,6 @@ from kera_client import open_admin
 
 from kera import metafile
 from kera.metalog import CorruptMetaLog, MetaLog, frame, scan
-from kera.rpc import open_pool
 
 from .conftest import free_port
 
@@ -247,22 +246,16 @@ def test_any_truncation_replays_a_prefix(tmp_path_factory, written, data):
 
 # -- a real coordinator --------------------------------------------------------------------
 
-async def _create_and_commit(coord, names, group):
+async def _create(coord, names):
     async with open_admin(coord) as a:
         async with trio.open_nursery() as n:
             for name in names:
                 n.start_soon(lambda s: a.create_stream(s, replication=1), name)
-    async with open_pool() as pool:
-        await pool.call(coord, "commit", {"group": group, "positions": {
-            f"{s}/0": {"low": 0, "groups": {"0": 3}} for s in names}}, timeout=10)
 
 
-async def _listed(coord) -> tuple[set, dict]:
+async def _listed(coord) -> set:
     async with open_admin(coord) as a:
-        names = {s["name"] for s in await a.list_streams()}
-    async with open_pool() as pool:
-        r, _ = await pool.call(coord, "positions", {"group": "g"}, timeout=10)
-    return names, r["positions"]
+        return {s["name"] for s in await a.list_streams()}
 
 
 @pytest.mark.parametrize("tail", [b"", b"KML1\x10\x00\x00\x00torn"])
@@ -270,16 +263,14 @@ async def test_coordinator_keeps_streams_across_kill9(make_cluster, tail):
     cluster = make_cluster(1, port=free_port())
     names = [f"k{i:03d}" for i in range(150)]
     with trio.fail_after(120):
-        await _create_and_commit(cluster.coordinator, names, "g")
+        await _create(cluster.coordinator, names)
         cluster.kill("coordinator")
         meta_dir = os.path.join(cluster.data, "coordinator")
         logs = [n for n in log_files(meta_dir) if n.endswith(".log")]
         with open(os.path.join(meta_dir, logs[-1]), "ab") as f:
             f.write(tail)   # a write the kill tore
         cluster.restart("coordinator")
-        got, positions = await _listed(cluster.coordinator)
-        assert got == set(names)
-        assert set(positions) == {f"{s}/0" for s in names}
+        assert await _listed(cluster.coordinator) == set(names)
         if tail:
             assert "torn tail cut" in cluster.log("coordinator")
         # and it goes on: a new stream after the restart is kept too
@@ -287,5 +278,4 @@ async def test_coordinator_keeps_streams_across_kill9(make_cluster, tail):
             await a.create_stream("after", replication=1)
         cluster.kill("coordinator")
         cluster.restart("coordinator")
-        got, _ = await _listed(cluster.coordinator)
-        assert got == {*names, "after"}
+        assert await _listed(cluster.coordinator) == {*names, "after"}

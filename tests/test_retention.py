@@ -19,8 +19,11 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer, open_producer
 
-from kera.errors import InvalidArgument, OutOfRange
+from kera import chunk
+from kera.errors import InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
+from kera.rpc import open_pool
 
+from .conftest import free_port
 from .workload import values
 
 pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
@@ -308,32 +311,47 @@ async def wait_recovered(c, s: dict, timeout: float) -> dict:
     return await wait_for(recovered, "the recovery of the killed broker", timeout=timeout)
 
 
+async def _lose_owner_of_history(c, history: int, budget: int) -> tuple[dict, dict, int]:
+    """Stream "big" retaining ``history`` bytes, written until its owner evicted all but its
+    budget; the owner is killed with -9. Returns the stream as it was, the recovery, and the
+    dead broker's id."""
+    n = history // SIZE
+    async with open_admin(c.coordinator) as a:
+        s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
+                                  group_segments=32, retention_bytes=n * SIZE)
+    await produce(c.coordinator, "big", n, step=2000)
+    victim = next(name for name, addr in c.addrs.items() if addr == s["addrs"][0])
+
+    async def held():
+        async with open_admin(c.coordinator) as a:
+            stats = await a.broker_stats(streams=True)
+        mine = [b for b in stats if b["streams"]]
+        return mine and mine[0]["evicted_bytes"] >= history - 3 * budget
+
+    await wait_for(held, "the owner to evict all but its budget")
+    async with open_admin(c.coordinator) as a:
+        dead = next(b["id"] for b in (await a.status())["brokers"] if b["addr"] == s["addrs"][0])
+    c.kill(victim)
+    return s, await wait_recovered(c, s, timeout=60), dead
+
+
+def _history_cluster(make_cluster, budget: int):
+    return make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)])
+
+
+def _check_suffix(arr, end: int, retention: int) -> None:
+    assert len(arr) and (arr == np.arange(int(arr[0]), end, dtype=np.uint64)).all(), "not the retained suffix"
+    assert len(arr) * (SIZE + 64) >= retention, "records of the retained range are missing"
+
+
 def _recover_repointed(make_cluster, history: int) -> dict:
     """A broker with an 8 MiB budget holding ``history`` retained bytes is killed with -9;
     the recovery re-points its settled segments. Returns the recovery's figures."""
     budget = 8 * MiB
-    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)],
-                     coordinator_args=["--dead-after", "2.0", "--repoint-evicted"])
-    n = history // SIZE
-    retention = n * SIZE
+    c = _history_cluster(make_cluster, budget)
 
     async def main():
-        async with open_admin(c.coordinator) as a:
-            s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
-                                      group_segments=32, retention_bytes=retention)
-        await produce(c.coordinator, "big", n, step=2000)
-        victim = next(name for name, addr in c.addrs.items() if addr == s["addrs"][0])
-
-        async def held():
-            async with open_admin(c.coordinator) as a:
-                stats = await a.broker_stats(streams=True)
-            mine = [b for b in stats if b["streams"]]
-            return mine and mine[0]["evicted_bytes"] >= history - 3 * budget
-
-        await wait_for(held, "the owner to evict all but its budget")
-        c.kill(victim)
-
-        rec = await wait_recovered(c, s, timeout=60)
+        _, rec, _ = await _lose_owner_of_history(c, history, budget)
         got = await read_all(c.coordinator, ["big"], idle=2.0)
         async with open_admin(c.coordinator) as a:
             stats = await a.broker_stats()
@@ -341,8 +359,7 @@ def _recover_repointed(make_cluster, history: int) -> dict:
 
     rec, arr, stats = trio.run(main)
     assert not rec["lost"], rec
-    assert len(arr) and (arr == np.arange(int(arr[0]), n, dtype=np.uint64)).all(), "not the retained suffix"
-    assert len(arr) * (SIZE + 64) >= retention, "records of the retained range are missing"
+    _check_suffix(arr, history // SIZE, history // SIZE * SIZE)
     assert all(b["memory"] <= budget for b in stats)
     return {**rec, "records": len(arr)}
 
@@ -355,9 +372,96 @@ def test_kill_broker_with_4x_history_replays_what_it_held_not_its_history(make_c
     one = _recover_repointed(make_cluster, 24 * MiB)
     four = _recover_repointed(make_cluster, 96 * MiB)
     for name, r in (("1x", one), ("4x", four)):
-        print(f"\n{name}: recovery in {r['seconds']} s (index {r['index_seconds']} s): "
+        print(f"\n{name}: recovery in {r['seconds']} s (index {r['index_seconds']} s, adopt "
+              f"{r['adopt_seconds']} s): "
               f"{r['bytes'] / MiB:.1f} MiB replayed, {r['adopted_bytes'] / MiB:.1f} MiB in "
               f"{r['adopted_segments']} segments re-pointed; {r['records']} records read back")
     assert four["adopted_bytes"] > 3 * one["adopted_bytes"] > 0
     assert four["bytes"] <= one["bytes"] + 4 * MiB, (one, four)
     assert four["bytes"] < 96 * MiB / 4
+
+
+@pytest.mark.parametrize("second_by", ["index", "replay"])
+def test_new_owner_killed_too_readopts_from_its_index_chunks(make_cluster, second_by):
+    """kill -9 the owner of a stream whose history was mostly evicted, then kill -9 the new
+    owner once it adopted that history: the second recovery adopts it again from the index
+    chunks in the new owner's vlogs (naming the first owner's copies), whether they come
+    from the backups' index of settled vsegs or, with re-pointing turned off (coordinator
+    restarted with --no-repoint-evicted), replayed like any chunk; every retained
+    acknowledged record reads back exactly once, in order."""
+    budget, history = 8 * MiB, 24 * MiB
+    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)],
+                     port=free_port())
+
+    async def main():
+        _, first, _ = await _lose_owner_of_history(c, history, budget)
+        async with open_admin(c.coordinator) as a:
+            s = await a.describe_stream("big")
+        if second_by == "replay":
+            c.specs["coordinator"] = [*c.specs["coordinator"], "--no-repoint-evicted"]
+            c.restart("coordinator")
+
+            async def back():
+                try:
+                    async with open_admin(c.coordinator) as a:
+                        st = await a.status()
+                    return sum(b["alive"] for b in st["brokers"]) == 2 and sum(b["alive"] for b in st["backups"]) == 3
+                except Unavailable:
+                    return False
+
+            await wait_for(back, "the brokers to rejoin the restarted coordinator")
+        c.kill(next(name for name, addr in c.addrs.items() if addr == s["addrs"][0]))
+        second = await wait_recovered(c, s, timeout=60)
+        got = await read_all(c.coordinator, ["big"], idle=2.0)
+        return first, second, got["big"]
+
+    first, second, arr = trio.run(main)
+    assert not first["lost"] and not second["lost"], (first, second)
+    assert first["adopted_segments"] > 0
+    if second_by == "index":
+        assert second["adopted_segments"] >= first["adopted_segments"], (first, second)
+    else:  # the index chunks were replayed: their segments' bytes were not
+        assert second["adopted_segments"] == 0 and second["bytes"] < history / 2, (first, second)
+    _check_suffix(arr, history // SIZE, history // SIZE * SIZE)
+    print(f"\nfirst recovery: {first['adopted_segments']} segments adopted in {first['seconds']} s; "
+          f"second: {second['adopted_segments']} adopted again, {second['bytes'] / MiB:.1f} MiB "
+          f"replayed, in {second['seconds']} s; {len(arr)} records read back")
+
+
+def test_retention_frees_adopted_segments_and_the_dead_brokers_files(make_cluster):
+    """After a recovery re-pointed a dead broker's history, the dead broker's vseg files stay
+    on the backups only while an owner claims them: once retention freed the adopted
+    segments, every file of that broker is deleted (counted in the backups' directories)."""
+    budget, history = 8 * MiB, 24 * MiB
+    c = _history_cluster(make_cluster, budget)
+    n = history // SIZE
+
+    def files_of(broker: int) -> list[str]:
+        return [f for f in seg_files(c) if os.path.basename(f).startswith(f"{broker}-")]
+
+    async def main():
+        s, rec, dead = await _lose_owner_of_history(c, history, budget)
+        kept = len(files_of(dead))
+        async with open_admin(c.coordinator) as a:
+            d = await a.describe_stream("big")
+            owner = next(b for b in (await a.status())["brokers"] if b["addr"] == d["addrs"][0])
+        async with open_pool() as pool:  # bad adoptions are refused, typed, and change nothing
+            with pytest.raises(ProtocolError):
+                await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]}, parts=[b"\x00" * 96])
+            with pytest.raises(NotOwner):  # a serving streamlet adopts nothing
+                await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]},
+                                parts=[chunk.build(s["id"], 0, 1, 0, [b"x" * 8], flags=chunk.INDEX)])
+        await produce(c.coordinator, "big", n + n // 4, start=n, step=2000)
+
+        async def gone():
+            return not files_of(dead)
+
+        await wait_for(gone, "the dead broker's files to be deleted", timeout=60)
+        got = await read_all(c.coordinator, ["big"], idle=2.0)
+        return rec, kept, got["big"]
+
+    rec, kept, arr = trio.run(main)
+    assert rec["adopted_segments"] > 0 and kept > 0, (rec, kept)
+    _check_suffix(arr, 2 * n + n // 4, n * SIZE)
+    print(f"\n{kept} files of the dead broker kept for {rec['adopted_segments']} adopted segments; "
+          f"all deleted once retention freed them")

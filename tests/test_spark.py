@@ -248,6 +248,7 @@ def test_availablenow_ingests_200_streams_exactly(cluster, spark, tmp_path):
         p.flush()
     out, chk = str(tmp_path / "out"), str(tmp_path / "chk")
     q = (spark.readStream.format("kera").option("coordinator", coord).option("pattern", "acc-*")
+         .option("consumerGroup", "acc").option("maxRecordsPerTrigger", 80_000)
          .load().writeStream.format("parquet").option("path", out).option("checkpointLocation", chk)
          .trigger(availableNow=True).start())
     assert q.awaitTermination(120), "availableNow query did not finish"
@@ -256,6 +257,12 @@ def test_availablenow_ingests_200_streams_exactly(cluster, spark, tmp_path):
     assert df.count() == 200_000
     assert df.select("stream", "value").distinct().count() == 200_000
     assert _spark_counts(df) == _expect(sent)
+    # Spark commits a micro-batch's end to the source when it starts the next one: the
+    # group holds the end of the last batch but one, and a consumer of it goes on from there
+    with Consumer(names, coord, group="acc") as c:
+        assert c.committed()
+        left = sum(1 for _ in c.records(timeout=2.0))
+    assert 0 < left < 200_000, left
 
 
 class KeepProducing:
@@ -331,6 +338,67 @@ def test_restart_from_checkpoint_while_producing_is_exactly_once(cluster, spark,
     assert df.count() == total, "every record exactly once"
     assert df.select("stream", "value").distinct().count() == total
     assert _spark_counts(df) == _expect({n: _values(n, 0, w.sent[n]) for n in names})
+
+
+def _python_calls(fn) -> int:
+    """Python function calls made on this thread while ``fn`` runs."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+@pytest.mark.timeout(120)
+def test_write_hands_arrow_columns_to_send_columns(cluster):
+    """The sink's write path: Arrow buffers straight to send_columns, so its Python work
+    does not grow with the records (round-robin); with keys only their hashing does."""
+    from kera_client.spark.source import WriteOptions, _write
+
+    coord = cluster.coordinator
+    with Admin(coord) as a:
+        for n in ("w-small", "w-large", "w-keyed"):
+            a.create_stream(n, streamlets=3)
+
+    def write(stream, n, keyed=False):
+        vals = pa.array([b"%s-%07d" % (stream.encode(), i) for i in range(n)], pa.binary())
+        cols = [vals] if not keyed else [vals, pa.array([None if i % 4 == 0 else b"k%d" % (i % 13)
+                                                          for i in range(n)], pa.binary())]
+        batch = pa.record_batch(cols, names=["value", "key"][:len(cols)])
+        o = WriteOptions({"coordinator": coord, "stream": stream,
+                          "partitioner": "key" if keyed else "round-robin"})
+        o.streamlet_count = 3
+        return lambda: _write(o, [batch.slice(0, n // 2), batch.slice(n // 2)])
+
+    small = _python_calls(write("w-small", 10_000))
+    run = write("w-large", 200_000)
+    t0, c0 = time.monotonic(), time.process_time()
+    large = _python_calls(run)
+    wall, cpu = time.monotonic() - t0, time.process_time() - c0
+    print(f"send_columns write: 200,000 records in {wall:.2f} s ({200_000 / wall:,.0f} records/s, "
+          f"{cpu:.2f} s CPU with profiling on); Python calls {small} (10k records) vs {large} (200k)")
+    assert large < 2 * small + 200  # not per record: 20x the records
+    _write_keyed = write("w-keyed", 5_000, keyed=True)
+    _write_keyed()
+    with Consumer(["w-large", "w-keyed"], coordinator=coord, start="earliest") as c:
+        got, deadline = [], time.monotonic() + 60
+        while len(got) < 205_000 and time.monotonic() < deadline:
+            got += c.poll(1.0)
+    assert Counter(r.stream for r in got) == {"w-large": 200_000, "w-keyed": 5_000}
+    keyed = [r for r in got if r.stream == "w-keyed"]
+    by_key: dict = {}
+    for r in keyed:
+        if r.key is not None:
+            by_key.setdefault(r.key, set()).add(r.streamlet)
+    assert len(by_key) == 13 and all(len(s) == 1 for s in by_key.values())  # a key: one streamlet
+    assert sum(r.key is None for r in keyed) == 5_000 // 4
 
 
 @pytest.mark.timeout(150)

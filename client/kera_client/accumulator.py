@@ -1,6 +1,6 @@
 """The producer's chunks before they leave: records gathered per streamlet, packed per request.
 
-A ``Pending`` chunk collects one streamlet's records as plain lists while it is
+An ``Outgoing`` chunk collects one streamlet's records as plain lists while it is
 open; sealing gives it its sequence and its size but packs nothing. The chunks
 of a request are packed together, just before it is sent, by ``pack``: one
 ``chunk.pack_many`` pass over all of them (header fields as arrays, one
@@ -17,11 +17,11 @@ import numpy as np
 from kera import chunk as chunkfmt
 
 
-class Pending:
+class Outgoing:
     """One chunk: open (records still arrive), sealed (``seq`` set) and then packed (``data``)."""
 
     __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky", "seq",
-                 "records", "data", "start", "flags", "charged", "wall")
+                 "records", "data", "start", "flags", "charged", "wall", "reports")
 
     def __init__(self, key: tuple, created: float, deadline: float, sticky: bool):
         self.key = key
@@ -39,6 +39,7 @@ class Pending:
         self.flags = 0
         self.charged = 0        # bytes counted against buffer.memory until acked or given up
         self.wall = 0           # the records' timestamp, for those without their own
+        self.reports = None     # its records' delivery callbacks (``delivery``), if any
 
     def chunk(self):
         """The packed chunk's bytes."""
@@ -53,14 +54,14 @@ class Pending:
         self.size = chunkfmt.chunk_size(self.records, self.size - 16 * self.records)
 
     @classmethod
-    def packed(cls, key: tuple, seq: int, data, records: int, created: float) -> Pending:
+    def packed(cls, key: tuple, seq: int, data, records: int, created: float, reports=None) -> Outgoing:
         """A chunk built elsewhere (the columnar path)."""
         c = cls(key, created, created, False)
-        c.seq, c.data, c.records, c.size = seq, data, records, len(data)
+        c.seq, c.data, c.records, c.size, c.reports = seq, data, records, len(data), reports
         return c
 
 
-def pack(items: list[Pending], producer_id: int) -> bytes | None:
+def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
     """Pack every chunk of ``items`` not packed yet, all in one pass; returns the request's
     payload when that was all of them (else the caller joins the chunks' own bytes)."""
     todo = [c for c in items if c.data is None]

@@ -80,10 +80,11 @@ class AsyncAdmin:
         return out
 
     async def alter_stream(self, name: str, retention_bytes: int | None = None,
-                           retention_ms: int | None = None) -> dict:
-        """Change a stream's retention (Kafka's retention.bytes / retention.ms; -1 unbounded)."""
+                           retention_ms: int | None = None, **settings) -> dict:
+        """Change a stream's retention (Kafka's retention.bytes / retention.ms; -1 unbounded)
+        or compaction (``cleanup_policy``, ``delete_retention_ms``, ``segment_ms``)."""
         extra = {k: v for k, v in (("retention_bytes", retention_bytes),
-                                   ("retention_ms", retention_ms)) if v is not None}
+                                   ("retention_ms", retention_ms), *settings.items()) if v is not None}
         return (await self.call("alter_stream", name=name, **extra))["stream"]
 
     async def list_streams(self, pattern: str | None = None) -> list[dict]:

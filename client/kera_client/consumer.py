@@ -6,6 +6,10 @@ from its start, and ``pos`` packs (segment << 32 | offset), or -1 once a
 closed group was read to its end. Positions are what the broker wrote in the
 chunk headers, so they stay valid when a streamlet is recovered elsewhere.
 
+A consumer in a ``group`` starts where the group's committed positions say, and
+``commit`` stores its current ones, both through the internal positions stream
+(``kera_client.positions``).
+
 Retention frees old segments: a position before what a broker still holds
 is answered ``out_of_range``, and ``auto_offset_reset`` (Kafka's
 ``auto.offset.reset``) says what then: ``earliest`` (default) moves the
@@ -82,7 +86,11 @@ def _compact(p: dict) -> None:
 class AsyncConsumer:
     def __init__(self, pool, coordinator: str, streams=None, pattern: str | None = None,
                  start="earliest", group: str | None = None, max_bytes: int = 8 << 20,
-                 max_wait_ms: int = 200, auto_offset_reset: str = "earliest"):
+                 max_wait_ms: int = 200, auto_offset_reset: str = "earliest",
+                 streamlets: list[int] | None = None, positions=None):
+        """``streamlets``: read only these streamlets of each stream (default: all).
+        ``positions``: a ``GroupPositions`` shared with other consumers of the process
+        (their commits then leave together); default: one of its own, on first use."""
         if not streams and not pattern:
             raise ValueError("give streams or a pattern")
         if auto_offset_reset not in ("earliest", "latest", "none"):
@@ -96,6 +104,8 @@ class AsyncConsumer:
         self.pattern = pattern
         self.start = start
         self.group = group
+        self.only = streamlets
+        self._committer = positions
         self.max_bytes = max_bytes
         self.max_wait_ms = max_wait_ms
         self.streams: dict[str, dict] = {}
@@ -121,13 +131,10 @@ class AsyncConsumer:
             await self._init_positions(new)
 
     async def _init_positions(self, streams) -> None:
-        saved = {}
-        if self.group:
-            r, _ = await self.coordinator.call("positions", {"group": self.group}, timeout=30)
-            saved = r["positions"]
+        saved = await self.committed() if self.group else {}
         latest = []
         for s in streams:
-            for i in range(s["streamlets"]):
+            for i in (range(s["streamlets"]) if self.only is None else self.only):
                 key = f"{s['name']}/{i}"
                 if isinstance(self.start, dict) and (s["name"], i) in self.start:
                     self.positions[(s["name"], i)] = _copy(self.start[(s["name"], i)])
@@ -169,7 +176,8 @@ class AsyncConsumer:
             first.setdefault((ch.stream, ch.streamlet, ch.group), ch)
         if unconsumed and taken:
             ch = unconsumed[0]
-            self._skips[(ch.stream, ch.streamlet, ch.group)] = (ch.position, ch.skip + taken)
+            self._skips[(ch.stream, ch.streamlet, ch.group)] = (ch.position,
+                                                                 chunkfmt.skip_out(ch.view, ch.skip + taken))
         for (name, i, gid), ch in sorted(first.items(), key=lambda kv: kv[0][2]):
             p = self.positions[(name, i)]
             if gid < p["low"]:   # the group (and those after it) were read to their end
@@ -178,13 +186,24 @@ class AsyncConsumer:
                 p["low"] = gid
             p["groups"][gid] = ch.position
             if not (unconsumed and taken and ch is unconsumed[0]) and ch.skip:
-                self._skips[(name, i, gid)] = (ch.position, ch.skip)
+                self._skips[(name, i, gid)] = (ch.position, chunkfmt.skip_out(ch.view, ch.skip))
+
+    def _positions(self):
+        if not self.group:
+            raise ValueError("committed positions need a consumer group name")
+        if self._committer is None:
+            from .positions import GroupPositions  # it reads with consumers of its own
+            self._committer = GroupPositions(self.pool, self.coordinator.addrs)
+        return self._committer
 
     async def commit(self) -> None:
-        if not self.group:
-            raise ValueError("commit needs a consumer group name")
-        await self.coordinator.call("commit", {"group": self.group,
-                                                          "positions": self.position()}, timeout=30)
+        """Store the current positions as the group's; returns once they are durable."""
+        await self._positions().commit(self.group, self.position(),
+                                       {n: s["id"] for n, s in self.streams.items()})
+
+    async def committed(self) -> dict:
+        """The group's last committed positions of this consumer's streams (``position``'s shape)."""
+        return await self._positions().fetch(self.group, {n: s["id"] for n, s in self.streams.items()})
 
     async def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
         """Chunks after the current positions, from every broker at once (zero-copy views)."""
@@ -265,7 +284,7 @@ class AsyncConsumer:
 
     def _absorb(self, entries, payload, out) -> None:
         at = 0
-        for sid, i, gid, si, off, n, nxt in entries:
+        for sid, i, gid, _seg, _off, n, nxt in entries:
             s = self.by_id.get(sid)
             if s is None:
                 at += n
@@ -274,15 +293,18 @@ class AsyncConsumer:
             if n:
                 buf = payload[at:at + n]
                 at += n
-                pos = pack(si, off)
                 for h, o in chunkfmt.scan(buf):
+                    # a chunk's position is its placement (a compacted segment's chunks are
+                    # not back to back in the original offsets)
+                    pos = pack(h.segment, h.offset)
+                    view = chunkfmt.ChunkView(buf, o, h)
                     skip = 0
                     sk = self._skips.get((s["name"], i, gid))
-                    if sk is not None and sk[0] == pos + o:
-                        skip = sk[1]
+                    if sk is not None and sk[0] == pos:
+                        skip = chunkfmt.skip_in(view, sk[1])
                         del self._skips[(s["name"], i, gid)]
                     if skip < h.record_count:
-                        out.append(Chunk(s["name"], i, gid, pos + o, chunkfmt.ChunkView(buf, o, h), skip))
+                        out.append(Chunk(s["name"], i, gid, pos, view, skip))
                     self.records_read += h.record_count - skip
             p["groups"][gid] = nxt
             _compact(p)
@@ -341,4 +363,7 @@ class Consumer(Synced):
 
     def commit(self) -> None:
         self.portal.call(self._c.commit)
+
+    def committed(self) -> dict:
+        return self.portal.call(self._c.committed)
 

@@ -33,32 +33,16 @@ from contextlib import asynccontextmanager
 import msgpack
 import trio
 
-from kera import chunk as chunkfmt
-from kera.errors import Conflict, KeraError, StreamExists, Unavailable
-from kera.position import DONE
+from kera.errors import StreamExists
 from kera.rpc import open_pool, unwrapped
 
-from .admin import AsyncAdmin, default_coordinator, suspect
-from .consumer import AsyncConsumer
+from .admin import AsyncAdmin, default_coordinator
 from .portal import Synced
-
-RETRY = 0.05
+from .streamlet_log import StreamletLog
 
 
 def _key(k) -> bytes:
     return k.encode() if isinstance(k, str) else bytes(k)
-
-
-def _caught_up(pos: dict, tail: dict) -> bool:
-    """The consumer position ``pos`` is at or past the ``tail`` positions in every group."""
-    for gid, end in tail["groups"].items():
-        gid = int(gid)
-        if gid < pos["low"]:
-            continue
-        cur = pos["groups"].get(gid, 0)
-        if cur != DONE and (end == DONE or cur < end):
-            return False
-    return True
 
 
 class AsyncKVMap:
@@ -73,11 +57,9 @@ class AsyncKVMap:
             raise ValueError("reads must be 'linearizable' or 'local'")
         self.pool, self.name, self.timeout, self.reads = pool, name, timeout, reads
         self.admin = AsyncAdmin(pool, coordinator, timeout)
-        self.reader = AsyncConsumer(pool, coordinator, [name], start="earliest")
+        self.log = StreamletLog(pool, coordinator, name, 0, timeout)   # tail, append_if
+        self.reader = self.log.reader
         self.state: dict[bytes, tuple[int, bytes]] = {}
-        self.producer_id = 0
-        self.sequence = 0          # of our next record: advanced only when one is appended
-        self._unsure = False       # the last chunk sent got no answer (see _write)
         self._lock = trio.Lock()   # one operation at a time per map object
 
     async def open(self, create: bool = True, replication: int | None = None) -> None:
@@ -86,50 +68,7 @@ class AsyncKVMap:
                 await self.admin.create_stream(self.name, streamlets=1, groups=1, replication=replication)
             except StreamExists:
                 pass
-        await self.reader._metadata()
-        r, _ = await self.admin.coordinator.call("producer_id", {}, timeout=self.timeout)
-        self.producer_id = r["id"]
-
-    # -- the two primitives -----------------------------------------------------------------
-    def _owner(self) -> tuple[str | None, dict]:
-        s = self.reader.streams[self.name]
-        return s["addrs"][0], s
-
-    async def _sync(self) -> list:
-        """Read to the durable end as of now; returns the tail's token."""
-        deadline = trio.current_time() + self.timeout
-        while True:
-            addr, s = self._owner()
-            try:
-                if addr is None:
-                    raise Unavailable(f"map {self.name} has no live owner yet")
-                r, _ = await self.pool.call(addr, "tail", {"stream_id": s["id"], "streamlet": 0},
-                                            timeout=max(0.1, deadline - trio.current_time()))
-                break
-            except KeraError as e:
-                await self._moved(addr, e, deadline)
-        pos = self.reader.positions[(self.name, 0)]
-        while not _caught_up(pos, r):
-            if trio.current_time() > deadline:
-                raise Unavailable(f"map {self.name}: could not read to its end in {self.timeout} s")
-            for ch in await self.reader.poll_chunks(0.5):
-                self._apply(ch)
-            pos = self.reader.positions[(self.name, 0)]
-        return r["token"]
-
-    async def _moved(self, addr, err: KeraError, deadline: float) -> None:
-        """The owner did not answer or refused: look it up again, then retry (until deadline)."""
-        if trio.current_time() > deadline or not err.retriable and err.code not in (
-                "not_owner", "recovering", "fenced"):
-            raise err
-        if addr is not None and err.code == "unavailable":
-            self.pool.drop(addr)
-            await suspect(self.reader.coordinator, addr)
-        await trio.sleep(RETRY)
-        try:
-            await self.reader._metadata()
-        except KeraError:
-            pass
+        await self.log.open()
 
     def _apply(self, ch) -> None:
         for k, v in zip(ch.view.keys(), ch.view.values(), strict=True):
@@ -139,45 +78,21 @@ class AsyncKVMap:
             version, value = msgpack.unpackb(v)
             self.state[bytes(k)] = (version, value)
 
+    async def _sync(self) -> list:
+        """Read to the durable end as of now; returns the tail's token."""
+        return await self.log.sync(self._apply)
+
     async def _write(self, key: bytes, decide):
         """``decide(current)`` -> (record value, or None to change nothing; the caller's
         result); appended only if the log's end is still the state it decided on."""
-        deadline = trio.current_time() + self.timeout
         async with self._lock:
             while True:
                 token = await self._sync()
                 record, result = decide(self.state.get(key))
                 if record is None:
                     return result
-                addr, s = self._owner()
-                data = chunkfmt.build(s["id"], 0, self.producer_id, self.sequence, [record], [key],
-                                      flags=chunkfmt.SEQ_RESET if self._unsure else 0)
-                try:
-                    if await self._append(addr, token, data, deadline):
-                        self.sequence += 1
-                        self._unsure = False
-                        return result
-                except BaseException:
-                    # the chunk may land later or not at all: the next one starts a new
-                    # sequence base, so neither can be taken for the other
-                    self.sequence += 1
-                    self._unsure = True
-                    raise
-
-    async def _append(self, addr, token, data, deadline) -> bool:
-        """The same chunk until an answer: True once appended, False if refused (conflict)."""
-        while True:
-            try:
-                if addr is None:
-                    raise Unavailable(f"map {self.name} has no live owner yet")
-                await self.pool.call(addr, "append_if", {"expect": token}, data,
-                                     timeout=max(0.1, deadline - trio.current_time()))
-                return True
-            except Conflict:
-                return False
-            except KeraError as e:
-                await self._moved(addr, e, deadline)
-                addr, _ = self._owner()
+                if await self.log.append("append_if", {"expect": token}, [record], [key]):
+                    return result
 
     async def _read(self) -> dict:
         async with self._lock:

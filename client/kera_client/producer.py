@@ -15,7 +15,12 @@ Chunks keep the sequence they were sealed with, so one that may already sit
 on the broker is never stored again under another number.
 
 A record whose chunk could not fit min(MAX_CHUNK, the stream's segment size)
-is refused by ``send`` with ``RecordTooLarge``, before anything is sent.
+is refused by ``send`` with ``RecordTooLarge``, before anything is sent (with
+a delivery callback, that error is its report instead).
+
+Delivery reports (``on_delivery``, see ``delivery``) hook in where a record
+joins its open chunk, where a sealed chunk is acknowledged and where one is
+given up on; records sent without a callback carry nothing.
 """
 
 from __future__ import annotations
@@ -38,8 +43,9 @@ from kera.errors import KeraError, RecordTooLarge, UnknownStream
 from kera.limits import MAX_CHUNK, MAX_REQUEST
 from kera.rpc import open_pool, unwrapped
 
-from .accumulator import Pending, pack
+from .accumulator import Outgoing, pack
 from .admin import default_coordinator, suspect
+from .delivery import TIMEOUT, BatchWaiter, Deliveries, Pending
 from .partitioner import RoundRobin, key_streamlet
 from .portal import Portal
 
@@ -120,7 +126,7 @@ def _wall_ms(monotonic: float) -> int:
 class AsyncProducer:
     """The trio-native producer. Use ``open_producer`` (or ``Producer`` from sync code)."""
 
-    def __init__(self, pool, nursery, coordinator: str, cfg: dict):
+    def __init__(self, pool, nursery, coordinator: str, cfg: dict, deliveries: Deliveries | None = None):
         self.pool = pool
         self.nursery = nursery
         self.coordinator = CoordinatorLink(pool, coordinator)
@@ -138,8 +144,8 @@ class AsyncProducer:
         self.streams: dict[str, dict] = {}
         self.by_id: dict[int, dict] = {}
         self.rr = RoundRobin()
-        self.batches: dict[tuple, Pending] = {}
-        self.sticky: dict[int, Pending] = {}   # stream id -> open round-robin chunk
+        self.batches: dict[tuple, Outgoing] = {}
+        self.sticky: dict[int, Outgoing] = {}   # stream id -> open round-robin chunk
         self.linger_q: deque = deque()
         self.seq: dict[tuple, int] = {}
         self.gaps: dict[tuple, int] = {}       # streamlet -> highest sequence given up, not yet reset
@@ -155,7 +161,7 @@ class AsyncProducer:
         self.outstanding = 0     # records not yet acknowledged nor failed
         self.acked = 0           # records acknowledged
         self.failed = 0          # records given up on
-        self.errors: list[str] = []
+        self.delivery = deliveries or Deliveries()
         self.latencies: deque = deque(maxlen=100_000)  # seconds, a chunk's first record -> ack
         self.lock = threading.Lock()
         self.space = threading.Condition(self.lock)
@@ -175,7 +181,9 @@ class AsyncProducer:
                 self.by_id[s["id"]] = s
                 self.room[s["id"]] = chunkfmt.record_room(min(MAX_CHUNK, s["segment_size"]))
         if r.get("missing"):
-            raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
+            e = UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
+            e.missing = r["missing"]
+            raise e
 
     async def load_metadata(self, names) -> None:
         """Fetch where many streams live in one call (else each first send asks alone)."""
@@ -212,7 +220,7 @@ class AsyncProducer:
             f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
             bound=bound, size=size)
 
-    def _batch(self, s: dict, key) -> Pending:
+    def _batch(self, s: dict, key) -> Outgoing:
         if key is None or not self.by_key:
             b = self.sticky.get(s["id"])
             if b is None:
@@ -223,7 +231,7 @@ class AsyncProducer:
                 b = self._open(s, key_streamlet(key, s["streamlets"]), False)
         return b
 
-    def _append(self, s: dict, value: bytes, key, timestamp) -> None:
+    def _append(self, s: dict, value: bytes, key, timestamp, cb=None) -> None:
         """Add one record to its streamlet's open chunk (caller holds the lock).
 
         The hot path of ``send``: a few attribute and dict operations, no
@@ -233,7 +241,10 @@ class AsyncProducer:
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
         room = self.room[s["id"]]
         if n > room:
-            raise self._too_large(s, n, "record")
+            if cb is None:
+                raise self._too_large(s, n, "record")
+            self.delivery.refused(s["name"], key, value, cb, self._too_large(s, n, "record"))
+            return
         b = self._batch(s, key)
         if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
             self._seal(b)
@@ -247,6 +258,11 @@ class AsyncProducer:
             if b.ts is None:
                 b.ts = [_wall_ms(b.created)] * len(b.values)
             b.ts.append(timestamp if timestamp is not None else int(time.time() * 1000))
+        if cb is not None:
+            if b.reports is None:
+                b.reports = []
+                self.delivery.used = True
+            b.reports.append((len(b.values), cb, time.monotonic(), key, value))
         b.values.append(value)
         b.size += n
         b.charged += n
@@ -256,10 +272,10 @@ class AsyncProducer:
             self._seal(b)
             self._notify()
 
-    def _open(self, s: dict, streamlet: int, sticky: bool) -> Pending:
+    def _open(self, s: dict, streamlet: int, sticky: bool) -> Outgoing:
         now = time.monotonic()
         k = (s["id"], streamlet)
-        b = self.batches[k] = Pending(k, now, now + self.linger, sticky)
+        b = self.batches[k] = Outgoing(k, now, now + self.linger, sticky)
         if sticky:
             self.sticky[s["id"]] = b
         self.linger_q.append(b)  # open chunks, oldest deadline first
@@ -267,7 +283,7 @@ class AsyncProducer:
             self._notify()
         return b
 
-    def _seal(self, b: Pending) -> None:
+    def _seal(self, b: Outgoing) -> None:
         """Close the open chunk and queue it with the next sequence; it is packed with the
         other chunks of the request it leaves in (``accumulator.pack``)."""
         k = b.key
@@ -279,7 +295,7 @@ class AsyncProducer:
         b.seal(self.seq.get(k, 0), _wall_ms(b.created) if b.ts is None else 0)
         self._enqueue(b)
 
-    def _enqueue(self, c: Pending) -> None:
+    def _enqueue(self, c: Outgoing) -> None:
         """Queue a sealed chunk: only now is its sequence taken, so a build that failed
         leaves no hole."""
         k = c.key
@@ -294,15 +310,30 @@ class AsyncProducer:
         while self.buffered >= self.buffer_memory:
             self.space.wait(0.1)
 
-    async def send(self, stream: str, value: bytes, key: bytes | None = None,
-                   timestamp: int | None = None) -> None:
-        s = self.streams.get(stream) or await self.stream(stream)
+    async def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
+                   on_delivery=None, report: bool = False) -> Pending | None:
+        """Queue one record. ``on_delivery(error, DeliveryReport)`` is called once with its
+        outcome (default: the producer's); ``report=True`` returns a ``Pending`` to await instead."""
+        cb = Pending() if report else on_delivery or self.delivery.default
+        try:
+            s = self.streams.get(stream) or await self.stream(stream)
+        except UnknownStream as e:
+            if cb is None:
+                raise
+            with self.lock:
+                self.delivery.refused(stream, key, value, cb, e)
+            self.delivery.hand()
+            return cb if report else None
         while self.buffered >= self.buffer_memory:
             await self._progress.wait()
         with self.lock:
-            self._append(s, value, key, timestamp)
+            self._append(s, value, key, timestamp, cb)
+        if self.delivery.ready:
+            self.delivery.hand()
+        return cb if report else None
 
-    async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None) -> None:
+    async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None,
+                        on_delivery=None, report: bool = False) -> Pending | None:
         """Send many records at once, packed into chunks with numpy.
 
         ``values`` is a list of bytes or a 2-D uint8 array (one row per record),
@@ -318,19 +349,25 @@ class AsyncProducer:
         else:
             voff, vdata = _offsets(values)
         koff, kdata = (None, b"") if keys is None else _offsets([k or b"" for k in keys])
-        await self.send_columns(stream, voff, vdata, koff, kdata, None, streamlet)
+        return await self.send_columns(stream, voff, vdata, koff, kdata, None, streamlet, on_delivery, report)
 
     async def send_columns(self, stream: str, value_offsets, value_data, key_offsets=None,
-                           key_data=b"", timestamps=None, streamlet: int | None = None) -> None:
+                           key_data=b"", timestamps=None, streamlet: int | None = None,
+                           on_delivery=None, report: bool = False) -> Pending | None:
         """Send records given as columns, Arrow's binary layout: ``value_offsets`` (int[n + 1])
         into ``value_data``, optionally the same for keys (length 0: no key) and int64
-        millisecond ``timestamps``. Chunks are cut and packed with numpy: no per-record work."""
+        millisecond ``timestamps``. Chunks are cut and packed with numpy: no per-record work.
+
+        ``on_delivery(error, BatchReport)`` is called once, when all its chunks are acknowledged
+        or given up on (``error``: the first failure); ``report=True`` returns a ``Pending``."""
+        cb = Pending() if report else on_delivery
+        w = None if cb is None else BatchWaiter(cb, stream)
         s = self.streams.get(stream) or await self.stream(stream)
         voff = np.asarray(value_offsets, dtype=np.int64)
         koff = None if key_offsets is None else np.asarray(key_offsets, dtype=np.int64)
         n = len(voff) - 1
         if n <= 0:
-            return
+            return self._closed(w, cb)
         ts = np.full(n, int(time.time() * 1000), np.int64) if timestamps is None \
             else np.asarray(timestamps, dtype=np.int64)
         size = np.diff(voff) + 16
@@ -359,12 +396,26 @@ class AsyncProducer:
                 seq = self.seq.get(k, 0)
                 data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, ts[a:b], ko,
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])
-                c = Pending.packed(k, seq, data, b - a, time.monotonic())
+                c = Outgoing.packed(k, seq, data, b - a, time.monotonic(), w)
                 c.charged = len(data)
                 self.buffered += len(data)
                 self.outstanding += b - a
+                if w is not None:
+                    w.pending += 1
+                    self.delivery.used = True
                 self._enqueue(c)
             self._notify()
+        return self._closed(w, cb)
+
+    def _closed(self, w: BatchWaiter | None, cb):
+        """A batch call has queued all its chunks: its report may now go out."""
+        if w is None:
+            return None
+        with self.lock:
+            self.delivery.close(w)
+            self.space.notify_all()
+        self.delivery.hand()
+        return cb if isinstance(cb, Pending) else None
 
     # -- sending (loop thread) ----------------------------------------------------
     def _seal_expired(self, now: float) -> None:
@@ -402,6 +453,8 @@ class AsyncProducer:
                 if addr is None:
                     if s is not None:
                         self.stale.add(s["name"])
+                    while q and now - q[0].created > self.delivery_timeout:  # no owner for too long
+                        self._give_up([q.popleft()], TIMEOUT)
                     self.retry_at[k] = now + 0.05
                     next_retry = min(next_retry, now + 0.05)
                     continue
@@ -415,7 +468,7 @@ class AsyncProducer:
                 while q and (sizes.get(addr, 0) == 0 or sizes[addr] + q[0].size <= self.request_size):
                     c = q.popleft()
                     if now - c.created > self.delivery_timeout:
-                        self._give_up([c], "delivery timeout")
+                        self._give_up([c], TIMEOUT)
                         gap = self.gaps[k]
                         continue
                     if gap is not None and c.seq > gap:  # the first chunk after a hole: a new base
@@ -440,6 +493,8 @@ class AsyncProducer:
                 if items:
                     self.inflight[addr] = self.inflight.get(addr, 0) + 1
                     self.nursery.start_soon(self._request, addr, items)
+        if self.delivery.ready:
+            self.delivery.hand()
         if self.stale:
             if now >= self.refresh_at:
                 self.refresh_at = math.inf  # one refresh at a time
@@ -452,7 +507,10 @@ class AsyncProducer:
         """Metadata of streams whose owners moved; backs off while the coordinator is away."""
         names, self.stale = self.stale, set()
         try:
-            await self._load(names)
+            try:
+                await self._load(names)
+            except UnknownStream as e:  # deleted: its chunks fail with the error, others were loaded
+                self._forget(set(e.missing))
             self.refresh_backoff = REFRESH_MIN
             self.refresh_at = 0.0
         except KeraError as e:
@@ -463,15 +521,32 @@ class AsyncProducer:
             self.refresh_backoff = min(self.refresh_backoff * 2, REFRESH_MAX)
         self._wake.set()
 
+    def _forget(self, names: set) -> None:
+        """Streams that no longer exist: their queued chunks fail with UnknownStream."""
+        with self.lock:
+            for k in list(self.ready):
+                s = self.by_id.get(k[0])
+                if s is not None and s["name"] in names and k not in self.inflight_keys:
+                    self._give_up(list(self.ready.pop(k)), UnknownStream.code)
+            for name in names:
+                self.streams.pop(name, None)
+        self.delivery.hand()
+
     async def _request(self, addr: str, items: list) -> None:
+        meta = {"producer": self.producer_id, "acks": self.acks}
+        if self.delivery.used and any(c.reports is not None for c in items):
+            meta["positions"] = True  # where each chunk was placed, for its delivery reports
+        where = {}
         try:
             whole = pack(items, self.producer_id)
-            r, _ = await self.pool.call(addr, "produce", {"producer": self.producer_id, "acks": self.acks},
+            r, _ = await self.pool.call(addr, "produce", meta,
                                         parts=[whole] if whole is not None else [c.chunk() for c in items],
                                         timeout=self.request_timeout)
             results = [None] * len(items)  # the broker names only the chunks it refused
             for i, code in r["errors"]:
                 results[i] = code
+            for i, g, seg, off in r.get("placed") or ():
+                where[i] = (g, seg, off)
         except KeraError as e:
             log.info("produce to %s failed: %s", addr, e)
             results = [e.code] * len(items)
@@ -482,13 +557,15 @@ class AsyncProducer:
         with self.lock:
             self.inflight[addr] -= 1
             retry: dict[tuple, list] = {}
-            for c, res in zip(items, results, strict=False):
+            for i, (c, res) in enumerate(zip(items, results, strict=False)):
                 self.inflight_keys.discard(c.key)
                 if res is None:
                     self.acked += c.records
                     self.outstanding -= c.records
                     self.buffered -= c.charged
                     self.latencies.append(now - c.created)
+                    if c.reports is not None:
+                        self.delivery.settle(c, self.by_id[c.key[0]]["name"], None, where.get(i))
                 elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
                     retry.setdefault(c.key, []).append(c)
                 else:
@@ -501,6 +578,7 @@ class AsyncProducer:
                 if s is not None:
                     self.stale.add(s["name"])
             self.space.notify_all()
+        self.delivery.hand()
         self._progress.set()
         self._progress = trio.Event()
         self._wake.set()
@@ -515,8 +593,11 @@ class AsyncProducer:
             self.buffered -= c.charged
             if c.seq > gaps.get(c.key, -1):
                 gaps[c.key] = c.seq
-        if len(self.errors) < 100:
-            self.errors.append(why)
+            if c.reports is not None:
+                self.delivery.settle(c, self.by_id[c.key[0]]["name"], why)
+            else:
+                self.delivery.failed_silently(c, why)
+        self.space.notify_all()
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         r, _ = await self.coordinator.call("producer_id", {}, timeout=self.request_timeout)
@@ -533,22 +614,34 @@ class AsyncProducer:
                 await self._wake.wait()
             self._wake = trio.Event()
 
-    async def flush(self) -> None:
-        """Wait until every record sent so far is acknowledged (or failed)."""
+    def kick(self) -> None:
+        """Seal every open chunk and wake the sender (what ``flush`` starts with)."""
         self.seal_all()
         self._wake.set()
+
+    def check(self) -> None:
+        """Raise ProduceError if records failed that no delivery report told of."""
+        d = self.delivery
+        if d.silent:
+            raise ProduceError(f"{d.silent} records failed: {'; '.join(d.silent_why[:3])}")
+
+    async def flush(self) -> None:
+        """Wait until every record sent so far is acknowledged (or failed); raises ProduceError
+        for failed records sent without a delivery callback."""
+        self.kick()
         while self.outstanding > 0:
             await self._progress.wait()
-        if self.failed:
-            raise ProduceError(f"{self.failed} records failed: {'; '.join(self.errors[:3])}")
+        self.delivery.hand()
+        self.check()
 
 
 @asynccontextmanager
-async def open_producer(coordinator: str | None = None, config: dict | None = None, **kw):
-    """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``."""
+async def open_producer(coordinator: str | None = None, config: dict | None = None, on_delivery=None, **kw):
+    """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``;
+    ``on_delivery(error, report)``: the default delivery callback of ``send``."""
     cfg = _config(config, kw)
     async with unwrapped(), open_pool() as pool, trio.open_nursery() as nursery:
-        p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
+        p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg, Deliveries(on_delivery))
         await nursery.start(p.run)
         try:
             yield p
@@ -561,53 +654,101 @@ class Producer:
     """Synchronous producer for ordinary scripts; the network runs in a background thread.
 
     ``send`` never blocks on the network (only when ``buffer.memory`` is full);
-    ``flush`` waits for acknowledgements.
+    ``flush`` waits for acknowledgements. Delivery callbacks (``on_delivery``, per
+    record, per batch call or producer-wide) run on the thread calling ``send``,
+    ``poll`` or ``flush``, never on the network thread.
     """
 
-    def __init__(self, coordinator: str | None = None, config: dict | None = None, **kw):
+    def __init__(self, coordinator: str | None = None, config: dict | None = None, on_delivery=None, **kw):
         self.portal = Portal("kera-producer")
+        self._default = on_delivery
         try:
             self._p: AsyncProducer = self.portal.start(self._serve, coordinator, config, kw)
         except BaseException:
             self.portal.close()
             raise
+        self._d = self._p.delivery
 
     async def _serve(self, coordinator, config, kw, task_status):
         cfg = _config(config, kw)
         async with open_pool() as pool:
             async with trio.open_nursery() as nursery:
-                p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg)
+                p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
+                                  Deliveries(self._default, queued=True))
                 await nursery.start(p.run)
                 task_status.started(p)
 
-    def _stream(self, name: str) -> dict:
+    def _stream(self, name: str, value, key, cb) -> dict | None:
         s = self._p.streams.get(name)
         if s is None:
-            self.portal.call(self._p.stream, name)
+            try:
+                self.portal.call(self._p.stream, name)
+            except UnknownStream as e:
+                if cb is None:
+                    raise
+                self._d.refused(name, key, value, cb, e)  # told by the next poll
+                return None
             s = self._p.streams[name]
         return s
 
-    def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None) -> None:
+    def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
+             on_delivery=None) -> None:
+        """Queue one record; first serve any delivery reports waiting. ``on_delivery(error,
+        DeliveryReport)`` (default: the producer's) is called once with the record's outcome."""
         p = self._p
-        s = p.streams.get(stream) or self._stream(stream)
+        if self._d.ready:
+            self._d.serve()
+        cb = on_delivery or self._default
+        s = p.streams.get(stream) or self._stream(stream, value, key, cb)
+        if s is None:
+            return
         with p.lock:
             if p.buffered >= p.buffer_memory:
                 p._wait_space()
-            p._append(s, value, key, timestamp)
+            p._append(s, value, key, timestamp, cb)
 
-    def send_many(self, stream: str, values, keys=None, streamlet: int | None = None) -> None:
-        self.portal.call(self._p.send_many, stream, values, keys, streamlet)
+    def send_many(self, stream: str, values, keys=None, streamlet: int | None = None, on_delivery=None) -> None:
+        """See ``AsyncProducer.send_many``; ``on_delivery(error, BatchReport)`` once for the call."""
+        self.portal.call(self._p.send_many, stream, values, keys, streamlet, on_delivery)
 
     def send_columns(self, stream: str, value_offsets, value_data, key_offsets=None, key_data=b"",
-                     timestamps=None, streamlet: int | None = None) -> None:
+                     timestamps=None, streamlet: int | None = None, on_delivery=None) -> None:
+        """See ``AsyncProducer.send_columns``; ``on_delivery(error, BatchReport)`` once for the call."""
         self.portal.call(self._p.send_columns, stream, value_offsets, value_data, key_offsets,
-                         key_data, timestamps, streamlet)
+                         key_data, timestamps, streamlet, on_delivery)
+
+    def poll(self, timeout: float = 0) -> int:
+        """Serve waiting delivery reports on this thread, waiting up to ``timeout`` seconds for
+        one if none is waiting; returns how many callbacks were called."""
+        d = self._d
+        if not d.ready and timeout > 0:
+            p = self._p
+            with p.lock:
+                if not d.ready:
+                    p.space.wait(timeout)
+        return d.serve()
 
     def flush(self, timeout: float | None = None) -> None:
-        async def go():
-            with trio.fail_after(timeout if timeout is not None else math.inf):
-                await self._p.flush()
-        self.portal.call(go)
+        """Wait until every record sent so far is acknowledged or failed, serving delivery
+        reports meanwhile; trio.TooSlowError after ``timeout`` seconds. Raises ProduceError
+        for failed records sent without a callback."""
+        p, d = self._p, self._d
+
+        async def kick():
+            p.kick()
+        self.portal.call(kick)
+        end = time.monotonic() + (timeout if timeout is not None else math.inf)
+        while True:
+            d.serve()
+            with p.lock:
+                if p.outstanding <= 0 and not d.ready:
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise trio.TooSlowError(f"{p.outstanding} records not acknowledged after {timeout} s")
+                if not d.ready:
+                    p.space.wait(min(left, 0.1))
+        p.check()
 
     @property
     def acked(self) -> int:

@@ -40,9 +40,10 @@ import trio
 from .. import chunk as chunkfmt
 from .. import limits, metafile
 from ..coordinator_link import CoordinatorLink
-from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, ProtocolError
+from ..errors import BackupError, ChecksumError, Fenced, InvalidArgument, KeraError, ProtocolError
 from ..rpc import Service, open_pool
 from . import disk, segment_file
+from .claims import Claims
 from .membership import load_id, run_membership
 from .replay import parse_replay_from, parse_routes, replay
 from .replica import Replica
@@ -54,6 +55,7 @@ log = logging.getLogger("kera.backup")
 
 SEGMENTS_DIR = "segments"
 FLOORS_FILE = "floors.meta"    # (broker, vlog) -> vsegs below were released by their broker
+CLAIMS_FILE = "claims.meta"    # dead incarnations' vseg files that live owners read (claims)
 MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
 _U63 = 1 << 63
@@ -93,6 +95,8 @@ class BackupService(Service):
         self.flush_interval = flush_interval
         self.fsync_interval = fsync_interval
         self.store = BackupStore(self.segdir, max_bytes=max_bytes, max_memory=max_memory)
+        self.claims = Claims()
+        self._claims_changed = self._claims_saved = 0   # changes made, changes on disk
         self.coordinator = coordinator
         self.node = node
         self.id: int | None = load_id(directory) if os.path.isdir(directory) else None
@@ -103,7 +107,7 @@ class BackupService(Service):
         self.counters = dict.fromkeys(
             ("replicate_rpcs", "chunks", "bytes_received", "duplicates", "bytes_flushed", "fsyncs",
              "errors", "write_errors", "reads", "bytes_read", "drops", "trims", "tiered_reads",
-             "tiered_bytes"), 0)
+             "tiered_bytes", "claims", "releases"), 0)
         self._io: trio.Lock | None = None
         self._kick: trio.Event | None = None
         self._round_done: trio.Event | None = None
@@ -165,6 +169,33 @@ class BackupService(Service):
             self.store.raise_floor(b, v, f)
         for rep in self.store.below_floor():  # released before a crash, not yet deleted
             await self._release(rep)
+        self.claims.load(await trio.to_thread.run_sync(metafile.load,
+                                                       os.path.join(self.dir, CLAIMS_FILE), []))
+        await self._delete_unclaimed()  # dropped, last claim released before a crash
+
+    async def _save_claims(self) -> None:
+        """Persist the claims as they are now; concurrent changes share one write."""
+        self._claims_changed += 1
+        mine = self._claims_changed
+        async with self._floors_lock:
+            if self._claims_saved >= mine:
+                return  # a write that began after our change covered it
+            now, body = self._claims_changed, self.claims.dump()
+            await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, CLAIMS_FILE), body)
+            self._claims_saved = now
+
+    async def _delete_unclaimed(self) -> int:
+        """Delete the dropped files no claim holds any more; the bytes they took."""
+        freed = 0
+        due = self.claims.due()
+        for key in due:
+            rep = self.store.replicas.get(key)
+            if rep is not None:
+                freed += await self._release(rep)
+            self.claims.deleted(key)
+        if due:
+            await self._save_claims()
+        return freed
 
     async def _release(self, rep: Replica) -> int:
         """Delete the file of a released vseg; the bytes it took."""
@@ -375,9 +406,10 @@ class BackupService(Service):
 
     async def rpc_index(self, meta: dict, payload):
         """A closed, intact replica's chunks without their bodies (a recovery re-pointing
-        evicted history): per chunk, 9 little-endian u64s in the payload (vseg offset, size,
-        stream, streamlet, group, segment, segment offset, producer, sequence), from each
-        header (its checksum verified; it covers the placement)."""
+        evicted history): per chunk, 10 little-endian u64s in the payload (vseg offset, size,
+        stream, streamlet, group, segment, segment offset, producer, sequence, flags), from
+        each header (its checksum verified; it covers the placement). Index chunks (an
+        adoption, ``kera.index_chunk``) follow whole and verified, after ``rows`` bytes."""
         rep = self.store.get(_key(meta))
         if not rep.closed or rep.corrupt or rep.damaged:
             raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
@@ -390,15 +422,28 @@ class BackupService(Service):
         for s in starts[cut:]:
             heads.append(bytes(b"".join(rep.memory_parts(s, s + chunkfmt.HEADER_SIZE))))
         rows = array("Q")
+        marks = []
         for s, e, hb in zip(starts, ends, heads, strict=True):
             try:
                 h = chunkfmt.parse_header(hb)
             except (ChecksumError, ProtocolError) as err:
                 raise ChecksumError(f"replica {rep.key}: header at {s}: {err}") from None
             rows.extend((s, e - s, h.stream_id, h.streamlet, h.group, h.segment, h.offset,
-                         h.producer_id, h.sequence))
+                         h.producer_id, h.sequence, h.flags))
+            if h.flags & chunkfmt.INDEX:
+                marks.append((s, e))
+        parts = [rows.tobytes()]
+        for s, e in marks:  # small, and rare: one per adopted segment
+            if s >= rep.mem_base:
+                parts += rep.memory_parts(s, e)
+                continue
+            data, bad = await self._read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
+            if bad is not None:
+                off, _, reason = self._corrupt(rep, bad)
+                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+            parts.append(data)
         self.counters["indexes"] = self.counters.get("indexes", 0) + 1
-        return {"chunks": len(starts), "length": rep.length}, rows.tobytes()
+        return {"chunks": len(starts), "length": rep.length, "rows": len(parts[0])}, parts
 
     def rpc_read(self, meta: dict, payload):
         key = _key(meta)
@@ -440,14 +485,54 @@ class BackupService(Service):
         self.counters["bytes_read"] += len(data)
         return BackupStore.read_meta(rep, nxt, corrupt_at), data
 
-    def rpc_drop(self, meta: dict, payload):
-        rep = self.store.drop(_key(meta))
+    async def rpc_claim(self, meta: dict, payload):
+        """``owner`` (broker, ``epoch``) reads the listed vseg files of dead incarnations
+        (``claims``: [[broker, vlog, vseg], ...]): they outlive their recovery's drop until
+        released. Recorded before the answer; ``held``: per file, whether it is here."""
+        owner = (_uint(meta, "owner"), _uint(meta, "epoch"))
+        keys = self._claim_keys(meta)
+        if owner[1] < self.store.broker_epochs.get(owner[0], 0):
+            raise Fenced(f"broker {owner[0]} epoch {owner[1]} is fenced; it claims nothing")
+        held, changed = self.claims.claim(owner, keys, lambda k: k in self.store.replicas)
+        self.counters["claims"] += 1
+        if changed:
+            await self._save_claims()
+        return {"held": held}
+
+    async def rpc_release(self, meta: dict, payload):
+        """``owner`` no longer reads ``claims`` (all its claims if absent): a dropped file no
+        claim holds any more is deleted."""
+        owner = (_uint(meta, "owner"), _uint(meta, "epoch"))
+        keys = self._claim_keys(meta) if meta.get("claims") is not None else None
+        _, changed = self.claims.release(owner, keys)
+        self.counters["releases"] += 1
+        if changed:
+            await self._save_claims()
+        return {"bytes": await self._delete_unclaimed()}
+
+    @staticmethod
+    def _claim_keys(meta: dict) -> list[Key]:
+        keys = meta.get("claims")
+        if not isinstance(keys, list) or not all(
+                isinstance(k, list) and len(k) == 3 and all(type(x) is int and 0 <= x < _U63 for x in k)
+                for k in keys):
+            raise InvalidArgument("claims must be [[broker, vlog, vseg], ...]")
+        return [tuple(k) for k in keys]
+
+    async def rpc_drop(self, meta: dict, payload):
+        """A recovery lets a dead incarnation's copy go: deleted, unless claimed (then it goes
+        with its last claim)."""
+        key = _key(meta)
+        if key in self.store.replicas and self.claims.drop(key):
+            await self._save_claims()
+            return {"dropped": False, "claimed": True}
+        rep = self.store.drop(key)
         if rep is None:
             return {"dropped": False}
         if self._kick is not None:
             self._kick.set()  # wake durability waiters so they see it
         self.counters["drops"] += 1
-        return self._unlink(rep)
+        return await self._unlink(rep)
 
     async def _unlink(self, rep: Replica):
         try:
@@ -496,7 +581,8 @@ class BackupService(Service):
         s = self.store
         return {"backup": self.id, **self.counters, "segments": len(s.replicas),
                 "memory_bytes": s.memory, "unflushed_bytes": s.unflushed,
-                "disk_bytes": s.committed, "disk_error": s.disk_error, "reclaimed_bytes": s.reclaimed}
+                "disk_bytes": s.committed, "disk_error": s.disk_error, "reclaimed_bytes": s.reclaimed,
+                "claimed_files": len(self.claims.owners)}
 
 
 # -- command line ----------------------------------------------------------------

@@ -148,9 +148,9 @@ class Group:
             raise err
         while si < len(self.segments):
             seg = self.segments[si]
-            n = seg.readable(off, max_bytes)
+            start, n, off = seg.span(off, max_bytes)
             if n:
-                return si, off, n, pack(si, off + n)
+                return si, start, n, pack(si, off)
             if off >= seg.head and seg.durable == seg.head and si + 1 < len(self.segments):
                 si, off = si + 1, 0
                 continue

@@ -46,8 +46,8 @@ class MemoryBudget:
             self.evict(self.used + n - self.limit + int(self.limit * SLACK))
             if self.used + n > self.limit:
                 raise BrokerFull(f"broker memory budget of {self.limit} bytes is spent "
-                                 f"({self.used} in segments, none of them replicated yet); "
-                                 f"no new segment")
+                                 f"({self.used} in segments not replicated yet or of compacted "
+                                 f"streams, which are not evicted); no new segment")
         self.used += n
 
     def release(self, n: int) -> None:

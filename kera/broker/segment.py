@@ -11,18 +11,24 @@ Each chunk also records where its vlog put it (virtual segment id, byte
 offset there): once the segment is full and its virtual segments are fully
 replicated, the buffer can be *evicted* and the chunks read back from a
 backup's copy (``kera.broker.tiered``), or *freed* for good by retention.
+
+Key compaction (``kera.broker.compactor``) replaces a closed segment's bytes
+with a ``Compacted`` copy: fewer chunks, each at its original placement, so
+positions keep their meaning (a reader's position maps to the first
+surviving chunk at or after it). ``span`` and ``part`` read both kinds.
 """
 
 from __future__ import annotations
 
 import mmap
+import time
 from array import array
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 
 
 class Segment:
     __slots__ = ("id", "capacity", "buf", "view", "head", "durable", "ends", "vlog", "vsegs",
-                 "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed")
+                 "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed", "opened_at", "compacted")
 
     def __init__(self, id: int, capacity: int):
         self.id = id
@@ -39,6 +45,8 @@ class Segment:
         self.filled_at = 0.0       # wall time it stopped taking chunks (retention.ms)
         self.evicted = False       # buffer dropped, chunks on backups only
         self.freed = False         # retention or deletion: gone for good
+        self.opened_at = time.time()  # segment.ms rolls a compacted stream's segment after this
+        self.compacted = None      # a Compacted copy replacing the bytes (key compaction)
 
     @classmethod
     def gone(cls, id: int) -> Segment:
@@ -49,6 +57,7 @@ class Segment:
         seg.ends, seg.vlog, seg.vsegs = [], None, []
         seg.vseg_ids, seg.vseg_offs = array("Q"), array("Q")
         seg.filled_at, seg.evicted, seg.freed = 0.0, False, True
+        seg.opened_at, seg.compacted = 0.0, None
         return seg
 
     def room(self) -> int:
@@ -85,6 +94,7 @@ class Segment:
         until they are gone; nothing here reads it again)."""
         self.view = None
         self.buf = None
+        self.compacted = None
 
     def readable(self, offset: int, max_bytes: int) -> int:
         """Bytes of whole durable chunks from ``offset``, at most ``max_bytes`` (but >= 1 chunk)."""
@@ -96,3 +106,48 @@ class Segment:
         if cut <= offset:  # a single chunk larger than max_bytes
             cut = self.ends[bisect_right(self.ends, offset)]
         return cut - offset
+
+    def span(self, offset: int, max_bytes: int) -> tuple[int, int, int]:
+        """(start, bytes, end) of whole durable chunks from ``offset``: ``start`` the position
+        of the first, ``end`` the position after the last (both in the original offsets)."""
+        if self.compacted is not None:
+            return self.compacted.span(offset, max_bytes, self.head)
+        n = self.readable(offset, max_bytes)
+        return offset, n, offset + n
+
+    def part(self, start: int, n: int):
+        """The bytes ``span`` named, None if they are not in memory (evicted)."""
+        if self.compacted is not None:
+            return self.compacted.part(start, n)
+        return self.view[start:start + n] if self.view is not None else None
+
+
+class Compacted:
+    """A compacted segment's surviving chunks, back to back, and where each was:
+    ``starts``/``ends`` in the original segment, ``pends`` in ``buf``."""
+
+    __slots__ = ("buf", "starts", "ends", "pends", "records")
+
+    def __init__(self, buf: bytes, starts: list, ends: list, pends: list, records: int):
+        self.buf, self.starts, self.ends, self.pends, self.records = \
+            memoryview(buf), starts, ends, pends, records
+
+    def span(self, offset: int, max_bytes: int, head: int) -> tuple[int, int, int]:
+        i = bisect_left(self.starts, offset)
+        if i == len(self.starts):
+            return head, 0, head
+        p0 = self.pends[i - 1] if i else 0
+        j = max(i, bisect_right(self.pends, p0 + max_bytes) - 1)
+        return self.starts[i], self.pends[j] - p0, self.ends[j]
+
+    def part(self, start: int, n: int) -> memoryview:
+        i = bisect_left(self.starts, start)
+        p0 = self.pends[i - 1] if i else 0
+        return self.buf[p0:p0 + n]
+
+
+def close_waiting(seg: Segment) -> bool:
+    """Close the open vseg of an idle vlog that ``seg``'s chunks wait in (so they settle);
+    True if one was closed (the caller pokes the vlog)."""
+    v = seg.vlog
+    return v is not None and v.log.open is not None and v.log.open in seg.vsegs and v.log.close_open()

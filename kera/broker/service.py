@@ -18,11 +18,10 @@ import argparse
 import logging
 import os
 import time
-from array import array
 
 import trio
 
-from .. import chunk, limits, metafile
+from .. import chunk, index_chunk, limits, metafile
 from ..coordinator_link import CoordinatorLink
 from ..errors import (
     Conflict,
@@ -31,15 +30,18 @@ from ..errors import (
     KeraError,
     NotOwner,
     OutOfRange,
+    ProtocolError,
     Recovering,
     Unavailable,
     UnknownMember,
 )
 from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
-from .adopted import ForeignVlog, ForeignVseg, adopted_segment
+from .adopted import AdoptedSegment, Claims, IndexHolder, adopted_segment
+from .compactor import Compactor
 from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
+from .segment import close_waiting
 from .streamlet import ProducerState, Streamlet
 from .tiered import TieredReader
 
@@ -71,6 +73,7 @@ class BrokerService(Service):
         self.addr = ""
         self.streams: dict[int, dict] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
+        self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
         self.vlogs: dict[tuple, Replicator] = {}
         self.backups: dict[int, dict] = {}
         self.backup_set = BackupSet(node)
@@ -83,6 +86,7 @@ class BrokerService(Service):
         self.lease = 0.0           # seconds a heartbeat answer lets us serve
         self.lease_until = 0.0     # monotonic time our lease ends
         self.tiered: TieredReader | None = None
+        self.claims: Claims | None = None   # foreign vsegs of adopted segments (kera.broker.adopted)
         self.freed_segments = 0    # by retention or deletion
         self.freed_bytes = 0
 
@@ -188,6 +192,8 @@ class BrokerService(Service):
             self.memory.free(seg)
             if self.tiered is not None:
                 self.tiered.forget(seg)
+            if isinstance(seg, AdoptedSegment):
+                self.claims.free(seg)
             for vs in seg.vsegs:
                 vs.live -= 1
                 if settled:
@@ -229,12 +235,14 @@ class BrokerService(Service):
     def rpc_ping(self, meta, payload):
         return {"broker": self.broker_id, "epoch": self.epoch}
 
-    def rpc_recover(self, meta, payload):
+    async def rpc_recover(self, meta, payload):
         """Chunks replayed by a backup: placed where their headers say, then replicated
-        through our own virtual logs; answered once they are durable here."""
+        through our own virtual logs; answered once they are durable here. An index chunk
+        (a segment the dead broker had adopted) is adopted again (``_adopt_index``)."""
         self._check_epoch(meta)
         self._check_lease()
         waits: dict[Replicator, int] = {}
+        claim: dict = {}
         placed = dup = 0
         for i, (h, off) in enumerate(chunk.scan(payload)):
             sl = self.streamlets.get((h.stream_id, h.streamlet))
@@ -242,6 +250,16 @@ class BrokerService(Service):
                 raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
             mv = payload[off:off + h.size]
             try:
+                if h.flags & chunk.INDEX:
+                    done = self._adopt_index(sl, h, mv, index_chunk.parse(mv, h))
+                    if done is None:
+                        dup += 1
+                        continue
+                    vlog, idx, seg = done
+                    claim.update(dict.fromkeys(seg.foreign))
+                    waits[vlog] = idx
+                    placed += 1
+                    continue
                 g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
             except KeraError as e:  # DataLoss: a hole before it; refused, never stored past it
                 e.index = i  # which chunk of the request: the backup knows its offset
@@ -255,46 +273,63 @@ class BrokerService(Service):
             sl.note_producer(h.producer_id, h.sequence, vlog, idx)
             waits[vlog] = sl.tails[vlog] = idx
             placed += 1
-        return self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
+        await self.claims.claim(claim)
+        return await self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
 
-    def rpc_adopt(self, meta, payload):
-        """Recovery re-points the dead broker's settled segments here as evicted segments:
-        ``segments`` [[stream, streamlet, group, producer, segment, vlog, chunks]], ``copies``
-        [[vlog, vseg, [backups]]] of the dead ``source`` broker, ``producers`` [[stream,
-        streamlet, producer, sequence]]; the payload holds per chunk (end, vseg, vseg offset)
-        as little-endian u64s, segment after segment."""
+    async def rpc_adopt(self, meta, payload):
+        """Recovery re-points a dead broker's settled segments here as evicted segments: the
+        payload holds one index chunk per segment (``kera.index_chunk``), in group order.
+        Answered once each adoption is durable in our own vlogs and its foreign vsegs are
+        claimed on their backups, so neither a failure of ours nor a reclaim loses them."""
         self._check_epoch(meta)
         self._check_lease()
-        try:
-            src = int(meta["source"])
-            rows = array("Q")
-            rows.frombytes(bytes(payload))
-            foreign = {(src, int(v), int(s)): ForeignVseg(src, int(v), int(s), bs)
-                       for v, s, bs in meta["copies"]}
-            at, adopted = 0, 0
-            for sid, i, gid, producer, sno, vlog, n in meta["segments"]:
-                sl = self.streamlets.get((sid, i))
-                if sl is None or not sl.recovering:
-                    raise NotOwner(f"stream {sid} streamlet {i} is not being recovered here")
-                part = rows[3 * at:3 * (at + n)]
-                at += n
-                if len(part) != 3 * n or n == 0:
-                    raise InvalidArgument("adopt: payload shorter than its segments")
-                seg = adopted_segment(sno, sl.segment_size, part[0::3], part[1::3], part[2::3],
-                                      ForeignVlog(src, vlog), foreign)
-                adopted += sl.adopt(gid, producer, seg)
-            for sid, i, producer, seq in meta.get("producers") or []:
-                sl = self.streamlets.get((sid, i))
-                if sl is not None and sl.recovering:
-                    st = sl.producers.get(producer)
-                    if st is None:
-                        sl.producers[producer] = ProducerState(seq, {})
-                    elif seq > st.last_seq:
-                        st.last_seq = seq
-        except (KeyError, TypeError, ValueError) as e:
-            raise InvalidArgument(f"adopt: malformed request: {e}") from None
+        todo = []
+        for h, off in chunk.scan(payload):  # all checked before anything changes
+            sl = self.streamlets.get((h.stream_id, h.streamlet))
+            if sl is None or not sl.recovering:
+                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
+            try:
+                mv = payload[off:off + h.size]
+                todo.append((sl, h, mv, index_chunk.parse(mv, h)))
+            except ProtocolError as e:
+                raise InvalidArgument(f"adopt takes index chunks: {e}") from None
+        waits: dict[Replicator, int] = {}
+        claim: dict = {}
+        adopted = 0
+        for sl, h, mv, ix in todo:
+            done = self._adopt_index(sl, h, mv, ix)
+            if done is not None:
+                vlog, idx, seg = done
+                waits[vlog] = idx
+                claim.update(dict.fromkeys(seg.foreign))
+                adopted += 1
+        await self.claims.claim(claim)
+        await self._acked_when_durable(waits, {})
+        for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
+            if v.log.close_open():
+                v.poke()
         return {"adopted": adopted}
 
+    def _adopt_index(self, sl: Streamlet, h, data, ix):
+        """Adopt the segment ``ix`` describes and append its index chunk (``data``, header
+        ``h``) to the group's own vlog: (vlog, ref, segment), None if the group holds the
+        segment already."""
+        g = sl.groups.get(h.group)
+        if g is not None and h.segment < len(g.segments):
+            return None
+        seg = adopted_segment(ix, sl.segment_size, self.claims)
+        sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole
+        holder = IndexHolder(bytes(data))
+        vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
+        idx = vlog.append(holder, 0, holder.head, h.body_checksum)
+        self.claims.attach(seg, holder)
+        for p, q in ix.producers().items():  # a late resend of an adopted chunk stays a duplicate
+            st = sl.producers.get(p)
+            if st is None:
+                sl.producers[p] = ProducerState(q, {})
+            elif q > st.last_seq:
+                st.last_seq = q
+        return vlog, idx, seg
     def _check_lease(self) -> None:
         if time.monotonic() > self.lease_until:
             raise Fenced(f"broker {self.broker_id}: no heartbeat answer for too long; not serving")
@@ -319,6 +354,7 @@ class BrokerService(Service):
         heads, offs = chunk.scan_headers(payload)
         self.requests += 1
         errors = []
+        placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
         waits: dict[Replicator, int] = {}
         streams, streamlets = self.streams, self.streamlets
         reset = chunk.SEQ_RESET
@@ -339,6 +375,8 @@ class BrokerService(Service):
                     continue
                 g, seg, soff = sl.append(payload[off:off + size], producer)
                 chunk.place(seg.view, soff, g.id, seg.id, soff)
+                if placed is not None:
+                    placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
                 idx = vlog.append(seg, soff, size, checksum)
                 sl.note_producer(producer, seq, vlog, idx, seg, soff + size)
@@ -346,7 +384,7 @@ class BrokerService(Service):
                 sl.plain_last = sl.appended_chunks
             except KeraError as e:
                 errors.append([i, e.code])
-        result = {"errors": errors}
+        result = {"errors": errors} if placed is None else {"errors": errors, "placed": placed}
         if acks != "all" or not waits:
             return result
         return self._acked_when_durable(waits, result)
@@ -459,7 +497,8 @@ class BrokerService(Service):
                 if n:
                     seg = sl.groups[gid].segments[si]
                     # an evicted segment: read back from a backup before the reply goes
-                    parts.append(seg.view[off:off + n] if seg.view is not None else (seg, gid, off, n))
+                    part = seg.part(off, n)
+                    parts.append(part if part is not None else (seg, gid, off, n))
                     budget -= n
                 else:
                     moved = True
@@ -511,11 +550,8 @@ class BrokerService(Service):
                 freed = sl.expired(now)
                 if freed:
                     self._free(freed)
-                if sl.waiting is not None and sl.waiting.vlog is not None:
-                    # expired, but its chunks sit in a vseg still open on an idle vlog: close it
-                    v = sl.waiting.vlog
-                    if v.log.open is not None and v.log.open in sl.waiting.vsegs and v.log.close_open():
-                        v.poke()
+                if sl.waiting is not None and close_waiting(sl.waiting):
+                    sl.waiting.vlog.poke()
         for v in self.vlogs.values():
             if v.log.advance_floor() or v.log.floor > v.trimmed:
                 v.poke()
@@ -525,6 +561,13 @@ class BrokerService(Service):
         while True:
             await trio.sleep(RECLAIM_INTERVAL)
             self._reclaim_once()
+
+    async def _releaser(self) -> None:
+        """Claims on foreign vsegs nothing of ours needs any more go (apart from the reclaim
+        pass, so a slow backup never delays retention or eviction)."""
+        while True:
+            await trio.sleep(RECLAIM_INTERVAL)
+            await self.claims.release()
 
     def retention_stats(self) -> dict:
         """Per stream here: retained chunk bytes, evicted bytes, and where each streamlet
@@ -561,9 +604,12 @@ class BrokerService(Service):
                 "tiered_reads": t.reads if t else 0, "tiered_bytes": t.bytes if t else 0,
                 "tiered_seconds": round(t.seconds, 3) if t else 0.0,
                 "tiered_cache": t.cached if t else 0,
+                "foreign_vsegs": len(self.claims.vsegs) if self.claims else 0,
+                "foreign_released": self.claims.released if self.claims else 0,
                 "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
-                "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl}
+                "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
+                "compaction": self.compactor.stats()}
 
     def rpc_vsegs(self, meta, payload):
         """Every virtual segment with its size and the backups holding it (the broker's belief)."""
@@ -649,6 +695,7 @@ class BrokerService(Service):
             self.tiered.cache.clear()
             self.tiered.cached = 0
         self.vlogs.clear()
+        self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
         self.mapping.turn = 0
         self.backups.clear()
         self.backup_set.set_live({})
@@ -660,6 +707,7 @@ class BrokerService(Service):
         async with trio.open_nursery() as nursery:
             self.pool = Pool(nursery)
             self.coord = CoordinatorLink(self.pool, self.coordinator)
+            self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
             self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.backup_addr,
                                        min(TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
                                        if self.memory.limit else TIERED_CACHE)
@@ -676,6 +724,8 @@ class BrokerService(Service):
                         self.nursery = incarnation
                         incarnation.start_soon(self._heartbeats)
                         incarnation.start_soon(self._reclaimer)
+                        incarnation.start_soon(self._releaser)
+                        incarnation.start_soon(self.compactor.run)
                 except* Fenced:
                     log.error("broker %d epoch %d fenced: dropping its state, joining again",
                               self.broker_id, self.epoch)

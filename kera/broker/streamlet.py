@@ -20,6 +20,8 @@ from ..position import DONE, unpack
 from .group import Group
 from .segment import Segment
 
+DELETE_RETENTION_MS = 86_400_000  # Kafka's delete.retention.ms default: tombstones kept a day
+SEGMENT_MS = 60_000  # segment.ms of compacted streams: their newest segment is compacted a minute on
 SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
 
 
@@ -78,16 +80,38 @@ class Streamlet:
         self.retention_bytes = -1 if rb < 0 else -(-rb // max(1, stream.get("streamlets", 1)))
         rm = stream.get("retention_ms", -1)
         self.retention_ms = -1 if rm is None else rm
+        # key compaction (Kafka's cleanup.policy, delete.retention.ms, segment.ms): see compactor
+        self.compact = "compact" in (stream.get("cleanup_policy") or "delete")
+        self.delete_retention_ms = stream.get("delete_retention_ms", DELETE_RETENTION_MS)
+        self.segment_ms = stream.get("segment_ms", SEGMENT_MS)
+        self.tombstone_due = None  # wall time (s) the oldest tombstone kept by compaction expires
 
     @property
     def retained_bytes(self) -> int:
         return self.appended_bytes - self.freed_bytes
 
     def _on_filled(self, g: Group, seg) -> None:
+        if seg.filled_at:  # rolled by segment.ms already
+            return
         seg.filled_at = time.time()
         self.filled.append((g, seg))
-        if self.memory is not None:
+        # a compacted stream's segments are not evicted: compaction rewrites them in memory
+        if self.memory is not None and not self.compact:
             self.memory.filled(seg)
+
+    def roll(self, now: float) -> None:
+        """Kafka's ``segment.ms``: an active segment older than it takes no more chunks (the
+        next chunk opens a new one), so compaction, which only rewrites closed segments,
+        reaches the newest records of a stream that stopped writing."""
+        for g in self.active:
+            if g is None or not g.segments:
+                continue
+            seg = g.segments[-1]
+            if seg.head and not seg.filled_at and now - seg.opened_at >= self.segment_ms / 1000:
+                if self.memory is not None:
+                    self.memory.release(seg.capacity - seg.head)
+                seg.capacity = seg.head
+                self._on_filled(g, seg)
 
     def expired(self, now: float, settled_only: bool = True) -> list:
         """Retention: free whole segments, oldest first, while the rest still holds
@@ -111,14 +135,30 @@ class Streamlet:
             if settled_only and not seg.replicated():
                 self.waiting = seg
                 break
-            self.filled.popleft()
-            g.free_front()
             retained -= seg.head
-            self.freed_bytes += seg.head
-            self.freed_segments += 1
-            out.append(seg)
-            if g.gone():
-                del self.groups[g.id]
+            out.append(self._free_first())
+        return out
+
+    def _free_first(self):
+        """The oldest filled segment, first of its group, goes (the caller frees its bytes)."""
+        g, seg = self.filled.popleft()
+        g.free_front()
+        self.freed_bytes += seg.head
+        self.freed_segments += 1
+        if g.gone():
+            del self.groups[g.id]
+        return seg
+
+    def drop_empty(self) -> list:
+        """Compaction left the oldest segments without a record (every one superseded): they
+        go like expired ones, so their vsegs' floors move and the backups delete their files.
+        Returns the segments (the caller frees them)."""
+        out = []
+        while self.filled:
+            g, seg = self.filled[0]
+            if seg.compacted is None or seg.compacted.records or g.segments[g.start] is not seg:
+                break
+            out.append(self._free_first())
         return out
 
     def everything(self) -> list:
@@ -202,7 +242,9 @@ class Streamlet:
         if created:
             g = self._new_group(producer % self.q, group)
         try:
-            seg = g.place(segment, offset, chunk, self.retention_bytes >= 0 or self.retention_ms >= 0)
+            # retention or compaction may have freed the group's first segments on the dead broker
+            seg = g.place(segment, offset, chunk,
+                          self.retention_bytes >= 0 or self.retention_ms >= 0 or self.compact)
         except DataLoss as e:
             if created and not g.segments:  # made for this chunk: leave no trace of it
                 del self.groups[group]
@@ -299,14 +341,19 @@ class Streamlet:
         the later groups of its slot, so one producer's records come out in
         the order they were sent.
         """
+        out = []
         for gid, pos in positions.items():
             if pos == DONE or gid < low:
                 continue
             g = self.groups.get(gid)
             if (g is None and gid < self.next_group) or (g is not None and unpack(pos)[0] < g.start):
-                raise OutOfRange(f"stream {self.stream_id} streamlet {self.index} group {gid}: "
-                                 f"position {pos} was freed by retention")
-        out = []
+                if not self.compact:
+                    raise OutOfRange(f"stream {self.stream_id} streamlet {self.index} group {gid}: "
+                                     f"position {pos} was freed by retention")
+                # a compacted stream: what was freed held nothing a reader still needs (Kafka's
+                # positions in a compacted log stay valid): read on from what is left
+                if g is None:
+                    out.append((gid, 0, 0, 0, DONE))
         budget = max_bytes
         blocked = set()
         for gid in sorted(self.groups):
@@ -314,7 +361,7 @@ class Streamlet:
                 continue
             g = self.groups[gid]
             pos = positions.get(gid)
-            if pos is None:
+            if pos is None or (pos != DONE and unpack(pos)[0] < g.start):
                 pos = g.first()
             if pos == DONE:
                 continue

@@ -26,6 +26,7 @@ from kera.errors import KeraError, UnknownStream
 from kera.rpc import open_pool
 
 from ..portal import Portal
+from ..positions import GroupPositions
 from .arrow import ChunkBatch
 from .positions import DONE, Offsets, compact, order, pack, unpack
 
@@ -44,6 +45,7 @@ class Runtime:
         self.pid = os.getpid()
         self.portal = Portal("kera-spark")
         self.pool = self.portal.start(self._serve)
+        self.committers: dict[str, GroupPositions] = {}
 
     async def _serve(self, task_status):
         async with open_pool() as pool:
@@ -73,6 +75,13 @@ class Runtime:
 
         self.portal.run_sync_soon(self.portal.nursery.start_soon, task)
         return fut
+
+    def group_positions(self, coordinator: str) -> GroupPositions:
+        """Where a query's consumer group commits (one per coordinator, kept with the pool)."""
+        c = self.committers.get(coordinator)
+        if c is None:
+            c = self.committers[coordinator] = GroupPositions(self.pool, coordinator)
+        return c
 
     def call(self, addr: str, method: str, meta: dict, timeout: float = RPC_TIMEOUT):
         async def go():
@@ -244,7 +253,7 @@ class _Range:
         cut = False
         if buf is not None and len(buf):
             for h, o in chunkfmt.scan(buf):
-                p = base + o
+                p = pack(h.segment, h.offset)  # its placement: compacted chunks are not back to back
                 if p >= order(end):
                     cut = True
                     break

@@ -6,8 +6,11 @@ import logging
 import math
 import os
 from collections.abc import Iterator
+from itertools import pairwise
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 from pyspark.sql.datasource import (
     DataSource,
     DataSourceArrowWriter,
@@ -246,9 +249,10 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict) -> None:
         if self.o.consumer_group:  # lets `kera` tools see how far the query is
             e = Offsets.from_json(end)
+            rt = io.Runtime.get()
             try:
-                io.Runtime.get().call(self.o.coordinator, "commit", {
-                    "group": self.o.consumer_group, "positions": e.to_json()["positions"]})
+                rt.run(rt.group_positions(self.o.coordinator).commit, self.o.consumer_group,
+                       e.to_json()["positions"], e.streams)
             except Exception as ex:  # monitoring only: never fail the query for it
                 log.warning("committing positions to kera failed: %s", ex)
 
@@ -298,8 +302,30 @@ def _check_schema(schema) -> None:
         raise ValueError("writing to kera needs a 'value' column (binary or string); 'key' is optional")
 
 
+def _binary(col) -> pa.Array:
+    """A column as one binary array (Arrow's int32 offsets), nulls as empty values."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks()
+    if not pa.types.is_binary(col.type):
+        col = col.cast(pa.binary())
+    if col.null_count:
+        col = pa.compute.fill_null(col, b"")
+    return col
+
+
+def _columns(col: pa.Array) -> tuple[np.ndarray, memoryview]:
+    """Offsets into the data buffer, and that buffer, of a binary array (zero-copy views)."""
+    _, offsets, data = col.buffers()
+    off = np.frombuffer(offsets, np.int32)[col.offset:col.offset + len(col) + 1]
+    return off, memoryview(data) if data is not None else memoryview(b"")
+
+
 def _write(o: WriteOptions, batches) -> KeraCommit:
-    """Send every record of ``batches`` and wait until all are durable (acks=all)."""
+    """Send every record of ``batches`` and wait until all are durable (acks=all).
+
+    Arrow's value and key buffers go to ``send_columns`` as they are: no Python work per
+    record, except hashing keys with the key partitioner (the rows are then grouped by
+    streamlet with numpy)."""
     from ..partitioner import key_streamlet
     from ..producer import Producer
 
@@ -310,26 +336,26 @@ def _write(o: WriteOptions, batches) -> KeraCommit:
             if b.num_rows == 0:
                 continue
             cols = {name.lower(): i for i, name in enumerate(b.schema.names)}
-            values = b.column(cols["value"])
-            if not pa.types.is_binary(values.type):
-                values = values.cast(pa.binary())
+            values = _binary(b.column(cols["value"]))
             keys = b.column(cols["key"]) if "key" in cols else None
-            if keys is not None and not pa.types.is_binary(keys.type):
-                keys = keys.cast(pa.binary())
             if keys is not None and keys.null_count == len(keys):
                 keys = None
-            vals = [v if v is not None else b"" for v in values.to_pylist()] if values.null_count \
-                else values.to_pylist()
-            ks = keys.to_pylist() if keys is not None else None
-            if by_key and ks is not None:
-                per: dict[int, list[int]] = {}
-                for j, k in enumerate(ks):   # hashing is per record: the write path only
-                    per.setdefault(key_streamlet(k, o.streamlet_count) if k else j % o.streamlet_count,
-                                   []).append(j)
-                for sl, idx in per.items():
-                    p.send_many(o.stream, [vals[j] for j in idx], [ks[j] for j in idx], streamlet=sl)
+            if keys is not None:
+                keys = _binary(keys)
+            if by_key and keys is not None:
+                count = o.streamlet_count
+                sl = np.fromiter((key_streamlet(k, count) if k else j % count  # hashing: per record
+                                  for j, k in enumerate(keys.to_pylist())), np.int64, len(keys))
+                order = np.argsort(sl, kind="stable")
+                values, keys = values.take(order), keys.take(order)
+                bounds = np.searchsorted(sl[order], np.arange(count + 1))
+                parts = [(i, int(a), int(z)) for i, (a, z) in enumerate(pairwise(bounds)) if z > a]
             else:
-                p.send_many(o.stream, vals, ks)
+                parts = [(None, 0, len(values))]
+            for streamlet, a, z in parts:
+                voff, vdata = _columns(values.slice(a, z - a))
+                koff, kdata = _columns(keys.slice(a, z - a)) if keys is not None else (None, b"")
+                p.send_columns(o.stream, voff, vdata, koff, kdata, streamlet=streamlet)
             n += b.num_rows
         p.flush(o.flush_timeout)
     return KeraCommit(n)

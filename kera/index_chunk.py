@@ -1,0 +1,108 @@
+"""Index chunks: an adopted segment, described in a chunk its new owner replicates.
+
+A recovery hands a new owner a dead broker's settled segments as *index*
+(per chunk: its end, the vseg of the dead incarnation holding it and the
+offset there) instead of bodies (``kera.repoint_plan``). The new owner makes
+each adoption durable before the streamlet serves by appending one index
+chunk per adopted segment to the group's own virtual log, through the normal
+replication path. If the new owner dies too, its vlogs hold these chunks
+where the segment's data would be: its recovery adopts the segment again
+from them (by replay, or from the backups' index of a settled vseg), naming
+the original copies, so a chain of failures never chains indirections.
+
+An index chunk is an ordinary chunk (header, one record, checksums) with the
+``chunk.INDEX`` flag; its header places it at (group, segment, 0) of the
+segment it describes and names the segment's first producer (the group's
+slot). Its one value is little-endian u64s::
+
+    MAGIC, source broker, source vlog, n (chunks), m (vsegs), k (copies)
+    n rows: end in the segment, vseg, offset in the vseg, producer, sequence
+    m vsegs: vseg id, copies of it
+    k backup ids, the copies of each vseg in turn
+
+One format serves the ``adopt`` request, the owner's vlog and the replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import chunk
+from .errors import InvalidArgument, ProtocolError
+from .limits import MAX_CHUNK
+
+MAGIC = 0x3158444E494B  # "KINDX1"
+ROW = 5                 # u64s per chunk row
+HEAD = 6
+MAX_ROWS = (MAX_CHUNK - chunk.HEADER_SIZE - 4096) // (8 * (ROW + 2))  # rows an index chunk holds
+
+
+@dataclass(slots=True)
+class SegmentIndex:
+    """One adopted segment: where each of its chunks lies among a dead incarnation's vsegs."""
+
+    stream: int
+    streamlet: int
+    group: int
+    segment: int
+    source: int            # the broker whose vsegs hold the chunks
+    vlog: int              # its vlog (the epoch in the high bits)
+    rows: np.ndarray       # (n, 5) u64: end, vseg, vseg offset, producer, sequence
+    copies: dict[int, list[int]]  # vseg -> backups holding it whole
+
+    @property
+    def head(self) -> int:
+        return int(self.rows[-1, 0])
+
+    def producers(self) -> dict[int, int]:
+        """Each producer's highest sequence in the segment (resends stay duplicates)."""
+        out: dict[int, int] = {}
+        for p in np.unique(self.rows[:, 3]).tolist():
+            out[p] = int(self.rows[self.rows[:, 3] == p, 4].max())
+        return out
+
+
+def build(ix: SegmentIndex) -> bytes:
+    """The index chunk of ``ix`` (its placement is the segment's start)."""
+    n = len(ix.rows)
+    if not 0 < n <= MAX_ROWS:
+        raise InvalidArgument(f"an index chunk holds 1..{MAX_ROWS} rows, not {n}")
+    vsegs = sorted(ix.copies)
+    head = np.array([MAGIC, ix.source, ix.vlog, n, len(vsegs), sum(len(ix.copies[v]) for v in vsegs)],
+                    "<u8")
+    per = np.array([[v, len(ix.copies[v])] for v in vsegs], "<u8").reshape(-1, 2)
+    backups = np.array([b for v in vsegs for b in ix.copies[v]], "<u8")
+    value = b"".join((head.tobytes(), np.ascontiguousarray(ix.rows, "<u8").tobytes(), per.tobytes(),
+                      backups.tobytes()))
+    data = bytearray(chunk.build(ix.stream, ix.streamlet, int(ix.rows[0, 3]), 0, [value], timestamps=0,
+                                 flags=chunk.INDEX))
+    chunk.place(data, 0, ix.group, ix.segment, 0)
+    return bytes(data)
+
+
+def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
+    """The segment an index chunk (verified by the caller's ``chunk.scan``) describes."""
+    h = h or chunk.parse_header(data)
+    if not h.flags & chunk.INDEX or h.record_count != 1 or h.offset != 0:
+        raise ProtocolError("not an index chunk")
+    value = chunk.ChunkView(data, 0, h).value_data
+    if len(value) < 8 * HEAD or len(value) % 8:
+        raise ProtocolError("index chunk too short")
+    a = np.frombuffer(value, "<u8")
+    magic, source, vlog, n, m, k = (int(x) for x in a[:HEAD])
+    if magic != MAGIC or n == 0 or len(a) != HEAD + ROW * n + 2 * m + k:
+        raise ProtocolError("index chunk is not a segment index")
+    rows = a[HEAD:HEAD + ROW * n].reshape(n, ROW)
+    per = a[HEAD + ROW * n:HEAD + ROW * n + 2 * m].reshape(m, 2)
+    backups = a[HEAD + ROW * n + 2 * m:].tolist()
+    if int(per[:, 1].sum()) != k:
+        raise ProtocolError("index chunk copies disagree")
+    copies, at = {}, 0
+    for v, c in per.tolist():
+        copies[v] = backups[at:at + c]
+        at += c
+    if not set(np.unique(rows[:, 1]).tolist()) <= copies.keys() or (np.diff(rows[:, 0].astype(np.int64)) <= 0).any():
+        raise ProtocolError("index chunk rows name vsegs it has no copies of, or are out of order")
+    return SegmentIndex(h.stream_id, h.streamlet, h.group, h.segment, source, vlog, rows, copies)
