@@ -7,6 +7,7 @@
     python -m bench latency [--quick]    # p50/p99 ack latency at half the maximum rate, R=3
     python -m bench metadata [--quick]   # 100k streams: create rate, RSS per stream, fan-out (bench/metadata.py)
     python -m bench soak [--quick]       # retention: ingest 8 GiB past a 256 MiB broker budget
+    python -m bench hops [--label L]     # CPU us per 1-record chunk on each hop (bench/hops.py)
 
 Each writes bench/results/<experiment>.json and .png and prints a table. Ratios
 compare runs of the same invocation on the same machine, same record size,
@@ -195,6 +196,10 @@ def main() -> None:
     if sys.argv[1:2] == ["soak"]:  # its own options (bench/soak.py)
         from .soak import main as soak
         soak(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["hops"]:  # its own options (bench/hops.py)
+        from .hops import main as hops
+        hops(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(prog="python -m bench")
     ap.add_argument("experiment", choices=["compare", "streams", "throughput", "vlogs", "latency", "metadata",

@@ -56,6 +56,13 @@ _TS = struct.Struct("<q")
 _ZERO = (0,)
 assert sys.byteorder == "little" and array("I").itemsize == 4, "chunks are little endian"
 NO_PLACEMENT = 0xFFFFFFFF
+# the header as a numpy record: many headers are read or built as arrays (one pass per request)
+HEADER_DTYPE = np.dtype([
+    ("magic", "S2"), ("version", "u1"), ("flags", "u1"), ("stream_id", "<u8"), ("streamlet", "<u4"),
+    ("record_count", "<u4"), ("producer_id", "<u8"), ("sequence", "<u8"), ("ts_min", "<i8"),
+    ("ts_max", "<i8"), ("group", "<u4"), ("segment", "<u4"), ("offset", "<u4"), ("body_len", "<u4"),
+    ("body_checksum", "<u8"), ("reserved", "<u8"), ("header_checksum", "<u4")])
+assert HEADER_DTYPE.itemsize == 88
 SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on the streamlet
 INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.index_chunk``)
 COMPACTED = 0x04  # flags: rewritten by compaction; original record indices follow the values
@@ -169,6 +176,92 @@ def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, 
                         flags)
 
 
+_PADS = np.array([bytes(i) for i in range(8)], dtype=object)
+
+
+def pack_many(stream_ids, streamlets, producer_id: int, sequences, flags, counts, values,
+              keys=None, timestamps=None) -> tuple[bytearray, list[int], list[int]]:
+    """Pack many chunks back to back in one pass: what ``build`` makes, chunk after chunk.
+
+    Chunk ``i`` holds the next ``counts[i]`` records of ``values`` (and ``keys``: None for
+    no key at all, else one key or None per record) with int64 millisecond ``timestamps``
+    (one per record). Header fields and offsets are numpy arrays over all chunks at once,
+    the bytes are placed by one join; only the two checksums and the header's placing are
+    a call per chunk. Returns the bytes and each chunk's start and size in them.
+    """
+    counts = np.asarray(counts, np.int64)
+    k, n = len(counts), len(values)
+    if k == 0 or int(counts.min()) < 1 or int(counts.sum()) != n:
+        raise ValueError("chunk record counts disagree with the records")
+    first = np.zeros(k, np.int64)
+    np.cumsum(counts[:-1], out=first[1:])
+    owner = np.repeat(np.arange(k), counts)         # record -> its chunk
+    within = np.arange(n) - first[owner]           # record -> its index in its chunk
+    vlen = np.fromiter(map(len, values), np.int64, n)
+    klen = np.zeros(n, np.int64)
+    if keys is not None:
+        keys = [x or b"" for x in keys]
+        klen = np.fromiter(map(len, keys), np.int64, n)
+    vsum, ksum = np.add.reduceat(vlen, first), np.add.reduceat(klen, first)
+    _check_limits(int(counts.max()), 0)
+    index = 16 * counts + 8                         # timestamps and the two offset arrays
+    body = (index + ksum + vsum + 7) & ~7
+    if int(body.max()) + HEADER_SIZE > MAX_CHUNK:
+        i = int(body.argmax())
+        _check_limits(int(counts[i]), int(ksum[i] + vsum[i]))
+    # each chunk's header (zeros until its checksums are known) and index part, back to back
+    fix = HEADER_SIZE + index
+    at = np.zeros(k, np.int64)
+    np.cumsum(fix[:-1], out=at[1:])
+    fixed = np.zeros(int(fix.sum()), np.uint8)
+    ts = np.asarray(timestamps, np.int64)
+    fixed.view("<i8")[(at[owner] + HEADER_SIZE) // 8 + within] = ts
+    koff = (at + HEADER_SIZE + 8 * counts) // 4
+    voff = koff + counts + 1
+    u32 = fixed.view("<u4")
+    kcum, vcum = np.cumsum(klen), np.cumsum(vlen)
+    u32[koff[owner] + 1 + within] = kcum - (kcum[first] - klen[first])[owner]
+    u32[voff[owner] + 1 + within] = vcum - (vcum[first] - vlen[first])[owner]
+    # [header and index part, keys..., values..., padding] per chunk, in one join (slices of
+    # bytes, not views: nothing here is left for the cyclic collector to walk)
+    per = 2 + (2 if keys is not None else 1) * counts
+    slot = np.zeros(k, np.int64)
+    np.cumsum(per[:-1], out=slot[1:])
+    parts = np.empty(int(per.sum()), dtype=object)
+    fb = fixed.tobytes()
+    parts[slot] = [fb[a:a + z] for a, z in zip(at.tolist(), fix.tolist(), strict=True)]
+    rec = slot[owner] + 1 + within
+    if keys is not None:
+        parts[rec] = keys
+        rec = rec + counts[owner]
+    parts[rec] = values
+    parts[slot + per - 1] = _PADS[body - index - ksum - vsum]
+    buf = bytearray().join(parts.tolist())
+    mv = memoryview(buf)
+    size = body + HEADER_SIZE
+    start = np.zeros(k, np.int64)
+    np.cumsum(size[:-1], out=start[1:])
+    starts, sizes = start.tolist(), size.tolist()
+    h = np.zeros(k, HEADER_DTYPE)
+    h["magic"], h["version"], h["flags"] = MAGIC, VERSION, flags
+    h["stream_id"], h["streamlet"], h["record_count"] = stream_ids, streamlets, counts
+    h["producer_id"], h["sequence"] = producer_id, sequences
+    h["ts_min"], h["ts_max"] = np.minimum.reduceat(ts, first), np.maximum.reduceat(ts, first)
+    h["group"] = h["segment"] = h["offset"] = NO_PLACEMENT
+    h["body_len"] = body
+    b3 = xxhash.xxh3_64_intdigest
+    h["body_checksum"] = np.fromiter((b3(mv[a + HEADER_SIZE:a + z]) for a, z in zip(starts, sizes, strict=True)),
+                                     np.uint64, k)
+    hb = h.tobytes()
+    x32 = xxhash.xxh32_intdigest
+    h["header_checksum"] = np.fromiter((x32(hb[i:i + _CHECKED]) for i in range(0, k * HEADER_SIZE, HEADER_SIZE)),
+                                       np.uint32, k)
+    hb = h.tobytes()
+    for a, i in zip(starts, range(0, k * HEADER_SIZE, HEADER_SIZE), strict=True):
+        mv[a:a + HEADER_SIZE] = hb[i:i + HEADER_SIZE]
+    return buf, starts, sizes
+
+
 def with_flags(data, flags: int) -> bytes:
     """A copy of the chunk in ``data`` with its header flags set to ``flags`` (checksum resealed)."""
     head = bytearray(data[:HEADER_SIZE])
@@ -216,6 +309,46 @@ def scan(buf, verify_bodies: bool = True) -> list[tuple[ChunkHeader, int]]:
         out.append((h, pos))
         pos += h.size
     return out
+
+
+_BODY_LEN = struct.Struct("<I")
+_BODY_LEN_AT = 64
+
+
+def scan_headers(buf) -> tuple[np.ndarray, list[int]]:
+    """``scan`` in one pass: every chunk filling ``buf`` exactly, checked as ``verify`` checks
+    one, its header as a ``HEADER_DTYPE`` record and its offset.
+
+    The walk reads each chunk's length, the checks on the header fields are array
+    comparisons, the checksums one call per chunk. On any damage ``scan`` runs again
+    over ``buf`` to raise the typed error of the first bad chunk.
+    """
+    n = len(buf)
+    if n == 0:
+        return np.zeros(0, HEADER_DTYPE), []
+    offs = []
+    pos = 0
+    unpack = _BODY_LEN.unpack_from
+    while pos + HEADER_SIZE <= n:
+        offs.append(pos)
+        pos += HEADER_SIZE + unpack(buf, pos + _BODY_LEN_AT)[0]
+    mv = memoryview(buf)
+    if pos == n and offs:
+        hb = b"".join([mv[o:o + HEADER_SIZE] for o in offs])
+        h = np.frombuffer(hb, HEADER_DTYPE)
+        rc, bl = h["record_count"], h["body_len"]
+        x32, b3 = xxhash.xxh32_intdigest, xxhash.xxh3_64_intdigest
+        if (h["magic"] == MAGIC).all() and (h["version"] == VERSION).all() \
+                and (np.fromiter(map(x32, (hb[i:i + _CHECKED] for i in range(0, len(hb), HEADER_SIZE))),
+                                 np.uint32, len(offs)) == h["header_checksum"]).all() \
+                and (rc > 0).all() and (rc <= MAX_RECORDS).all() and not (bl % 8).any() \
+                and (bl >= 16 * rc.astype(np.int64) + 8).all() \
+                and (np.fromiter(map(b3, (mv[o + HEADER_SIZE:o + HEADER_SIZE + z]
+                                          for o, z in zip(offs, bl.tolist(), strict=True))),
+                                 np.uint64, len(offs)) == h["body_checksum"]).all():
+            return h, offs
+    scan(buf)  # raises the first chunk's error
+    raise ProtocolError("damaged chunks")  # not reached: what fails above fails there
 
 
 def place(buf, offset: int, group: int, segment: int, seg_offset: int) -> None:

@@ -265,7 +265,7 @@ def test_replica_memory_parts_release():
     payloads = [b"".join(chunks[:2]), chunks[2], chunks[3]]
     for p in payloads:
         mv = memoryview(p)
-        rep.append(mv, chunk.scan(mv))
+        rep.append(mv, *chunk.scan_headers(mv))
     assert rep.chunks == 4 and rep.length == sum(map(len, chunks))
     b = bounds(chunks)
     start, stop, _, _ = rep.plan_read(b[1][0], 10**6)

@@ -399,3 +399,55 @@ def test_inconsistent_offsets_are_refused_by_readers():
         chunk.verify(bad)  # the checksums are right
         with pytest.raises(ProtocolError):
             chunk.ChunkView(bad)
+
+
+# --- many chunks in one pass (the producer's and the broker's per-request paths) ----------
+
+
+@FEW
+@given(st.lists(st.tuples(ids, records, st.sampled_from([0, chunk.SEQ_RESET])), min_size=1, max_size=6),
+       st.booleans())
+def test_pack_many_equals_build(chunks, with_keys):
+    """One pass over many chunks makes the bytes ``build`` makes, chunk after chunk."""
+    want = [build(i[0], i[1], 7, i[3], [v for _, v, _ in rs], [k for k, _, _ in rs] if with_keys else None,
+                  [t for _, _, t in rs], flags=f) for i, rs, f in chunks]
+    recs = [r for _, rs, _ in chunks for r in rs]
+    data, starts, sizes = chunk.pack_many(
+        [i[0] for i, _, _ in chunks], [i[1] for i, _, _ in chunks], 7, [i[3] for i, _, _ in chunks],
+        [f for _, _, f in chunks], [len(rs) for _, rs, _ in chunks], [v for _, v, _ in recs],
+        [k for k, _, _ in recs] if with_keys else None, [t for _, _, t in recs])
+    assert bytes(data) == b"".join(want)
+    assert sizes == [len(w) for w in want]
+    assert starts == np.cumsum([0] + sizes[:-1]).tolist()
+
+
+@FEW
+@given(st.lists(st.tuples(ids, records), min_size=1, max_size=5))
+def test_scan_headers_matches_scan(chunks):
+    buf = b"".join(make(ident, recs) for ident, recs in chunks)
+    heads, offs = chunk.scan_headers(buf)
+    got = scan(buf)
+    assert offs == [off for _, off in got]
+    for f in ("flags", "stream_id", "streamlet", "record_count", "producer_id", "sequence", "body_len",
+              "body_checksum"):
+        assert heads[f].tolist() == [getattr(h, f) for h, _ in got]
+
+
+def test_scan_headers_empty():
+    heads, offs = chunk.scan_headers(b"")
+    assert len(heads) == 0 and offs == []
+
+
+@FEW
+@given(st.lists(st.tuples(ids, records), min_size=1, max_size=4), st.data())
+def test_scan_headers_raises_what_scan_raises(chunks, data):
+    """Any flipped bit or trailing byte: the typed error of the first damaged chunk."""
+    buf = b"".join(make(ident, recs) for ident, recs in chunks)
+    if data.draw(st.booleans()):
+        bad = flip(buf, data.draw(st.integers(0, 8 * len(buf) - 1)))
+    else:
+        bad = buf + data.draw(st.binary(min_size=1, max_size=100))
+    with pytest.raises(DAMAGE) as want:
+        scan(bad)
+    with pytest.raises(type(want.value), match=str(want.value)):
+        chunk.scan_headers(bad)

@@ -206,7 +206,7 @@ async def test_broker_killed_yields_one_report_per_record(make_cluster):
 
 def test_a_failing_callback_leaves_the_other_reports_queued():
     from kera_client.delivery import Deliveries
-    from kera_client.producer import _Sealed
+    from kera_client.accumulator import Outgoing
 
     d, got = Deliveries(queued=True), []
 
@@ -216,7 +216,7 @@ def test_a_failing_callback_leaves_the_other_reports_queued():
             raise ValueError("callback failed")
 
     entries = [(i, cb, 0.0, None, v) for i, v in enumerate([b"a", b"bad", b"c"])]
-    d.settle(_Sealed((1, 0), 0, b"", 3, 0.0, entries), "s", None, (0, 0, 64))
+    d.settle(Outgoing.packed((1, 0), 0, b"", 3, 0.0, entries), "s", None, (0, 0, 64))
     with pytest.raises(ValueError):
         d.serve()
     assert d.serve() == 1 and got == [b"a", b"bad", b"c"] and d.serve() == 0

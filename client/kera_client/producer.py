@@ -43,6 +43,7 @@ from kera.errors import KeraError, RecordTooLarge, UnknownStream
 from kera.limits import MAX_CHUNK, MAX_REQUEST
 from kera.rpc import open_pool, unwrapped
 
+from .accumulator import Outgoing, pack
 from .admin import default_coordinator, suspect
 from .delivery import TIMEOUT, BatchWaiter, Deliveries, Pending
 from .partitioner import RoundRobin, key_streamlet
@@ -122,33 +123,6 @@ def _wall_ms(monotonic: float) -> int:
     return int((time.time() - (time.monotonic() - monotonic)) * 1000)
 
 
-class _Batch:
-    """An open chunk: records of one streamlet, columns kept as lists until sealed."""
-
-    __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky", "reports")
-
-    def __init__(self, key: tuple, created: float, deadline: float, sticky: bool):
-        self.key = key
-        self.values: list[bytes] = []
-        self.keys: list[bytes | None] | None = None   # only once a record has a key
-        self.ts: list[int] | None = None              # only once a record has its own timestamp
-        self.size = 0
-        self.created = created  # the first record's arrival: latencies count from here
-        self.deadline = deadline
-        self.sticky = sticky    # the round-robin streamlet of its stream, until sealed
-        self.reports: list | None = None  # (index, callback, send time, key, value) of records with one
-
-
-class _Sealed:
-    """A chunk ready to leave; ``data`` is replaced by a SEQ_RESET copy if it follows a hole."""
-
-    __slots__ = ("key", "seq", "data", "records", "created", "reports")
-
-    def __init__(self, key, seq, data, records, created, reports=None):
-        self.key, self.seq, self.data, self.records, self.created = key, seq, data, records, created
-        self.reports = reports  # its records' callbacks (a list), a batch call's BatchWaiter, or None
-
-
 class AsyncProducer:
     """The trio-native producer. Use ``open_producer`` (or ``Producer`` from sync code)."""
 
@@ -170,8 +144,8 @@ class AsyncProducer:
         self.streams: dict[str, dict] = {}
         self.by_id: dict[int, dict] = {}
         self.rr = RoundRobin()
-        self.batches: dict[tuple, _Batch] = {}
-        self.sticky: dict[int, _Batch] = {}   # stream id -> open round-robin batch
+        self.batches: dict[tuple, Outgoing] = {}
+        self.sticky: dict[int, Outgoing] = {}   # stream id -> open round-robin chunk
         self.linger_q: deque = deque()
         self.seq: dict[tuple, int] = {}
         self.gaps: dict[tuple, int] = {}       # streamlet -> highest sequence given up, not yet reset
@@ -246,7 +220,7 @@ class AsyncProducer:
             f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
             bound=bound, size=size)
 
-    def _batch(self, s: dict, key) -> _Batch:
+    def _batch(self, s: dict, key) -> Outgoing:
         if key is None or not self.by_key:
             b = self.sticky.get(s["id"])
             if b is None:
@@ -291,43 +265,45 @@ class AsyncProducer:
             b.reports.append((len(b.values), cb, time.monotonic(), key, value))
         b.values.append(value)
         b.size += n
+        b.charged += n
         self.buffered += n
         self.outstanding += 1
         if b.size >= self.chunk_size:
             self._seal(b)
             self._notify()
 
-    def _open(self, s: dict, streamlet: int, sticky: bool) -> _Batch:
+    def _open(self, s: dict, streamlet: int, sticky: bool) -> Outgoing:
         now = time.monotonic()
         k = (s["id"], streamlet)
-        b = self.batches[k] = _Batch(k, now, now + self.linger, sticky)
+        b = self.batches[k] = Outgoing(k, now, now + self.linger, sticky)
         if sticky:
             self.sticky[s["id"]] = b
-        self.linger_q.append((b.deadline, b))
+        self.linger_q.append(b)  # open chunks, oldest deadline first
         if len(self.linger_q) == 1:
             self._notify()
         return b
 
-    def _seal(self, b: _Batch) -> None:
+    def _seal(self, b: Outgoing) -> None:
+        """Close the open chunk and queue it with the next sequence; it is packed with the
+        other chunks of the request it leaves in (``accumulator.pack``)."""
         k = b.key
         del self.batches[k]
         if b.sticky:
             del self.sticky[k[0]]
             self.rr.sealed(k[0], self.by_id[k[0]]["streamlets"])
-        ts = b.ts if b.ts is not None else _wall_ms(b.created)  # records without their own: the chunk's first
-        seq = self.seq.get(k, 0)
-        self._enqueue(k, seq, chunkfmt.build(k[0], k[1], self.producer_id, seq, b.values, b.keys, ts),
-                      len(b.values), b.created, b.reports)
+        # records without their own timestamp get the chunk's first record's arrival
+        b.seal(self.seq.get(k, 0), _wall_ms(b.created) if b.ts is None else 0)
+        self._enqueue(b)
 
-    def _enqueue(self, k, seq: int, data: bytes, records: int, created: float | None = None,
-                 reports=None) -> None:
-        """Queue a chunk built with sequence ``seq``: only now is the sequence taken, so a
-        build that failed leaves no hole."""
-        self.seq[k] = seq + 1
+    def _enqueue(self, c: Outgoing) -> None:
+        """Queue a sealed chunk: only now is its sequence taken, so a build that failed
+        leaves no hole."""
+        k = c.key
+        self.seq[k] = c.seq + 1
         q = self.ready.get(k)
         if q is None:
             q = self.ready[k] = deque()
-        q.append(_Sealed(k, seq, data, records, created or time.monotonic(), reports))
+        q.append(c)
 
     def _wait_space(self) -> None:
         """Block the calling (non-loop) thread while the buffer is full."""
@@ -420,12 +396,14 @@ class AsyncProducer:
                 seq = self.seq.get(k, 0)
                 data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, ts[a:b], ko,
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])
+                c = Outgoing.packed(k, seq, data, b - a, time.monotonic(), w)
+                c.charged = len(data)
                 self.buffered += len(data)
                 self.outstanding += b - a
                 if w is not None:
                     w.pending += 1
                     self.delivery.used = True
-                self._enqueue(k, seq, data, b - a, reports=w)
+                self._enqueue(c)
             self._notify()
         return self._closed(w, cb)
 
@@ -442,8 +420,8 @@ class AsyncProducer:
     # -- sending (loop thread) ----------------------------------------------------
     def _seal_expired(self, now: float) -> None:
         q = self.linger_q
-        while q and q[0][0] <= now:
-            _, b = q.popleft()
+        while q and q[0].deadline <= now:
+            b = q.popleft()
             if self.batches.get(b.key) is b:
                 self._seal(b)
 
@@ -487,18 +465,21 @@ class AsyncProducer:
                 items = plans.setdefault(addr, [])
                 taken = len(items)
                 gap = self.gaps.get(k)
-                while q and (sizes.get(addr, 0) == 0 or sizes[addr] + len(q[0].data) <= self.request_size):
+                while q and (sizes.get(addr, 0) == 0 or sizes[addr] + q[0].size <= self.request_size):
                     c = q.popleft()
                     if now - c.created > self.delivery_timeout:
                         self._give_up([c], TIMEOUT)
                         gap = self.gaps[k]
                         continue
                     if gap is not None and c.seq > gap:  # the first chunk after a hole: a new base
-                        c.data = chunkfmt.with_flags(c.data, chunkfmt.SEQ_RESET)
+                        if c.data is None:
+                            c.flags |= chunkfmt.SEQ_RESET
+                        else:
+                            c.data, c.start = chunkfmt.with_flags(c.chunk(), chunkfmt.SEQ_RESET), 0
                         del self.gaps[k]
                         gap = None
                     items.append(c)
-                    sizes[addr] = sizes.get(addr, 0) + len(c.data)
+                    sizes[addr] = sizes.get(addr, 0) + c.size
                 if len(items) > taken:
                     self.inflight_keys.add(k)
                 if not q:
@@ -557,7 +538,9 @@ class AsyncProducer:
             meta["positions"] = True  # where each chunk was placed, for its delivery reports
         where = {}
         try:
-            r, _ = await self.pool.call(addr, "produce", meta, parts=[c.data for c in items],
+            whole = pack(items, self.producer_id)
+            r, _ = await self.pool.call(addr, "produce", meta,
+                                        parts=[whole] if whole is not None else [c.chunk() for c in items],
                                         timeout=self.request_timeout)
             results = [None] * len(items)  # the broker names only the chunks it refused
             for i, code in r["errors"]:
@@ -579,7 +562,7 @@ class AsyncProducer:
                 if res is None:
                     self.acked += c.records
                     self.outstanding -= c.records
-                    self.buffered -= len(c.data)
+                    self.buffered -= c.charged
                     self.latencies.append(now - c.created)
                     if c.reports is not None:
                         self.delivery.settle(c, self.by_id[c.key[0]]["name"], None, where.get(i))
@@ -607,7 +590,7 @@ class AsyncProducer:
         for c in cs:
             self.failed += c.records
             self.outstanding -= c.records
-            self.buffered -= len(c.data)
+            self.buffered -= c.charged
             if c.seq > gaps.get(c.key, -1):
                 gaps[c.key] = c.seq
             if c.reports is not None:
@@ -626,7 +609,7 @@ class AsyncProducer:
             with self.lock:
                 self._seal_expired(now)
             next_retry = self._dispatch(now)
-            deadline = min(next_retry, self.linger_q[0][0] if self.linger_q else math.inf)
+            deadline = min(next_retry, self.linger_q[0].deadline if self.linger_q else math.inf)
             with trio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await self._wake.wait()
             self._wake = trio.Event()

@@ -19,12 +19,13 @@ or on a file read are indexed apart and never served.
 
 from __future__ import annotations
 
-import struct
 from array import array
 from bisect import bisect_left, bisect_right, insort
 
+import numpy as np
 import xxhash
 
+from ..chunk import HEADER_SIZE
 from ..errors import InvalidArgument
 from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
@@ -85,13 +86,14 @@ class Replica:
 
     # -- appends -----------------------------------------------------------
 
-    def append(self, payload: memoryview, chunks) -> None:
-        """Append verified whole chunks; ``chunks`` is ``kera.chunk.scan(payload)``."""
+    def append(self, payload: memoryview, heads, offs) -> None:
+        """Append verified whole chunks: ``kera.chunk.scan_headers(payload)`` (array work only)."""
         assert not self.closed and not self.damaged
         base = self.length
-        self.starts.extend([base + off for _, off in chunks])
-        self.ends.extend([base + off + h.size for h, off in chunks])
-        self.digest.update(struct.pack(f"<{len(chunks)}Q", *[h.body_checksum for h, _ in chunks]))
+        starts = np.asarray(offs, np.uint64) + np.uint64(base)
+        self.starts.frombytes(starts.tobytes())
+        self.ends.frombytes((starts + heads["body_len"] + np.uint64(HEADER_SIZE)).astype("<u8").tobytes())
+        self.digest.update(heads["body_checksum"].astype("<u8").tobytes())
         self.blocks.append(payload)
         self.block_starts.append(base)
         self.length = base + payload.nbytes

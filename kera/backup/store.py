@@ -57,10 +57,11 @@ def length_error(msg: str, length: int) -> BackupError:
     return err
 
 
-def scan_payload(mv: memoryview) -> list:
-    """The payload's chunks, each verified (one call per chunk); refused unless all whole and valid."""
+def scan_payload(mv: memoryview):
+    """The payload's chunks verified in one pass: (headers as an array, offsets); refused
+    unless all whole and valid."""
     try:
-        return chunkfmt.scan(mv)
+        return chunkfmt.scan_headers(mv)
     except ChecksumError as e:
         raise ChecksumError(f"replicate payload: {e}; nothing stored") from None
     except ProtocolError as e:
@@ -214,8 +215,8 @@ class BackupStore:
         if self.unflushed + d.take > self.max_memory:
             raise BackupError(f"backup memory full ({self.unflushed} bytes not yet on disk); retry")
 
-    def commit(self, d: Decision, payload: memoryview, chunks: list) -> Replica:
-        """Store what ``d`` accepted: its ``d.take`` bytes (verified into ``chunks``), the close."""
+    def commit(self, d: Decision, payload: memoryview, chunks) -> Replica:
+        """Store what ``d`` accepted: its ``d.take`` bytes (verified: ``scan_payload``), the close."""
         assert payload.nbytes == d.take
         self.check_limits(d)
         need = self.need(d)
@@ -226,8 +227,8 @@ class BackupStore:
             self.replicas[d.key] = rep
         self.broker_epochs[d.key[0]] = max(self.broker_epochs.get(d.key[0], 0), d.epoch)
         if d.take:
-            rep.append(payload, chunks)
-            d.chunks = len(chunks)
+            rep.append(payload, *chunks)
+            d.chunks = len(chunks[1])
             self.unflushed += d.take
             self.memory += d.take
         if d.close:
@@ -243,7 +244,7 @@ class BackupStore:
         d = self.accept_replicate(key, epoch, offset, payload.nbytes, close)
         if d.stores:
             mv = payload if payload.nbytes == d.take else payload[:d.take]
-            self.commit(d, mv, scan_payload(mv) if d.take else [])
+            self.commit(d, mv, scan_payload(mv) if d.take else None)
         return d
 
     # -- registry ----------------------------------------------------------------------------

@@ -350,31 +350,36 @@ class BrokerService(Service):
         acks = meta.get("acks", "all")
         if acks not in ("all", "leader", "none"):
             raise InvalidArgument(f"acks must be all, leader or none, not {acks!r}")
-        chunks = chunk.scan(payload)  # every checksum verified before anything is stored
+        # every checksum verified before anything is stored; header fields as arrays
+        heads, offs = chunk.scan_headers(payload)
         self.requests += 1
         errors = []
         placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
         waits: dict[Replicator, int] = {}
         streams, streamlets = self.streams, self.streamlets
-        for i, (h, off) in enumerate(chunks):
+        reset = chunk.SEQ_RESET
+        for i, (sid, index, producer, seq, flags, off, size, checksum) in enumerate(zip(
+                heads["stream_id"].tolist(), heads["streamlet"].tolist(), heads["producer_id"].tolist(),
+                heads["sequence"].tolist(), heads["flags"].tolist(), offs,
+                (heads["body_len"] + chunk.HEADER_SIZE).tolist(), heads["body_checksum"].tolist(),
+                strict=True)):
             try:
-                sl = streamlets.get((h.stream_id, h.streamlet))
+                sl = streamlets.get((sid, index))
                 if sl is None or sl.recovering:
-                    sl = self._streamlet(h.stream_id, h.streamlet)  # raises the right error
-                st = sl.check_sequence(h.producer_id, h.sequence, h.flags & chunk.SEQ_RESET)
+                    sl = self._streamlet(sid, index)  # raises the right error
+                st = sl.check_sequence(producer, seq, flags & reset)
                 if st is not None:  # a resend of a chunk already appended: acked once it is durable
                     for v, ref in st.waits():
                         if waits.get(v, 0) < ref:
                             waits[v] = ref
                     continue
-                size = h.size
-                g, seg, soff = sl.append(payload[off:off + size], h.producer_id)
+                g, seg, soff = sl.append(payload[off:off + size], producer)
                 chunk.place(seg.view, soff, g.id, seg.id, soff)
                 if placed is not None:
                     placed.append((i, g.id, seg.id, soff))
-                vlog = g.vlog or self.vlog_for(streams[h.stream_id], h.streamlet, g)
-                idx = vlog.append(seg, soff, size, h.body_checksum)
-                sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + size)
+                vlog = g.vlog or self.vlog_for(streams[sid], index, g)
+                idx = vlog.append(seg, soff, size, checksum)
+                sl.note_producer(producer, seq, vlog, idx, seg, soff + size)
                 waits[vlog] = sl.tails[vlog] = idx
                 sl.plain_last = sl.appended_chunks
             except KeraError as e:

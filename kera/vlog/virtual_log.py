@@ -30,6 +30,7 @@ an avoidance ends.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 
 from ..limits import REPLICATE_BATCH
@@ -204,11 +205,10 @@ class VirtualLog:
 
     def _message(self, vs: VirtualSegment, c: Copy) -> Send | None:
         start = vs.index_at(c.acked)
-        stop, nbytes = start, 0
         n = len(vs.refs)
-        while stop < n and (nbytes == 0 or nbytes + vs.refs[stop][2] <= self.batch):
-            nbytes += vs.refs[stop][2]
-            stop += 1
+        # the refs that fit ``batch`` bytes, at least one: a search over the cumulative ends
+        base = vs.ends[start - 1] if start else 0
+        stop = min(n, max(start + 1, bisect_right(vs.ends, base + self.batch, start)))
         close = vs.closed and stop == n and not c.closed
         if stop == start and not close:
             return None

@@ -1,0 +1,128 @@
+"""Per-hop cost: CPU microseconds per chunk at 1-record chunks, on each hop.
+
+    python -m bench hops [--label NAME] [--streams 512] [--records 60000] [--repeats 3]
+
+One producer (this process) sends 100-byte records round-robin over many
+single-streamlet R=3 streams with ``chunk.size`` 1, so every chunk holds one
+record. Each hop's cost is its process's CPU time (utime + stime from
+/proc/<pid>/stat, all threads; the producer's from ``getrusage``) over the
+measured workload, divided by the chunks that hop handled: the producer's
+chunks built, sealed and sent; the brokers' chunks appended (parse, verify,
+append, vlog ref, ack); the backups' chunks written (R - 1 copies of each).
+CPU time, not wall time, so the figures hold on a loaded machine. Idle work
+(heartbeats) is included and small against the workload.
+
+Results go to bench/results/hops.json under ``--label`` (runs of other
+labels are kept, so a before/after pair sits in one file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+from .kera_side import KeraRun
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    """Seconds of CPU (user + system, all threads) the process used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def _self_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _pids(run: KeraRun, kind: str) -> list[int]:
+    return [p.pid for name, p in run.cluster.procs.items() if name.endswith(f"-{kind}")]
+
+
+def one_run(run: KeraRun, streams: list[str], records: int, size: int, replication: int) -> dict:
+    from kera_client import Producer
+
+    cfg = {"acks": "all", "linger.ms": 5, "chunk.size": 1}
+    p = Producer(run.cluster.coordinator, cfg)
+    try:
+        p.portal.call(p._p.load_metadata, streams)
+        value = b"x" * size
+        s = len(streams)
+        for i in range(2 * s):  # warm: connections, vlogs, first segments and replica files
+            p.send(streams[i % s], value)
+        p.flush()
+        brokers, backups = _pids(run, "broker"), _pids(run, "backup")
+        before = run.stats()
+        c0 = (_self_cpu(), [_cpu(x) for x in brokers], [_cpu(x) for x in backups])
+        t0 = time.monotonic()
+        send = p.send
+        for i in range(records):
+            send(streams[i % s], value)
+        p.flush()
+        wall = time.monotonic() - t0
+        c1 = (_self_cpu(), [_cpu(x) for x in brokers], [_cpu(x) for x in backups])
+        after = run.stats()
+    finally:
+        p.portal.close()
+    chunks = after["chunks"] - before["chunks"]
+    copies = chunks * (replication - 1)
+    prod = c1[0] - c0[0]
+    brk = sum(c1[1]) - sum(c0[1])
+    bak = sum(c1[2]) - sum(c0[2])
+    return {"records": records, "chunks": chunks, "wall_s": round(wall, 2),
+            "producer_us": round(prod / records * 1e6, 1),
+            "broker_us": round(brk / chunks * 1e6, 1),
+            "backup_us": round(bak / copies * 1e6, 1) if copies else None,
+            "replicate_rpcs": after["rpcs"] - before["rpcs"],
+            "cpu_s": {"producer": round(prod, 2), "brokers": round(brk, 2), "backups": round(bak, 2)}}
+
+
+def run(args) -> dict:
+    load_start = os.getloadavg()
+    rows = []
+    with KeraRun(args.nodes) as k:
+        for r in range(args.repeats):
+            streams = k.create(args.streams, replication=3)
+            out = one_run(k, streams, args.records, 100, 3)
+            print(f"run {r + 1}: {out}", flush=True)
+            rows.append(out)
+            k.delete(streams)
+    med = {h: statistics.median(x[h] for x in rows) for h in ("producer_us", "broker_us", "backup_us")}
+    return {"label": args.label, "streams": args.streams, "records": args.records, "size": 100,
+            "replication": 3, "nodes": args.nodes, "median_us_per_chunk": med, "runs": rows,
+            "load_start": load_start, "load_end": os.getloadavg(), "when": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def main(argv) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench hops")
+    ap.add_argument("--label", default="current")
+    ap.add_argument("--streams", type=int, default=512)
+    ap.add_argument("--records", type=int, default=60_000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    res = run(args)
+    m = res["median_us_per_chunk"]
+    print(f"{args.label}: CPU us per 1-record chunk (median of {args.repeats}): producer {m['producer_us']}, "
+          f"broker {m['broker_us']}, backup {m['backup_us']} (load {res['load_start'][0]:.1f} to "
+          f"{res['load_end'][0]:.1f})")
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "hops.json")
+    old = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    old.setdefault("runs", {})[args.label] = res
+    old["experiment"] = "hops"
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1)
+    print(f"wrote {path}")
