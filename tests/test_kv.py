@@ -200,3 +200,36 @@ async def test_the_checker_catches_reads_that_skip_the_sync(make_cluster, tmp_pa
     procs, outs = run_workers(cluster, "stale", 8, 8, tmp_path, reads="local")
     h = await trio.to_thread.run_sync(history, procs, outs)
     assert check(h) != []
+
+
+async def test_map_on_a_compacted_stream_stays_small_and_an_idle_client_rereads(make_cluster, monkeypatch):
+    """The map's stream is compacted: many writes of few keys shrink to about one record per
+    key, deletes stay deletes once their tombstones are gone, and a client idle past
+    REREAD_AFTER reads the map again from its start instead of keeping a deleted key."""
+    from kera_client import kv
+    from kera_client.consumer import open_consumer
+    cluster = make_cluster(3)
+    coord = cluster.coordinator
+    with trio.fail_after(120):
+        async with open_kv("m", coord) as a, open_kv("m", coord) as idle:
+            async with open_admin(coord) as adm:
+                s = await adm.describe_stream("m")
+                assert s["cleanup_policy"] == "compact"
+                await adm.alter_stream("m", segment_ms=300, delete_retention_ms=300)
+            for i in range(50):
+                for k in ("x", "y", "z"):
+                    await a.put(k, f"{k}{i}")
+            assert await idle.get("z") == b"z49"          # idle has read z before its delete
+            await a.delete("z")
+            while True:    # compaction removes the old versions, then the tombstone
+                n = 0
+                async with open_consumer(["m"], coord, start="earliest") as c:
+                    while chunks := await c.poll_chunks(0.5):
+                        n += sum(len(ch) for ch in chunks)
+                if n <= 2:
+                    break
+                await trio.sleep(0.2)
+            monkeypatch.setattr(kv, "REREAD_AFTER", 0.0)
+            assert await idle.items() == [(b"x", 50, b"x49"), (b"y", 50, b"y49")]
+            async with open_kv("m", coord) as fresh:
+                assert await fresh.items() == await a.items()

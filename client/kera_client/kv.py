@@ -21,13 +21,19 @@ comparing it, so the writer learns the outcome and never applies twice.
 
 So failed attempts never reach the log: every record is a committed
 operation, the state is the log's fold, and key compaction (the latest record
-per key) keeps exactly that state. Records: key = the map key; value =
+per key) keeps exactly that state: the map's stream is created with
+``cleanup.policy=compact``, so it holds about one record per live key. A
+delete's tombstone is removed ``delete.retention.ms`` (a day by default) after
+its segment closed, so a client that has not read for ``REREAD_AFTER`` (an
+hour) reads the map again from its start instead of going on from where it
+stopped; a map's ``delete.retention.ms`` must stay above that. Records: key = the map key; value =
 msgpack ``[version, value]`` for a put, empty for a delete (a tombstone). A
 key's version counts its puts since it was last absent, as etcd's does.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import asynccontextmanager
 
 import msgpack
@@ -39,6 +45,9 @@ from kera.rpc import open_pool, unwrapped
 from .admin import AsyncAdmin, default_coordinator
 from .portal import Synced
 from .streamlet_log import StreamletLog
+
+
+REREAD_AFTER = 3600.0   # seconds without a read after which a client reads the map from its start
 
 
 def _key(k) -> bytes:
@@ -60,12 +69,14 @@ class AsyncKVMap:
         self.log = StreamletLog(pool, coordinator, name, 0, timeout)   # tail, append_if
         self.reader = self.log.reader
         self.state: dict[bytes, tuple[int, bytes]] = {}
+        self._synced = time.monotonic()
         self._lock = trio.Lock()   # one operation at a time per map object
 
     async def open(self, create: bool = True, replication: int | None = None) -> None:
         if create:
             try:
-                await self.admin.create_stream(self.name, streamlets=1, groups=1, replication=replication)
+                await self.admin.create_stream(self.name, streamlets=1, groups=1, replication=replication,
+                                               cleanup_policy="compact")
             except StreamExists:
                 pass
         await self.log.open()
@@ -80,7 +91,13 @@ class AsyncKVMap:
 
     async def _sync(self) -> list:
         """Read to the durable end as of now; returns the tail's token."""
-        return await self.log.sync(self._apply)
+        if time.monotonic() - self._synced > REREAD_AFTER:
+            self.state.clear()
+            await self.log.reread()
+            self.reader = self.log.reader
+        token = await self.log.sync(self._apply)
+        self._synced = time.monotonic()
+        return token
 
     async def _write(self, key: bytes, decide):
         """``decide(current)`` -> (record value, or None to change nothing; the caller's

@@ -41,12 +41,24 @@ class StreamletLog:
 
     def __init__(self, pool, coordinator: str, name: str, streamlet: int = 0, timeout: float = 30.0):
         self.pool, self.name, self.streamlet, self.timeout = pool, name, streamlet, timeout
-        self.reader = AsyncConsumer(pool, coordinator, [name], start="earliest", streamlets=[streamlet])
+        self.coordinator = coordinator
+        self.reader = self._reader()
         self.producer_id = 0       # taken on the first append
         self.sequence = 0          # of our next chunk: advanced only when one is appended
         self._unsure = False       # the last chunk sent got no answer (see append)
 
+    def _reader(self) -> AsyncConsumer:
+        return AsyncConsumer(self.pool, self.coordinator, [self.name], start="earliest",
+                             streamlets=[self.streamlet])
+
     async def open(self) -> None:
+        await self.reader._metadata()
+
+    async def reread(self) -> None:
+        """Read again from the start at the next ``sync`` (the caller drops what it folded):
+        on a compacted stream, a reader that stopped long enough to miss a tombstone removed
+        after ``delete.retention.ms`` would otherwise keep the deleted key."""
+        self.reader = self._reader()
         await self.reader._metadata()
 
     def _owner(self) -> tuple[str | None, dict]:
