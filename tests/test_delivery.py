@@ -205,8 +205,8 @@ async def test_broker_killed_yields_one_report_per_record(make_cluster):
 
 
 def test_a_failing_callback_leaves_the_other_reports_queued():
-    from kera_client.delivery import Deliveries
     from kera_client.accumulator import Outgoing
+    from kera_client.delivery import Deliveries
 
     d, got = Deliveries(queued=True), []
 

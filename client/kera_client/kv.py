@@ -46,7 +46,6 @@ from .admin import AsyncAdmin, default_coordinator
 from .portal import Synced
 from .streamlet_log import StreamletLog
 
-
 REREAD_AFTER = 3600.0   # seconds without a read after which a client reads the map from its start
 
 

@@ -330,6 +330,7 @@ class BrokerService(Service):
             elif q > st.last_seq:
                 st.last_seq = q
         return vlog, idx, seg
+
     def _check_lease(self) -> None:
         if time.monotonic() > self.lease_until:
             raise Fenced(f"broker {self.broker_id}: no heartbeat answer for too long; not serving")
