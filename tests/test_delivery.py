@@ -3,6 +3,7 @@ caller's thread, in order per streamlet, and exact across a broker's SIGKILL."""
 
 from __future__ import annotations
 
+import signal
 import threading
 
 import numpy as np
@@ -220,3 +221,34 @@ def test_a_failing_callback_leaves_the_other_reports_queued():
     with pytest.raises(ValueError):
         d.serve()
     assert d.serve() == 1 and got == [b"a", b"bad", b"c"] and d.serve() == 0
+
+
+async def test_bad_records_are_refused_at_send_and_a_stopped_batch_still_reports(make_cluster):
+    """A value that is not bytes is a TypeError at ``send``, and the producer goes on; a
+    batch call cancelled while it waits for buffer space reports once, with what it queued
+    acknowledged and the rest failed."""
+    cluster = make_cluster(1)
+    coord = cluster.coordinator
+    await create(coord, ["b"], streamlets=1, replication=1)
+    with trio.fail_after(60):
+        async with open_producer(coord, **{"buffer.memory": 4096, "linger.ms": 1000}) as p:
+            for bad in ({"value": "text"}, {"value": b"v", "key": 7}, {"value": b"v", "timestamp": "now"}):
+                with pytest.raises(TypeError):
+                    await p.send("b", **bad)
+            h = await p.send("b", b"fine", report=True)
+            assert (await h).group is not None
+            broker = next(n for n in cluster.procs if n.endswith("broker"))
+            values = [b"x" * 100] * 1000     # far past buffer.memory, with nothing acknowledged:
+            cluster.kill(broker, signal.SIGSTOP)   # the call waits for space, and is cancelled
+            got = []
+            try:
+                with trio.move_on_after(0.5) as scope:
+                    await p.send_many("b", values, on_delivery=lambda e, r: got.append((e, r)))
+                assert scope.cancelled_caught and got == []
+            finally:
+                cluster.kill(broker, signal.SIGCONT)
+            await p.flush()
+            assert len(got) == 1
+            error, report = got[0]
+            assert error is not None and report.records == 1000
+            assert 0 < report.acked < 1000 and report.failed == 1000 - report.acked

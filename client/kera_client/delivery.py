@@ -71,12 +71,13 @@ class BatchWaiter:
     """A batch call's chunks, counted down as they settle; reported once the call has
     queued all of them (``close``) and the last one is settled."""
 
-    __slots__ = ("cb", "stream", "t0", "chunks", "pending", "acked", "failed", "error", "closed", "t_end")
+    __slots__ = ("cb", "stream", "t0", "chunks", "pending", "queued", "acked", "failed", "error", "closed",
+                 "t_end")
 
     def __init__(self, cb, stream: str):
         self.cb, self.stream, self.t0 = cb, stream, time.monotonic()
         self.chunks: list = []
-        self.pending = self.acked = self.failed = 0
+        self.pending = self.queued = self.acked = self.failed = 0   # queued: records
         self.error: KeraError | None = None
         self.closed = False
         self.t_end = self.t0

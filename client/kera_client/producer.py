@@ -118,6 +118,9 @@ def _cut(size: np.ndarray, chunk_size: int, room: int) -> list[int]:
     return out
 
 
+_BYTES = (bytes, bytearray, memoryview)
+
+
 def _wall_ms(monotonic: float) -> int:
     """Wall-clock milliseconds of a moment taken with time.monotonic()."""
     return int((time.time() - (time.monotonic() - monotonic)) * 1000)
@@ -238,6 +241,11 @@ class AsyncProducer:
         allocation but the list slots; chunks are packed when sealed. A record
         that no chunk of its stream could hold is refused here, at once.
         """
+        if not isinstance(value, _BYTES) or key is not None and not isinstance(key, _BYTES):
+            raise TypeError(f"a record's value and key are bytes, not {type(value).__name__} / "
+                            f"{type(key).__name__}")
+        if timestamp is not None and type(timestamp) is not int:
+            raise TypeError(f"a record's timestamp is int milliseconds, not {type(timestamp).__name__}")
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
         room = self.room[s["id"]]
         if n > room:
@@ -379,6 +387,20 @@ class AsyncProducer:
             raise self._too_large(s, int(size[big]), f"record {big} of {n}")
         bounds = _cut(size, min(self.chunk_size, room), room)
         vdata, kdata = memoryview(value_data), memoryview(key_data)
+        try:
+            await self._queue_columns(s, bounds, voff, vdata, koff, kdata, ts, streamlet, w)
+        except BaseException as e:   # cancelled or failed part-way: the report still comes, once
+            if w is not None:
+                with self.lock:
+                    w.failed += n - w.queued
+                    if w.error is None:
+                        w.error = e if isinstance(e, KeraError) else KeraError(
+                            f"send_columns stopped after {w.queued} of {n} records: {e!r}")
+                self._closed(w, cb)
+            raise
+        return self._closed(w, cb)
+
+    async def _queue_columns(self, s, bounds, voff, vdata, koff, kdata, ts, streamlet, w) -> None:
         for a, b in pairwise(bounds):
             v0, v1 = int(voff[a]), int(voff[b])
             if koff is None:
@@ -402,10 +424,10 @@ class AsyncProducer:
                 self.outstanding += b - a
                 if w is not None:
                     w.pending += 1
+                    w.queued += b - a
                     self.delivery.used = True
                 self._enqueue(c)
             self._notify()
-        return self._closed(w, cb)
 
     def _closed(self, w: BatchWaiter | None, cb):
         """A batch call has queued all its chunks: its report may now go out."""
@@ -567,6 +589,8 @@ class AsyncProducer:
                     if c.reports is not None:
                         self.delivery.settle(c, self.by_id[c.key[0]]["name"], None, where.get(i))
                 elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
+                    if c.data is not None and len(c.data) != c.size:
+                        c.data, c.start = bytes(c.chunk()), 0   # keep its bytes, not its request's
                     retry.setdefault(c.key, []).append(c)
                 else:
                     self._give_up([c], res)
