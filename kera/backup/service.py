@@ -167,10 +167,9 @@ class BackupService(Service):
         floors = await trio.to_thread.run_sync(metafile.load, os.path.join(self.dir, FLOORS_FILE), [])
         for b, v, f in floors:
             self.store.raise_floor(b, v, f)
-        for rep in self.store.below_floor():  # released before a crash, not yet deleted
-            await self._release(rep)
         self.claims.load(await trio.to_thread.run_sync(metafile.load,
                                                        os.path.join(self.dir, CLAIMS_FILE), []))
+        await self._release_below_floor(self.store.below_floor())  # released before a crash
         await self._delete_unclaimed()  # dropped, last claim released before a crash
 
     async def _save_claims(self) -> None:
@@ -184,11 +183,26 @@ class BackupService(Service):
             await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, CLAIMS_FILE), body)
             self._claims_saved = now
 
+    async def _release_below_floor(self, reps) -> int:
+        """Delete the files of vsegs below their vlog's floor, except those an owner claimed
+        (read by adopted segments): those are only marked dropped, deleted with the last claim."""
+        freed, marked = 0, False
+        for rep in reps:
+            if self.claims.drop(rep.key):
+                marked = True
+            else:
+                freed += await self._release(rep)
+        if marked:
+            await self._save_claims()
+        return freed
+
     async def _delete_unclaimed(self) -> int:
         """Delete the dropped files no claim holds any more; the bytes they took."""
         freed = 0
         due = self.claims.due()
         for key in due:
+            if self.claims.claimed(key):   # claimed again while an earlier file was deleted
+                continue
             rep = self.store.replicas.get(key)
             if rep is not None:
                 freed += await self._release(rep)
@@ -370,10 +384,7 @@ class BackupService(Service):
             body = self.store.floor_list()
             async with self._floors_lock:
                 await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, FLOORS_FILE), body)
-        freed = 0
-        for rep in self.store.below_floor(b, v):
-            freed += await self._release(rep)
-        return {"bytes": freed}
+        return {"bytes": await self._release_below_floor(self.store.below_floor(b, v))}
 
     def rpc_read_chunks(self, meta: dict, payload):
         """Chunks of one replica by [offset, size] (a broker reading back an evicted segment):
@@ -493,11 +504,16 @@ class BackupService(Service):
         keys = self._claim_keys(meta)
         if owner[1] < self.store.broker_epochs.get(owner[0], 0):
             raise Fenced(f"broker {owner[0]} epoch {owner[1]} is fenced; it claims nothing")
-        held, changed = self.claims.claim(owner, keys, lambda k: k in self.store.replicas)
+        held, changed = self.claims.claim(owner, keys, self._whole)
         self.counters["claims"] += 1
         if changed:
             await self._save_claims()
         return {"held": held}
+
+    def _whole(self, key) -> bool:
+        """A file an adopted segment can read from: here, closed, nothing corrupt in it."""
+        rep = self.store.replicas.get(key)
+        return rep is not None and rep.closed and not rep.corrupt and not rep.damaged
 
     async def rpc_release(self, meta: dict, payload):
         """``owner`` no longer reads ``claims`` (all its claims if absent): a dropped file no

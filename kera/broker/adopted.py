@@ -30,7 +30,7 @@ from array import array
 
 import trio
 
-from ..errors import DataLoss, KeraError, Unavailable
+from ..errors import DataLoss, Fenced, KeraError, ProtocolError, Unavailable
 from ..index_chunk import SegmentIndex
 from .segment import Segment
 
@@ -173,6 +173,8 @@ class Claims:
         """Claim ``vsegs`` on the backups holding them before an adoption is answered. A live
         backup that fails fails the adoption (the recovery retries); one that no longer holds
         the file is no copy; a vseg left with no copy at all is lost."""
+        if all(vs.claimed for vs in vsegs):
+            return   # every recovery request without adoptions, and tries already answered
         owner, epoch = self.identity()
         async with self.lock:  # after a release in flight, so a claim is never undone by it
             todo = [vs for vs in vsegs if not vs.claimed]
@@ -184,23 +186,36 @@ class Claims:
                     per.setdefault(b, []).append(vs)
             held: dict[ForeignVseg, set[int]] = {vs: set() for vs in todo}
             asked: set[ForeignVseg] = set()
+            failed: list[KeraError] = []
 
             async def one(b: int, mine: list[ForeignVseg]) -> None:
                 try:
                     addr = self.addr_of(b)
                 except Unavailable:
                     return  # not alive: its copy is not counted on
-                r, _ = await self.pool.call(addr, "claim", {
-                    "owner": owner, "epoch": epoch, "claims": [list(vs.key) for vs in mine]},
-                    timeout=CLAIM_TIMEOUT)
+                try:
+                    r, _ = await self.pool.call(addr, "claim", {
+                        "owner": owner, "epoch": epoch, "claims": [list(vs.key) for vs in mine]},
+                        timeout=CLAIM_TIMEOUT)
+                    oks = r.get("held")
+                    if not isinstance(oks, list) or len(oks) != len(mine):
+                        raise ProtocolError(f"claim answered {oks!r} for {len(mine)} vsegs")
+                except KeraError as e:
+                    failed.append(e)
+                    return
                 asked.update(mine)
-                for vs, ok in zip(mine, r["held"], strict=True):
+                for vs, ok in zip(mine, oks, strict=True):
                     if ok:
                         held[vs].add(b)
 
             async with trio.open_nursery() as n:
                 for b, mine in per.items():
                     n.start_soon(one, b, mine)
+            for e in failed:   # a fenced owner stops; anything else fails this try (retried)
+                if isinstance(e, Fenced):
+                    raise e
+            if failed:
+                raise Unavailable(f"claims not recorded on {len(failed)} backups: {failed[0]}")
             for vs, bs in held.items():
                 if vs not in asked:  # no backup of it is known alive here yet: try again later
                     raise Unavailable(f"no live backup to claim vseg {vs.id} of vlog {vs.vlog} of "

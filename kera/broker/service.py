@@ -300,7 +300,7 @@ class BrokerService(Service):
             done = self._adopt_index(sl, h, mv, ix)
             if done is not None:
                 vlog, idx, seg = done
-                waits[vlog] = idx
+                waits[vlog] = max(idx, waits.get(vlog, 0))
                 claim.update(dict.fromkeys(seg.foreign))
                 adopted += 1
         await self.claims.claim(claim)
@@ -316,7 +316,13 @@ class BrokerService(Service):
         segment already."""
         g = sl.groups.get(h.group)
         if g is not None and h.segment < len(g.segments):
-            return None
+            seg = g.segments[h.segment]
+            if not isinstance(seg, AdoptedSegment):
+                return None
+            # adopted by an earlier try whose answer was lost or which failed later: claimed
+            # again, and answered once what that try appended is durable
+            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
+            return vlog, vlog.log.appended, seg
         seg = adopted_segment(ix, sl.segment_size, self.claims)
         sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole
         holder = IndexHolder(bytes(data))
