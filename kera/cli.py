@@ -386,7 +386,8 @@ def parser() -> argparse.ArgumentParser:
                             "streamlets; older whole segments are freed (-1: unbounded)")
         x.add_argument("--retention-ms", type=int, default=None, metavar="MS",
                        help="retention.ms: segments older than this are freed (-1: unbounded)")
-        x.add_argument("--cleanup-policy", choices=["delete", "compact", "compact,delete"], default=None,
+        x.add_argument("--cleanup-policy", default=None,
+                       choices=["delete", "compact", "compact,delete", "delete,compact"],
                        help="cleanup.policy: compact keeps the latest record per key (default delete)")
         x.add_argument("--delete-retention-ms", type=int, default=None, metavar="MS",
                        help="delete.retention.ms: how long compaction keeps a tombstone (default 1 day)")

@@ -172,6 +172,8 @@ class Coordinator(Membership, Service):
         self.holdings = Holdings(self.meta["streams"].values())   # incarnation -> streamlets
         self.names = NameIndex(n for n in self.meta["streams"] if not is_internal(n))  # listed, in order
         if "positions" in self.meta:   # group positions of an older version: they start afresh
+            log.warning("dropping the positions of %d consumer groups committed by an older "
+                        "version: those groups start afresh", len(self.meta["positions"] or {}))
             store.delete(("positions",))
         self._creating = trio.Lock()   # an internal stream, on first use
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}

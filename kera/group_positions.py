@@ -63,14 +63,19 @@ def decode(group: str, latest: dict[bytes, bytes], ids: dict[str, int] | None = 
     since the commit has another id)."""
     out = {}
     for key, value in latest.items():
-        g, name = msgpack.unpackb(key)
-        if g != group or not value:
-            continue
-        sid, sls = msgpack.unpackb(value, strict_map_key=False)
-        if ids is not None and ids.get(name) != sid:
-            continue
-        for i, low, groups, skip in sls:
-            e = out[f"{name}/{i}"] = {"low": low, "groups": {str(k): v for k, v in groups.items()}}
-            if skip:
-                e["skip"] = {str(k): v for k, v in skip.items()}
+        try:
+            g, name = msgpack.unpackb(key)
+            if g != group or not value:
+                continue
+            sid, sls = msgpack.unpackb(value, strict_map_key=False)
+            if ids is not None and ids.get(name) != sid:
+                continue
+            mine = {}
+            for i, low, groups, skip in sls:
+                e = mine[f"{name}/{i}"] = {"low": low, "groups": {str(k): v for k, v in groups.items()}}
+                if skip:
+                    e["skip"] = {str(k): v for k, v in skip.items()}
+        except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
+            continue   # not a commit (written to the stream by something else): never one's positions
+        out.update(mine)
     return out

@@ -16,6 +16,7 @@ from kera_client import ProduceError, open_admin, open_consumer, open_producer
 from kera import chunk
 from kera.broker.compactor import compact, key_ids
 from kera.broker.segment import Segment
+from kera.broker.streamlet import Streamlet
 from kera.errors import KeraError
 
 KEYS, ROUNDS = 1000, 100
@@ -89,6 +90,16 @@ def test_a_pass_keeps_the_latest_per_key_and_positions():
     # nothing to drop: no rewrite
     lone, dl = _segment([c4], 2)
     assert compact([(lone, dl)], t, 5_000, True) == ({}, None)
+
+
+def test_retention_expires_only_streams_whose_policy_says_delete():
+    """compact alone keeps every key's latest record whatever retention says (Kafka's
+    meaning); compact,delete and delete expire by retention.bytes / retention.ms."""
+    shape = {"id": 1, "streamlets": 1, "groups": 1, "segment_size": 1 << 20, "group_segments": 8,
+             "retention_bytes": 100, "retention_ms": 1}
+    for policy, kept in (("compact", True), ("compact,delete", False), ("delete", False)):
+        sl = Streamlet({**shape, "cleanup_policy": policy}, 0)
+        assert ((sl.retention_bytes, sl.retention_ms) == (-1, -1)) is kept, policy
 
 
 def test_a_compacted_segment_serves_reads_at_original_positions():

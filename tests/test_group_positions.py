@@ -231,3 +231,11 @@ async def test_positions_of_an_older_metadata_are_dropped_once(tmp_path):
     m = MetaLog(d, INITIAL)
     assert "positions" not in m.state
     m.close()
+
+
+def test_records_that_are_not_commits_are_skipped_by_a_fetch():
+    """The positions stream may hold records something else wrote: a fetch skips them."""
+    good = {gp.msgpack.packb(["g", "s"]): gp.msgpack.packb([3, [[0, 1, {0: 5}, {}]]])}
+    junk = {b"junk": b"x", gp.msgpack.packb(["g", "t"]): b"\xc1",
+            gp.msgpack.packb(["g", "u"]): gp.msgpack.packb([1, [[0]]])}
+    assert gp.decode("g", {**junk, **good}) == {"s/0": {"low": 1, "groups": {"0": 5}}}

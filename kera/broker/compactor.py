@@ -49,7 +49,6 @@ import trio
 import xxhash
 
 from .. import chunk as chunkfmt
-from ..errors import KeraError
 from .segment import Compacted, close_waiting
 
 log = logging.getLogger("kera.broker")
@@ -84,9 +83,12 @@ def key_ids(kdata: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> np.ndarr
     return inv
 
 
-def survivors(views: list, now_ms: int, delete_retention_ms: int, drop_tombstones: bool):
+def survivors(views: list, now_ms: int, delete_retention_ms: int, drop_tombstones: bool,
+              closed_ms=None):
     """Which records of ``views`` (chunks in reading order) survive: one bool array per chunk,
-    and the time (ms) the oldest tombstone kept expires (None if none is kept)."""
+    and the time (ms) the oldest tombstone kept expires (None if none is kept). A tombstone
+    ages from the later of its timestamp and ``closed_ms`` (per chunk: when the broker closed
+    its segment), so a producer's old or zero timestamp never drops it early."""
     counts = np.array([len(v) for v in views], dtype=np.int64)
     koffs = [v.key_offsets for v in views]
     kdata = np.frombuffer(b"".join(v.key_data for v in views), dtype=np.uint8)
@@ -96,6 +98,8 @@ def survivors(views: list, now_ms: int, delete_retention_ms: int, drop_tombstone
     klen = np.concatenate([np.diff(k.astype(np.int64)) for k in koffs])
     vlen = np.concatenate([np.diff(v.value_offsets.astype(np.int64)) for v in views])
     ts = np.concatenate([v.timestamps for v in views])
+    if closed_ms is not None:
+        ts = np.maximum(ts, np.repeat(np.asarray(closed_ms, dtype=np.int64), counts))
     ids = key_ids(kdata, starts, klen)
     n = len(ids)
     _, first_from_end = np.unique(ids[::-1], return_index=True)
@@ -121,7 +125,8 @@ def compact(segments: list, now_ms: int, delete_retention_ms: int, drop_tombston
             where.append(seg)
     if not views:
         return {}, None
-    keeps, due = survivors(views, now_ms, delete_retention_ms, drop_tombstones)
+    keeps, due = survivors(views, now_ms, delete_retention_ms, drop_tombstones,
+                           [int(seg.filled_at * 1000) for seg in where])
     by_seg: dict = {}
     for seg, view, keep in zip(where, views, keeps, strict=True):
         by_seg.setdefault(seg, []).append((view, keep))
@@ -176,8 +181,8 @@ class Compactor:
                 continue
             try:
                 done += await self._compact(sl, *job)
-            except (KeraError, ValueError) as e:  # its segments stay as they are; readers unaffected
-                log.error("compacting stream %d streamlet %d failed: %s", sl.stream_id, sl.index, e)
+            except Exception as e:  # its segments stay as they are; readers unaffected
+                log.exception("compacting stream %d streamlet %d failed: %s", sl.stream_id, sl.index, e)
         return done
 
     def _job(self, sl, now: float):

@@ -81,7 +81,10 @@ class Streamlet:
         rm = stream.get("retention_ms", -1)
         self.retention_ms = -1 if rm is None else rm
         # key compaction (Kafka's cleanup.policy, delete.retention.ms, segment.ms): see compactor
-        self.compact = "compact" in (stream.get("cleanup_policy") or "delete")
+        policy = stream.get("cleanup_policy") or "delete"
+        self.compact = "compact" in policy
+        if "delete" not in policy:  # compact alone: a key's latest record is never expired
+            self.retention_bytes = self.retention_ms = -1
         self.delete_retention_ms = stream.get("delete_retention_ms", DELETE_RETENTION_MS)
         self.segment_ms = stream.get("segment_ms", SEGMENT_MS)
         self.tombstone_due = None  # wall time (s) the oldest tombstone kept by compaction expires
