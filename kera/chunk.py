@@ -66,6 +66,7 @@ assert HEADER_DTYPE.itemsize == 88
 SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on the streamlet
 INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.index_chunk``)
 COMPACTED = 0x04  # flags: rewritten by compaction; original record indices follow the values
+CLOSE = 0x08  # flags: a group closed: no chunk follows in it
 
 
 _Fields = namedtuple("_Fields", "flags stream_id streamlet record_count producer_id sequence ts_min "
@@ -319,9 +320,9 @@ def scan_headers(buf) -> tuple[np.ndarray, list[int]]:
     """``scan`` in one pass: every chunk filling ``buf`` exactly, checked as ``verify`` checks
     one, its header as a ``HEADER_DTYPE`` record and its offset.
 
-    The walk reads each chunk's length, the checks on the header fields are array
-    comparisons, the checksums one call per chunk. On any damage ``scan`` runs again
-    over ``buf`` to raise the typed error of the first bad chunk.
+    The walk reads each chunk's length, the header checks are ``headers_ok``, the body
+    checksums one call per chunk. On any damage ``scan`` runs again over ``buf`` to raise
+    the typed error of the first bad chunk.
     """
     n = len(buf)
     if n == 0:
@@ -336,19 +337,27 @@ def scan_headers(buf) -> tuple[np.ndarray, list[int]]:
     if pos == n and offs:
         hb = b"".join([mv[o:o + HEADER_SIZE] for o in offs])
         h = np.frombuffer(hb, HEADER_DTYPE)
-        rc, bl = h["record_count"], h["body_len"]
-        x32, b3 = xxhash.xxh32_intdigest, xxhash.xxh3_64_intdigest
-        if (h["magic"] == MAGIC).all() and (h["version"] == VERSION).all() \
-                and (np.fromiter(map(x32, (hb[i:i + _CHECKED] for i in range(0, len(hb), HEADER_SIZE))),
-                                 np.uint32, len(offs)) == h["header_checksum"]).all() \
-                and (rc > 0).all() and (rc <= MAX_RECORDS).all() and not (bl % 8).any() \
-                and (bl >= 16 * rc.astype(np.int64) + 8).all() \
+        b3 = xxhash.xxh3_64_intdigest
+        if headers_ok(h, hb).all() \
                 and (np.fromiter(map(b3, (mv[o + HEADER_SIZE:o + HEADER_SIZE + z]
-                                          for o, z in zip(offs, bl.tolist(), strict=True))),
+                                          for o, z in zip(offs, h["body_len"].tolist(), strict=True))),
                                  np.uint64, len(offs)) == h["body_checksum"]).all():
             return h, offs
     scan(buf)  # raises the first chunk's error
     raise ProtocolError("damaged chunks")  # not reached: what fails above fails there
+
+
+def headers_ok(h: np.ndarray, hb) -> np.ndarray:
+    """Per header of ``h`` (``HEADER_DTYPE`` records, packed back to back in ``hb``): does it
+    pass ``parse_header``'s checks? Array comparisons and one xxh32 call per header; the
+    caller runs ``parse_header`` on a failed one for its typed error."""
+    rc, bl = h["record_count"], h["body_len"]
+    x32 = xxhash.xxh32_intdigest
+    mv = memoryview(hb)
+    sums = np.fromiter(map(x32, (mv[i:i + _CHECKED] for i in range(0, len(h) * HEADER_SIZE, HEADER_SIZE))),
+                       np.uint32, len(h))
+    return ((h["magic"] == MAGIC) & (h["version"] == VERSION) & (sums == h["header_checksum"])
+            & (rc > 0) & (rc <= MAX_RECORDS) & (bl % 8 == 0) & (bl >= 16 * rc.astype(np.int64) + 8))
 
 
 def place(buf, offset: int, group: int, segment: int, seg_offset: int) -> None:

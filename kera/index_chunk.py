@@ -11,7 +11,8 @@ from them (by replay, or from the backups' index of a settled vseg), naming
 the original copies, so a chain of failures never chains indirections.
 
 An index chunk is an ordinary chunk (header, one record, checksums) with the
-``chunk.INDEX`` flag; its header places it at (group, segment, 0) of the
+``chunk.INDEX`` flag (and ``chunk.CLOSE`` when the segment is its closed group's
+last: nothing follows it in the group); its header places it at (group, segment, 0) of the
 segment it describes and names the segment's first producer (the group's
 slot). Its one value is little-endian u64s::
 
@@ -64,8 +65,9 @@ class SegmentIndex:
         return out
 
 
-def build(ix: SegmentIndex) -> bytes:
-    """The index chunk of ``ix`` (its placement is the segment's start)."""
+def build(ix: SegmentIndex, closed: bool = False) -> bytes:
+    """The index chunk of ``ix`` (its placement is the segment's start). ``closed``: the
+    segment is its group's last and the group is closed (flags ``INDEX | CLOSE``)."""
     n = len(ix.rows)
     if not 0 < n <= MAX_ROWS:
         raise InvalidArgument(f"an index chunk holds 1..{MAX_ROWS} rows, not {n}")
@@ -77,7 +79,7 @@ def build(ix: SegmentIndex) -> bytes:
     value = b"".join((head.tobytes(), np.ascontiguousarray(ix.rows, "<u8").tobytes(), per.tobytes(),
                       backups.tobytes()))
     data = bytearray(chunk.build(ix.stream, ix.streamlet, int(ix.rows[0, 3]), 0, [value], timestamps=0,
-                                 flags=chunk.INDEX))
+                                 flags=chunk.INDEX | (chunk.CLOSE if closed else 0)))
     chunk.place(data, 0, ix.group, ix.segment, 0)
     return bytes(data)
 

@@ -18,10 +18,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import trio
 
-from kera import chunk
+from kera import chunk, index_chunk
 from kera.backup import segment_file as sf
 from kera.backup.membership import load_id
 from kera.coordinator import Coordinator
@@ -600,3 +601,45 @@ async def test_claimed_files_outlive_their_drop_until_released(backups):
             assert os.path.exists(bk.seg(1, 0, 0))  # still claimed after a restart
             r, _ = await pool.call(bk.addr, "release", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0]]})
             assert r["bytes"] > 0 and not os.path.exists(bk.seg(1, 0, 0))
+
+
+async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_one(backups):
+    """``index``: one row per chunk from its header (placement included), an index chunk
+    following whole; the same from memory and from the file; a header rotted on disk is a
+    ``ChecksumError`` naming it, nothing stored changes and other replicas are still served."""
+    ix = index_chunk.SegmentIndex(3, 1, 2, 4, 1, 0, np.array([[100, 0, 0, 11, 0]], "<u8"), {0: [5]})
+    a = [bytearray(c) for c in chunks_for(5)]
+    for i, c in enumerate(a):
+        chunk.place(c, 0, 2, 3, 1000 * i)
+    a = [bytes(c) for c in a[:3]] + [index_chunk.build(ix, closed=True)] + [bytes(c) for c in a[3:]]
+    starts = [sum(map(len, a[:i])) for i in range(len(a))]
+    bk = backups(args=["--fsync", "always"])
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            for vseg in (0, 1):
+                la = await send_all(pool, bk.addr, vseg, a)
+                await replicate(pool, bk.addr, vseg, la, close=True)
+            key = {"broker": 1, "vlog": 0, "vseg": 0}
+
+            async def index():
+                meta, parts = await pool.call(bk.addr, "index", key)
+                data = b"".join(parts) if isinstance(parts, list) else bytes(parts)
+                return meta, np.frombuffer(data[:meta["rows"]], "<u8").reshape(-1, 10), data[meta["rows"]:]
+
+            meta, rows, tail = await index()
+            heads = [chunk.parse_header(c) for c in a]
+            assert meta["chunks"] == len(a) and rows.tolist() == [
+                [s, len(c), h.stream_id, h.streamlet, h.group, h.segment, h.offset, h.producer_id, h.sequence,
+                 h.flags] for s, c, h in zip(starts, a, heads, strict=True)]
+            assert tail == a[3] and rows[3, 9] == chunk.INDEX | chunk.CLOSE
+            await until(lambda: _memory_zero(pool, bk.addr), "memory released")
+            _, again, tail_again = await index()  # now from the file
+            assert (again == rows).all() and tail_again == tail
+            before = open(bk.seg(1, 0, 0), "rb").read()
+            flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + 30, 1 << 2)
+            rotted = open(bk.seg(1, 0, 0), "rb").read()
+            with pytest.raises(ChecksumError, match=f"header at {starts[4]}: chunk header checksum"):
+                await index()
+            assert open(bk.seg(1, 0, 0), "rb").read() == rotted != before
+            key["vseg"] = 1
+            assert ((await index())[1] == rows).all()

@@ -103,12 +103,3 @@ def unlink_quiet(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def read_headers(path: str, starts: list[int]) -> list[bytes]:
-    """The chunk headers at ``starts`` (chunk-area offsets): an index without the bodies."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return [os.pread(fd, chunkfmt.HEADER_SIZE, segment_file.FILE_HEADER_SIZE + s) for s in starts]
-    finally:
-        os.close(fd)

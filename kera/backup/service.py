@@ -27,14 +27,13 @@ Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 from __future__ import annotations
 
 import argparse
-import bisect
 import inspect
 import logging
 import os
 import signal
 import sys
-from array import array
 
+import numpy as np
 import trio
 
 from .. import chunk as chunkfmt
@@ -420,31 +419,40 @@ class BackupService(Service):
         evicted history): per chunk, 10 little-endian u64s in the payload (vseg offset, size,
         stream, streamlet, group, segment, segment offset, producer, sequence, flags), from
         each header (its checksum verified; it covers the placement). Index chunks (an
-        adoption, ``kera.index_chunk``) follow whole and verified, after ``rows`` bytes."""
+        adoption, ``kera.index_chunk``) follow whole and verified, after ``rows`` bytes.
+
+        One read of the chunk area (file part, then memory part), the headers gathered
+        and checked as arrays: no per-chunk Python."""
         rep = self.store.get(_key(meta))
         if not rep.closed or rep.corrupt or rep.damaged:
             raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
-        starts = rep.starts.tolist()
-        ends = rep.ends.tolist()
-        cut = bisect.bisect_left(starts, rep.mem_base)
-        heads = []
-        if cut:
-            heads = await self._read_replica(rep, disk.read_headers, rep.path, starts[:cut])
-        for s in starts[cut:]:
-            heads.append(bytes(b"".join(rep.memory_parts(s, s + chunkfmt.HEADER_SIZE))))
-        rows = array("Q")
-        marks = []
-        for s, e, hb in zip(starts, ends, heads, strict=True):
+        starts = np.frombuffer(rep.starts, np.uint64).astype(np.int64)
+        ends = np.frombuffer(rep.ends, np.uint64).astype(np.int64)
+        area = b""
+        if rep.mem_base:
+            area = await self._read_replica(rep, segment_file.read, rep.path, 0, rep.mem_base)
+        if rep.mem_base < rep.length:
+            area = b"".join([area, *rep.memory_parts(rep.mem_base, rep.length)])
+        fit = starts + chunkfmt.HEADER_SIZE <= len(area)  # a file cut short on disk
+        at = np.where(fit, starts, 0)[:, None] + np.arange(chunkfmt.HEADER_SIZE)
+        packed = np.frombuffer(area, np.uint8)[at].tobytes() if fit.any() else b""
+        h = np.frombuffer(packed, chunkfmt.HEADER_DTYPE)
+        ok = fit & chunkfmt.headers_ok(h, packed) \
+            & (h["body_len"].astype(np.int64) + chunkfmt.HEADER_SIZE == ends - starts)
+        if not ok.all():
+            i = int(np.argmin(ok))
+            s = int(starts[i])
             try:
-                h = chunkfmt.parse_header(hb)
-            except (ChecksumError, ProtocolError) as err:
-                raise ChecksumError(f"replica {rep.key}: header at {s}: {err}") from None
-            rows.extend((s, e - s, h.stream_id, h.streamlet, h.group, h.segment, h.offset,
-                         h.producer_id, h.sequence, h.flags))
-            if h.flags & chunkfmt.INDEX:
-                marks.append((s, e))
-        parts = [rows.tobytes()]
-        for s, e in marks:  # small, and rare: one per adopted segment
+                chunkfmt.parse_header(area[s:s + chunkfmt.HEADER_SIZE])
+                err = "its size disagrees with the replica's"
+            except (ChecksumError, ProtocolError) as e:
+                err = e
+            raise ChecksumError(f"replica {rep.key}: header at {s}: {err}")
+        rows = np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
+                                h["segment"], h["offset"], h["producer_id"], h["sequence"], h["flags"]))
+        marks = np.flatnonzero(h["flags"] & chunkfmt.INDEX)
+        parts = [rows.astype("<u8").tobytes()]
+        for s, e in zip(starts[marks].tolist(), ends[marks].tolist(), strict=True):  # one per adopted segment
             if s >= rep.mem_base:
                 parts += rep.memory_parts(s, e)
                 continue
