@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 
 import numpy as np
 import trio
@@ -29,14 +28,28 @@ import trio
 from . import chunk, index_chunk
 from .errors import KeraError
 from .recovery_plan import RecoveryPlan
-from .repoint_plan import Adopted, Row, plan_repoint
+from .repoint_plan import (
+    COLUMNS,
+    FLAGS,
+    OFFSET,
+    PRODUCER,
+    SEQUENCE,
+    SIZE,
+    STREAM,
+    STREAMLET,
+    VLOG,
+    VOFF,
+    VSEG,
+    Adopted,
+    plan_repoint,
+)
 
 log = logging.getLogger("kera.recovery")
 
 INDEX_TIMEOUT = 30.0
 INDEX_PARALLEL = 8
 ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
-COLUMNS = len(Row._fields) - 2  # u64s per chunk in an index answer (all but vlog, vseg)
+ANSWER = COLUMNS - VOFF  # u64s per chunk in an index answer: the row's columns from VOFF on
 
 
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
@@ -46,7 +59,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     (stream id, streamlet) pairs replayed whole, never re-pointed."""
     t0 = time.monotonic()
     settled = {v: plan.settled(v) for v in plan.vlogs}
-    rows: list[Row] = []
+    answers: list[np.ndarray] = []   # per vseg indexed: its rows
     indexes: dict[tuple[int, int, int], bytes] = {}  # (vlog, vseg, offset) -> index chunk
     cut: dict[int, int] = {}   # vlog -> first settled vseg no copy could index
     limit = trio.CapacityLimiter(INDEX_PARALLEL)
@@ -59,19 +72,21 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                         "broker": rec.broker, "vlog": vlog, "vseg": vseg}, timeout=INDEX_TIMEOUT)
                     data = b"".join(payload) if isinstance(payload, list) else bytes(payload)
                     cut_at = meta["rows"]
-                    found = iter(chunk.scan(memoryview(data)[cut_at:]))  # index chunks, verified
+                    if not isinstance(cut_at, int) or not 0 <= cut_at <= len(data) or cut_at % (8 * ANSWER):
+                        raise TypeError(f"rows {cut_at!r} is not a whole number of rows")
+                    found = chunk.scan(memoryview(data)[cut_at:])  # index chunks, verified
+                    a = np.frombuffer(data, "<u8", cut_at // 8).reshape(-1, ANSWER)
+                    marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
+                    if len(marks) != len(found):
+                        raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
                 except (KeraError, KeyError, TypeError) as e:
                     log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, e)
                     continue
-                a = array("Q")
-                a.frombytes(data[:cut_at])
-                for k in range(0, len(a), COLUMNS):
-                    r = Row(vlog, vseg, *a[k:k + COLUMNS])
-                    if r.index:
-                        h, off = next(found)
-                        indexes[(vlog, vseg, r.voff)] = data[cut_at + off:cut_at + off + h.size]
-                    if (r.stream, r.streamlet) in owners:
-                        rows.append(r)
+                for voff, (h, off) in zip(a[marks, 0].tolist(), found, strict=True):
+                    indexes[(vlog, vseg, voff)] = data[cut_at + off:cut_at + off + h.size]
+                out = np.empty((len(a), COLUMNS), np.uint64)
+                out[:, VLOG], out[:, VSEG], out[:, VOFF:] = vlog, vseg, a
+                answers.append(out)
                 return
         cut[vlog] = min(cut.get(vlog, vseg), vseg)
 
@@ -81,8 +96,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 n.start_soon(index, vlog, vseg, backups)
     # the settled prefix ends where a vseg could not be indexed: later ones are replayed
     whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
-    rows = [r for r in rows if r.vseg in whole[r.vlog]]
-    rows.sort(key=lambda r: (r.vlog, r.vseg, r.voff))
+    rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64), owners, cut)
     rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
     rec.index_seconds = time.monotonic() - t0
 
@@ -90,8 +104,8 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     indexed = 0
     for a in rp.adopted:
         if a.indexed:
-            r = a.rows[0]
-            data = indexes[(r.vlog, r.vseg, r.voff)]
+            r = a.rows[0].tolist()
+            data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
             indexed += index_chunk.parse(data).head
         else:
             data = _index_chunk(rec.broker, a, whole)
@@ -123,11 +137,23 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     return [[*k, s] for k, s in rp.replay_from.items()]
 
 
+def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarray:
+    """The rows of streamlets someone recovers, in vsegs before their vlog's ``cut``."""
+    if not len(rows):
+        return rows
+    keep = np.ones(len(rows), bool)
+    for vlog, at in cut.items():
+        keep &= (rows[:, VLOG] != vlog) | (rows[:, VSEG] < at)
+    pairs, which = np.unique(rows[:, [STREAM, STREAMLET]], axis=0, return_inverse=True)
+    mine = np.array([(s, sl) in owners for s, sl in pairs.tolist()], bool)
+    return rows[keep & mine[which.reshape(-1)]]
+
+
 def _index_chunk(broker: int, a: Adopted, whole: dict) -> bytes:
     """The index chunk of a segment re-pointed at ``broker``'s copies."""
-    rows = np.array([(r.offset + r.size, r.vseg, r.voff, r.producer, r.sequence) for r in a.rows],
-                    "<u8")
-    vlog = a.rows[0].vlog
+    r = a.rows
+    rows = np.column_stack((r[:, OFFSET] + r[:, SIZE], r[:, VSEG], r[:, VOFF], r[:, PRODUCER], r[:, SEQUENCE]))
+    vlog = int(r[0, VLOG])
     return index_chunk.build(index_chunk.SegmentIndex(
         a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
-        {v: list(whole[vlog][v]) for v in dict.fromkeys(r.vseg for r in a.rows)}))
+        {v: list(whole[vlog][v]) for v in np.unique(r[:, VSEG]).tolist()}), closed=a.closed)

@@ -9,7 +9,10 @@ listed by the backups as index rows, never as bodies, and a segment is
 names those copies) when:
 
 - it is not its group's last segment in the rows (so it took no more chunks:
-  a group opens a segment only when the one before has no room);
+  a group opens a segment only when the one before has no room), or it is,
+  and the rows hold the group's *close chunk* (``chunk.CLOSE``: the broker
+  closed the group, no chunk follows in it) naming that segment and its head;
+  its index chunk then carries ``INDEX | CLOSE``;
 - its chunks start at offset 0 and follow each other without a gap (all of
   them lie before the next segment's first chunk in the group's one vlog,
   so all are in the settled prefix and listed);
@@ -24,60 +27,46 @@ segments before it are, last or not.
 
 A group whose first listed segment starts past offset 0 began in released
 vsegs: that segment is dropped (retention frees whole segments), as replay
-drops it. A settled vseg none of whose chunks is replayed is not read at all.
+drops it. A settled vseg none of whose chunks is replayed is not read at all;
+a close chunk is never adopted and never keeps its vseg replayed by itself.
+
+The rows are one u64 array (a row per chunk, columns below), planned with
+array operations: Python loops run per segment or group, never per chunk.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
-from .chunk import INDEX
+import numpy as np
+
+from .chunk import CLOSE, INDEX
 from .index_chunk import MAX_ROWS
 
-
-class Row(NamedTuple):
-    """One chunk of a settled vseg, as a backup's index lists it."""
-
-    vlog: int
-    vseg: int
-    voff: int        # byte offset in the vseg
-    size: int
-    stream: int
-    streamlet: int
-    group: int
-    segment: int
-    offset: int      # byte offset in the segment
-    producer: int
-    sequence: int
-    flags: int = 0
-
-    @property
-    def index(self) -> bool:
-        """An index chunk: an adopted segment, not records."""
-        return bool(self.flags & INDEX)
+# the columns of a row: one chunk of a settled vseg, as a backup's index lists it
+VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS = range(12)
+COLUMNS = 12        # VOFF... are the backup's answer; VLOG, VSEG the vseg it answered for
 
 
 @dataclass(slots=True)
 class Adopted:
-    """A re-pointed segment: its chunks in order, all in settled vsegs of one vlog (or one
-    index chunk of the dead broker's own adoption of it)."""
+    """A re-pointed segment: its chunks' rows in order, all in settled vsegs of one vlog (or
+    one index chunk of the dead broker's own adoption of it)."""
 
     stream: int
     streamlet: int
     group: int
     segment: int
-    rows: list[Row]
+    rows: np.ndarray      # (n, COLUMNS) u64
+    closed: bool = False  # its group's last segment, proved complete by the group's close chunk
 
     @property
     def indexed(self) -> bool:
-        return self.rows[0].index
+        return bool(self.rows[0, FLAGS] & INDEX)
 
     @property
     def head(self) -> int:
-        r = self.rows[-1]
-        return r.offset + r.size
+        return int(self.rows[-1, OFFSET] + self.rows[-1, SIZE])
 
 
 @dataclass(slots=True)
@@ -93,56 +82,74 @@ class Repoint:
         return sum(a.head for a in self.adopted if not a.indexed)
 
 
-def plan_repoint(rows: Iterable[Row], settled: dict[int, Iterable[int]],
+def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
                  replayed: frozenset = frozenset()) -> Repoint:
-    """Decide from the index ``rows`` of the settled vsegs (``settled``: vlog -> vseg ids;
-    rows of streamlets nobody recovers left out by the caller). Streamlets in ``replayed``
-    (stream, streamlet) adopt nothing: their rows only keep their vsegs replayed."""
-    by_group: dict[tuple[int, int, int], dict[int, list[Row]]] = {}
-    per_vseg: dict[tuple[int, int], list[Row]] = {}
-    for r in rows:
-        by_group.setdefault((r.stream, r.streamlet, r.group), {}).setdefault(r.segment, []).append(r)
-        per_vseg.setdefault((r.vlog, r.vseg), []).append(r)
+    """Decide from the index ``rows`` ((n, COLUMNS) u64) of the settled vsegs (``settled``:
+    vlog -> vseg ids; rows of streamlets nobody recovers left out by the caller). Streamlets
+    in ``replayed`` (stream, streamlet) adopt nothing: their rows only keep their vsegs
+    replayed."""
+    rows = np.asarray(rows, np.uint64).reshape(-1, COLUMNS)
+    close = rows[:, FLAGS] & (INDEX | CLOSE) == CLOSE
+    closes: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
+    for sid, sl, gid, s, off in rows[close][:, [STREAM, STREAMLET, GROUP, SEGMENT, OFFSET]].tolist():
+        closes.setdefault((sid, sl, gid), set()).add((s, off))
+    rows = rows[~close]
+    index = rows[:, FLAGS] & INDEX != 0
+    rows = rows[np.lexsort((~index, rows[:, OFFSET], rows[:, SEGMENT], rows[:, GROUP], rows[:, STREAMLET],
+                            rows[:, STREAM]))]  # an index chunk first in its segment
+    index = rows[:, FLAGS] & INDEX != 0
     out = Repoint()
-    taken: set[tuple[int, int, int, int]] = set()
-    for (sid, sl, gid), segs in by_group.items():
-        if (sid, sl) in replayed:
-            continue
-        order = sorted(segs)
-        first = order[0]
-        start = 1 if segs[first][0].offset != 0 else 0  # began in released vsegs: dropped
-        adopted = []
-        prev = first if start else first - 1
-        for i, s in enumerate(order[start:], start):
-            index = [r for r in segs[s] if r.index]
-            chunks = index[:1] or sorted(segs[s], key=lambda r: r.offset)
-            if s != prev + 1:
-                break
-            # a segment of records: never the last listed, whole and not too many chunks
-            if not index and (i == len(order) - 1 or not _contiguous(chunks) or len(chunks) > MAX_ROWS):
-                break
-            adopted.append(Adopted(sid, sl, gid, s, chunks))
-            prev = s
-        if not adopted:
-            continue
-        out.adopted += adopted
-        out.replay_from[(sid, sl, gid)] = adopted[-1].segment + 1
-        for a in adopted:
-            taken.add((sid, sl, gid, a.segment))
+    n = len(rows)
+    taken = np.zeros(0, bool)
+    if n:
+        # per segment (a run of rows): first row, count, head, whole from 0, index chunk first
+        key = rows[:, [STREAM, STREAMLET, GROUP, SEGMENT]]
+        new = np.ones((n, 2), bool)
+        new[1:, 0] = (key[1:] != key[:-1]).any(axis=1)           # a segment starts
+        new[1:, 1] = (key[1:, :3] != key[:-1, :3]).any(axis=1)   # a group starts
+        first = np.flatnonzero(new[:, 0])
+        count = np.diff(np.append(first, n))
+        end = rows[:, OFFSET] + rows[:, SIZE]
+        gap = ~new[:, 0]
+        gap[1:] &= rows[1:, OFFSET] != end[:-1]
+        whole = (rows[first, OFFSET] == 0) & (np.add.reduceat(gap, first) == 0)
+        head = end[first + count - 1]
+        groups = np.flatnonzero(new[first, 1])
+        taken = np.zeros(len(first), bool)
+        ids = rows[first][:, [STREAM, STREAMLET, GROUP, SEGMENT]].tolist()
+        starts, counts, heads = first.tolist(), count.tolist(), head.tolist()
+        whole, indexed = whole.tolist(), index[first].tolist()
+        for g0, g1 in zip(groups.tolist(), [*groups[1:].tolist(), len(first)], strict=True):
+            sid, sl, gid, s0 = ids[g0]
+            if (sid, sl) in replayed:
+                continue
+            j = g0 + int(rows[starts[g0], OFFSET] != 0)  # began in released vsegs: dropped
+            prev = s0 if j > g0 else s0 - 1
+            marks = closes.get((sid, sl, gid), ())
+            adopted = []
+            for k in range(j, g1):
+                s, at = ids[k][3], starts[k]
+                if s != prev + 1:
+                    break
+                if indexed[k]:
+                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1]))
+                else:
+                    # a segment of records: whole, not too many chunks, and proved complete
+                    closed = k == g1 - 1 and (s, heads[k]) in marks
+                    if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
+                        break
+                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed))
+                prev = s
+            if adopted:
+                out.adopted += adopted
+                out.replay_from[(sid, sl, gid)] = prev + 1
+                taken[g0:j + len(adopted)] = True
+    # a settled vseg is skipped when every chunk in it is taken (close chunks never count)
+    left = rows[~np.repeat(taken, count if n else 0)][:, [VLOG, VSEG]]
+    busy = {(v, s) for v in np.unique(left[:, 0]).tolist()
+            for s in np.unique(left[left[:, 0] == v, 1]).tolist()}
     for vlog, vsegs in settled.items():
         for s in vsegs:
-            rs = per_vseg.get((vlog, s), [])
-            if all((r.stream, r.streamlet, r.group, r.segment) in taken or
-                   r.segment < out.replay_from.get((r.stream, r.streamlet, r.group), -1)
-                   for r in rs):
+            if (vlog, s) not in busy:
                 out.skip.setdefault(vlog, set()).add(s)
     return out
-
-
-def _contiguous(chunks: list[Row]) -> bool:
-    at = 0
-    for r in chunks:
-        if r.offset != at:
-            return False
-        at = r.offset + r.size
-    return True

@@ -7,21 +7,33 @@ import pytest
 
 from kera import chunk, index_chunk
 from kera.errors import ProtocolError
-from kera.repoint_plan import Row, plan_repoint
+from kera.repoint_plan import COLUMNS, plan_repoint
 
 
-def rows_of(vseg: int, group: int, segment: int, sizes, at: int = 0, flags: int = 0) -> list[Row]:
+def rows_of(vseg: int, group: int, segment: int, sizes, at: int = 0, flags: int = 0) -> list[tuple]:
+    """Index rows (see ``kera.repoint_plan``'s columns) of one segment's chunks in one vseg of vlog 1."""
     out, off = [], 0
     for i, n in enumerate(sizes):
-        out.append(Row(1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags))
+        out.append((1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags))
         off += n
     return out
+
+
+def close_row(vseg: int, group: int, segment: int, offset: int, at: int) -> list[tuple]:
+    """A group's close chunk, as the index lists it."""
+    return [(1, vseg, at, 120, 7, 0, group, segment, offset, 3, 0, chunk.CLOSE)]
+
+
+def plan(rows, settled, **kw):
+    """``plan_repoint`` over the rows in an array shuffled out of vlog order (the plan sorts)."""
+    a = np.array(rows, np.uint64).reshape(-1, COLUMNS)
+    return plan_repoint(a[np.random.default_rng(1).permutation(len(a))], settled, **kw)
 
 
 def test_index_chunks_are_repointed_first_then_whole_segments_but_never_the_last():
     rows = (rows_of(0, 0, 0, [300], flags=chunk.INDEX) + rows_of(0, 0, 1, [300], 300, chunk.INDEX)
             + rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + rows_of(2, 0, 4, [80]))
-    rp = plan_repoint(rows, {1: [0, 1, 2]})
+    rp = plan(rows, {1: [0, 1, 2]})
     assert [(a.segment, a.indexed) for a in rp.adopted] == [(0, True), (1, True), (2, False), (3, False)]
     assert rp.replay_from == {(7, 0, 0): 4}
     assert rp.bytes == 250                       # index chunks' segments are counted by the caller
@@ -29,7 +41,7 @@ def test_index_chunks_are_repointed_first_then_whole_segments_but_never_the_last
 
 
 def test_an_index_chunk_is_repointed_even_as_the_last_segment_listed():
-    rp = plan_repoint(rows_of(0, 2, 5, [300], flags=chunk.INDEX), {1: [0]})
+    rp = plan(rows_of(0, 2, 5, [300], flags=chunk.INDEX), {1: [0]})
     assert [(a.group, a.segment) for a in rp.adopted] == [(2, 5)]
     assert rp.replay_from == {(7, 0, 2): 6}
 
@@ -43,6 +55,9 @@ def test_index_chunk_round_trip_and_bad_input():
     back = index_chunk.parse(data, h)
     assert (back.source, back.vlog, back.copies, back.head) == (8, (2 << 32) | 1, {3: [1, 2], 4: [2]}, 250)
     assert back.producers() == {7: 1, 9: 5} and (back.rows == rows).all()
+    closed = index_chunk.build(ix, closed=True)  # a closed group's last segment
+    h = chunk.verify(closed)
+    assert h.flags == chunk.INDEX | chunk.CLOSE and index_chunk.parse(closed, h).head == 250
     with pytest.raises(ProtocolError):  # records, not an index
         index_chunk.parse(chunk.build(5, 1, 7, 0, [b"x" * 48]))
     with pytest.raises(ProtocolError):  # flagged, but its value is no index
@@ -54,5 +69,48 @@ def test_index_chunk_round_trip_and_bad_input():
 
 def test_a_streamlet_replayed_whole_adopts_nothing_and_keeps_its_vsegs_replayed():
     rows = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + rows_of(2, 0, 4, [80])
-    rp = plan_repoint(rows, {1: [1, 2]}, replayed=frozenset({(7, 0)}))
+    rp = plan(rows, {1: [1, 2]}, replayed=frozenset({(7, 0)}))
+    assert rp.adopted == [] and rp.replay_from == {} and rp.skip == {}
+
+
+def test_a_closed_groups_last_segment_is_repointed_when_its_close_chunk_names_its_head():
+    seg = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50, 30], 200)   # head of segment 3: 80
+    rp = plan(seg + close_row(2, 0, 3, 80, 0) + rows_of(2, 1, 0, [40], 120), {1: [1, 2]})
+    assert [(a.segment, a.closed, a.indexed) for a in rp.adopted] == [(2, False, False), (3, True, False)]
+    assert rp.replay_from == {(7, 0, 0): 4} and rp.bytes == 280
+    assert rp.skip == {1: {1}}   # vseg 2 holds group 1's chunk, replayed (its segment is the last)
+
+
+def test_a_close_chunk_naming_another_offset_or_segment_or_none_adopts_no_last_segment():
+    seg = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50, 30], 200)
+    for marker in ([], close_row(2, 0, 3, 50, 0), close_row(2, 0, 4, 80, 0), close_row(2, 1, 3, 80, 0)):
+        rp = plan(seg + marker, {1: [1, 2]})
+        assert [(a.segment, a.closed) for a in rp.adopted] == [(2, False)]
+        assert rp.replay_from == {(7, 0, 0): 3}
+        assert rp.skip == {1: {2}}   # vseg 2 holds nothing else: a close chunk keeps no vseg replayed
+
+
+def test_a_close_chunk_never_keeps_a_vseg_replayed_and_is_never_adopted():
+    # the marker shares vseg 2 with segment 3's last chunk; everything else there is taken
+    rows = (rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + rows_of(2, 0, 3, [30], 0)
+            + close_row(2, 0, 3, 80, 30))
+    rows[-2] = rows[-2][:8] + (50,) + rows[-2][9:]   # segment 3's second chunk at offset 50
+    rp = plan(rows, {1: [1, 2]})
+    assert [(a.segment, a.closed, len(a.rows)) for a in rp.adopted] == [(2, False, 2), (3, True, 2)]
+    assert rp.skip == {1: {1, 2}}
+    assert not any(r[11] & chunk.CLOSE for a in rp.adopted for r in a.rows.tolist())
+
+
+def test_the_dead_brokers_closed_index_chunk_is_repointed_as_it_stands():
+    rp = plan(rows_of(0, 2, 5, [300], flags=chunk.INDEX | chunk.CLOSE), {1: [0]})
+    assert [(a.segment, a.indexed, a.closed) for a in rp.adopted] == [(5, True, False)]
+    assert rp.replay_from == {(7, 0, 2): 6} and rp.skip == {1: {0}}
+
+
+def test_a_closed_last_segment_with_a_gap_or_in_a_replayed_streamlet_is_not_adopted():
+    gap = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + [(1, 2, 0, 30, 7, 0, 0, 3, 60, 3, 9, 0)]
+    rp = plan(gap + close_row(2, 0, 3, 90, 30), {1: [1, 2]})
+    assert [a.segment for a in rp.adopted] == [2] and rp.skip == {}
+    rows = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + close_row(1, 0, 3, 50, 250)
+    rp = plan(rows, {1: [1]}, replayed=frozenset({(7, 0)}))
     assert rp.adopted == [] and rp.replay_from == {} and rp.skip == {}
