@@ -72,12 +72,10 @@ def build(ix: SegmentIndex, closed: bool = False) -> bytes:
     if not 0 < n <= MAX_ROWS:
         raise InvalidArgument(f"an index chunk holds 1..{MAX_ROWS} rows, not {n}")
     vsegs = sorted(ix.copies)
-    head = np.array([MAGIC, ix.source, ix.vlog, n, len(vsegs), sum(len(ix.copies[v]) for v in vsegs)],
-                    "<u8")
-    per = np.array([[v, len(ix.copies[v])] for v in vsegs], "<u8").reshape(-1, 2)
-    backups = np.array([b for v in vsegs for b in ix.copies[v]], "<u8")
-    value = b"".join((head.tobytes(), np.ascontiguousarray(ix.rows, "<u8").tobytes(), per.tobytes(),
-                      backups.tobytes()))
+    per = [x for v in vsegs for x in (v, len(ix.copies[v]))]
+    backups = [b for v in vsegs for b in ix.copies[v]]
+    value = b"".join((np.array([MAGIC, ix.source, ix.vlog, n, len(vsegs), len(backups)], "<u8").tobytes(),
+                      np.ascontiguousarray(ix.rows, "<u8").tobytes(), np.array(per + backups, "<u8").tobytes()))
     data = bytearray(chunk.build(ix.stream, ix.streamlet, int(ix.rows[0, 3]), 0, [value], timestamps=0,
                                  flags=chunk.INDEX | (chunk.CLOSE if closed else 0)))
     chunk.place(data, 0, ix.group, ix.segment, 0)

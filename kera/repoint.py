@@ -144,16 +144,19 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarra
     keep = np.ones(len(rows), bool)
     for vlog, at in cut.items():
         keep &= (rows[:, VLOG] != vlog) | (rows[:, VSEG] < at)
-    pairs, which = np.unique(rows[:, [STREAM, STREAMLET]], axis=0, return_inverse=True)
-    mine = np.array([(s, sl) in owners for s, sl in pairs.tolist()], bool)
-    return rows[keep & mine[which.reshape(-1)]]
+    # (stream, streamlet) as one u64; stream ids are counted up from 1, far below 2**32
+    wanted = np.array([(s << 32) | sl for s, sl in owners if s < 1 << 32], np.uint64)
+    keep &= rows[:, STREAM] < 1 << 32
+    keep &= np.isin((rows[:, STREAM] << np.uint64(32)) | rows[:, STREAMLET], wanted)
+    return rows[keep]
 
 
 def _index_chunk(broker: int, a: Adopted, whole: dict) -> bytes:
     """The index chunk of a segment re-pointed at ``broker``'s copies."""
     r = a.rows
     rows = np.column_stack((r[:, OFFSET] + r[:, SIZE], r[:, VSEG], r[:, VOFF], r[:, PRODUCER], r[:, SEQUENCE]))
-    vlog = int(r[0, VLOG])
+    vlog, vs = int(r[0, VLOG]), r[:, VSEG]
+    vsegs = vs[:1].tolist() + vs[1:][vs[1:] != vs[:-1]].tolist()  # ascending: chunks in vlog order
     return index_chunk.build(index_chunk.SegmentIndex(
         a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
-        {v: list(whole[vlog][v]) for v in np.unique(r[:, VSEG]).tolist()}), closed=a.closed)
+        {v: list(whole[vlog][v]) for v in vsegs}), closed=a.closed)
