@@ -7,8 +7,11 @@ and the probe of a disk that failed), reading back with verification, unlinking.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import uuid
+
+import numpy as np
 
 from .. import chunk as chunkfmt
 from ..errors import ChecksumError, ProtocolError
@@ -32,6 +35,34 @@ def read_verified(path: str, start: int, stop: int, starts: list[int], ends: lis
         except (ChecksumError, ProtocolError) as err:
             return data[:s - start], (s, e - s, f"read back: {err}")
     return data, None
+
+
+def gather_headers(buf, starts: np.ndarray) -> bytes:
+    """The chunk headers at ``starts`` in ``buf``, packed back to back (``HEADER_DTYPE``
+    records): one fancy index, no per-chunk Python. A header past the end of ``buf`` (a
+    file cut short) comes as zeros, which no header check passes."""
+    n = len(buf)
+    fit = starts + chunkfmt.HEADER_SIZE <= n
+    if not n or not fit.any():
+        return bytes(len(starts) * chunkfmt.HEADER_SIZE)
+    heads = np.frombuffer(buf, np.uint8)[np.where(fit, starts, 0)[:, None] + np.arange(chunkfmt.HEADER_SIZE)]
+    heads[~fit] = 0
+    return heads.tobytes()
+
+
+def read_headers(path: str, starts: np.ndarray) -> bytes:
+    """``gather_headers`` over the file's chunk area, mapped: only the pages holding headers
+    are read, and nothing the size of the file is allocated."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size <= segment_file.FILE_HEADER_SIZE:
+            return gather_headers(b"", starts)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            view = memoryview(mm)[segment_file.FILE_HEADER_SIZE:]
+            try:
+                return gather_headers(view, starts)
+            finally:
+                view.release()
 
 
 def write_round(jobs, segdir: str, dir_sync: bool, probe: bool):
