@@ -145,11 +145,11 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
                 out.replay_from[(sid, sl, gid)] = prev + 1
                 taken[g0:j + len(adopted)] = True
     # a settled vseg is skipped when every chunk in it is taken (close chunks never count)
-    left = rows[~np.repeat(taken, count if n else 0)][:, [VLOG, VSEG]]
-    busy = {(v, s) for v in np.unique(left[:, 0]).tolist()
-            for s in np.unique(left[left[:, 0] == v, 1]).tolist()}
+    left = rows[~np.repeat(taken, count if n else 0)]
     for vlog, vsegs in settled.items():
+        busy = np.sort(left[left[:, VLOG] == vlog, VSEG])
+        busy = set(busy[np.append(True, busy[1:] != busy[:-1])].tolist()) if len(busy) else set()
         for s in vsegs:
-            if (vlog, s) not in busy:
+            if s not in busy:
                 out.skip.setdefault(vlog, set()).add(s)
     return out
