@@ -66,7 +66,8 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
 
     async def index(vlog: int, vseg: int, backups: list[int]) -> None:
         async with limit:
-            for b in backups:
+            k = vseg % len(backups)  # spread the vsegs over their copies' backups
+            for b in backups[k:] + backups[:k]:
                 try:
                     meta, payload = await pool.call(addrs[b], "index", {
                         "broker": rec.broker, "vlog": vlog, "vseg": vseg}, timeout=INDEX_TIMEOUT)
