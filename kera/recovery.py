@@ -62,6 +62,7 @@ class Recovery:
         self.streamlets = streamlets        # [(stream name, index)]
         self.started = time.time()
         self.finished: float | None = None
+        self.served: float | None = None    # the new owners serve (the hand-over committed)
         self.state = "planning"
         self.vlogs = 0
         self.sources: set[int] = set()      # backups replaying
@@ -85,6 +86,7 @@ class Recovery:
                 "backups": len(self.sources), "chunks": self.chunks, "bytes": self.bytes,
                 "total_bytes": self.total,
                 "seconds": round(end - self.started, 3),
+                "serve_seconds": round((self.served or end) - self.started, 3),
                 "rate_mb_s": round(self.bytes / max(end - self.started, 1e-6) / 1e6, 2),
                 "steps": self.steps, "corrupt_steps": self.corrupt_steps,
                 "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
@@ -210,13 +212,16 @@ class RecoveryManager:
         for (name, i), m in plan.items():
             coord.set_owner(streams[name], i, m)
         await coord.commit()
+        rec.served = time.time()
         if not replayed.complete:  # what is left may be all there is of the lost range: keep it
             return
+        per_backup: dict[int, list] = {}
+        for vlog, vseg, bid in replayed.copies():  # a claimed file stays (kera.backup.claims)
+            per_backup.setdefault(bid, []).append([vlog, vseg])
         addrs = {b.id: b.addr for b in backups}
         async with trio.open_nursery() as n:
-            for vlog, vseg, bid in replayed.copies():  # a claimed file stays (kera.backup.claims)
-                n.start_soon(self._quiet, addrs[bid], "drop",
-                             {"broker": rec.broker, "vlog": vlog, "vseg": vseg})
+            for bid, copies in per_backup.items():
+                n.start_soon(self._quiet, addrs[bid], "drop", {"broker": rec.broker, "copies": copies})
         async with trio.open_nursery() as n:
             for b in backups:
                 n.start_soon(self._quiet, b.addr, "release", {"owner": rec.broker, "epoch": rec.epoch})
@@ -226,11 +231,16 @@ class RecoveryManager:
         # attempt: it may hold the only intact copy
         listings: dict[int, list] = {}
         floors: dict[int, int] = {}  # vlog -> vsegs below were released by the broker (retention)
-        for b in backups:
+
+        async def listing(b) -> None:
             r = await self._call(b.addr, "list", {"broker": rec.broker}, timeout=10)
             listings[b.id] = r["segments"]
             for _, vlog, floor in r.get("floors") or []:
                 floors[vlog] = max(floors.get(vlog, 0), floor)
+
+        async with trio.open_nursery() as n:
+            for b in backups:
+                n.start_soon(listing, b)
         addrs = {b.id: b.addr for b in backups}
         replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
         routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]

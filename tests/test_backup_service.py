@@ -375,11 +375,16 @@ async def test_max_bytes_refuses_up_front(backups):
             assert (seg["length"], seg["chunks"]) == (off, 5)
             assert (1, 0, 7) not in await segments(pool, bk.addr)
             assert (await read_all(pool, bk.addr, 0))[0] == b"".join(a[:5])
-            # dropping a replica frees its space
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
-            assert r == {"dropped": True} and not os.path.exists(bk.seg(1, 0, 0))
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
-            assert r == {"dropped": False}
+            # dropping a replica frees its space; bad drops are refused and change nothing
+            for bad in ({"broker": 1, "copies": [[0]]}, {"broker": 1, "copies": [[0, -1]]},
+                        {"broker": 1, "vlog": 0, "vseg": 0}, {"copies": [[0, 0]]}):
+                with pytest.raises(InvalidArgument):
+                    await pool.call(bk.addr, "drop", bad)
+            assert os.path.exists(bk.seg(1, 0, 0))
+            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "copies": [[0, 0], [0, 9]]})
+            assert r == {"dropped": 1, "claimed": 0} and not os.path.exists(bk.seg(1, 0, 0))
+            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "copies": [[0, 0]]})
+            assert r == {"dropped": 0, "claimed": 0}
             assert await replicate(pool, bk.addr, 7, 0, a[5]) == size
 
 
@@ -589,10 +594,9 @@ async def test_claimed_files_outlive_their_drop_until_released(backups):
             assert not os.path.exists(os.path.join(bk.dir, "claims.meta"))
             r, _ = await pool.call(bk.addr, "claim", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0], [1, 0, 9]]})
             assert r["held"] == [True, False]
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
-            assert r == {"dropped": False, "claimed": True} and os.path.exists(bk.seg(1, 0, 0))
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 1})
-            assert r == {"dropped": True} and not os.path.exists(bk.seg(1, 0, 1))
+            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "copies": [[0, 0], [0, 1]]})
+            assert r == {"dropped": 1, "claimed": 1}
+            assert os.path.exists(bk.seg(1, 0, 0)) and not os.path.exists(bk.seg(1, 0, 1))
             r, _ = await pool.call(bk.addr, "release", {"owner": 6, "epoch": 1})  # not its claim
             assert r == {"bytes": 0} and os.path.exists(bk.seg(1, 0, 0))
         bk.restart()

@@ -372,7 +372,8 @@ def test_kill_broker_with_4x_history_replays_what_it_held_not_its_history(make_c
     one = _recover_repointed(make_cluster, 24 * MiB)
     four = _recover_repointed(make_cluster, 96 * MiB)
     for name, r in (("1x", one), ("4x", four)):
-        print(f"\n{name}: recovery in {r['seconds']} s (index {r['index_seconds']} s, adopt "
+        print(f"\n{name}: serving after {r['serve_seconds']} s, recovery in {r['seconds']} s "
+              f"(index {r['index_seconds']} s, adopt "
               f"{r['adopt_seconds']} s): "
               f"{r['bytes'] / MiB:.1f} MiB replayed, {r['adopted_bytes'] / MiB:.1f} MiB in "
               f"{r['adopted_segments']} segments re-pointed; {r['records']} records read back")

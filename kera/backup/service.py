@@ -216,7 +216,7 @@ class BackupService(Service):
         size = rep.budget
         if self.store.drop(rep.key) is None:
             return 0
-        await self._unlink(rep)
+        await self._unlink([rep])
         self.store.reclaimed += size
         return size
 
@@ -536,30 +536,42 @@ class BackupService(Service):
         return [tuple(k) for k in keys]
 
     async def rpc_drop(self, meta: dict, payload):
-        """A recovery lets a dead incarnation's copy go: deleted, unless claimed (then it goes
-        with its last claim)."""
-        key = _key(meta)
-        if key in self.store.replicas and self.claims.drop(key):
+        """A recovery lets a dead incarnation's copies go (``copies``: [[vlog, vseg], ...] of
+        ``broker``, one request per backup however long the history): each is deleted, unless
+        claimed (then it goes with its last claim)."""
+        broker = _uint(meta, "broker")
+        copies = meta.get("copies")
+        if not isinstance(copies, list) or not all(
+                isinstance(c, list) and len(c) == 2 and all(type(x) is int and 0 <= x < _U63 for x in c)
+                for c in copies):
+            raise InvalidArgument("drop needs copies: [[vlog, vseg], ...]")
+        keys = [(broker, vlog, vseg) for vlog, vseg in copies]
+        claimed = [k for k in keys if k in self.store.replicas and self.claims.drop(k)]
+        if claimed:
             await self._save_claims()
-            return {"dropped": False, "claimed": True}
-        rep = self.store.drop(key)
-        if rep is None:
-            return {"dropped": False}
-        if self._kick is not None:
-            self._kick.set()  # wake durability waiters so they see it
-        self.counters["drops"] += 1
-        return await self._unlink(rep)
+        gone = set(claimed)
+        reps = [rep for k in keys if k not in gone and (rep := self.store.drop(k)) is not None]
+        if reps:
+            if self._kick is not None:
+                self._kick.set()  # wake durability waiters so they see it
+            self.counters["drops"] += len(reps)
+            await self._unlink(reps)
+        return {"dropped": len(reps), "claimed": len(claimed)}
 
-    async def _unlink(self, rep: Replica):
+    async def _unlink(self, reps: list[Replica]) -> None:
+        """Delete the files of replicas already dropped from the store, in one thread hop."""
+        def work():
+            for rep in reps:
+                disk.unlink_quiet(rep.path)
         try:
             with trio.CancelScope(shield=True):
                 async with self._io:
-                    await trio.to_thread.run_sync(disk.unlink_quiet, rep.path)
+                    await trio.to_thread.run_sync(work)
         except OSError as e:
-            raise BackupError(f"dropping replica {rep.key}: {e}") from None
+            raise BackupError(f"dropping replicas {[r.key for r in reps]}: {e}") from None
         finally:
-            self.store.dropped(rep)
-        return {"dropped": True}
+            for rep in reps:
+                self.store.dropped(rep)
 
     # -- fencing and recovery ------------------------------------------------
 
