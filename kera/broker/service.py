@@ -39,6 +39,7 @@ from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
 from .adopted import AdoptedSegment, Claims, IndexHolder, adopted_segment
 from .compactor import Compactor
+from .group_close import close_chunk, mark
 from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
 from .segment import close_waiting
@@ -48,6 +49,8 @@ from .tiered import TieredReader
 log = logging.getLogger("kera.broker")
 
 MAX_PULL_BYTES = limits.MAX_PULL
+# flags only brokers set (index, close and compacted chunks): refused in a client's chunk
+BROKER_FLAGS = chunk.INDEX | chunk.CLOSE | chunk.COMPACTED
 MAX_PULL_WAIT = 30.0
 HEARTBEAT = 0.5
 RECLAIM_INTERVAL = 0.25
@@ -161,6 +164,7 @@ class BrokerService(Service):
                 sl.configure(s)
             if sl is None:
                 sl = self.streamlets[(s["id"], i)] = Streamlet(s, i, self.memory)
+                sl.on_close = self._close_group
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
@@ -204,6 +208,12 @@ class BrokerService(Service):
             if settled:  # else its vsegs still send from it; they drop it when released
                 seg.drop_buffer()
             seg.vsegs, seg.ends = [], []
+
+    def _close_group(self, sl: Streamlet, g, producer: int) -> None:
+        """``g`` is full and closed: its close chunk goes to its vlog, after all its chunks."""
+        c = close_chunk(sl.stream_id, sl.index, g, producer)
+        vlog = self.vlog_for(self.streams[sl.stream_id], sl.index, g)
+        vlog.append(c, 0, c.head, chunk.parse_header(c.view).body_checksum)
 
     def rpc_unassign(self, meta, payload):
         """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
@@ -259,6 +269,10 @@ class BrokerService(Service):
                     claim.update(dict.fromkeys(seg.foreign))
                     waits[vlog] = idx
                     placed += 1
+                    continue
+                if h.flags & chunk.CLOSE:  # the group was closed: nothing to place or wait on
+                    mark(sl, h.group)
+                    dup += 1
                     continue
                 g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
             except KeraError as e:  # DataLoss: a hole before it; refused, never stored past it
@@ -316,6 +330,8 @@ class BrokerService(Service):
         segment already."""
         g = sl.groups.get(h.group)
         if g is not None and h.segment < len(g.segments):
+            if h.flags & chunk.CLOSE:
+                mark(sl, h.group)
             seg = g.segments[h.segment]
             if not isinstance(seg, AdoptedSegment):
                 return None
@@ -325,6 +341,8 @@ class BrokerService(Service):
             return vlog, vlog.log.appended, seg
         seg = adopted_segment(ix, sl.segment_size, self.claims)
         sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole
+        if h.flags & chunk.CLOSE:  # the group's last segment: nothing is appended after it
+            mark(sl, h.group)
         holder = IndexHolder(bytes(data))
         vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
         idx = vlog.append(holder, 0, holder.head, h.body_checksum)
@@ -371,6 +389,8 @@ class BrokerService(Service):
                 (heads["body_len"] + chunk.HEADER_SIZE).tolist(), heads["body_checksum"].tolist(),
                 strict=True)):
             try:
+                if flags & BROKER_FLAGS:
+                    raise _broker_flags(flags)
                 sl = streamlets.get((sid, index))
                 if sl is None or sl.recovering:
                     sl = self._streamlet(sid, index)  # raises the right error
@@ -426,6 +446,8 @@ class BrokerService(Service):
         if len(chunks) != 1:
             raise InvalidArgument("append_if takes exactly one chunk")
         h, off = chunks[0]
+        if h.flags & BROKER_FLAGS:
+            raise _broker_flags(h.flags)
         if h.record_count != 1:
             raise InvalidArgument("append_if takes a chunk of exactly one record")
         sl = self._streamlet(h.stream_id, h.streamlet)
@@ -737,6 +759,13 @@ class BrokerService(Service):
                     log.error("broker %d epoch %d fenced: dropping its state, joining again",
                               self.broker_id, self.epoch)
                 self._reset()
+
+
+def _broker_flags(flags: int) -> InvalidArgument:
+    """A client's chunk flagged as only brokers flag theirs: stored, it would be taken for an
+    index or close chunk (or compacted one) by a recovery or a reader."""
+    return InvalidArgument(f"chunk flags {flags:#x}: INDEX, CLOSE and COMPACTED are set by brokers "
+                           f"only, never in a produced chunk")
 
 
 def _vseg_size(text: str) -> int:

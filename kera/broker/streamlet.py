@@ -70,6 +70,7 @@ class Streamlet:
         self.freed_bytes = 0     # chunk bytes freed by retention
         self.freed_segments = 0
         self.waiting = None      # an expired segment whose vsegs are still open (idle vlog)
+        self.on_close = None     # called with (streamlet, group, producer) when a full group closes
         self.configure(stream)
 
     def configure(self, stream: dict) -> None:
@@ -227,6 +228,8 @@ class Streamlet:
             placed = g.append(chunk)
             if placed is not None:
                 break
+            if self.on_close is not None:  # its close chunk goes before this one (group_close)
+                self.on_close(self, g, producer)
         seg, off = placed
         self.appended_chunks += 1
         self.appended_bytes += len(chunk)
