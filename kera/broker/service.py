@@ -19,6 +19,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import trio
 
 from .. import chunk, index_chunk, limits, metafile
@@ -43,7 +44,7 @@ from .group_close import close_chunk, mark
 from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
 from .segment import close_waiting
-from .streamlet import ProducerState, Streamlet
+from .streamlet import Streamlet
 from .tiered import TieredReader
 
 log = logging.getLogger("kera.broker")
@@ -261,11 +262,13 @@ class BrokerService(Service):
             mv = payload[off:off + h.size]
             try:
                 if h.flags & chunk.INDEX:
-                    done = self._adopt_index(sl, h, mv, index_chunk.parse(mv, h))
+                    ix = index_chunk.parse(mv, h)
+                    done = self._adopt_index(sl, h, mv, ix)
                     if done is None:
                         dup += 1
                         continue
                     vlog, idx, seg = done
+                    sl.note_adopted(ix.producers())
                     claim.update(dict.fromkeys(seg.foreign))
                     waits[vlog] = idx
                     placed += 1
@@ -310,13 +313,19 @@ class BrokerService(Service):
         waits: dict[Replicator, int] = {}
         claim: dict = {}
         adopted = 0
-        for sl, h, mv, ix in todo:
-            done = self._adopt_index(sl, h, mv, ix)
-            if done is not None:
-                vlog, idx, seg = done
-                waits[vlog] = max(idx, waits.get(vlog, 0))
-                claim.update(dict.fromkeys(seg.foreign))
-                adopted += 1
+        rows: dict[Streamlet, list] = {}
+        try:
+            for sl, h, mv, ix in todo:
+                done = self._adopt_index(sl, h, mv, ix)
+                if done is not None:
+                    vlog, idx, seg = done
+                    waits[vlog] = max(idx, waits.get(vlog, 0))
+                    claim.update(dict.fromkeys(seg.foreign))
+                    rows.setdefault(sl, []).append(ix.rows)
+                    adopted += 1
+        finally:  # one pass per streamlet over every adopted segment's rows
+            for sl, rs in rows.items():
+                sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
         await self.claims.claim(claim)
         await self._acked_when_durable(waits, {})
         for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
@@ -347,12 +356,6 @@ class BrokerService(Service):
         vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
         idx = vlog.append(holder, 0, holder.head, h.body_checksum)
         self.claims.attach(seg, holder)
-        for p, q in ix.producers().items():  # a late resend of an adopted chunk stays a duplicate
-            st = sl.producers.get(p)
-            if st is None:
-                sl.producers[p] = ProducerState(q, {})
-            elif q > st.last_seq:
-                st.last_seq = q
         return vlog, idx, seg
 
     def _check_lease(self) -> None:

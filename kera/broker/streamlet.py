@@ -284,6 +284,16 @@ class Streamlet:
         self.appended_bytes += seg.head
         return True
 
+    def note_adopted(self, highest: dict[int, int]) -> None:
+        """Producers' highest sequences in adopted segments: a late resend of an adopted chunk
+        stays a duplicate."""
+        for p, q in highest.items():
+            st = self.producers.get(p)
+            if st is None:
+                self.producers[p] = ProducerState(q, {})
+            elif q > st.last_seq:
+                st.last_seq = q
+
     def note_producer(self, producer: int, sequence: int, vlog, ref: int, segment=None,
                       end: int = 0) -> None:
         """Remember a producer's chunk: its sequence (replayed vlogs may come in any order:
