@@ -5,6 +5,8 @@
   as only brokers flag theirs; after a kill -9 of the owner replayed without re-pointing,
   every acknowledged record reads back once, in order, and the closed groups take nothing
   new;
+- an index chunk flagged ``INDEX | CLOSE`` (a closed group's last segment) keeps its
+  group closed on the broker adopting it;
 - in process: a replayed close keeps a group closed even when no later group of its
   slot was recovered (a chunk that would still fit goes to a new group).
 """
@@ -18,7 +20,7 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer
 
-from kera import chunk
+from kera import chunk, index_chunk
 from kera.broker.group_close import mark
 from kera.broker.streamlet import Streamlet
 from kera.errors import InvalidArgument
@@ -74,6 +76,35 @@ def _check_close_rows(rows: np.ndarray) -> set[int]:
     return set(groups)
 
 
+async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
+    """A broker other than ``owner`` recovers a streamlet of a stream of its own by adopting
+    one segment from an index chunk flagged ``INDEX | CLOSE`` (naming one of ``owner``'s
+    settled chunks, as a recovery would); then serves it. Returns the group a chunk produced
+    there goes to: not the adopted, evicted segment's group, though that segment has room."""
+    async with open_admin(c.coordinator) as a:
+        st = await a.status()
+    src = next(b["id"] for b in st["brokers"] if b["addr"] == owner)
+    other = next(b for b in st["brokers"] if b["addr"] != owner)
+    vlog, vseg, voff, size = (int(x) for x in rows[rows[:, 11] == 0][0, :4])
+    async with open_pool() as pool:
+        r, _ = await pool.call(owner, "vsegs", {})
+        copies = next(v[4] for v in r["vsegs"] if (v[0], v[1]) == (vlog, vseg))
+        s = {"id": 1 << 40, "name": "adopted", "streamlets": 1, "groups": 1, "replication": 3,
+             "segment_size": SEGMENT, "group_segments": GROUP_SEGMENTS}
+        e = {"epoch": other["epoch"]}
+        await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0], "recovering": True})
+        ix = index_chunk.SegmentIndex(s["id"], 0, 0, 0, src, vlog, np.array([[size, vseg, voff, 5, 0]], "<u8"),
+                                      {vseg: copies})
+        data = chunk.with_flags(index_chunk.build(ix), chunk.INDEX | chunk.CLOSE)
+        r, _ = await pool.call(other["addr"], "adopt", e, parts=[data])
+        assert r["adopted"] == 1
+        await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0]})
+        r, _ = await pool.call(other["addr"], "produce", {"positions": True},
+                               parts=[chunk.build(s["id"], 0, 5, 1, [b"x" * 8])])
+        assert not r["errors"], r
+        return r["placed"][0][1]
+
+
 def test_closed_groups_stay_closed_and_replay_once(make_cluster):
     """Groups of 2 x 64 KiB segments close every ~130 records; the owner is killed with -9
     and, re-pointing off, replayed: every acknowledged record reads back once, in order, and
@@ -88,7 +119,9 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
                                       group_segments=GROUP_SEGMENTS)
         await produce(c.coordinator, "closing", n, step=100)
         owner = s["addrs"][0]
-        closed = _check_close_rows(await _index_rows(c, owner))
+        rows = await _index_rows(c, owner)
+        closed = _check_close_rows(rows)
+        assert await _adopt_closed_last_segment(c, owner, rows) == 1
 
         async with open_pool() as pool:  # broker-only flags are refused, typed; the rest is served
             r, _ = await pool.call(owner, "stats", {})
