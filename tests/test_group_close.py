@@ -92,7 +92,9 @@ async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
         s = {"id": 1 << 40, "name": "adopted", "streamlets": 1, "groups": 1, "replication": 3,
              "segment_size": SEGMENT, "group_segments": GROUP_SEGMENTS}
         e = {"epoch": other["epoch"]}
-        await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0], "recovering": True})
+        backups = [{k: b[k] for k in ("id", "addr", "node", "epoch")} for b in st["backups"]]
+        await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0], "recovering": True,
+                                                  "backups": backups})
         ix = index_chunk.SegmentIndex(s["id"], 0, 0, 0, src, vlog, np.array([[size, vseg, voff, 5, 0]], "<u8"),
                                       {vseg: copies})
         data = chunk.with_flags(index_chunk.build(ix), chunk.INDEX | chunk.CLOSE)
