@@ -151,6 +151,7 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
             async def all_read():
                 nonlocal seen
                 for ch in await cons.poll_chunks(1.0):
+                    assert len(counters(ch)) == len(ch.view), "a record that was not produced"
                     after.setdefault(ch.group, []).append(counters(ch))
                     seen += len(ch.view)
                 return seen >= n + 1 + more
