@@ -1,7 +1,8 @@
 """Streamlet: a partition of a stream, with up to Q active groups.
 
 Producer p appends to active group ``p % Q``; when that group fills up it
-closes and a new group (next id) takes its slot. Per producer, the last
+closes (the broker records the close in the group's vlog: ``group_close``)
+and a new group (next id) takes its slot. Per producer, the last
 sequence seen makes retries idempotent: a sequence already appended is
 acknowledged again (once durable), never stored twice; a sequence that skips
 ahead is refused so the producer resends in order, unless its chunk carries
