@@ -3,8 +3,8 @@
 - on real processes: a stream whose groups close; the backups' ``index`` lists each
   close chunk at its group's last segment's head; clients cannot produce chunks flagged
   as only brokers flag theirs; after a kill -9 of the owner replayed without re-pointing,
-  every acknowledged record reads back once, in order, and the closed groups take nothing
-  new;
+  every acknowledged record reads back once, in order, the closed groups take nothing
+  new, and the new owner's vlogs hold the replayed close chunks as they stood;
 - an index chunk flagged ``INDEX | CLOSE`` (a closed group's last segment) keeps its
   group closed on the broker adopting it;
 - in process: a replayed close keeps a group closed even when no later group of its
@@ -36,9 +36,9 @@ GROUP_SEGMENTS = 2
 COLUMNS = 10  # u64s per chunk in a backup's index answer
 
 
-async def _index_rows(c, addr: str) -> np.ndarray:
-    """Index rows (vlog, vseg, then the backup's 10 columns) of every closed vseg of the
-    broker at ``addr``, each asked of one backup holding it."""
+async def _index_rows(c, addr: str, stream: int) -> np.ndarray:
+    """Index rows (vlog, vseg, then the backup's 10 columns) of ``stream``'s chunks in every
+    closed vseg of the broker at ``addr``, each asked of one backup holding it."""
     async with open_admin(c.coordinator) as a:
         st = await a.status()
     broker = next(b["id"] for b in st["brokers"] if b["addr"] == addr)
@@ -54,11 +54,13 @@ async def _index_rows(c, addr: str) -> np.ndarray:
             data = b"".join(payload) if isinstance(payload, list) else bytes(payload)
             a = np.frombuffer(array("Q", data[:meta["rows"]]).tobytes(), "<u8").reshape(-1, COLUMNS)
             out.append(np.hstack([np.full((len(a), 2), (vlog, vseg), "<u8"), a]))
-    return np.vstack(out)
+    rows = np.vstack(out)
+    return rows[rows[:, 4] == stream]
 
 
-def _check_close_rows(rows: np.ndarray) -> set[int]:
-    """Every close row sits at its group's last segment's head; returns the closed groups."""
+def _check_close_rows(rows: np.ndarray) -> dict[int, tuple[int, int]]:
+    """Every close row sits at its group's last segment's head, after the group's chunks in
+    the vlog; returns each closed group's (segment, offset) of its close."""
     flags = rows[:, 11]
     close = rows[flags == chunk.CLOSE]
     data = rows[flags == 0]
@@ -73,7 +75,7 @@ def _check_close_rows(rows: np.ndarray) -> set[int]:
         assert (before[:, 1] * (1 << 40) + before[:, 2] < vseg * (1 << 40) + voff).all(), \
             "a chunk of the group follows its close chunk in the vlog"
         assert size == chunk.chunk_size(1, 0)
-    return set(groups)
+    return {g: (s, off) for g, s, off in close[:, 6:9].tolist()}
 
 
 async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
@@ -121,7 +123,7 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
                                       group_segments=GROUP_SEGMENTS)
         await produce(c.coordinator, "closing", n, step=100)
         owner = s["addrs"][0]
-        rows = await _index_rows(c, owner)
+        rows = await _index_rows(c, owner, s["id"])
         closed = _check_close_rows(rows)
         assert await _adopt_closed_last_segment(c, owner, rows) == 1
 
@@ -157,15 +159,22 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
                 return seen >= n + 1 + more
 
             await wait_for(all_read, "every record after the recovery", timeout=60, every=0)
-        return rec, closed, got, after
+        async with open_admin(c.coordinator) as a:
+            new_owner = (await a.describe_stream("closing"))["addrs"][0]
+        # the replayed closes were appended again to the new owner's vlogs, as they stood
+        again = _check_close_rows(await _index_rows(c, new_owner, s["id"]))
+        return rec, closed, got, after, again
 
-    rec, closed, got, after = trio.run(main)
+    rec, closed, got, after, again = trio.run(main)
+    kept = closed.keys() & again.keys()
+    assert kept and all(again[g] == closed[g] for g in kept), (closed, again)
     assert not rec["lost"] and rec["adopted_segments"] == 0, rec
     assert (got == np.arange(n + 1, dtype=np.uint64)).all(), "not every record once, in order"
     new = {g for g, cs in after.items() if (np.concatenate(cs) > n).any()}
-    assert new and not new & closed and min(new) > max(closed), (sorted(closed), sorted(new))
-    print(f"\n{len(closed)} close chunks listed; recovery replayed {rec['bytes']} bytes in "
-          f"{rec['seconds']} s; records after it went to groups {sorted(new)}")
+    assert new and not new & closed.keys() and min(new) > max(closed), (sorted(closed), sorted(new))
+    print(f"\n{len(closed)} close chunks listed, {len(kept)} of them listed again on the new owner; "
+          f"recovery replayed {rec['bytes']} bytes in {rec['seconds']} s; records after it went to "
+          f"groups {sorted(new)}")
 
 
 def test_replayed_close_keeps_a_group_closed_without_a_successor():

@@ -11,6 +11,10 @@ before it in that vlog: a recovery that lists it knows where the group's last
 segment ends (``kera.repoint_plan`` may take that segment as it stands), and
 the group's new owner keeps it closed (``mark``), so a chunk
 never lands after it, in memory or in an adopted, evicted last segment.
+A replayed close chunk is appended as it stands to the new owner's vlog of
+the group (after the group's replayed chunks and index chunks, which come
+before it in the replay), so a later failure of the new owner finds it too;
+an index chunk flagged ``INDEX | CLOSE`` carries the close itself.
 
 It lives only in the vlog (a ``VlogChunk``): never in a segment, never read
 by consumers, no producer waits on it, and it keeps no vseg live: a vseg
@@ -34,10 +38,13 @@ def close_chunk(stream_id: int, streamlet: int, g, producer: int) -> VlogChunk:
     return VlogChunk(bytes(data))
 
 
-def mark(sl, group: int) -> None:
+def mark(sl, group: int):
     """Recovery: ``group`` of streamlet ``sl`` was closed on the dead broker: it stays closed
-    (``finish_recovery`` makes no closed group active), and its id is never given again."""
-    g = sl.groups.get(group)
-    if g is not None:
-        g.closed = True
+    (``finish_recovery`` makes no closed group active), and its id is never given again.
+    Returns the group if this closed it (held here and still open), else None."""
     sl.next_group = max(sl.next_group, group + 1)
+    g = sl.groups.get(group)
+    if g is None or g.closed:
+        return None
+    g.closed = True
+    return g

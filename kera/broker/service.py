@@ -43,7 +43,7 @@ from .compactor import Compactor
 from .group_close import close_chunk, mark
 from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
-from .segment import close_waiting
+from .segment import VlogChunk, close_waiting
 from .streamlet import Streamlet
 from .tiered import TieredReader
 
@@ -213,8 +213,11 @@ class BrokerService(Service):
     def _close_group(self, sl: Streamlet, g, producer: int) -> None:
         """``g`` is full and closed: its close chunk goes to its vlog, after all its chunks."""
         c = close_chunk(sl.stream_id, sl.index, g, producer)
+        self._append_close(sl, g, c, chunk.parse_header(c.view).body_checksum)
+
+    def _append_close(self, sl: Streamlet, g, c: VlogChunk, body_checksum: int) -> tuple:
         vlog = self.vlog_for(self.streams[sl.stream_id], sl.index, g)
-        vlog.append(c, 0, c.head, chunk.parse_header(c.view).body_checksum)
+        return vlog, vlog.append(c, 0, c.head, body_checksum)
 
     def rpc_unassign(self, meta, payload):
         """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
@@ -273,8 +276,11 @@ class BrokerService(Service):
                     waits[vlog] = idx
                     placed += 1
                     continue
-                if h.flags & chunk.CLOSE:  # the group was closed: nothing to place or wait on
-                    mark(sl, h.group)
+                if h.flags & chunk.CLOSE:  # the group was closed: nothing is placed
+                    g = mark(sl, h.group)
+                    if g is not None:  # recorded again in our vlog, after the group's chunks
+                        vlog, idx = self._append_close(sl, g, VlogChunk(bytes(mv)), h.body_checksum)
+                        waits[vlog] = idx
                     dup += 1
                     continue
                 g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
