@@ -92,7 +92,7 @@ def build(ix: SegmentIndex) -> bytes:
 def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
     """The segment an index chunk (verified by the caller's ``chunk.scan``) describes.
 
-    Parsed once per adopted segment: a few array views and checks, nothing per row."""
+    Parsed once per adopted segment: a few array views and checks, no Python loop per row."""
     h = h or chunk.parse_header(data)
     if not h.flags & chunk.INDEX or h.record_count != 1 or h.offset != 0:
         raise ProtocolError("not an index chunk")

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-from array import array
-
 import numpy as np
 import pytest
 import trio
@@ -52,7 +50,7 @@ async def _index_rows(c, addr: str, stream: int) -> np.ndarray:
             meta, payload = await pool.call(backups[copies[0]], "index",
                                             {"broker": broker, "vlog": vlog, "vseg": vseg})
             data = b"".join(payload) if isinstance(payload, list) else bytes(payload)
-            a = np.frombuffer(array("Q", data[:meta["rows"]]).tobytes(), "<u8").reshape(-1, COLUMNS)
+            a = np.frombuffer(data[:meta["rows"]], "<u8").reshape(-1, COLUMNS)
             out.append(np.hstack([np.full((len(a), 2), (vlog, vseg), "<u8"), a]))
     rows = np.vstack(out)
     return rows[rows[:, 4] == stream]
