@@ -66,6 +66,7 @@ assert HEADER_DTYPE.itemsize == 88
 SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on the streamlet
 INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.index_chunk``)
 COMPACTED = 0x04  # flags: rewritten by compaction; original record indices follow the values
+CLOSE = 0x08  # flags: a group closed: no chunk follows in it
 
 
 _Fields = namedtuple("_Fields", "flags stream_id streamlet record_count producer_id sequence ts_min "
