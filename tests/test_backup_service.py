@@ -604,3 +604,60 @@ async def test_claimed_files_outlive_their_drop_until_released(backups):
             assert os.path.exists(bk.seg(1, 0, 0))  # still claimed after a restart
             r, _ = await pool.call(bk.addr, "release", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0]]})
             assert r["bytes"] > 0 and not os.path.exists(bk.seg(1, 0, 0))
+
+
+async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(backups, tmp_path):
+    """The coordinator's list of incarnations recovered with nothing lost reaches a backup in
+    heartbeat answers: their files go, one a live owner claims stays (marked dropped), their
+    own claims are released; other incarnations' files stay. A restarted backup gets the list
+    with its registration and applies it again, changing nothing. The list is emptied once
+    every backup ever registered reported its version (a malformed one counts as none)."""
+    a = chunks_for(1)
+    e1, e2 = 1 << 32, 2 << 32   # vlog 0 of epochs 1 and 2
+    port = free_port()
+    coord = Coordinator(str(tmp_path / "coordinator"), dead_after=2.0)
+    with trio.fail_after(40):
+        bk = backups(args=["--coordinator", f"127.0.0.1:{port}"])
+        async with trio.open_nursery() as nursery, open_pool() as pool:
+            await nursery.start(coord.run, "127.0.0.1", port)
+            await until(lambda: _backup_member(coord) is not None, "registered")
+            bid = _backup_member(coord).id
+
+            def member():
+                return coord.members["backup"].get(bid)
+            ghost = {"role": "backup", "addr": "127.0.0.1:1", "node": "gone", "recovered": "junk"}
+            r, _ = await pool.call(f"127.0.0.1:{port}", "register", ghost)  # known, then away
+            assert r["recovered"] == {"version": 0, "incarnations": []}
+            ghost["id"] = r["id"]
+            for b, vlog, vseg in ((4, e1, 0), (5, e1, 0), (5, e1, 1)):
+                await replicate(pool, bk.addr, vseg, 0, a[0], close=True, broker=b, vlog=vlog)
+            # (5, 1) adopted a vseg of (4, 1), and (9, 1) one of (5, 1)
+            for (owner, epoch), key in (((5, 1), [4, e1, 0]), ((9, 1), [5, e1, 0])):
+                r, _ = await pool.call(bk.addr, "claim", {"owner": owner, "epoch": epoch, "claims": [key]})
+                assert r["held"] == [True]
+            await replicate(pool, bk.addr, 0, 0, a[0], close=True, broker=5, epoch=2, vlog=e2)
+
+            def applied(version):
+                return lambda: member().recovered == version
+
+            await coord.recovered.add(4, 1)
+            await until(applied(1), "version 1 applied")
+            assert os.path.exists(bk.seg(4, e1, 0))  # claimed by (5, 1): only marked dropped
+            await coord.recovered.add(5, 1)
+            await until(applied(2), "version 2 applied")
+            left = sorted(os.listdir(os.path.join(bk.dir, "segments")))
+            assert left == [sf.file_name(5, e1, 0), sf.file_name(5, e2, 0)], left
+            assert (await stats(pool, bk.addr))["claimed_files"] == 1
+            assert coord.meta["recovered"] == [[4, 1], [5, 1]]  # the ghost has not reported
+
+            first = member()
+            await trio.to_thread.run_sync(bk.restart)
+            await until(lambda: member() is not first and applied(2)(), "applied again")
+            assert sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
+            assert (await stats(pool, bk.addr))["claimed_files"] == 1
+
+            r, _ = await pool.call(f"127.0.0.1:{port}", "register", {**ghost, "recovered": 2})
+            assert "recovered" not in r and coord.meta["recovered"] == []
+            assert coord.meta["recovered_version"] == 2
+            bk.kill()
+            nursery.cancel_scope.cancel()

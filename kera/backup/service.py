@@ -536,27 +536,52 @@ class BackupService(Service):
         return [tuple(k) for k in keys]
 
     async def rpc_drop(self, meta: dict, payload):
-        """A recovery lets a dead incarnation's copies go (``copies``: [[vlog, vseg], ...] of
-        ``broker``, one request per backup however long the history): each is deleted, unless
-        claimed (then it goes with its last claim)."""
+        """Copies of ``broker`` to let go (``copies``: [[vlog, vseg], ...]): each is deleted,
+        unless claimed (then it goes with its last claim)."""
         broker = _uint(meta, "broker")
         copies = meta.get("copies")
         if not isinstance(copies, list) or not all(
                 isinstance(c, list) and len(c) == 2 and all(type(x) is int and 0 <= x < _U63 for x in c)
                 for c in copies):
             raise InvalidArgument("drop needs copies: [[vlog, vseg], ...]")
-        keys = [(broker, vlog, vseg) for vlog, vseg in copies]
+        dropped, claimed = await self._drop([(broker, vlog, vseg) for vlog, vseg in copies])
+        return {"dropped": dropped, "claimed": claimed}
+
+    async def _drop(self, keys: list[Key]) -> tuple[int, int]:
+        """Delete these replicas' files, or mark the claimed ones dropped; (deleted, marked).
+        Both are decided before any await: a claim arriving meanwhile finds the file gone."""
         claimed = [k for k in keys if k in self.store.replicas and self.claims.drop(k)]
-        if claimed:
-            await self._save_claims()
         gone = set(claimed)
         reps = [rep for k in keys if k not in gone and (rep := self.store.drop(k)) is not None]
+        if claimed:
+            await self._save_claims()
         if reps:
             if self._kick is not None:
                 self._kick.set()  # wake durability waiters so they see it
             self.counters["drops"] += len(reps)
             await self._unlink(reps)
-        return {"dropped": len(reps), "claimed": len(claimed)}
+        return len(reps), len(claimed)
+
+    async def let_go(self, incarnations) -> dict:
+        """The coordinator recovered these dead incarnations ([[broker, epoch], ...]) with
+        nothing lost (``kera.recovered``): every file of theirs here is dropped (a claimed one
+        only marked), then every claim they made is released. Idempotent."""
+        if not isinstance(incarnations, list) or not all(
+                isinstance(i, list) and len(i) == 2 and all(type(x) is int and 0 <= x < _U63 for x in i)
+                for i in incarnations):
+            raise InvalidArgument("recovered incarnations must be [[broker, epoch], ...]")
+        dead = {(b, e) for b, e in incarnations}
+        if not dead:
+            return {"dropped": 0, "claimed": 0, "bytes": 0}
+        dropped, claimed = await self._drop([k for k in self.store.replicas if (k[0], k[1] >> 32) in dead])
+        if self.claims.release_owners(dead):
+            self.counters["releases"] += 1
+            await self._save_claims()
+        freed = await self._delete_unclaimed()
+        if dropped or freed:
+            log.info("let go of recovered incarnations %s: %d files deleted, %d claimed kept, "
+                     "%d bytes freed by released claims", sorted(dead), dropped, claimed, freed)
+        return {"dropped": dropped, "claimed": claimed, "bytes": freed}
 
     async def _unlink(self, reps: list[Replica]) -> None:
         """Delete the files of replicas already dropped from the store, in one thread hop."""
