@@ -7,9 +7,10 @@ its files of that incarnation (a claimed one is only marked dropped) and
 releases the claims the incarnation made itself. A backup that is down,
 partitioned, or fails the request when the recovery ends must do it when it
 is back, so the list is metadata (``recovered``: [[broker, epoch], ...],
-``recovered_version``: bumped on each addition; durable before anyone is
-told) and reaches every backup through membership: a backup says in its
-registration and heartbeats which version it applied, and the answer
+``recovered_version``: bumped on each addition; recorded only once the
+hand-over is durable, so a restarted coordinator never recovers again what a
+backup let go of) and reaches every backup through membership: a backup says
+in its registration and heartbeats which version it applied, and the answer
 carries the list only when that is not the current one (one integer compared
 per heartbeat otherwise). Applying it is idempotent.
 

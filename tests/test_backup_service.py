@@ -375,16 +375,17 @@ async def test_max_bytes_refuses_up_front(backups):
             assert (seg["length"], seg["chunks"]) == (off, 5)
             assert (1, 0, 7) not in await segments(pool, bk.addr)
             assert (await read_all(pool, bk.addr, 0))[0] == b"".join(a[:5])
-            # dropping a replica frees its space; bad drops are refused and change nothing
-            for bad in ({"broker": 1, "copies": [[0]]}, {"broker": 1, "copies": [[0, -1]]},
-                        {"broker": 1, "vlog": 0, "vseg": 0}, {"copies": [[0, 0]]}):
+            # releasing a vseg (its vlog's floor passes it) frees its space; bad trims are
+            # refused and change nothing
+            for bad in ({"broker": 1, "vlog": 0}, {"broker": 1, "vlog": 0, "floor": -1},
+                        {"broker": 1, "vlog": "0", "floor": 1}, {"vlog": 0, "floor": 1}):
                 with pytest.raises(InvalidArgument):
-                    await pool.call(bk.addr, "drop", bad)
+                    await pool.call(bk.addr, "trim", bad)
             assert os.path.exists(bk.seg(1, 0, 0))
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "copies": [[0, 0], [0, 9]]})
-            assert r == {"dropped": 1, "claimed": 0} and not os.path.exists(bk.seg(1, 0, 0))
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "copies": [[0, 0]]})
-            assert r == {"dropped": 0, "claimed": 0}
+            r, _ = await pool.call(bk.addr, "trim", {"broker": 1, "vlog": 0, "floor": 1})
+            assert r["bytes"] > 0 and not os.path.exists(bk.seg(1, 0, 0))
+            r, _ = await pool.call(bk.addr, "trim", {"broker": 1, "vlog": 0, "floor": 1})
+            assert r == {"bytes": 0}
             assert await replicate(pool, bk.addr, 7, 0, a[5]) == size
 
 
@@ -579,8 +580,9 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
 
 
 async def test_claimed_files_outlive_their_drop_until_released(backups):
-    """A file an owner claims (an adopted segment reads from it) survives its recovery's drop,
-    and a restart, and goes with its last claim; malformed claims change nothing."""
+    """A file an owner claims (an adopted segment reads from it) survives being dropped (here
+    released below its vlog's floor; by its recovery in test_lets_go_...), and a restart, and
+    goes with its last claim; malformed claims change nothing."""
     a = chunks_for(2)
     bk = backups()
     with trio.fail_after(30):
@@ -594,8 +596,8 @@ async def test_claimed_files_outlive_their_drop_until_released(backups):
             assert not os.path.exists(os.path.join(bk.dir, "claims.meta"))
             r, _ = await pool.call(bk.addr, "claim", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0], [1, 0, 9]]})
             assert r["held"] == [True, False]
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "copies": [[0, 0], [0, 1]]})
-            assert r == {"dropped": 1, "claimed": 1}
+            r, _ = await pool.call(bk.addr, "trim", {"broker": 1, "vlog": 0, "floor": 2})
+            assert r["bytes"] > 0  # vseg 1's file; vseg 0's is only marked dropped
             assert os.path.exists(bk.seg(1, 0, 0)) and not os.path.exists(bk.seg(1, 0, 1))
             r, _ = await pool.call(bk.addr, "release", {"owner": 6, "epoch": 1})  # not its claim
             assert r == {"bytes": 0} and os.path.exists(bk.seg(1, 0, 0))
@@ -611,7 +613,8 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
     heartbeat answers: their files go, one a live owner claims stays (marked dropped), their
     own claims are released; other incarnations' files stay. A restarted backup gets the list
     with its registration and applies it again, changing nothing. The list is emptied once
-    every backup ever registered reported its version (a malformed one counts as none)."""
+    every backup ever registered reported its version (a malformed one counts as none); a
+    malformed list is refused and changes nothing."""
     a = chunks_for(1)
     e1, e2 = 1 << 32, 2 << 32   # vlog 0 of epochs 1 and 2
     port = free_port()
@@ -659,5 +662,16 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
             r, _ = await pool.call(f"127.0.0.1:{port}", "register", {**ghost, "recovered": 2})
             assert "recovered" not in r and coord.meta["recovered"] == []
             assert coord.meta["recovered_version"] == 2
+
+            # a malformed list is refused (typed, logged), changes nothing, and is not reported
+            # as applied: the next answers bring the list again
+            coord.log.set(("recovered",), [[4, -1]])
+            coord.log.set(("recovered_version",), 3)
+            await until(lambda: "recovered incarnations must be [[broker, epoch], ...]" in bk.logs(),
+                        "the malformed list refused")
+            assert member().recovered == 2 and sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
+            coord.log.set(("recovered",), [])
+            coord.log.set(("recovered_version",), 4)
+            await until(applied(4), "a well-formed list applied")
             bk.kill()
             nursery.cancel_scope.cancel()

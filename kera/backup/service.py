@@ -535,37 +535,10 @@ class BackupService(Service):
             raise InvalidArgument("claims must be [[broker, vlog, vseg], ...]")
         return [tuple(k) for k in keys]
 
-    async def rpc_drop(self, meta: dict, payload):
-        """Copies of ``broker`` to let go (``copies``: [[vlog, vseg], ...]): each is deleted,
-        unless claimed (then it goes with its last claim)."""
-        broker = _uint(meta, "broker")
-        copies = meta.get("copies")
-        if not isinstance(copies, list) or not all(
-                isinstance(c, list) and len(c) == 2 and all(type(x) is int and 0 <= x < _U63 for x in c)
-                for c in copies):
-            raise InvalidArgument("drop needs copies: [[vlog, vseg], ...]")
-        dropped, claimed = await self._drop([(broker, vlog, vseg) for vlog, vseg in copies])
-        return {"dropped": dropped, "claimed": claimed}
-
-    async def _drop(self, keys: list[Key]) -> tuple[int, int]:
-        """Delete these replicas' files, or mark the claimed ones dropped; (deleted, marked).
-        Both are decided before any await: a claim arriving meanwhile finds the file gone."""
-        claimed = [k for k in keys if k in self.store.replicas and self.claims.drop(k)]
-        gone = set(claimed)
-        reps = [rep for k in keys if k not in gone and (rep := self.store.drop(k)) is not None]
-        if claimed:
-            await self._save_claims()
-        if reps:
-            if self._kick is not None:
-                self._kick.set()  # wake durability waiters so they see it
-            self.counters["drops"] += len(reps)
-            await self._unlink(reps)
-        return len(reps), len(claimed)
-
     async def let_go(self, incarnations) -> dict:
         """The coordinator recovered these dead incarnations ([[broker, epoch], ...]) with
-        nothing lost (``kera.recovered``): every file of theirs here is dropped (a claimed one
-        only marked), then every claim they made is released. Idempotent."""
+        nothing lost (``kera.recovered``): every file of theirs here is deleted, or only marked
+        dropped while an owner claims it, and every claim they made is released. Idempotent."""
         if not isinstance(incarnations, list) or not all(
                 isinstance(i, list) and len(i) == 2 and all(type(x) is int and 0 <= x < _U63 for x in i)
                 for i in incarnations):
@@ -573,15 +546,23 @@ class BackupService(Service):
         dead = {(b, e) for b, e in incarnations}
         if not dead:
             return {"dropped": 0, "claimed": 0, "bytes": 0}
-        dropped, claimed = await self._drop([k for k in self.store.replicas if (k[0], k[1] >> 32) in dead])
-        if self.claims.release_owners(dead):
-            self.counters["releases"] += 1
+        keys = [k for k in self.store.replicas if (k[0], k[1] >> 32) in dead]  # vlog ids carry the epoch
+        # all decided before any await: a claim arriving meanwhile finds the file gone
+        claimed = {k for k in keys if self.claims.drop(k)}
+        reps = [self.store.drop(k) for k in keys if k not in claimed]
+        released = self.claims.release_owners(dead)
+        if claimed or released:
             await self._save_claims()
+        if reps:
+            if self._kick is not None:
+                self._kick.set()  # wake durability waiters so they see it
+            self.counters["drops"] += len(reps)
+            await self._unlink(reps)
         freed = await self._delete_unclaimed()
-        if dropped or freed:
-            log.info("let go of recovered incarnations %s: %d files deleted, %d claimed kept, "
-                     "%d bytes freed by released claims", sorted(dead), dropped, claimed, freed)
-        return {"dropped": dropped, "claimed": claimed, "bytes": freed}
+        if reps or freed:
+            log.info("let go of recovered incarnations %s: %d files deleted, %d kept for their claims, "
+                     "%d bytes of files they claimed freed", sorted(dead), len(reps), len(claimed), freed)
+        return {"dropped": len(reps), "claimed": len(claimed), "bytes": freed}
 
     async def _unlink(self, reps: list[Replica]) -> None:
         """Delete the files of replicas already dropped from the store, in one thread hop."""
