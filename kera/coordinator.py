@@ -48,7 +48,7 @@ INITIAL = {   # the metadata of a new cluster
     "next_id": {"broker": 1, "backup": 1}, "streams": {},
     "backups": [],   # every backup id ever registered
     "fences": {},    # broker id -> newest epoch fenced
-    "recovered": [],  # [[broker, epoch], ...] recovered with nothing lost (kera.recovered)
+    "recovered": [],  # [[broker, epoch, version], ...] recovered with nothing lost (kera.recovered)
     "recovered_version": 0,
 }
 
@@ -204,7 +204,9 @@ class Coordinator(Membership, Service):
     # -- persistence -----------------------------------------------------
     async def commit(self) -> None:
         """Until every metadata change made so far is on disk."""
+        recovered = self.meta["recovered_version"]
         await self.log.commit()
+        self.recovered.durable(recovered)
 
     def fence(self, broker: int, epoch: int) -> None:
         """From now on, no backup accepts replicas of ``broker`` from ``epoch`` or older

@@ -212,12 +212,12 @@ class RecoveryManager:
         await assign_all(recovering=False, seal=not replayed.complete)
         for (name, i), m in plan.items():
             coord.set_owner(streams[name], i, m)
-        await coord.commit()
-        rec.served = time.time()
         if replayed.complete:  # else what is left may be all there is of the lost range: kept
             # every backup, now or when it is back, drops this incarnation's files (a claimed
-            # one stays until released) and releases its claims (kera.recovered)
-            await coord.recovered.add(rec.broker, rec.epoch)
+            # one stays until released) and releases its claims: told once the owners are durable
+            coord.recovered.add(rec.broker, rec.epoch)
+        await coord.commit()
+        rec.served = time.time()
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         # 3. what the backups hold of this incarnation; one that does not answer fails this

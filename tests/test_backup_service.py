@@ -643,15 +643,17 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
             def applied(version):
                 return lambda: member().recovered == version
 
-            await coord.recovered.add(4, 1)
+            coord.recovered.add(4, 1)
+            await coord.commit()   # told once durable
             await until(applied(1), "version 1 applied")
             assert os.path.exists(bk.seg(4, e1, 0))  # claimed by (5, 1): only marked dropped
-            await coord.recovered.add(5, 1)
+            coord.recovered.add(5, 1)
+            await coord.commit()
             await until(applied(2), "version 2 applied")
             left = sorted(os.listdir(os.path.join(bk.dir, "segments")))
             assert left == [sf.file_name(5, e1, 0), sf.file_name(5, e2, 0)], left
             assert (await stats(pool, bk.addr))["claimed_files"] == 1
-            assert coord.meta["recovered"] == [[4, 1], [5, 1]]  # the ghost has not reported
+            assert coord.meta["recovered"] == [[4, 1, 1], [5, 1, 2]]  # the ghost has not reported
 
             first = member()
             await trio.to_thread.run_sync(bk.restart)
@@ -665,13 +667,37 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
 
             # a malformed list is refused (typed, logged), changes nothing, and is not reported
             # as applied: the next answers bring the list again
-            coord.log.set(("recovered",), [[4, -1]])
+            coord.log.set(("recovered",), [[4, -1, 3]])
             coord.log.set(("recovered_version",), 3)
+            await coord.commit()
             await until(lambda: "recovered incarnations must be [[broker, epoch], ...]" in bk.logs(),
                         "the malformed list refused")
             assert member().recovered == 2 and sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
             coord.log.set(("recovered",), [])
             coord.log.set(("recovered_version",), 4)
+            await coord.commit()
             await until(applied(4), "a well-formed list applied")
             bk.kill()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owner_holds(tmp_path):
+    """An entry is told only after a commit; a coordinator that loads an entry whose
+    incarnation still owns streamlets (stored without all of its hand-over) removes it: that
+    incarnation is recovered again before anyone lets go of its files."""
+    d = str(tmp_path / "coordinator")
+    coord = Coordinator(d)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(coord.log.run)
+            coord.log.set(("streams", "s"), {"name": "s", "id": 1, "streamlets": 1, "owners": [[7, 1]]})
+            coord.recovered.add(7, 1)
+            coord.recovered.add(8, 1)
+            assert coord.recovered.shown == 0
+            await coord.commit()
+            assert coord.recovered.shown == 2
+            nursery.cancel_scope.cancel()
+    coord.log.close()
+    again = Coordinator(d)
+    assert again.meta["recovered"] == [[8, 1, 2]] and again.recovered.shown == 2
+    again.log.close()
