@@ -17,11 +17,12 @@ cluster restarted. For each orphaned incarnation the coordinator:
    the [group, segment, offset] its header records and replicates it through
    its own virtual logs;
 4. when every vlog is replayed and durable again, hands the streamlets over
-   (owners updated and persisted), and lets backups drop the old replicas —
-   only if every vlog was replayed to its end. Files that new owners claimed
-   (adopted segments read from them, ``kera.repoint``) stay until released;
-   the dead incarnation's own claims are released (its successors claimed
-   again what they adopted from it).
+   (owners updated and persisted), and — only if every vlog was replayed to
+   its end — records the incarnation as recovered (``kera.recovered``): every
+   backup, the ones down now included when they are back, drops its old
+   replicas and releases the dead incarnation's own claims (its successors
+   claimed again what they adopted from it). Files that new owners claimed
+   (adopted segments read from them, ``kera.repoint``) stay until released.
 
 A log that ends early (no copy holds a chunk intact, a vseg is missing) is
 accepted only once every known backup is up, or the grace period is over: a
@@ -211,20 +212,12 @@ class RecoveryManager:
         await assign_all(recovering=False, seal=not replayed.complete)
         for (name, i), m in plan.items():
             coord.set_owner(streams[name], i, m)
+        if replayed.complete:  # else what is left may be all there is of the lost range: kept
+            # every backup, now or when it is back, drops this incarnation's files (a claimed
+            # one stays until released) and releases its claims: told once the owners are durable
+            coord.recovered.add(rec.broker, rec.epoch)
         await coord.commit()
         rec.served = time.time()
-        if not replayed.complete:  # what is left may be all there is of the lost range: keep it
-            return
-        per_backup: dict[int, list] = {}
-        for vlog, vseg, bid in replayed.copies():  # a claimed file stays (kera.backup.claims)
-            per_backup.setdefault(bid, []).append([vlog, vseg])
-        addrs = {b.id: b.addr for b in backups}
-        async with trio.open_nursery() as n:
-            for bid, copies in per_backup.items():
-                n.start_soon(self._quiet, addrs[bid], "drop", {"broker": rec.broker, "copies": copies})
-        async with trio.open_nursery() as n:
-            for b in backups:
-                n.start_soon(self._quiet, b.addr, "release", {"owner": rec.broker, "epoch": rec.epoch})
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         # 3. what the backups hold of this incarnation; one that does not answer fails this

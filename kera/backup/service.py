@@ -535,28 +535,34 @@ class BackupService(Service):
             raise InvalidArgument("claims must be [[broker, vlog, vseg], ...]")
         return [tuple(k) for k in keys]
 
-    async def rpc_drop(self, meta: dict, payload):
-        """A recovery lets a dead incarnation's copies go (``copies``: [[vlog, vseg], ...] of
-        ``broker``, one request per backup however long the history): each is deleted, unless
-        claimed (then it goes with its last claim)."""
-        broker = _uint(meta, "broker")
-        copies = meta.get("copies")
-        if not isinstance(copies, list) or not all(
-                isinstance(c, list) and len(c) == 2 and all(type(x) is int and 0 <= x < _U63 for x in c)
-                for c in copies):
-            raise InvalidArgument("drop needs copies: [[vlog, vseg], ...]")
-        keys = [(broker, vlog, vseg) for vlog, vseg in copies]
-        claimed = [k for k in keys if k in self.store.replicas and self.claims.drop(k)]
-        if claimed:
+    async def let_go(self, incarnations) -> dict:
+        """The coordinator recovered these dead incarnations ([[broker, epoch], ...]) with
+        nothing lost (``kera.recovered``): every file of theirs here is deleted, or only marked
+        dropped while an owner claims it, and every claim they made is released. Idempotent."""
+        if not isinstance(incarnations, list) or not all(
+                isinstance(i, list) and len(i) == 2 and all(type(x) is int and 0 <= x < _U63 for x in i)
+                for i in incarnations):
+            raise InvalidArgument("recovered incarnations must be [[broker, epoch], ...]")
+        dead = {(b, e) for b, e in incarnations}
+        if not dead:
+            return {"dropped": 0, "claimed": 0, "bytes": 0}
+        keys = [k for k in self.store.replicas if (k[0], k[1] >> 32) in dead]  # vlog ids carry the epoch
+        # all decided before any await: a claim arriving meanwhile finds the file gone
+        claimed = {k for k in keys if self.claims.drop(k)}
+        reps = [self.store.drop(k) for k in keys if k not in claimed]
+        released = self.claims.release_owners(dead)
+        if claimed or released:
             await self._save_claims()
-        gone = set(claimed)
-        reps = [rep for k in keys if k not in gone and (rep := self.store.drop(k)) is not None]
         if reps:
             if self._kick is not None:
                 self._kick.set()  # wake durability waiters so they see it
             self.counters["drops"] += len(reps)
             await self._unlink(reps)
-        return {"dropped": len(reps), "claimed": len(claimed)}
+        freed = await self._delete_unclaimed()
+        if reps or freed:
+            log.info("let go of recovered incarnations %s: %d files deleted, %d kept for their claims, "
+                     "%d bytes of files they claimed freed", sorted(dead), len(reps), len(claimed), freed)
+        return {"dropped": len(reps), "claimed": len(claimed), "bytes": freed}
 
     async def _unlink(self, reps: list[Replica]) -> None:
         """Delete the files of replicas already dropped from the store, in one thread hop."""
