@@ -37,6 +37,7 @@ from .holdings import Holdings
 from .membership import Member, Membership
 from .metalog import MetaLog
 from .names import check_stream_name, is_internal
+from .recovered import Recovered
 from .recovery import RecoveryManager
 from .rpc import Pool, Service
 
@@ -47,6 +48,8 @@ INITIAL = {   # the metadata of a new cluster
     "next_id": {"broker": 1, "backup": 1}, "streams": {},
     "backups": [],   # every backup id ever registered
     "fences": {},    # broker id -> newest epoch fenced
+    "recovered": [],  # [[broker, epoch, version], ...] recovered with nothing lost (kera.recovered)
+    "recovered_version": 0,
 }
 
 DEFAULTS = {
@@ -181,6 +184,7 @@ class Coordinator(Membership, Service):
         self.ready = self.expect_nodes == 0
         self.changed = trio.Event()
         self.recovery = RecoveryManager(self, grace=max(30.0, 10 * self.dead_after))
+        self.recovered = Recovered(self)
         self.leading = True
         self.terms += 1
 
@@ -200,7 +204,9 @@ class Coordinator(Membership, Service):
     # -- persistence -----------------------------------------------------
     async def commit(self) -> None:
         """Until every metadata change made so far is on disk."""
+        recovered = self.meta["recovered_version"]
         await self.log.commit()
+        self.recovered.durable(recovered)
 
     def fence(self, broker: int, epoch: int) -> None:
         """From now on, no backup accepts replicas of ``broker`` from ``epoch`` or older
@@ -517,6 +523,7 @@ class Coordinator(Membership, Service):
         # streams by count only: their list is list_streams' job (it may be long)
         return {"brokers": members("broker"), "backups": members("backup"),
                 "streams": len(self.meta["streams"]), "recoveries": self.recovery.describe(),
+                "recovered": self.recovered.describe(),
                 "coordinators": {"leader": self.addr, "standbys": standbys, "store": self.metadata,
                                  "terms": self.terms}}
 

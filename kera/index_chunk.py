@@ -26,7 +26,9 @@ One format serves the ``adopt`` request, the owner's vlog and the replay.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from operator import ge
 
 import numpy as np
 
@@ -59,10 +61,15 @@ class SegmentIndex:
 
     def producers(self) -> dict[int, int]:
         """Each producer's highest sequence in the segment (resends stay duplicates)."""
-        out: dict[int, int] = {}
-        for p in np.unique(self.rows[:, 3]).tolist():
-            out[p] = int(self.rows[self.rows[:, 3] == p, 4].max())
-        return out
+        return highest_sequences(self.rows)
+
+
+def highest_sequences(rows: np.ndarray) -> dict[int, int]:
+    """Each producer's highest sequence in ``rows`` (of one or many segments' indexes): rows
+    sorted by (producer, sequence), the dict keeps each producer's last."""
+    p, q = rows[:, 3], rows[:, 4]
+    o = np.lexsort((q, p))
+    return dict(zip(p[o].tolist(), q[o].tolist(), strict=True))
 
 
 def build(ix: SegmentIndex, closed: bool = False) -> bytes:
@@ -83,26 +90,43 @@ def build(ix: SegmentIndex, closed: bool = False) -> bytes:
 
 
 def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
-    """The segment an index chunk (verified by the caller's ``chunk.scan``) describes."""
+    """The segment an index chunk (verified by the caller's ``chunk.scan``) describes.
+
+    Parsed once per adopted segment: a few array views and checks, no Python loop per row."""
     h = h or chunk.parse_header(data)
     if not h.flags & chunk.INDEX or h.record_count != 1 or h.offset != 0:
         raise ProtocolError("not an index chunk")
-    value = chunk.ChunkView(data, 0, h).value_data
+    value = _value(data, h)
     if len(value) < 8 * HEAD or len(value) % 8:
         raise ProtocolError("index chunk too short")
     a = np.frombuffer(value, "<u8")
-    magic, source, vlog, n, m, k = (int(x) for x in a[:HEAD])
+    magic, source, vlog, n, m, k = a[:HEAD].tolist()
     if magic != MAGIC or n == 0 or len(a) != HEAD + ROW * n + 2 * m + k:
         raise ProtocolError("index chunk is not a segment index")
     rows = a[HEAD:HEAD + ROW * n].reshape(n, ROW)
-    per = a[HEAD + ROW * n:HEAD + ROW * n + 2 * m].reshape(m, 2)
-    backups = a[HEAD + ROW * n + 2 * m:].tolist()
-    if int(per[:, 1].sum()) != k:
+    per = a[HEAD + ROW * n:HEAD + ROW * n + 2 * m]
+    vsegs, counts = per[0::2].tolist(), per[1::2].tolist()
+    if sum(counts) != k:
         raise ProtocolError("index chunk copies disagree")
+    backups = a[HEAD + ROW * n + 2 * m:].tolist()
     copies, at = {}, 0
-    for v, c in per.tolist():
+    for v, c in zip(vsegs, counts, strict=True):  # per vseg (a few), not per row
         copies[v] = backups[at:at + c]
         at += c
-    if not set(np.unique(rows[:, 1]).tolist()) <= copies.keys() or (np.diff(rows[:, 0].astype(np.int64)) <= 0).any():
+    ends = rows[:, 0].tolist()
+    if not set(rows[:, 1].tolist()) <= copies.keys() or any(map(ge, ends, ends[1:])):
         raise ProtocolError("index chunk rows name vsegs it has no copies of, or are out of order")
     return SegmentIndex(h.stream_id, h.streamlet, h.group, h.segment, source, vlog, rows, copies)
+
+
+_OFFSETS = struct.Struct("<4I")   # a one-record chunk's key and value offsets (``kera.chunk``)
+
+
+def _value(data, h: chunk.ChunkHeader) -> memoryview:
+    """The value of a one-record chunk: its offsets read with one unpack (a ``ChunkView``
+    checks any chunk's offsets with numpy, which costs more than the rest of this parse)."""
+    k0, k1, v0, v1 = _OFFSETS.unpack_from(data, chunk.HEADER_SIZE + 8)
+    start = chunk.HEADER_SIZE + 24 + k1
+    if k0 or v0 or 24 + k1 + v1 > h.body_len:
+        raise ProtocolError("index chunk offsets are not within its body")
+    return memoryview(data)[start:start + v1]

@@ -21,7 +21,8 @@ log = logging.getLogger("kera.coordinator")
 
 
 class Member:
-    __slots__ = ("role", "id", "addr", "node", "epoch", "last_seen", "alive", "stats", "holds")
+    __slots__ = ("role", "id", "addr", "node", "epoch", "last_seen", "alive", "stats", "holds",
+                 "recovered")
 
     def __init__(self, role, id, addr, node, epoch):
         self.role, self.id, self.addr, self.node, self.epoch = role, id, addr, node, epoch
@@ -29,6 +30,7 @@ class Member:
         self.alive = True
         self.stats = {}
         self.holds = []
+        self.recovered = None   # a backup: the version of the recovered list it applied
 
     def describe(self) -> dict:
         return {"id": self.id, "addr": self.addr, "node": self.node, "epoch": self.epoch,
@@ -62,8 +64,11 @@ class Membership:
         log.info("%s %d registered at %s (node %s, epoch %d)", role, mid, addr, node, epoch)
         self._notify()
         await self.commit()   # its id and epoch are never handed out again
-        return {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
-                "lease": self.lease, "fences": self.meta["fences"]}
+        out = {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
+               "lease": self.lease, "fences": self.meta["fences"]}
+        if role == "backup":
+            out.update(self.recovered.answer(m, meta.get("recovered")))
+        return out
 
     def _rejoin(self, role: str, mid: int, epoch) -> int | None:
         """The incarnation a server claims back after this coordinator restarted, if it may.
@@ -98,7 +103,7 @@ class Membership:
         if isinstance(meta.get("stats"), dict):
             m.stats = meta["stats"]
         if m.role == "backup":
-            return {"fences": self.meta["fences"]}
+            return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered"))}
         return {"backups": self._live("backup")}
 
     async def rpc_suspect(self, meta, payload):

@@ -17,11 +17,12 @@ cluster restarted. For each orphaned incarnation the coordinator:
    the [group, segment, offset] its header records and replicates it through
    its own virtual logs;
 4. when every vlog is replayed and durable again, hands the streamlets over
-   (owners updated and persisted), and lets backups drop the old replicas —
-   only if every vlog was replayed to its end. Files that new owners claimed
-   (adopted segments read from them, ``kera.repoint``) stay until released;
-   the dead incarnation's own claims are released (its successors claimed
-   again what they adopted from it).
+   (owners updated and persisted), and — only if every vlog was replayed to
+   its end — records the incarnation as recovered (``kera.recovered``): every
+   backup, the ones down now included when they are back, drops its old
+   replicas and releases the dead incarnation's own claims (its successors
+   claimed again what they adopted from it). Files that new owners claimed
+   (adopted segments read from them, ``kera.repoint``) stay until released.
 
 A log that ends early (no copy holds a chunk intact, a vseg is missing) is
 accepted only once every known backup is up, or the grace period is over: a
@@ -62,6 +63,7 @@ class Recovery:
         self.streamlets = streamlets        # [(stream name, index)]
         self.started = time.time()
         self.finished: float | None = None
+        self.served: float | None = None    # the new owners serve (the hand-over committed)
         self.state = "planning"
         self.vlogs = 0
         self.sources: set[int] = set()      # backups replaying
@@ -85,6 +87,7 @@ class Recovery:
                 "backups": len(self.sources), "chunks": self.chunks, "bytes": self.bytes,
                 "total_bytes": self.total,
                 "seconds": round(end - self.started, 3),
+                "serve_seconds": round((self.served or end) - self.started, 3),
                 "rate_mb_s": round(self.bytes / max(end - self.started, 1e-6) / 1e6, 2),
                 "steps": self.steps, "corrupt_steps": self.corrupt_steps,
                 "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
@@ -209,28 +212,28 @@ class RecoveryManager:
         await assign_all(recovering=False, seal=not replayed.complete)
         for (name, i), m in plan.items():
             coord.set_owner(streams[name], i, m)
+        if replayed.complete:  # else what is left may be all there is of the lost range: kept
+            # every backup, now or when it is back, drops this incarnation's files (a claimed
+            # one stays until released) and releases its claims: told once the owners are durable
+            coord.recovered.add(rec.broker, rec.epoch)
         await coord.commit()
-        if not replayed.complete:  # what is left may be all there is of the lost range: keep it
-            return
-        addrs = {b.id: b.addr for b in backups}
-        async with trio.open_nursery() as n:
-            for vlog, vseg, bid in replayed.copies():  # a claimed file stays (kera.backup.claims)
-                n.start_soon(self._quiet, addrs[bid], "drop",
-                             {"broker": rec.broker, "vlog": vlog, "vseg": vseg})
-        async with trio.open_nursery() as n:
-            for b in backups:
-                n.start_soon(self._quiet, b.addr, "release", {"owner": rec.broker, "epoch": rec.epoch})
+        rec.served = time.time()
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         # 3. what the backups hold of this incarnation; one that does not answer fails this
         # attempt: it may hold the only intact copy
         listings: dict[int, list] = {}
         floors: dict[int, int] = {}  # vlog -> vsegs below were released by the broker (retention)
-        for b in backups:
+
+        async def listing(b) -> None:
             r = await self._call(b.addr, "list", {"broker": rec.broker}, timeout=10)
             listings[b.id] = r["segments"]
             for _, vlog, floor in r.get("floors") or []:
                 floors[vlog] = max(floors.get(vlog, 0), floor)
+
+        async with trio.open_nursery() as n:
+            for b in backups:
+                n.start_soon(listing, b)
         addrs = {b.id: b.addr for b in backups}
         replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
         routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]

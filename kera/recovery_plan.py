@@ -195,11 +195,6 @@ class RecoveryPlan:
     def total_bytes(self) -> int:
         return sum(_length(cs) for v in self._vlogs.values() for cs in v.vsegs.values())
 
-    def copies(self) -> list[tuple[int, int, int]]:
-        """Every (vlog, vseg, backup) listed: what may be dropped once all is handed over."""
-        return [(v.id, s, c.backup) for v in self._vlogs.values()
-                for s, cs in sorted(v.vsegs.items()) for c in cs]
-
     # -- re-pointing (settled history stays on the backups) ----------------------------
     def settled(self, vlog: int) -> list[tuple[int, list[int]]]:
         """The vlog's settled prefix from its floor: (vseg, backups holding it whole), for

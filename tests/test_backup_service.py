@@ -376,11 +376,17 @@ async def test_max_bytes_refuses_up_front(backups):
             assert (seg["length"], seg["chunks"]) == (off, 5)
             assert (1, 0, 7) not in await segments(pool, bk.addr)
             assert (await read_all(pool, bk.addr, 0))[0] == b"".join(a[:5])
-            # dropping a replica frees its space
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
-            assert r == {"dropped": True} and not os.path.exists(bk.seg(1, 0, 0))
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
-            assert r == {"dropped": False}
+            # releasing a vseg (its vlog's floor passes it) frees its space; bad trims are
+            # refused and change nothing
+            for bad in ({"broker": 1, "vlog": 0}, {"broker": 1, "vlog": 0, "floor": -1},
+                        {"broker": 1, "vlog": "0", "floor": 1}, {"vlog": 0, "floor": 1}):
+                with pytest.raises(InvalidArgument):
+                    await pool.call(bk.addr, "trim", bad)
+            assert os.path.exists(bk.seg(1, 0, 0))
+            r, _ = await pool.call(bk.addr, "trim", {"broker": 1, "vlog": 0, "floor": 1})
+            assert r["bytes"] > 0 and not os.path.exists(bk.seg(1, 0, 0))
+            r, _ = await pool.call(bk.addr, "trim", {"broker": 1, "vlog": 0, "floor": 1})
+            assert r == {"bytes": 0}
             assert await replicate(pool, bk.addr, 7, 0, a[5]) == size
 
 
@@ -575,8 +581,9 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
 
 
 async def test_claimed_files_outlive_their_drop_until_released(backups):
-    """A file an owner claims (an adopted segment reads from it) survives its recovery's drop,
-    and a restart, and goes with its last claim; malformed claims change nothing."""
+    """A file an owner claims (an adopted segment reads from it) survives being dropped (here
+    released below its vlog's floor; by its recovery in test_lets_go_...), and a restart, and
+    goes with its last claim; malformed claims change nothing."""
     a = chunks_for(2)
     bk = backups()
     with trio.fail_after(30):
@@ -590,10 +597,9 @@ async def test_claimed_files_outlive_their_drop_until_released(backups):
             assert not os.path.exists(os.path.join(bk.dir, "claims.meta"))
             r, _ = await pool.call(bk.addr, "claim", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0], [1, 0, 9]]})
             assert r["held"] == [True, False]
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 0})
-            assert r == {"dropped": False, "claimed": True} and os.path.exists(bk.seg(1, 0, 0))
-            r, _ = await pool.call(bk.addr, "drop", {"broker": 1, "vlog": 0, "vseg": 1})
-            assert r == {"dropped": True} and not os.path.exists(bk.seg(1, 0, 1))
+            r, _ = await pool.call(bk.addr, "trim", {"broker": 1, "vlog": 0, "floor": 2})
+            assert r["bytes"] > 0  # vseg 1's file; vseg 0's is only marked dropped
+            assert os.path.exists(bk.seg(1, 0, 0)) and not os.path.exists(bk.seg(1, 0, 1))
             r, _ = await pool.call(bk.addr, "release", {"owner": 6, "epoch": 1})  # not its claim
             assert r == {"bytes": 0} and os.path.exists(bk.seg(1, 0, 0))
         bk.restart()
@@ -601,6 +607,101 @@ async def test_claimed_files_outlive_their_drop_until_released(backups):
             assert os.path.exists(bk.seg(1, 0, 0))  # still claimed after a restart
             r, _ = await pool.call(bk.addr, "release", {"owner": 5, "epoch": 1, "claims": [[1, 0, 0]]})
             assert r["bytes"] > 0 and not os.path.exists(bk.seg(1, 0, 0))
+
+
+async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(backups, tmp_path):
+    """The coordinator's list of incarnations recovered with nothing lost reaches a backup in
+    heartbeat answers: their files go, one a live owner claims stays (marked dropped), their
+    own claims are released; other incarnations' files stay. A restarted backup gets the list
+    with its registration and applies it again, changing nothing. The list is emptied once
+    every backup ever registered reported its version (a malformed one counts as none); a
+    malformed list is refused and changes nothing."""
+    a = chunks_for(1)
+    e1, e2 = 1 << 32, 2 << 32   # vlog 0 of epochs 1 and 2
+    port = free_port()
+    coord = Coordinator(str(tmp_path / "coordinator"), dead_after=2.0)
+    with trio.fail_after(40):
+        bk = backups(args=["--coordinator", f"127.0.0.1:{port}"])
+        async with trio.open_nursery() as nursery, open_pool() as pool:
+            await nursery.start(coord.run, "127.0.0.1", port)
+            await until(lambda: _backup_member(coord) is not None, "registered")
+            bid = _backup_member(coord).id
+
+            def member():
+                return coord.members["backup"].get(bid)
+            ghost = {"role": "backup", "addr": "127.0.0.1:1", "node": "gone", "recovered": "junk"}
+            r, _ = await pool.call(f"127.0.0.1:{port}", "register", ghost)  # known, then away
+            assert r["recovered"] == {"version": 0, "incarnations": []}
+            ghost["id"] = r["id"]
+            for b, vlog, vseg in ((4, e1, 0), (5, e1, 0), (5, e1, 1)):
+                await replicate(pool, bk.addr, vseg, 0, a[0], close=True, broker=b, vlog=vlog)
+            # (5, 1) adopted a vseg of (4, 1), and (9, 1) one of (5, 1)
+            for (owner, epoch), key in (((5, 1), [4, e1, 0]), ((9, 1), [5, e1, 0])):
+                r, _ = await pool.call(bk.addr, "claim", {"owner": owner, "epoch": epoch, "claims": [key]})
+                assert r["held"] == [True]
+            await replicate(pool, bk.addr, 0, 0, a[0], close=True, broker=5, epoch=2, vlog=e2)
+
+            def applied(version):
+                return lambda: member().recovered == version
+
+            coord.recovered.add(4, 1)
+            await coord.commit()   # told once durable
+            await until(applied(1), "version 1 applied")
+            assert os.path.exists(bk.seg(4, e1, 0))  # claimed by (5, 1): only marked dropped
+            coord.recovered.add(5, 1)
+            await coord.commit()
+            await until(applied(2), "version 2 applied")
+            left = sorted(os.listdir(os.path.join(bk.dir, "segments")))
+            assert left == [sf.file_name(5, e1, 0), sf.file_name(5, e2, 0)], left
+            assert (await stats(pool, bk.addr))["claimed_files"] == 1
+            assert coord.meta["recovered"] == [[4, 1, 1], [5, 1, 2]]  # the ghost has not reported
+
+            first = member()
+            await trio.to_thread.run_sync(bk.restart)
+            await until(lambda: member() is not first and applied(2)(), "applied again")
+            assert sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
+            assert (await stats(pool, bk.addr))["claimed_files"] == 1
+
+            r, _ = await pool.call(f"127.0.0.1:{port}", "register", {**ghost, "recovered": 2})
+            assert "recovered" not in r and coord.meta["recovered"] == []
+            assert coord.meta["recovered_version"] == 2
+
+            # a malformed list is refused (typed, logged), changes nothing, and is not reported
+            # as applied: the next answers bring the list again
+            coord.log.set(("recovered",), [[4, -1, 3]])
+            coord.log.set(("recovered_version",), 3)
+            await coord.commit()
+            await until(lambda: "recovered incarnations must be [[broker, epoch], ...]" in bk.logs(),
+                        "the malformed list refused")
+            assert member().recovered == 2 and sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
+            coord.log.set(("recovered",), [])
+            coord.log.set(("recovered_version",), 4)
+            await coord.commit()
+            await until(applied(4), "a well-formed list applied")
+            bk.kill()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owner_holds(tmp_path):
+    """An entry is told only after a commit; a coordinator that loads an entry whose
+    incarnation still owns streamlets (stored without all of its hand-over) removes it: that
+    incarnation is recovered again before anyone lets go of its files."""
+    d = str(tmp_path / "coordinator")
+    coord = Coordinator(d)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(coord.log.run)
+            coord.log.set(("streams", "s"), {"name": "s", "id": 1, "streamlets": 1, "owners": [[7, 1]]})
+            coord.recovered.add(7, 1)
+            coord.recovered.add(8, 1)
+            assert coord.recovered.shown == 0
+            await coord.commit()
+            assert coord.recovered.shown == 2
+            nursery.cancel_scope.cancel()
+    coord.log.close()
+    again = Coordinator(d)
+    assert again.meta["recovered"] == [[8, 1, 2]] and again.recovered.shown == 2
+    again.log.close()
 
 
 async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_one(backups):

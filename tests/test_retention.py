@@ -372,7 +372,8 @@ def test_kill_broker_with_4x_history_replays_what_it_held_not_its_history(make_c
     one = _recover_repointed(make_cluster, 24 * MiB)
     four = _recover_repointed(make_cluster, 96 * MiB)
     for name, r in (("1x", one), ("4x", four)):
-        print(f"\n{name}: recovery in {r['seconds']} s (index {r['index_seconds']} s, adopt "
+        print(f"\n{name}: serving after {r['serve_seconds']} s, recovery in {r['seconds']} s "
+              f"(index {r['index_seconds']} s, adopt "
               f"{r['adopt_seconds']} s): "
               f"{r['bytes'] / MiB:.1f} MiB replayed, {r['adopted_bytes'] / MiB:.1f} MiB in "
               f"{r['adopted_segments']} segments re-pointed; {r['records']} records read back")
@@ -465,3 +466,78 @@ def test_retention_frees_adopted_segments_and_the_dead_brokers_files(make_cluste
     _check_suffix(arr, 2 * n + n // 4, n * SIZE)
     print(f"\n{kept} files of the dead broker kept for {rec['adopted_segments']} adopted segments; "
           f"all deleted once retention freed them")
+
+
+@pytest.mark.parametrize("coordinator_restart", [False, True])
+def test_backup_down_when_a_recovery_ends_lets_go_when_back(make_cluster, coordinator_restart):
+    """Broker A's history is re-pointed to B (B claims A's files on every backup); backup X,
+    on the third node, is killed -9, then B. Once B's recovery completed (and, in one run, the
+    coordinator restarted), X comes back: it deletes every file of B (no live owner claimed
+    any on X), releases B's claims, so A's files (dropped when A was recovered) go too, and
+    the coordinator's list of recovered incarnations empties. Every retained record reads
+    back, from the copies the other backups keep for the new owner."""
+    budget, history = 8 * MiB, 24 * MiB
+    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)],
+                     port=free_port())
+    node_of = {addr: name.split("-")[0] for name, addr in c.addrs.items()}
+
+    async def status():
+        try:
+            async with open_admin(c.coordinator) as a:
+                return await a.status()
+        except Unavailable:  # the restarted coordinator waits for its nodes to rejoin
+            return None
+
+    async def main():
+        s, _, a_id = await _lose_owner_of_history(c, history, budget)
+        async with open_admin(c.coordinator) as adm:
+            s = await adm.describe_stream("big")
+        b_node = node_of[s["addrs"][0]]
+        b_id = next(b["id"] for b in (await status())["brokers"] if b["addr"] == s["addrs"][0])
+        x = next(n for n in ("node1", "node2", "node3")   # neither A's node (dead) nor B's
+                 if n != b_node and c.procs[f"{n}-broker"].poll() is None)
+        x_dir = os.path.join(c.data, f"{x}-backup")
+
+        def files_of(*brokers) -> list[str]:
+            return [f for f in seg_files(c) if f.startswith(x_dir + os.sep)
+                    and os.path.basename(f).split("-")[0] in {str(b) for b in brokers}]
+
+        async def claimed_on_x() -> int:
+            async with open_pool() as pool:
+                r, _ = await pool.call(c.addrs[f"{x}-backup"], "stats", {}, timeout=10)
+            return r["claimed_files"]
+
+        assert files_of(a_id) and await claimed_on_x() > 0, "B claimed none of A's files on X"
+        c.kill(f"{x}-backup")
+        c.kill(next(name for name, addr in c.addrs.items() if addr == s["addrs"][0]))
+        rec = await wait_recovered(c, s, timeout=60)
+        held = (len(files_of(a_id)), len(files_of(b_id)))
+        assert sum(held), "X held nothing of A or B when it went down"
+        if coordinator_restart:
+            c.restart("coordinator")
+
+            async def rejoined():
+                st = await status()
+                return st and sum(b["alive"] for b in st["brokers"]) == 1 \
+                    and sum(b["alive"] for b in st["backups"]) == 2
+            await wait_for(rejoined, "the nodes to rejoin the restarted coordinator")
+        assert (len(files_of(a_id)), len(files_of(b_id))) == held  # nothing deletes them while X is down
+        c.restart(f"{x}-backup")
+        back = time.monotonic()
+        await wait_for(lambda: trio.to_thread.run_sync(lambda: not files_of(a_id, b_id)),
+                       "the returned backup to delete the files of A and B", timeout=30)
+        held = (*held, time.monotonic() - back)
+        assert await claimed_on_x() == 0, "B's claims outlived its recovery on X"
+
+        async def pruned():
+            st = await status()
+            return st and st["recovered"]["pending"] == 0
+        await wait_for(pruned, "every backup to report it let go of the recovered incarnations")
+        got = await read_all(c.coordinator, ["big"], idle=2.0)
+        return rec, held, got["big"]
+
+    rec, held, arr = trio.run(main)
+    assert not rec["lost"], rec
+    _check_suffix(arr, history // SIZE, history // SIZE * SIZE)
+    print(f"\nbackup down at the end of a re-pointing recovery: {held[0]} files of A and {held[1]} "
+          f"of B kept while down, all deleted {held[2]:.2f} s after it was back")

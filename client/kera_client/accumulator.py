@@ -1,5 +1,10 @@
 """The producer's chunks before they leave: records gathered per streamlet, packed per request.
 
+``Accumulator`` (the ``AsyncProducer``'s accumulating side, on any thread under
+its lock) puts each record in its streamlet's open ``Outgoing`` chunk, seals a
+chunk when it is full or its ``linger.ms`` is over, and queues it in ``ready``
+with the next sequence of its streamlet, where the sender (``sender``) takes it.
+
 An ``Outgoing`` chunk collects one streamlet's records as plain lists while it is
 open; sealing gives it its sequence and its size but packs nothing. The chunks
 of a request are packed together, just before it is sent, by ``pack``: one
@@ -10,11 +15,20 @@ A chunk keeps its bytes once packed: a resend sends the same ones.
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from itertools import chain
 
 import numpy as np
+import trio
 
 from kera import chunk as chunkfmt
+from kera.errors import RecordTooLarge, UnknownStream
+from kera.limits import MAX_CHUNK
+
+from .delivery import Pending
+from .partitioner import RoundRobin, key_streamlet
 
 
 class Outgoing:
@@ -84,3 +98,188 @@ def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
         c.data, c.start = data, s
         c.values = c.keys = c.ts = None  # the bytes are in the chunk now
     return data if len(todo) == len(items) else None
+
+
+_BYTES = (bytes, bytearray, memoryview)
+
+
+def wall_ms(monotonic: float) -> int:
+    """Wall-clock milliseconds of a moment taken with time.monotonic()."""
+    return int((time.time() - (time.monotonic() - monotonic)) * 1000)
+
+
+class Accumulator:
+    """The accumulating side of ``AsyncProducer``: records -> open chunks -> sealed chunks in
+    ``ready``. Its state is its own but for what it shares with the sender (set up by the
+    producer): ``lock``, ``ready``, ``room``, ``buffered``, ``outstanding``, ``delivery``
+    and the sender's wake-up events."""
+
+    def __init__(self, cfg: dict):
+        self.linger = float(cfg["linger.ms"]) / 1000
+        self.chunk_size = min(int(cfg["chunk.size"]), MAX_CHUNK)
+        self.buffer_memory = int(cfg["buffer.memory"])
+        self.by_key = cfg["partitioner"] != "round-robin"
+        self.rr = RoundRobin()
+        self.batches: dict[tuple, Outgoing] = {}
+        self.sticky: dict[int, Outgoing] = {}   # stream id -> open round-robin chunk
+        self.linger_q: deque = deque()
+        self.seq: dict[tuple, int] = {}
+        self._woken = False
+        self._token = trio.lowlevel.current_trio_token()
+        self._loop_thread = threading.get_ident()
+
+    def _notify(self) -> None:
+        """Wake the sender, at most once per round of it (not once per chunk)."""
+        if self._woken:
+            return
+        self._woken = True
+        if threading.get_ident() == self._loop_thread:
+            self._wake.set()
+        else:
+            self._token.run_sync_soon(self._wake_now)
+
+    def _wake_now(self) -> None:
+        self._wake.set()  # the event current when this runs, not when it was scheduled
+
+    def _too_large(self, s: dict, n: int, what: str) -> RecordTooLarge:
+        seg = s["segment_size"]
+        bound = min(MAX_CHUNK, seg)
+        size = chunkfmt.chunk_size(1, n - 16)
+        return RecordTooLarge(
+            f"{what} of {n - 16} bytes (key and value) needs a chunk of {size} bytes; stream "
+            f"{s['name']!r} takes chunks of at most {bound} bytes (the smaller of MAX_CHUNK, {MAX_CHUNK}, "
+            f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
+            bound=bound, size=size)
+
+    def _batch(self, s: dict, key) -> Outgoing:
+        if key is None or not self.by_key:
+            b = self.sticky.get(s["id"])
+            if b is None:
+                b = self._open(s, self.rr.streamlet(s["id"], s["streamlets"]), True)
+        else:
+            b = self.batches.get((s["id"], key_streamlet(key, s["streamlets"])))
+            if b is None:
+                b = self._open(s, key_streamlet(key, s["streamlets"]), False)
+        return b
+
+    def _append(self, s: dict, value: bytes, key, timestamp, cb=None) -> None:
+        """Add one record to its streamlet's open chunk (caller holds the lock).
+
+        The hot path of ``send``: a few attribute and dict operations, no
+        allocation but the list slots; chunks are packed when sealed. A record
+        that no chunk of its stream could hold is refused here, at once.
+        """
+        if not isinstance(value, _BYTES) or key is not None and not isinstance(key, _BYTES):
+            raise TypeError(f"a record's value and key are bytes, not {type(value).__name__} / "
+                            f"{type(key).__name__}")
+        if timestamp is not None and type(timestamp) is not int:
+            raise TypeError(f"a record's timestamp is int milliseconds, not {type(timestamp).__name__}")
+        n = len(value) + 16 if key is None else len(value) + len(key) + 16
+        room = self.room[s["id"]]
+        if n > room:
+            if cb is None:
+                raise self._too_large(s, n, "record")
+            self.delivery.refused(s["name"], key, value, cb, self._too_large(s, n, "record"))
+            return
+        b = self._batch(s, key)
+        if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
+            self._seal(b)
+            self._notify()
+            b = self._batch(s, key)
+        if key is not None or b.keys is not None:
+            if b.keys is None:
+                b.keys = [None] * len(b.values)
+            b.keys.append(key)
+        if timestamp is not None or b.ts is not None:
+            if b.ts is None:
+                b.ts = [wall_ms(b.created)] * len(b.values)
+            b.ts.append(timestamp if timestamp is not None else int(time.time() * 1000))
+        if cb is not None:
+            if b.reports is None:
+                b.reports = []
+                self.delivery.used = True
+            b.reports.append((len(b.values), cb, time.monotonic(), key, value))
+        b.values.append(value)
+        b.size += n
+        b.charged += n
+        self.buffered += n
+        self.outstanding += 1
+        if b.size >= self.chunk_size:
+            self._seal(b)
+            self._notify()
+
+    def _open(self, s: dict, streamlet: int, sticky: bool) -> Outgoing:
+        now = time.monotonic()
+        k = (s["id"], streamlet)
+        b = self.batches[k] = Outgoing(k, now, now + self.linger, sticky)
+        if sticky:
+            self.sticky[s["id"]] = b
+        self.linger_q.append(b)  # open chunks, oldest deadline first
+        if len(self.linger_q) == 1:
+            self._notify()
+        return b
+
+    def _seal(self, b: Outgoing) -> None:
+        """Close the open chunk and queue it with the next sequence; it is packed with the
+        other chunks of the request it leaves in (``accumulator.pack``)."""
+        k = b.key
+        del self.batches[k]
+        if b.sticky:
+            del self.sticky[k[0]]
+            self.rr.sealed(k[0], self.by_id[k[0]]["streamlets"])
+        # records without their own timestamp get the chunk's first record's arrival
+        b.seal(self.seq.get(k, 0), wall_ms(b.created) if b.ts is None else 0)
+        self._enqueue(b)
+
+    def _enqueue(self, c: Outgoing) -> None:
+        """Queue a sealed chunk: only now is its sequence taken, so a build that failed
+        leaves no hole."""
+        k = c.key
+        self.seq[k] = c.seq + 1
+        q = self.ready.get(k)
+        if q is None:
+            q = self.ready[k] = deque()
+        q.append(c)
+
+    def _wait_space(self) -> None:
+        """Block the calling (non-loop) thread while the buffer is full."""
+        while self.buffered >= self.buffer_memory:
+            self.space.wait(0.1)
+
+    async def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
+                   on_delivery=None, report: bool = False) -> Pending | None:
+        """Queue one record. ``on_delivery(error, DeliveryReport)`` is called once with its
+        outcome (default: the producer's); ``report=True`` returns a ``Pending`` to await instead."""
+        cb = Pending() if report else on_delivery or self.delivery.default
+        try:
+            s = self.streams.get(stream) or await self.stream(stream)
+        except UnknownStream as e:
+            if cb is None:
+                raise
+            with self.lock:
+                self.delivery.refused(stream, key, value, cb, e)
+            self.delivery.hand()
+            return cb if report else None
+        while self.buffered >= self.buffer_memory:
+            await self._progress.wait()
+        with self.lock:
+            self._append(s, value, key, timestamp, cb)
+        if self.delivery.ready:
+            self.delivery.hand()
+        return cb if report else None
+
+    def _seal_expired(self, now: float) -> None:
+        """Seal the open chunks whose ``linger.ms`` is over (the sender's loop, under the lock)."""
+        q = self.linger_q
+        while q and q[0].deadline <= now:
+            b = q.popleft()
+            if self.batches.get(b.key) is b:
+                self._seal(b)
+
+    def seal_all(self) -> None:
+        """Seal every open chunk, lingering or not."""
+        with self.lock:
+            for b in list(self.batches.values()):
+                self._seal(b)
+            self.linger_q.clear()
+

@@ -10,7 +10,8 @@ files (``kera.broker.adopted``). Those files must outlive the recovery's
 - the recovery's ``drop`` of a claimed file only marks it *dropped*;
 - an owner *releases* its claim once no index chunk of its own naming the
   vseg can be replayed; the end of a recovery releases every claim of the
-  dead incarnation (its successors claimed what they adopted again first);
+  dead incarnation (its successors claimed what they adopted again first),
+  on every backup, also one that was down then (``kera.recovered``);
 - a dropped file with no claim left is deleted.
 
 The state is small (one entry per claimed vseg) and persisted in one
@@ -59,7 +60,8 @@ class Claims:
     def release(self, owner: Owner, keys=None) -> tuple[list[Key], bool]:
         """``owner`` lets go of ``keys`` (all its claims if None). Returns the dropped files no
         claim holds any more (to delete), and whether anything changed."""
-        keys = [k for k, os in self.owners.items() if owner in os] if keys is None else keys
+        if keys is None:
+            return self.due(), self.release_owners({owner})
         changed = False
         for key in keys:
             owners = self.owners.get(key)
@@ -69,6 +71,18 @@ class Claims:
                 if not owners:
                     del self.owners[key]
         return self.due(), changed
+
+    def release_owners(self, owners: set[Owner]) -> bool:
+        """Every claim of ``owners`` goes (one pass, however many): whether any did."""
+        changed = False
+        for key in [k for k, os in self.owners.items() if not os.isdisjoint(owners)]:
+            left = self.owners[key] - owners
+            changed = True
+            if left:
+                self.owners[key] = left
+            else:
+                del self.owners[key]
+        return changed
 
     def drop(self, key: Key) -> bool:
         """The recovery lets ``key`` go: True if claims keep its file (it is marked dropped)."""

@@ -6,6 +6,13 @@ Registration is retried with capped exponential backoff (the coordinator may
 start later); heartbeats go every ``HEARTBEAT_INTERVAL``; a coordinator that
 *answers* a heartbeat with an error (fenced, unknown id, ...) gets a new
 registration, while an unreachable one just gets more heartbeats.
+
+Both say which version of the coordinator's list of recovered incarnations
+(``kera.recovered``) this backup applied; an answer carries the list when
+the version moved, and a task beside the heartbeats lets go of their files
+and claims (so deleting many files never delays a heartbeat). The version
+applied is kept in memory only: a restarted backup gets the list again with
+its registration and applies it again, idempotently.
 """
 
 from __future__ import annotations
@@ -53,19 +60,55 @@ def save_id(directory: str, bid: int, node: str | None) -> None:
     fsync_dir(directory)
 
 
+class LetGo:
+    """Applies the newest list of recovered incarnations the coordinator sent, off the
+    heartbeats' path; ``applied`` is the version done (None until the first)."""
+
+    def __init__(self, service):
+        self.service = service
+        self.applied: int | None = None
+        self._doing: int | None = None
+        self._wanted: dict | None = None
+        self._kick = trio.Event()
+
+    def offer(self, answer: dict) -> None:
+        r = answer.get("recovered")
+        if isinstance(r, dict) and r.get("version") not in (self.applied, self._doing):
+            self._wanted = r
+            self._kick.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick = trio.Event()
+            r, self._wanted = self._wanted, None
+            self._doing = r.get("version")
+            try:
+                await self.service.let_go(r.get("incarnations"))
+                self.applied = self._doing   # a failure is retried: the next answer brings it again
+            except (KeraError, OSError) as e:
+                log.warning("letting go of recovered incarnations failed (%s); retrying with the "
+                            "next heartbeat", e)
+            finally:
+                self._doing = None
+
+
 async def run_membership(service, coordinator, addr: str, node: str | None) -> None:
     """Register, then heartbeat forever; lives in the service's nursery."""
-    while True:
-        epoch = await _register(service, coordinator, addr, node)
-        await _heartbeat(service, coordinator, epoch)
+    let_go = LetGo(service)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(let_go.run)
+        while True:
+            epoch = await _register(service, coordinator, addr, node, let_go)
+            await _heartbeat(service, coordinator, epoch, let_go)
 
 
-async def _register(service, coordinator, addr: str, node: str | None) -> int:
+async def _register(service, coordinator, addr: str, node: str | None, let_go: LetGo) -> int:
     delay = BACKOFF_MIN
     while True:
         meta = {"role": "backup", "addr": addr, "node": node, "id": service.id,
                 "epoch": service.epoch,  # claimed back after a coordinator restart
-                "holds": service.holds()}
+                "holds": service.holds(), "recovered": let_go.applied}
         try:
             r, _ = await coordinator.call("register", meta, timeout=RPC_TIMEOUT)
             bid, epoch = int(r["id"]), int(r["epoch"])
@@ -79,19 +122,21 @@ async def _register(service, coordinator, addr: str, node: str | None) -> int:
             service.id = bid
         log.info("registered with %s as backup %d, epoch %d", coordinator, bid, epoch)
         service.apply_fences(r.get("fences"))
+        let_go.offer(r)
         service.epoch = epoch
         service.registered.set()
         return epoch
 
 
-async def _heartbeat(service, coordinator, epoch: int) -> None:
+async def _heartbeat(service, coordinator, epoch: int, let_go: LetGo) -> None:
     """Returns when the coordinator refuses us: the caller registers again."""
     while True:
         await trio.sleep(HEARTBEAT_INTERVAL)
         try:
-            r, _ = await coordinator.call("heartbeat", {"role": "backup", "id": service.id, "epoch": epoch},
-                                         timeout=RPC_TIMEOUT)
+            r, _ = await coordinator.call("heartbeat", {"role": "backup", "id": service.id, "epoch": epoch,
+                                                        "recovered": let_go.applied}, timeout=RPC_TIMEOUT)
             service.apply_fences(r.get("fences"))
+            let_go.offer(r)
         except Unavailable as e:
             log.debug("heartbeat to %s failed: %s", coordinator, e)
         except KeraError as e:

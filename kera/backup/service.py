@@ -215,7 +215,7 @@ class BackupService(Service):
         size = rep.budget
         if self.store.drop(rep.key) is None:
             return 0
-        await self._unlink(rep)
+        await self._unlink([rep])
         self.store.reclaimed += size
         return size
 
@@ -542,31 +542,49 @@ class BackupService(Service):
             raise InvalidArgument("claims must be [[broker, vlog, vseg], ...]")
         return [tuple(k) for k in keys]
 
-    async def rpc_drop(self, meta: dict, payload):
-        """A recovery lets a dead incarnation's copy go: deleted, unless claimed (then it goes
-        with its last claim)."""
-        key = _key(meta)
-        if key in self.store.replicas and self.claims.drop(key):
+    async def let_go(self, incarnations) -> dict:
+        """The coordinator recovered these dead incarnations ([[broker, epoch], ...]) with
+        nothing lost (``kera.recovered``): every file of theirs here is deleted, or only marked
+        dropped while an owner claims it, and every claim they made is released. Idempotent."""
+        if not isinstance(incarnations, list) or not all(
+                isinstance(i, list) and len(i) == 2 and all(type(x) is int and 0 <= x < _U63 for x in i)
+                for i in incarnations):
+            raise InvalidArgument("recovered incarnations must be [[broker, epoch], ...]")
+        dead = {(b, e) for b, e in incarnations}
+        if not dead:
+            return {"dropped": 0, "claimed": 0, "bytes": 0}
+        keys = [k for k in self.store.replicas if (k[0], k[1] >> 32) in dead]  # vlog ids carry the epoch
+        # all decided before any await: a claim arriving meanwhile finds the file gone
+        claimed = {k for k in keys if self.claims.drop(k)}
+        reps = [self.store.drop(k) for k in keys if k not in claimed]
+        released = self.claims.release_owners(dead)
+        if claimed or released:
             await self._save_claims()
-            return {"dropped": False, "claimed": True}
-        rep = self.store.drop(key)
-        if rep is None:
-            return {"dropped": False}
-        if self._kick is not None:
-            self._kick.set()  # wake durability waiters so they see it
-        self.counters["drops"] += 1
-        return await self._unlink(rep)
+        if reps:
+            if self._kick is not None:
+                self._kick.set()  # wake durability waiters so they see it
+            self.counters["drops"] += len(reps)
+            await self._unlink(reps)
+        freed = await self._delete_unclaimed()
+        if reps or freed:
+            log.info("let go of recovered incarnations %s: %d files deleted, %d kept for their claims, "
+                     "%d bytes of files they claimed freed", sorted(dead), len(reps), len(claimed), freed)
+        return {"dropped": len(reps), "claimed": len(claimed), "bytes": freed}
 
-    async def _unlink(self, rep: Replica):
+    async def _unlink(self, reps: list[Replica]) -> None:
+        """Delete the files of replicas already dropped from the store, in one thread hop."""
+        def work():
+            for rep in reps:
+                disk.unlink_quiet(rep.path)
         try:
             with trio.CancelScope(shield=True):
                 async with self._io:
-                    await trio.to_thread.run_sync(disk.unlink_quiet, rep.path)
+                    await trio.to_thread.run_sync(work)
         except OSError as e:
-            raise BackupError(f"dropping replica {rep.key}: {e}") from None
+            raise BackupError(f"dropping replicas {[r.key for r in reps]}: {e}") from None
         finally:
-            self.store.dropped(rep)
-        return {"dropped": True}
+            for rep in reps:
+                self.store.dropped(rep)
 
     # -- fencing and recovery ------------------------------------------------
 

@@ -32,7 +32,7 @@ import trio
 
 from ..errors import DataLoss, Fenced, KeraError, ProtocolError, Unavailable
 from ..index_chunk import SegmentIndex
-from .segment import Segment
+from .segment import Segment, VlogChunk
 
 log = logging.getLogger("kera.broker")
 
@@ -79,17 +79,11 @@ class ForeignVseg:
         return (self.broker, self.vlog, self.id)
 
 
-class IndexHolder:
-    """An index chunk's bytes, referenced by our vlog like a segment's chunk (never read by
-    consumers); ``vs``: the vseg of ours holding it (its ``live`` counts the adopted segment)."""
+class IndexHolder(VlogChunk):
+    """An index chunk's bytes in our vlog; the vseg of ours holding it counts the adopted
+    segment in its ``live`` (until retention frees the segment, ``Claims.free``)."""
 
-    __slots__ = ("view", "head", "durable", "vs")
-
-    def __init__(self, data: bytes):
-        self.view = memoryview(data)
-        self.head = len(data)
-        self.durable = 0
-        self.vs = None
+    __slots__ = ()
 
     def noted(self, vlog, vs, vseg_offset: int) -> None:
         self.vs = vs

@@ -146,6 +146,23 @@ class Compacted:
         return self.buf[p0:p0 + n]
 
 
+class VlogChunk:
+    """A chunk a vlog references that no segment holds (an index or a close chunk): replicated
+    and replayed like any chunk, never read by consumers, never evicted or freed by retention.
+    ``vs``: the vseg holding it; it keeps that vseg live only if a subclass says so."""
+
+    __slots__ = ("view", "head", "durable", "vs")
+
+    def __init__(self, data: bytes):
+        self.view = memoryview(data)
+        self.head = len(data)
+        self.durable = 0
+        self.vs = None
+
+    def noted(self, vlog, vs, vseg_offset: int) -> None:
+        self.vs = vs
+
+
 def close_waiting(seg: Segment) -> bool:
     """Close the open vseg of an idle vlog that ``seg``'s chunks wait in (so they settle);
     True if one was closed (the caller pokes the vlog)."""

@@ -19,6 +19,7 @@ import logging
 import os
 import time
 
+import numpy as np
 import trio
 
 from .. import chunk, index_chunk, limits, metafile
@@ -39,15 +40,18 @@ from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
 from .adopted import AdoptedSegment, Claims, IndexHolder, adopted_segment
 from .compactor import Compactor
+from .group_close import close_chunk, mark
 from .memory import MemoryBudget, default_budget
 from .replicator import Replicator
-from .segment import close_waiting
-from .streamlet import ProducerState, Streamlet
+from .segment import VlogChunk, close_waiting
+from .streamlet import Streamlet
 from .tiered import TieredReader
 
 log = logging.getLogger("kera.broker")
 
 MAX_PULL_BYTES = limits.MAX_PULL
+# flags only brokers set (index, close and compacted chunks): refused in a client's chunk
+BROKER_FLAGS = chunk.INDEX | chunk.CLOSE | chunk.COMPACTED
 MAX_PULL_WAIT = 30.0
 HEARTBEAT = 0.5
 RECLAIM_INTERVAL = 0.25
@@ -161,6 +165,7 @@ class BrokerService(Service):
                 sl.configure(s)
             if sl is None:
                 sl = self.streamlets[(s["id"], i)] = Streamlet(s, i, self.memory)
+                sl.on_close = self._close_group
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
@@ -204,6 +209,15 @@ class BrokerService(Service):
             if settled:  # else its vsegs still send from it; they drop it when released
                 seg.drop_buffer()
             seg.vsegs, seg.ends = [], []
+
+    def _close_group(self, sl: Streamlet, g, producer: int) -> None:
+        """``g`` is full and closed: its close chunk goes to its vlog, after all its chunks."""
+        c = close_chunk(sl.stream_id, sl.index, g, producer)
+        self._append_close(sl, g, c, chunk.parse_header(c.view).body_checksum)
+
+    def _append_close(self, sl: Streamlet, g, c: VlogChunk, body_checksum: int) -> tuple:
+        vlog = self.vlog_for(self.streams[sl.stream_id], sl.index, g)
+        return vlog, vlog.append(c, 0, c.head, body_checksum)
 
     def rpc_unassign(self, meta, payload):
         """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
@@ -251,14 +265,23 @@ class BrokerService(Service):
             mv = payload[off:off + h.size]
             try:
                 if h.flags & chunk.INDEX:
-                    done = self._adopt_index(sl, h, mv, index_chunk.parse(mv, h))
+                    ix = index_chunk.parse(mv, h)
+                    done = self._adopt_index(sl, h, mv, ix)
                     if done is None:
                         dup += 1
                         continue
                     vlog, idx, seg = done
+                    sl.note_adopted(ix.producers())
                     claim.update(dict.fromkeys(seg.foreign))
                     waits[vlog] = idx
                     placed += 1
+                    continue
+                if h.flags & chunk.CLOSE:  # the group was closed: nothing is placed
+                    g = mark(sl, h.group)
+                    if g is not None:  # recorded again in our vlog, after the group's chunks
+                        vlog, idx = self._append_close(sl, g, VlogChunk(bytes(mv)), h.body_checksum)
+                        waits[vlog] = idx
+                    dup += 1
                     continue
                 g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
             except KeraError as e:  # DataLoss: a hole before it; refused, never stored past it
@@ -296,13 +319,19 @@ class BrokerService(Service):
         waits: dict[Replicator, int] = {}
         claim: dict = {}
         adopted = 0
-        for sl, h, mv, ix in todo:
-            done = self._adopt_index(sl, h, mv, ix)
-            if done is not None:
-                vlog, idx, seg = done
-                waits[vlog] = max(idx, waits.get(vlog, 0))
-                claim.update(dict.fromkeys(seg.foreign))
-                adopted += 1
+        rows: dict[Streamlet, list] = {}
+        try:
+            for sl, h, mv, ix in todo:
+                done = self._adopt_index(sl, h, mv, ix)
+                if done is not None:
+                    vlog, idx, seg = done
+                    waits[vlog] = max(idx, waits.get(vlog, 0))
+                    claim.update(dict.fromkeys(seg.foreign))
+                    rows.setdefault(sl, []).append(ix.rows)
+                    adopted += 1
+        finally:  # one pass per streamlet over every adopted segment's rows
+            for sl, rs in rows.items():
+                sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
         await self.claims.claim(claim)
         await self._acked_when_durable(waits, {})
         for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
@@ -316,6 +345,8 @@ class BrokerService(Service):
         segment already."""
         g = sl.groups.get(h.group)
         if g is not None and h.segment < len(g.segments):
+            if h.flags & chunk.CLOSE:
+                mark(sl, h.group)
             seg = g.segments[h.segment]
             if not isinstance(seg, AdoptedSegment):
                 return None
@@ -325,16 +356,12 @@ class BrokerService(Service):
             return vlog, vlog.log.appended, seg
         seg = adopted_segment(ix, sl.segment_size, self.claims)
         sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole
+        if h.flags & chunk.CLOSE:  # the group's last segment: nothing is appended after it
+            mark(sl, h.group)
         holder = IndexHolder(bytes(data))
         vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
         idx = vlog.append(holder, 0, holder.head, h.body_checksum)
         self.claims.attach(seg, holder)
-        for p, q in ix.producers().items():  # a late resend of an adopted chunk stays a duplicate
-            st = sl.producers.get(p)
-            if st is None:
-                sl.producers[p] = ProducerState(q, {})
-            elif q > st.last_seq:
-                st.last_seq = q
         return vlog, idx, seg
 
     def _check_lease(self) -> None:
@@ -371,6 +398,8 @@ class BrokerService(Service):
                 (heads["body_len"] + chunk.HEADER_SIZE).tolist(), heads["body_checksum"].tolist(),
                 strict=True)):
             try:
+                if flags & BROKER_FLAGS:
+                    raise _broker_flags(flags)
                 sl = streamlets.get((sid, index))
                 if sl is None or sl.recovering:
                     sl = self._streamlet(sid, index)  # raises the right error
@@ -426,6 +455,8 @@ class BrokerService(Service):
         if len(chunks) != 1:
             raise InvalidArgument("append_if takes exactly one chunk")
         h, off = chunks[0]
+        if h.flags & BROKER_FLAGS:
+            raise _broker_flags(h.flags)
         if h.record_count != 1:
             raise InvalidArgument("append_if takes a chunk of exactly one record")
         sl = self._streamlet(h.stream_id, h.streamlet)
@@ -737,6 +768,13 @@ class BrokerService(Service):
                     log.error("broker %d epoch %d fenced: dropping its state, joining again",
                               self.broker_id, self.epoch)
                 self._reset()
+
+
+def _broker_flags(flags: int) -> InvalidArgument:
+    """A client's chunk flagged as only brokers flag theirs: stored, it would be taken for an
+    index or close chunk (or compacted one) by a recovery or a reader."""
+    return InvalidArgument(f"chunk flags {flags:#x}: INDEX, CLOSE and COMPACTED are set by brokers "
+                           f"only, never in a produced chunk")
 
 
 def _vseg_size(text: str) -> int:

@@ -1,7 +1,8 @@
 """Streamlet: a partition of a stream, with up to Q active groups.
 
 Producer p appends to active group ``p % Q``; when that group fills up it
-closes and a new group (next id) takes its slot. Per producer, the last
+closes (the broker records the close in the group's vlog: ``group_close``)
+and a new group (next id) takes its slot. Per producer, the last
 sequence seen makes retries idempotent: a sequence already appended is
 acknowledged again (once durable), never stored twice; a sequence that skips
 ahead is refused so the producer resends in order, unless its chunk carries
@@ -70,6 +71,7 @@ class Streamlet:
         self.freed_bytes = 0     # chunk bytes freed by retention
         self.freed_segments = 0
         self.waiting = None      # an expired segment whose vsegs are still open (idle vlog)
+        self.on_close = None     # called with (streamlet, group, producer) when a full group closes
         self.configure(stream)
 
     def configure(self, stream: dict) -> None:
@@ -227,6 +229,8 @@ class Streamlet:
             placed = g.append(chunk)
             if placed is not None:
                 break
+            if self.on_close is not None:  # its close chunk goes before this one (group_close)
+                self.on_close(self, g, producer)
         seg, off = placed
         self.appended_chunks += 1
         self.appended_bytes += len(chunk)
@@ -280,6 +284,16 @@ class Streamlet:
         self.appended_chunks += len(seg.ends)
         self.appended_bytes += seg.head
         return True
+
+    def note_adopted(self, highest: dict[int, int]) -> None:
+        """Producers' highest sequences in adopted segments: a late resend of an adopted chunk
+        stays a duplicate."""
+        for p, q in highest.items():
+            st = self.producers.get(p)
+            if st is None:
+                self.producers[p] = ProducerState(q, {})
+            elif q > st.last_seq:
+                st.last_seq = q
 
     def note_producer(self, producer: int, sequence: int, vlog, ref: int, segment=None,
                       end: int = 0) -> None:

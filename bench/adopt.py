@@ -1,0 +1,86 @@
+"""CPU per adopted segment on a new owner: ``python -m bench.adopt [--segments N] [--rows R]``.
+
+Runs the broker's ``adopt`` handler in this process on one request of N index
+chunks (R chunk rows each, two vsegs per segment) and reports the best of
+several runs in CPU time (``time.process_time``), so the figure holds on a
+loaded machine. The two network steps of an adoption are left out, since
+they cost one round trip per request, not per segment: the ``claim`` RPC to
+the backups and the wait for the index chunks to be durable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import numpy as np
+import trio
+
+from kera import index_chunk
+from kera.broker.adopted import Claims
+from kera.broker.service import BrokerService
+from kera.vlog import VlogMapping
+
+
+def request(segments: int, rows: int) -> memoryview:
+    """One adopt payload: ``segments`` index chunks of group 0, in order."""
+    out = []
+    for s in range(segments):
+        ends = np.arange(1, rows + 1, dtype="<u8") * 16000
+        vsegs = np.where(np.arange(rows) < rows // 2, s // 4, s // 4 + 1).astype("<u8")
+        table = np.stack([ends, vsegs, np.arange(rows, dtype="<u8") * 16000, np.full(rows, 7, "<u8"),
+                          np.arange(s * rows, (s + 1) * rows, dtype="<u8")], 1)
+        out.append(index_chunk.build(index_chunk.SegmentIndex(
+            1, 0, 0, s, 3, 5, table, {int(v): [1, 2] for v in np.unique(vsegs)})))
+    return memoryview(b"".join(out))
+
+
+class _Nursery:
+    """Replicators are not run: the index chunks are appended, never sent."""
+
+    def start_soon(self, *args) -> None:
+        pass
+
+
+def owner(data_dir: str) -> BrokerService:
+    """A broker recovering stream 1's streamlet 0, not serving (no sockets)."""
+    svc = BrokerService("127.0.0.1:1", data_dir, "bench", VlogMapping())
+    svc.nursery = _Nursery()
+    svc.lease_until = float("inf")
+    svc.claims = Claims(None, lambda: (1, 1), lambda b: "")
+
+    async def claimed(vsegs) -> None:
+        pass
+
+    async def durable(waits, reply):
+        return reply
+
+    svc.claims.claim = claimed
+    svc._acked_when_durable = durable
+    svc._assign({"id": 1, "name": "big", "streamlets": 1, "groups": 1, "replication": 3,
+                 "segment_size": 256 << 10, "group_segments": 1 << 20}, [0], True, False)
+    return svc
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.adopt")
+    ap.add_argument("--segments", type=int, default=400)
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=15)
+    args = ap.parse_args(argv)
+    payload = request(args.segments, args.rows)
+    best = float("inf")
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(args.runs):
+            svc = owner(d)
+            t = time.process_time()
+            r = trio.run(svc.rpc_adopt, {"epoch": 0}, payload)
+            best = min(best, time.process_time() - t)
+            assert r["adopted"] == args.segments, r
+    print(f"adopt of {args.segments} segments ({args.rows} chunks each) in one request: "
+          f"{best * 1000:.1f} ms CPU, {best / args.segments * 1e6:.1f} us per segment")
+
+
+if __name__ == "__main__":
+    main()

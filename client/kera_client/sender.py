@@ -1,0 +1,272 @@
+"""The producer's sending loop: sealed chunks -> requests, one per broker, and their answers.
+
+``Sender.run`` is the ``AsyncProducer``'s one loop task (trio, its nursery):
+each round it seals the chunks whose linger is over, then ``_dispatch`` takes
+chunks from ``ready`` into at most ``max.in.flight`` requests per broker of up
+to ``request.size`` bytes, a streamlet in at most one request at a time.
+``_request`` settles each chunk of an answer: acknowledged, back to the front
+of its queue to be retried in sequence order (``RETRIABLE``: the owner moved,
+the broker died, a timeout), or given up on (``_give_up``), which leaves a hole
+the next chunk of its streamlet closes with ``SEQ_RESET``. Owners that moved
+are found again by ``_refresh``, with backoff while the coordinator is away.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+
+import trio
+
+from kera import chunk as chunkfmt
+from kera.errors import KeraError, UnknownStream
+from kera.limits import MAX_REQUEST
+
+from .accumulator import pack
+from .admin import suspect
+from .delivery import TIMEOUT
+
+log = logging.getLogger("kera.producer")
+
+REFRESH_MIN, REFRESH_MAX = 0.05, 2.0  # metadata refresh backoff, seconds
+
+RETRIABLE = {"not_owner", "recovering", "fenced", "out_of_order_sequence", "unavailable",
+             "not_enough_backups", "backup", "internal"}
+
+
+class ProduceError(KeraError):
+    """Records failed that no delivery report told of (raised by ``flush``)."""
+
+    code = "produce"
+
+
+class Sender:
+    """``AsyncProducer``'s sending side, on its trio loop: it owns what is in flight, the
+    holes to reset and the acknowledged / failed counts, and shares with the accumulating
+    side (set up by the producer) ``lock``, ``ready``, ``buffered``, ``outstanding``,
+    ``delivery`` and the wake-up events."""
+
+    def __init__(self, cfg: dict):
+        self.acks = cfg["acks"]
+        self.request_size = min(int(cfg["request.size"]), MAX_REQUEST)
+        self.max_in_flight = int(cfg["max.in.flight"])
+        self.delivery_timeout = cfg["delivery.timeout.ms"] / 1000
+        self.request_timeout = cfg["request.timeout.ms"] / 1000
+        self.gaps: dict[tuple, int] = {}       # streamlet -> highest sequence given up, not yet reset
+        self.inflight_keys: set = set()
+        self.inflight: dict[str, int] = {}
+        self.retry_at: dict[tuple, float] = {}
+        self.stale: set[str] = set()
+        self.refresh_at = 0.0                  # no metadata refresh before this time
+        self.refresh_backoff = REFRESH_MIN
+        self.acked = 0           # records acknowledged
+        self.failed = 0          # records given up on
+        self.latencies: deque = deque(maxlen=100_000)  # seconds, a chunk's first record -> ack
+
+    def _dispatch(self, now: float) -> float:
+        """Start requests for brokers with ready chunks; returns the next retry time."""
+        next_retry = math.inf
+        plans: dict[str, list] = {}
+        sizes: dict[str, int] = {}
+        with self.lock:
+            for k in list(self.ready):
+                q = self.ready[k]
+                if not q:
+                    del self.ready[k]
+                    continue
+                if k in self.inflight_keys:
+                    continue
+                t = self.retry_at.get(k, 0)
+                if t > now:
+                    next_retry = min(next_retry, t)
+                    continue
+                s = self.by_id.get(k[0])
+                addr = s["addrs"][k[1]] if s is not None else None
+                if addr is None:
+                    if s is not None:
+                        self.stale.add(s["name"])
+                    while q and now - q[0].created > self.delivery_timeout:  # no owner for too long
+                        self._give_up([q.popleft()], TIMEOUT)
+                    self.retry_at[k] = now + 0.05
+                    next_retry = min(next_retry, now + 0.05)
+                    continue
+                if self.inflight.get(addr, 0) >= self.max_in_flight:
+                    continue
+                if sizes.get(addr, 0) >= self.request_size:
+                    continue
+                items = plans.setdefault(addr, [])
+                taken = len(items)
+                gap = self.gaps.get(k)
+                while q and (sizes.get(addr, 0) == 0 or sizes[addr] + q[0].size <= self.request_size):
+                    c = q.popleft()
+                    if now - c.created > self.delivery_timeout:
+                        self._give_up([c], TIMEOUT)
+                        gap = self.gaps[k]
+                        continue
+                    if gap is not None and c.seq > gap:  # the first chunk after a hole: a new base
+                        if c.data is None:
+                            c.flags |= chunkfmt.SEQ_RESET
+                        else:
+                            c.data, c.start = chunkfmt.with_flags(c.chunk(), chunkfmt.SEQ_RESET), 0
+                        del self.gaps[k]
+                        gap = None
+                    items.append(c)
+                    sizes[addr] = sizes.get(addr, 0) + c.size
+                if len(items) > taken:
+                    self.inflight_keys.add(k)
+                if not q:
+                    del self.ready[k]
+                elif len(items) > taken:
+                    # served: to the back, so the streamlets after it go first next time (else,
+                    # with a deep buffer, the first ones in the dict always fill the requests
+                    # and the others' records wait, and age, in the buffer)
+                    self.ready[k] = self.ready.pop(k)
+            for addr, items in plans.items():
+                if items:
+                    self.inflight[addr] = self.inflight.get(addr, 0) + 1
+                    self.nursery.start_soon(self._request, addr, items)
+        if self.delivery.ready:
+            self.delivery.hand()
+        if self.stale:
+            if now >= self.refresh_at:
+                self.refresh_at = math.inf  # one refresh at a time
+                self.nursery.start_soon(self._refresh)
+            else:
+                next_retry = min(next_retry, self.refresh_at)
+        return next_retry
+
+    async def _refresh(self) -> None:
+        """Metadata of streams whose owners moved; backs off while the coordinator is away."""
+        names, self.stale = self.stale, set()
+        try:
+            try:
+                await self._load(names)
+            except UnknownStream as e:  # deleted: its chunks fail with the error, others were loaded
+                self._forget(set(e.missing))
+            self.refresh_backoff = REFRESH_MIN
+            self.refresh_at = 0.0
+        except KeraError as e:
+            if self.refresh_backoff == REFRESH_MIN:
+                log.warning("metadata refresh failed (retrying with backoff): %s", e)
+            self.stale |= names
+            self.refresh_at = time.monotonic() + self.refresh_backoff
+            self.refresh_backoff = min(self.refresh_backoff * 2, REFRESH_MAX)
+        self._wake.set()
+
+    def _forget(self, names: set) -> None:
+        """Streams that no longer exist: their queued chunks fail with UnknownStream."""
+        with self.lock:
+            for k in list(self.ready):
+                s = self.by_id.get(k[0])
+                if s is not None and s["name"] in names and k not in self.inflight_keys:
+                    self._give_up(list(self.ready.pop(k)), UnknownStream.code)
+            for name in names:
+                self.streams.pop(name, None)
+        self.delivery.hand()
+
+    async def _request(self, addr: str, items: list) -> None:
+        meta = {"producer": self.producer_id, "acks": self.acks}
+        if self.delivery.used and any(c.reports is not None for c in items):
+            meta["positions"] = True  # where each chunk was placed, for its delivery reports
+        where = {}
+        try:
+            whole = pack(items, self.producer_id)
+            r, _ = await self.pool.call(addr, "produce", meta,
+                                        parts=[whole] if whole is not None else [c.chunk() for c in items],
+                                        timeout=self.request_timeout)
+            results = [None] * len(items)  # the broker names only the chunks it refused
+            for i, code in r["errors"]:
+                results[i] = code
+            for i, g, seg, off in r.get("placed") or ():
+                where[i] = (g, seg, off)
+        except KeraError as e:
+            log.info("produce to %s failed: %s", addr, e)
+            results = [e.code] * len(items)
+            self.pool.drop(addr)
+            if e.code == "unavailable":
+                self.nursery.start_soon(suspect, self.coordinator, addr)
+        now = time.monotonic()
+        with self.lock:
+            self.inflight[addr] -= 1
+            retry: dict[tuple, list] = {}
+            for i, (c, res) in enumerate(zip(items, results, strict=False)):
+                self.inflight_keys.discard(c.key)
+                if res is None:
+                    self.acked += c.records
+                    self.outstanding -= c.records
+                    self.buffered -= c.charged
+                    self.latencies.append(now - c.created)
+                    if c.reports is not None:
+                        self.delivery.settle(c, self.by_id[c.key[0]]["name"], None, where.get(i))
+                elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
+                    if c.data is not None and len(c.data) != c.size:
+                        c.data, c.start = bytes(c.chunk()), 0   # keep its bytes, not its request's
+                    retry.setdefault(c.key, []).append(c)
+                else:
+                    self._give_up([c], res)
+            for k, cs in retry.items():
+                q = self.ready.setdefault(k, deque())
+                q.extendleft(reversed(cs))
+                self.retry_at[k] = now + 0.1
+                s = self.by_id.get(k[0])
+                if s is not None:
+                    self.stale.add(s["name"])
+            self.space.notify_all()
+        self.delivery.hand()
+        self._progress.set()
+        self._progress = trio.Event()
+        self._wake.set()
+
+    def _give_up(self, cs, why: str) -> None:
+        """Count chunks as failed; the next chunk sent after them on their streamlet gets
+        SEQ_RESET (the broker would otherwise wait for the missing sequences forever)."""
+        gaps = self.gaps
+        for c in cs:
+            self.failed += c.records
+            self.outstanding -= c.records
+            self.buffered -= c.charged
+            if c.seq > gaps.get(c.key, -1):
+                gaps[c.key] = c.seq
+            if c.reports is not None:
+                self.delivery.settle(c, self.by_id[c.key[0]]["name"], why)
+            else:
+                self.delivery.failed_silently(c, why)
+        self.space.notify_all()
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        r, _ = await self.coordinator.call("producer_id", {}, timeout=self.request_timeout)
+        self.producer_id = r["id"]
+        task_status.started()
+        while True:
+            self._woken = False
+            now = time.monotonic()
+            with self.lock:
+                self._seal_expired(now)
+            next_retry = self._dispatch(now)
+            deadline = min(next_retry, self.linger_q[0].deadline if self.linger_q else math.inf)
+            with trio.move_on_after(max(0.0, deadline - time.monotonic())):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+    def kick(self) -> None:
+        """Seal every open chunk and wake the sender (what ``flush`` starts with)."""
+        self.seal_all()
+        self._wake.set()
+
+    def check(self) -> None:
+        """Raise ProduceError if records failed that no delivery report told of."""
+        d = self.delivery
+        if d.silent:
+            raise ProduceError(f"{d.silent} records failed: {'; '.join(d.silent_why[:3])}")
+
+    async def flush(self) -> None:
+        """Wait until every record sent so far is acknowledged (or failed); raises ProduceError
+        for failed records sent without a delivery callback."""
+        self.kick()
+        while self.outstanding > 0:
+            await self._progress.wait()
+        self.delivery.hand()
+        self.check()
+
