@@ -3,8 +3,9 @@
 Run by ``kera.recovery`` (on by default; coordinator ``--no-repoint-evicted``
 turns it off) after the backups' listings, before any replay step. For each
 vlog's settled prefix (``RecoveryPlan.settled``) one whole copy per vseg
-lists its chunks without bodies (backup ``index``; the index chunks of the
-dead broker's own adoptions come whole); ``kera.repoint_plan`` picks the
+lists its chunks without bodies (backup ``index``, asked for many vsegs at
+once: a few requests per backup, not one per vseg of the history; the index
+chunks of the dead broker's own adoptions come whole); ``kera.repoint_plan`` picks the
 re-pointed segments; each new owner gets one index chunk per segment
 (``adopt``, ``kera.index_chunk``) and builds it evicted, naming the copies;
 the plan is told which settled vsegs need no replay at all, and the backups
@@ -12,9 +13,9 @@ skip the re-pointed segments' chunks in the vsegs that are replayed.
 
 What keeps the adopted chunks readable: the copies named are closed and
 whole; the dead incarnation writes and trims no more (fenced); the new owner
-claims the files on their backups before it answers ``adopt``, so the end of
-the recovery's ``drop`` leaves them until the owner releases them
-(``kera.backup.claims``).
+claims the files on their backups before it answers ``adopt``, so the
+backups' letting go of the dead incarnation (``kera.recovered``) leaves them
+until the owner releases them (``kera.backup.claims``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .repoint_plan import (
 log = logging.getLogger("kera.recovery")
 
 INDEX_TIMEOUT = 30.0
-INDEX_PARALLEL = 8
+INDEX_BATCH = 64     # vsegs asked of a backup in one index call
 ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
 ANSWER = COLUMNS - VOFF  # u64s per chunk in an index answer: the row's columns from VOFF on
 
@@ -62,39 +63,74 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     answers: list[np.ndarray] = []   # per vseg indexed: its rows
     indexes: dict[tuple[int, int, int], bytes] = {}  # (vlog, vseg, offset) -> index chunk
     cut: dict[int, int] = {}   # vlog -> first settled vseg no copy could index
-    limit = trio.CapacityLimiter(INDEX_PARALLEL)
+    # each vseg asked of one of its copies' backups (spread over them), in batches; one that
+    # fails there is asked of its next copy, in the next round
+    todo: dict[int, list] = {}
+    for vlog, vsegs in settled.items():
+        for vseg, backups in vsegs:
+            k = vseg % len(backups)
+            todo.setdefault(backups[k], []).append((vlog, vseg, backups[k + 1:] + backups[:k]))
 
-    async def index(vlog: int, vseg: int, backups: list[int]) -> None:
-        async with limit:
-            k = vseg % len(backups)  # spread the vsegs over their copies' backups
-            for b in backups[k:] + backups[:k]:
+    def take(vlog: int, vseg: int, data: memoryview, rows: int) -> None:
+        """One vseg's answer: its rows, then its index chunks (verified)."""
+        if not isinstance(rows, int) or not 0 <= rows <= len(data) or rows % (8 * ANSWER):
+            raise TypeError(f"rows {rows!r} is not a whole number of rows in the answer")
+        found = chunk.scan(data[rows:])
+        a = np.frombuffer(data[:rows], "<u8").reshape(-1, ANSWER)
+        marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
+        if len(marks) != len(found):
+            raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
+        for voff, (h, off) in zip(a[marks, 0].tolist(), found, strict=True):
+            indexes[(vlog, vseg, voff)] = bytes(data[rows + off:rows + off + h.size])
+        out = np.empty((len(a), COLUMNS), np.uint64)
+        out[:, VLOG], out[:, VSEG], out[:, VOFF:] = vlog, vseg, a
+        answers.append(out)
+
+    async def ask(b: int, items: list, failed: list) -> None:
+        while items:
+            batch, items = items[:INDEX_BATCH], items[INDEX_BATCH:]
+            try:
+                meta, payload = await pool.call(addrs[b], "index", {
+                    "broker": rec.broker, "vsegs": [[v, s] for v, s, _ in batch]}, timeout=INDEX_TIMEOUT)
+                data = memoryview(b"".join(payload) if isinstance(payload, list) else bytes(payload))
+                entries = meta["answers"]
+                if not isinstance(entries, list) or len(entries) != len(batch):
+                    raise TypeError("one answer per vseg asked")
+            except (KeraError, KeyError, TypeError) as e:
+                log.warning("index of %d vsegs on backup %d: %s", len(batch), b, e)
+                failed += batch
+                continue
+            at = 0
+            for item, e in zip(batch, entries, strict=True):
+                vlog, vseg, _ = item
                 try:
-                    meta, payload = await pool.call(addrs[b], "index", {
-                        "broker": rec.broker, "vlog": vlog, "vseg": vseg}, timeout=INDEX_TIMEOUT)
-                    data = b"".join(payload) if isinstance(payload, list) else bytes(payload)
-                    cut_at = meta["rows"]
-                    if not isinstance(cut_at, int) or not 0 <= cut_at <= len(data) or cut_at % (8 * ANSWER):
-                        raise TypeError(f"rows {cut_at!r} is not a whole number of rows")
-                    found = chunk.scan(memoryview(data)[cut_at:])  # index chunks, verified
-                    a = np.frombuffer(data, "<u8", cut_at // 8).reshape(-1, ANSWER)
-                    marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
-                    if len(marks) != len(found):
-                        raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
-                except (KeraError, KeyError, TypeError) as e:
-                    log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, e)
-                    continue
-                for voff, (h, off) in zip(a[marks, 0].tolist(), found, strict=True):
-                    indexes[(vlog, vseg, voff)] = data[cut_at + off:cut_at + off + h.size]
-                out = np.empty((len(a), COLUMNS), np.uint64)
-                out[:, VLOG], out[:, VSEG], out[:, VOFF:] = vlog, vseg, a
-                answers.append(out)
-                return
-        cut[vlog] = min(cut.get(vlog, vseg), vseg)
+                    if e.get("later"):
+                        items.append(item)
+                        continue
+                    if "error" in e:
+                        raise KeraError(f"{e['error']}: {e.get('message')}")
+                    n = e["bytes"]
+                    if not isinstance(n, int) or not 0 <= n <= len(data) - at:
+                        raise TypeError(f"bytes {n!r} past the payload")
+                    take(vlog, vseg, data[at:at + n], e["rows"])
+                    at += n
+                except (KeraError, KeyError, TypeError, AttributeError) as err:
+                    log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, err)
+                    failed.append(item)
 
-    async with trio.open_nursery() as n:
-        for vlog, vsegs in settled.items():
-            for vseg, backups in vsegs:
-                n.start_soon(index, vlog, vseg, backups)
+    while todo:
+        failed: dict[int, list] = {}
+        async with trio.open_nursery() as n:
+            for b, items in todo.items():
+                failed[b] = []
+                n.start_soon(ask, b, items, failed[b])
+        todo = {}
+        for items in failed.values():
+            for vlog, vseg, rest in items:
+                if rest:
+                    todo.setdefault(rest[0], []).append((vlog, vseg, rest[1:]))
+                else:
+                    cut[vlog] = min(cut.get(vlog, vseg), vseg)
     # the settled prefix ends where a vseg could not be indexed: later ones are replayed
     whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
     rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64), owners, cut)

@@ -707,7 +707,8 @@ async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owne
 async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_one(backups):
     """``index``: one row per chunk from its header (placement included), an index chunk
     following whole; the same from memory and from the file; a header rotted on disk is a
-    ``ChecksumError`` naming it, nothing stored changes and other replicas are still served."""
+    ``checksum`` error naming it, for that vseg only (the others of the request are answered),
+    nothing stored changes; a malformed request is refused."""
     ix = index_chunk.SegmentIndex(3, 1, 2, 4, 1, 0, np.array([[100, 0, 0, 11, 0]], "<u8"), {0: [5]})
     a = [bytearray(c) for c in chunks_for(5)]
     for i, c in enumerate(a):
@@ -720,16 +721,19 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
             for vseg in (0, 1):
                 la = await send_all(pool, bk.addr, vseg, a)
                 await replicate(pool, bk.addr, vseg, la, close=True)
-            key = {"broker": 1, "vlog": 0, "vseg": 0}
 
-            async def index():
-                meta, parts = await pool.call(bk.addr, "index", key)
+            async def index(vseg=0):
+                meta, parts = await pool.call(bk.addr, "index", {"broker": 1, "vsegs": [[0, vseg]]})
                 data = b"".join(parts) if isinstance(parts, list) else bytes(parts)
-                return meta, np.frombuffer(data[:meta["rows"]], "<u8").reshape(-1, 10), data[meta["rows"]:]
+                (e,) = meta["answers"]
+                if "error" in e:
+                    return e
+                assert e["bytes"] == len(data)
+                return e, np.frombuffer(data[:e["rows"]], "<u8").reshape(-1, 10), data[e["rows"]:]
 
-            meta, rows, tail = await index()
+            _, rows, tail = await index()
             heads = [chunk.parse_header(c) for c in a]
-            assert meta["chunks"] == len(a) and rows.tolist() == [
+            assert rows.tolist() == [
                 [s, len(c), h.stream_id, h.streamlet, h.group, h.segment, h.offset, h.producer_id, h.sequence,
                  h.flags] for s, c, h in zip(starts, a, heads, strict=True)]
             assert tail == a[3] and rows[3, 9] == chunk.INDEX | chunk.CLOSE
@@ -739,8 +743,16 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
             before = open(bk.seg(1, 0, 0), "rb").read()
             flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + 30, 1 << 2)
             rotted = open(bk.seg(1, 0, 0), "rb").read()
-            with pytest.raises(ChecksumError, match=f"header at {starts[4]}: chunk header checksum"):
-                await index()
+            e = await index()
+            assert e["error"] == "checksum" and f"header at {starts[4]}: chunk header checksum" in e["message"]
             assert open(bk.seg(1, 0, 0), "rb").read() == rotted != before
-            key["vseg"] = 1
-            assert ((await index())[1] == rows).all()
+            assert ((await index(1))[1] == rows).all()
+            # many vsegs in one request: each answered on its own, in order
+            meta, parts = await pool.call(bk.addr, "index", {"broker": 1, "vsegs": [[0, 0], [0, 1], [0, 9]]})
+            got = meta["answers"]
+            assert [sorted(e) for e in got] == [["error", "message"], ["bytes", "rows"], ["error", "message"]]
+            assert got[1]["bytes"] == sum(map(len, parts if isinstance(parts, list) else [parts]))
+            for bad in ({"broker": 1, "vsegs": []}, {"broker": 1, "vsegs": [[0]]}, {"broker": 1, "vlog": 0, "vseg": 1},
+                        {"vsegs": [[0, 1]]}, {"broker": 1, "vsegs": [[0, -1]]}):
+                with pytest.raises(InvalidArgument):
+                    await pool.call(bk.addr, "index", bad)

@@ -48,9 +48,9 @@ async def _index_rows(c, addr: str, stream: int) -> np.ndarray:
             if not closed or not copies:
                 continue
             meta, payload = await pool.call(backups[copies[0]], "index",
-                                            {"broker": broker, "vlog": vlog, "vseg": vseg})
+                                            {"broker": broker, "vsegs": [[vlog, vseg]]})
             data = b"".join(payload) if isinstance(payload, list) else bytes(payload)
-            a = np.frombuffer(data[:meta["rows"]], "<u8").reshape(-1, COLUMNS)
+            a = np.frombuffer(data[:meta["answers"][0]["rows"]], "<u8").reshape(-1, COLUMNS)
             out.append(np.hstack([np.full((len(a), 2), (vlog, vseg), "<u8"), a]))
     rows = np.vstack(out)
     return rows[rows[:, 4] == stream]

@@ -54,6 +54,7 @@ log = logging.getLogger("kera.backup")
 
 SEGMENTS_DIR = "segments"
 FLOORS_FILE = "floors.meta"    # (broker, vlog) -> vsegs below were released by their broker
+INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
 CLAIMS_FILE = "claims.meta"    # dead incarnations' vseg files that live owners read (claims)
 MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
@@ -415,15 +416,45 @@ class BackupService(Service):
         return {"chunks": len(parts)}, parts
 
     async def rpc_index(self, meta: dict, payload):
-        """A closed, intact replica's chunks without their bodies (a recovery re-pointing
-        evicted history): per chunk, 10 little-endian u64s in the payload (vseg offset, size,
-        stream, streamlet, group, segment, segment offset, producer, sequence, flags), from
-        each header (its checksum verified; it covers the placement). Index chunks (an
-        adoption, ``kera.index_chunk``) follow whole and verified, after ``rows`` bytes.
+        """Closed, intact replicas' chunks without their bodies (a recovery re-pointing evicted
+        history), for ``vsegs`` ([[vlog, vseg], ...] of ``broker``): one request per backup
+        and batch, however long the history. Per vseg, in order, an ``answers`` entry and its
+        bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, 10 little-endian
+        u64s per chunk: vseg offset, size, stream, streamlet, group, segment, segment offset,
+        producer, sequence, flags, from each verified header; then its index chunks
+        (``kera.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
+        (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` past
+        ``INDEX_ANSWER`` bytes (asked again)."""
+        broker = _uint(meta, "broker")
+        vsegs = meta.get("vsegs")
+        if not isinstance(vsegs, list) or not vsegs or not all(
+                isinstance(v, list) and len(v) == 2 and all(type(x) is int and 0 <= x < _U63 for x in v)
+                for v in vsegs):
+            raise InvalidArgument("index needs vsegs: [[vlog, vseg], ...], at least one")
+        answers, parts, size = [], [], 0
+        for vlog, vseg in vsegs:
+            if size >= INDEX_ANSWER:
+                answers.append({"later": True})
+                continue
+            try:
+                mine = await self._index(self.store.get((broker, vlog, vseg)))
+            except KeraError as e:
+                answers.append({"error": e.code, "message": str(e)})
+                continue
+            n = sum(len(p) for p in mine)
+            if size + n > limits.MAX_PAYLOAD:
+                answers.append({"later": True} if size else
+                               {"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
+                continue
+            answers.append({"rows": len(mine[0]), "bytes": n})
+            parts += mine
+            size += n
+            self.counters["indexes"] = self.counters.get("indexes", 0) + 1
+        return {"answers": answers}, parts
 
-        The headers are gathered with one fancy index (from the mapped file, then from
-        memory) and checked as arrays: no per-chunk Python."""
-        rep = self.store.get(_key(meta))
+    async def _index(self, rep: Replica) -> list:
+        """One replica's index: its rows, then its index chunks. The headers are gathered with
+        one fancy index (from the mapped file, then from memory) and checked as arrays."""
         if not rep.closed or rep.corrupt or rep.damaged:
             raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
         starts = np.frombuffer(rep.starts, np.uint64).astype(np.int64)
@@ -453,15 +484,14 @@ class BackupService(Service):
         parts = [rows.astype("<u8").tobytes()]
         for s, e in zip(starts[marks].tolist(), ends[marks].tolist(), strict=True):  # one per adopted segment
             if s >= rep.mem_base:
-                parts += rep.memory_parts(s, e)
+                parts.append(b"".join(rep.memory_parts(s, e)))
                 continue
             data, bad = await self._read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
             if bad is not None:
                 off, _, reason = self._corrupt(rep, bad)
                 raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
             parts.append(data)
-        self.counters["indexes"] = self.counters.get("indexes", 0) + 1
-        return {"chunks": len(starts), "length": rep.length, "rows": len(parts[0])}, parts
+        return parts
 
     def rpc_read(self, meta: dict, payload):
         key = _key(meta)
