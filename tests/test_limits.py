@@ -23,18 +23,18 @@ from kera.rpc import open_pool
 
 
 def test_every_user_takes_its_limits_from_the_one_module():
-    from kera.backup import replay
+    from kera.backup import readback, replay
     from kera.backup import service as backup
-    from kera.broker import service as broker
+    from kera.broker import pull
 
     assert limits.MAX_CHUNK <= limits.MAX_REPLICATE_PAYLOAD <= limits.MAX_PAYLOAD
     assert frame.MAX_META == limits.MAX_META and frame.PREFIX_SIZE == limits.FRAME_PREFIX
     assert frame.FrameDecoder().max_frame == limits.MAX_FRAME
     assert chunk.MAX_RECORDS == limits.MAX_RECORDS and chunk.MAX_CHUNK == limits.MAX_CHUNK
     assert backup.MAX_REPLICATE_BYTES == limits.MAX_REPLICATE_PAYLOAD
-    assert backup.MAX_READ_BYTES == limits.MAX_READ
+    assert readback.MAX_READ_BYTES == limits.MAX_READ
     assert backup.MAX_SEGMENT_BYTES == limits.MAX_REPLICA_BYTES
-    assert broker.MAX_PULL_BYTES == limits.MAX_PULL
+    assert pull.MAX_PULL_BYTES == limits.MAX_PULL
     assert replay.REPLAY_READ == limits.REPLAY_READ
     assert not hasattr(frame, "DEFAULT_MAX_FRAME")
 

@@ -17,7 +17,9 @@ is checked before data is accepted, so a full disk refuses data up front.
 
 What is accepted, written, read or dropped is decided by ``store.BackupStore``
 (sans-IO, tested alone); this module runs the file work it asks for in
-threads (``disk``), the flusher, the durability waits and the RPCs.
+threads (``disk``), the flusher, the durability waits and the replicate RPCs.
+Reading replicas back is joined in from ``readback``, deleting released ones
+(trims, claims, let-go) from ``release``.
 
 Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 ``kera backup ...`` calls ``main(argv)``). When listening it prints one line
@@ -27,51 +29,31 @@ Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import os
 import signal
 import sys
 
-import numpy as np
 import trio
 
-from .. import chunk as chunkfmt
-from .. import limits, metafile
+from .. import metafile
 from ..coordinator_link import CoordinatorLink
-from ..errors import BackupError, ChecksumError, Fenced, InvalidArgument, KeraError, ProtocolError
+from ..errors import BackupError, KeraError
 from ..rpc import Service, open_pool
 from . import disk, segment_file
 from .claims import Claims
+from .fields import uint, vseg_key
 from .membership import load_id, run_membership
-from .replay import parse_replay_from, parse_routes, replay
+from .readback import ReadBack
+from .release import CLAIMS_FILE, FLOORS_FILE, Release
 from .replica import Replica
-from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob, Key
+from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
 from .store import MAX_SEGMENT_BYTES as MAX_SEGMENT_BYTES
 
 log = logging.getLogger("kera.backup")
 
 SEGMENTS_DIR = "segments"
-FLOORS_FILE = "floors.meta"    # (broker, vlog) -> vsegs below were released by their broker
-INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
-CLAIMS_FILE = "claims.meta"    # dead incarnations' vseg files that live owners read (claims)
-MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
-DEFAULT_READ_BYTES = 1 << 20
-_U63 = 1 << 63
-
-
-def _uint(meta: dict, name: str, default: int | None = None) -> int:
-    v = meta.get(name, default)
-    if type(v) is not int or not 0 <= v < _U63:
-        raise InvalidArgument(f"{name!r} must be an integer in [0, 2^63), not {v!r}")
-    return v
-
-
-def _key(meta: dict) -> Key:
-    return (_uint(meta, "broker"), _uint(meta, "vlog"), _uint(meta, "vseg"))
-
-
 def _stable(payload) -> memoryview:
     """The payload as a byte view that nobody can change (no copy if it is one)."""
     mv = memoryview(payload)
@@ -80,7 +62,7 @@ def _stable(payload) -> memoryview:
     return memoryview(bytes(mv))
 
 
-class BackupService(Service):
+class BackupService(ReadBack, Release, Service):
     def __init__(self, directory: str, *, fsync: str = "periodic", flush_interval: float = 0.05,
                  fsync_interval: float = 1.0, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
                  coordinator: str | None = None, node: str | None = None):
@@ -172,54 +154,6 @@ class BackupService(Service):
         await self._release_below_floor(self.store.below_floor())  # released before a crash
         await self._delete_unclaimed()  # dropped, last claim released before a crash
 
-    async def _save_claims(self) -> None:
-        """Persist the claims as they are now; concurrent changes share one write."""
-        self._claims_changed += 1
-        mine = self._claims_changed
-        async with self._floors_lock:
-            if self._claims_saved >= mine:
-                return  # a write that began after our change covered it
-            now, body = self._claims_changed, self.claims.dump()
-            await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, CLAIMS_FILE), body)
-            self._claims_saved = now
-
-    async def _release_below_floor(self, reps) -> int:
-        """Delete the files of vsegs below their vlog's floor, except those an owner claimed
-        (read by adopted segments): those are only marked dropped, deleted with the last claim."""
-        freed, marked = 0, False
-        for rep in reps:
-            if self.claims.drop(rep.key):
-                marked = True
-            else:
-                freed += await self._release(rep)
-        if marked:
-            await self._save_claims()
-        return freed
-
-    async def _delete_unclaimed(self) -> int:
-        """Delete the dropped files no claim holds any more; the bytes they took."""
-        freed = 0
-        due = self.claims.due()
-        for key in due:
-            if self.claims.claimed(key):   # claimed again while an earlier file was deleted
-                continue
-            rep = self.store.replicas.get(key)
-            if rep is not None:
-                freed += await self._release(rep)
-            self.claims.deleted(key)
-        if due:
-            await self._save_claims()
-        return freed
-
-    async def _release(self, rep: Replica) -> int:
-        """Delete the file of a released vseg; the bytes it took."""
-        size = rep.budget
-        if self.store.drop(rep.key) is None:
-            return 0
-        await self._unlink([rep])
-        self.store.reclaimed += size
-        return size
-
     def holds(self) -> list[list]:
         return self.store.holds()
 
@@ -236,8 +170,8 @@ class BackupService(Service):
     def _replicate(self, meta: dict, payload):
         if self.stopping:
             raise BackupError("backup shutting down")
-        key = _key(meta)
-        epoch, offset = _uint(meta, "epoch", 0), _uint(meta, "offset")
+        key = vseg_key(meta)
+        epoch, offset = uint(meta, "epoch", 0), uint(meta, "offset")
         close = meta.get("close", False) is True
         d = self.store.replicate(key, epoch, offset, _stable(payload), close)
         if d.kind == EMPTY:
@@ -368,253 +302,11 @@ class BackupService(Service):
                 store.disk_error = None
         store.relieve_memory()
 
-    # -- list / read / drop / stats ------------------------------------------
+    # -- list ------------------------------------------------------------------
 
     def rpc_list(self, meta: dict, payload):
         b = meta.get("broker")
         return {"backup": self.id, "segments": self.store.listing(b), "floors": self.store.floor_list(b)}
-
-    async def rpc_trim(self, meta: dict, payload):
-        """The broker released the vsegs of a vlog below ``floor`` (nothing live in them):
-        the floor is recorded first (a recovery then knows they are not lost), then their
-        files are deleted."""
-        b, v, floor = _uint(meta, "broker"), _uint(meta, "vlog"), _uint(meta, "floor")
-        self.counters["trims"] += 1
-        if self.store.raise_floor(b, v, floor):
-            body = self.store.floor_list()
-            async with self._floors_lock:
-                await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, FLOORS_FILE), body)
-        return {"bytes": await self._release_below_floor(self.store.below_floor(b, v))}
-
-    def rpc_read_chunks(self, meta: dict, payload):
-        """Chunks of one replica by [offset, size] (a broker reading back an evicted segment):
-        each verified again when it comes from the file; a corrupt one is never served."""
-        rep = self.store.get(_key(meta))
-        ranges = self.store.chunk_ranges(rep, meta.get("ranges"))
-        self.counters["tiered_reads"] += 1
-        if all(off >= rep.mem_base for off, _ in ranges):
-            parts = [p for off, size in ranges for p in rep.memory_parts(off, off + size)]
-            self.counters["tiered_bytes"] += sum(size for _, size in ranges)
-            return {"chunks": len(ranges)}, parts
-        return self._read_chunks_file(rep, ranges)
-
-    async def _read_chunks_file(self, rep: Replica, ranges):
-        def work():
-            out = []
-            for off, size in ranges:
-                data, bad = disk.read_verified(rep.path, off, off + size, [off], [off + size])
-                if bad is not None:
-                    return out, bad
-                out.append(data)
-            return out, None
-
-        parts, bad = await self._read_replica(rep, work)
-        if bad is not None:
-            off, size, reason = self._corrupt(rep, bad)
-            raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
-        self.counters["tiered_bytes"] += sum(len(p) for p in parts)
-        return {"chunks": len(parts)}, parts
-
-    async def rpc_index(self, meta: dict, payload):
-        """Closed, intact replicas' chunks without their bodies (a recovery re-pointing evicted
-        history), for ``vsegs`` ([[vlog, vseg], ...] of ``broker``): one request per backup
-        and batch, however long the history. Per vseg, in order, an ``answers`` entry and its
-        bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, 10 little-endian
-        u64s per chunk: vseg offset, size, stream, streamlet, group, segment, segment offset,
-        producer, sequence, flags, from each verified header; then its index chunks
-        (``kera.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
-        (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` past
-        ``INDEX_ANSWER`` bytes (asked again)."""
-        broker = _uint(meta, "broker")
-        vsegs = meta.get("vsegs")
-        if not isinstance(vsegs, list) or not vsegs or not all(
-                isinstance(v, list) and len(v) == 2 and all(type(x) is int and 0 <= x < _U63 for x in v)
-                for v in vsegs):
-            raise InvalidArgument("index needs vsegs: [[vlog, vseg], ...], at least one")
-        answers, parts, size = [], [], 0
-        for vlog, vseg in vsegs:
-            if size >= INDEX_ANSWER:
-                answers.append({"later": True})
-                continue
-            try:
-                mine = await self._index(self.store.get((broker, vlog, vseg)))
-            except KeraError as e:
-                answers.append({"error": e.code, "message": str(e)})
-                continue
-            n = sum(len(p) for p in mine)
-            if size + n > limits.MAX_PAYLOAD:
-                answers.append({"later": True} if size else
-                               {"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
-                continue
-            answers.append({"rows": len(mine[0]), "bytes": n})
-            parts += mine
-            size += n
-            self.counters["indexes"] = self.counters.get("indexes", 0) + 1
-        return {"answers": answers}, parts
-
-    async def _index(self, rep: Replica) -> list:
-        """One replica's index: its rows, then its index chunks. The headers are gathered with
-        one fancy index (from the mapped file, then from memory) and checked as arrays."""
-        if not rep.closed or rep.corrupt or rep.damaged:
-            raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
-        starts = np.frombuffer(rep.starts, np.uint64).astype(np.int64)
-        ends = np.frombuffer(rep.ends, np.uint64).astype(np.int64)
-        cut = int(np.searchsorted(starts, rep.mem_base))  # chunks before it are read from the file
-        packed = b""
-        if cut:
-            packed = await self._read_replica(rep, disk.read_headers, rep.path, starts[:cut])
-        if cut < len(starts):
-            memory = b"".join(rep.memory_parts(rep.mem_base, rep.length))
-            packed += disk.gather_headers(memory, starts[cut:] - rep.mem_base)
-        h = np.frombuffer(packed, chunkfmt.HEADER_DTYPE)
-        ok = chunkfmt.headers_ok(h, packed) \
-            & (h["body_len"].astype(np.int64) + chunkfmt.HEADER_SIZE == ends - starts)
-        if not ok.all():
-            i = int(np.argmin(ok))
-            s = int(starts[i])
-            try:
-                chunkfmt.parse_header(packed, i * chunkfmt.HEADER_SIZE)
-                err = "its size disagrees with the replica's"
-            except (ChecksumError, ProtocolError) as e:
-                err = e
-            raise ChecksumError(f"replica {rep.key}: header at {s}: {err}")
-        rows = np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
-                                h["segment"], h["offset"], h["producer_id"], h["sequence"], h["flags"]))
-        marks = np.flatnonzero(h["flags"] & chunkfmt.INDEX)
-        parts = [rows.astype("<u8").tobytes()]
-        for s, e in zip(starts[marks].tolist(), ends[marks].tolist(), strict=True):  # one per adopted segment
-            if s >= rep.mem_base:
-                parts.append(b"".join(rep.memory_parts(s, e)))
-                continue
-            data, bad = await self._read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
-            if bad is not None:
-                off, _, reason = self._corrupt(rep, bad)
-                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
-            parts.append(data)
-        return parts
-
-    def rpc_read(self, meta: dict, payload):
-        key = _key(meta)
-        offset = _uint(meta, "offset", 0)
-        max_bytes = min(max(_uint(meta, "max_bytes", DEFAULT_READ_BYTES), 1), MAX_READ_BYTES)
-        rep, start, stop, corrupt_at, nxt, in_memory = self.store.plan_read(key, offset, max_bytes)
-        self.counters["reads"] += 1
-        if in_memory:
-            parts = rep.memory_parts(start, stop) if stop > start else []
-            self.counters["bytes_read"] += stop - start
-            return BackupStore.read_meta(rep, nxt, corrupt_at), parts
-        return self._read_file(rep, start, stop, corrupt_at, nxt)
-
-    async def _read_replica(self, rep: Replica, fn, *args):
-        """``fn(*args)`` in a worker thread, reading ``rep``'s file under the I/O lock: a
-        replica dropped meanwhile, or an I/O error, is a ``BackupError``."""
-        async with self._io:
-            if rep.dropped:
-                raise BackupError(f"replica {rep.key} was dropped")
-            try:
-                return await trio.to_thread.run_sync(fn, *args)
-            except OSError as e:
-                raise BackupError(f"reading replica {rep.key}: {e}") from None
-
-    @staticmethod
-    def _corrupt(rep: Replica, bad: tuple) -> tuple:
-        """A chunk that failed verification on read: logged, marked, never served."""
-        off, size, reason = bad
-        log.error("replica %s: chunk at %d failed verification: %s; never served", rep.key, off, reason)
-        rep.mark_corrupt(off, size, reason)
-        return bad
-
-    async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):
-        starts, ends = BackupStore.chunk_bounds(rep, start, stop)
-        data, bad = await self._read_replica(rep, disk.read_verified, rep.path, start, stop, starts, ends)
-        if bad is not None:
-            off, size, _ = self._corrupt(rep, bad)
-            corrupt_at, nxt = off, off + size
-        self.counters["bytes_read"] += len(data)
-        return BackupStore.read_meta(rep, nxt, corrupt_at), data
-
-    async def rpc_claim(self, meta: dict, payload):
-        """``owner`` (broker, ``epoch``) reads the listed vseg files of dead incarnations
-        (``claims``: [[broker, vlog, vseg], ...]): they outlive their recovery's drop until
-        released. Recorded before the answer; ``held``: per file, whether it is here."""
-        owner = (_uint(meta, "owner"), _uint(meta, "epoch"))
-        keys = self._claim_keys(meta)
-        if owner[1] < self.store.broker_epochs.get(owner[0], 0):
-            raise Fenced(f"broker {owner[0]} epoch {owner[1]} is fenced; it claims nothing")
-        held, changed = self.claims.claim(owner, keys, self._whole)
-        self.counters["claims"] += 1
-        if changed:
-            await self._save_claims()
-        return {"held": held}
-
-    def _whole(self, key) -> bool:
-        """A file an adopted segment can read from: here, closed, nothing corrupt in it."""
-        rep = self.store.replicas.get(key)
-        return rep is not None and rep.closed and not rep.corrupt and not rep.damaged
-
-    async def rpc_release(self, meta: dict, payload):
-        """``owner`` no longer reads ``claims`` (all its claims if absent): a dropped file no
-        claim holds any more is deleted."""
-        owner = (_uint(meta, "owner"), _uint(meta, "epoch"))
-        keys = self._claim_keys(meta) if meta.get("claims") is not None else None
-        _, changed = self.claims.release(owner, keys)
-        self.counters["releases"] += 1
-        if changed:
-            await self._save_claims()
-        return {"bytes": await self._delete_unclaimed()}
-
-    @staticmethod
-    def _claim_keys(meta: dict) -> list[Key]:
-        keys = meta.get("claims")
-        if not isinstance(keys, list) or not all(
-                isinstance(k, list) and len(k) == 3 and all(type(x) is int and 0 <= x < _U63 for x in k)
-                for k in keys):
-            raise InvalidArgument("claims must be [[broker, vlog, vseg], ...]")
-        return [tuple(k) for k in keys]
-
-    async def let_go(self, incarnations) -> dict:
-        """The coordinator recovered these dead incarnations ([[broker, epoch], ...]) with
-        nothing lost (``kera.recovered``): every file of theirs here is deleted, or only marked
-        dropped while an owner claims it, and every claim they made is released. Idempotent."""
-        if not isinstance(incarnations, list) or not all(
-                isinstance(i, list) and len(i) == 2 and all(type(x) is int and 0 <= x < _U63 for x in i)
-                for i in incarnations):
-            raise InvalidArgument("recovered incarnations must be [[broker, epoch], ...]")
-        dead = {(b, e) for b, e in incarnations}
-        if not dead:
-            return {"dropped": 0, "claimed": 0, "bytes": 0}
-        keys = [k for k in self.store.replicas if (k[0], k[1] >> 32) in dead]  # vlog ids carry the epoch
-        # all decided before any await: a claim arriving meanwhile finds the file gone
-        claimed = {k for k in keys if self.claims.drop(k)}
-        reps = [self.store.drop(k) for k in keys if k not in claimed]
-        released = self.claims.release_owners(dead)
-        if claimed or released:
-            await self._save_claims()
-        if reps:
-            if self._kick is not None:
-                self._kick.set()  # wake durability waiters so they see it
-            self.counters["drops"] += len(reps)
-            await self._unlink(reps)
-        freed = await self._delete_unclaimed()
-        if reps or freed:
-            log.info("let go of recovered incarnations %s: %d files deleted, %d kept for their claims, "
-                     "%d bytes of files they claimed freed", sorted(dead), len(reps), len(claimed), freed)
-        return {"dropped": len(reps), "claimed": len(claimed), "bytes": freed}
-
-    async def _unlink(self, reps: list[Replica]) -> None:
-        """Delete the files of replicas already dropped from the store, in one thread hop."""
-        def work():
-            for rep in reps:
-                disk.unlink_quiet(rep.path)
-        try:
-            with trio.CancelScope(shield=True):
-                async with self._io:
-                    await trio.to_thread.run_sync(work)
-        except OSError as e:
-            raise BackupError(f"dropping replicas {[r.key for r in reps]}: {e}") from None
-        finally:
-            for rep in reps:
-                self.store.dropped(rep)
 
     # -- fencing and recovery ------------------------------------------------
 
@@ -622,31 +314,8 @@ class BackupService(Service):
         self.store.apply_fences(fences)
 
     def rpc_fence(self, meta: dict, payload):
-        self.store.apply_fences({_uint(meta, "broker"): _uint(meta, "epoch")})
+        self.store.apply_fences({uint(meta, "broker"): uint(meta, "epoch")})
         return {}
-
-    async def rpc_replay(self, meta: dict, payload):
-        """Push one replica's chunks, from ``offset``, to the brokers recovering their streamlets.
-
-        Stops at the copy's end or at its first corrupt chunk and says where
-        (``next``, ``stopped``), so that another copy takes over from there.
-        """
-        key = _key(meta)
-        rep = self.store.get(key)
-        routes = parse_routes(meta.get("routes"))
-        offset = _uint(meta, "offset", 0)
-        if offset > rep.length:
-            raise InvalidArgument(f"offset {offset} beyond replica {key} of length {rep.length}")
-
-        async def read(offset, max_bytes):
-            res = self.rpc_read({"broker": key[0], "vlog": key[1], "vseg": key[2], "offset": offset,
-                                 "max_bytes": max_bytes}, b"")
-            return await res if inspect.iscoroutine(res) else res
-
-        out = await replay(read, self.pool, routes, offset, rep.length,
-                           parse_replay_from(meta.get("replay_from")))
-        log.info("replayed replica %s from %d: %s", key, offset, out)
-        return out
 
     def rpc_stats(self, meta: dict, payload):
         s = self.store

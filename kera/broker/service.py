@@ -3,13 +3,13 @@
 Producer requests carry chunks for many streamlets; each chunk is verified,
 appended with one copy into its streamlet's active group, stamped with its
 placement, and referenced in its virtual log. The request then waits (for
-``acks=all``) until every vlog it touched is durable past its chunks. Pulls
-return durable chunks of many streamlets as slices of the segments, or, for
-segments evicted from memory, as chunks read back from a backup's copy.
+``acks=all``) until every vlog it touched is durable past its chunks.
 
-A background pass (``_reclaim``) applies retention (whole segments freed),
-releases the vsegs nothing live references (their backups delete the files)
-and evicts replicated segments down to the memory budget's low-water mark.
+This module holds the service's state, streamlet assignment, the produce and
+compare-and-append paths and ``main``; the rest is joined in from modules named
+after their part of the design: ``pull`` (consume), ``takeover`` (recovery of a
+dead broker's streamlets), ``reclaim`` (retention, release, eviction) and
+``membership`` (registration, heartbeats, lease, fencing).
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import logging
 import os
 import time
 
-import numpy as np
 import trio
 
-from .. import chunk, index_chunk, limits, metafile
+from .. import chunk, limits, metafile
 from ..coordinator_link import CoordinatorLink
 from ..errors import (
     Conflict,
@@ -30,35 +29,32 @@ from ..errors import (
     InvalidArgument,
     KeraError,
     NotOwner,
-    OutOfRange,
-    ProtocolError,
     Recovering,
     Unavailable,
-    UnknownMember,
 )
 from ..rpc import Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
-from .adopted import AdoptedSegment, Claims, IndexHolder, adopted_segment
+from .adopted import Claims
 from .compactor import Compactor
-from .group_close import close_chunk, mark
+from .group_close import close_chunk
+from .membership import HEARTBEAT, Membership
 from .memory import MemoryBudget, default_budget
+from .pull import Pulls
+from .reclaim import Reclaim
 from .replicator import Replicator
-from .segment import VlogChunk, close_waiting
+from .segment import VlogChunk
 from .streamlet import Streamlet
+from .takeover import Takeover
 from .tiered import TieredReader
 
 log = logging.getLogger("kera.broker")
 
-MAX_PULL_BYTES = limits.MAX_PULL
 # flags only brokers set (index, close and compacted chunks): refused in a client's chunk
 BROKER_FLAGS = chunk.INDEX | chunk.CLOSE | chunk.COMPACTED
-MAX_PULL_WAIT = 30.0
-HEARTBEAT = 0.5
-RECLAIM_INTERVAL = 0.25
 TIERED_CACHE = 32 << 20   # bytes of evicted segments read back, kept for the next pulls
 
 
-class BrokerService(Service):
+class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
                  vseg_size: int = limits.DEFAULT_VSEG_SIZE, replicate_timeout: float = 5.0,
                  memory: int = 0):
@@ -188,28 +184,6 @@ class BrokerService(Service):
                     sl.configure(s)
         return {}
 
-    def _free(self, segments) -> None:
-        """Segments gone for good: their memory, their share of their vsegs' lives."""
-        for seg in segments:
-            if seg.freed and seg.buf is None and seg.capacity == 0:
-                continue  # a placeholder (recovery) never held anything
-            settled = seg.replicated()
-            self.memory.free(seg)
-            if self.tiered is not None:
-                self.tiered.forget(seg)
-            if isinstance(seg, AdoptedSegment):
-                self.claims.free(seg)
-            for vs in seg.vsegs:
-                vs.live -= 1
-                if settled:
-                    vs.frozen = True
-            self.freed_segments += 1
-            self.freed_bytes += seg.head
-            seg.freed = True
-            if settled:  # else its vsegs still send from it; they drop it when released
-                seg.drop_buffer()
-            seg.vsegs, seg.ends = [], []
-
     def _close_group(self, sl: Streamlet, g, producer: int) -> None:
         """``g`` is full and closed: its close chunk goes to its vlog, after all its chunks."""
         c = close_chunk(sl.stream_id, sl.index, g, producer)
@@ -248,121 +222,6 @@ class BrokerService(Service):
 
     def rpc_ping(self, meta, payload):
         return {"broker": self.broker_id, "epoch": self.epoch}
-
-    async def rpc_recover(self, meta, payload):
-        """Chunks replayed by a backup: placed where their headers say, then replicated
-        through our own virtual logs; answered once they are durable here. An index chunk
-        (a segment the dead broker had adopted) is adopted again (``_adopt_index``)."""
-        self._check_epoch(meta)
-        self._check_lease()
-        waits: dict[Replicator, int] = {}
-        claim: dict = {}
-        placed = dup = 0
-        for i, (h, off) in enumerate(chunk.scan(payload)):
-            sl = self.streamlets.get((h.stream_id, h.streamlet))
-            if sl is None or not sl.recovering:
-                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
-            mv = payload[off:off + h.size]
-            try:
-                if h.flags & chunk.INDEX:
-                    ix = index_chunk.parse(mv, h)
-                    done = self._adopt_index(sl, h, mv, ix)
-                    if done is None:
-                        dup += 1
-                        continue
-                    vlog, idx, seg = done
-                    sl.note_adopted(ix.producers())
-                    claim.update(dict.fromkeys(seg.foreign))
-                    waits[vlog] = idx
-                    placed += 1
-                    continue
-                if h.flags & chunk.CLOSE:  # the group was closed: nothing is placed
-                    g = mark(sl, h.group)
-                    if g is not None:  # recorded again in our vlog, after the group's chunks
-                        vlog, idx = self._append_close(sl, g, VlogChunk(bytes(mv)), h.body_checksum)
-                        waits[vlog] = idx
-                    dup += 1
-                    continue
-                g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
-            except KeraError as e:  # DataLoss: a hole before it; refused, never stored past it
-                e.index = i  # which chunk of the request: the backup knows its offset
-                log.error("recovery: %s; chunk refused", e)
-                raise
-            if seg is None:
-                dup += 1
-                continue
-            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
-            idx = vlog.append(seg, h.offset, h.size, h.body_checksum)
-            sl.note_producer(h.producer_id, h.sequence, vlog, idx)
-            waits[vlog] = sl.tails[vlog] = idx
-            placed += 1
-        await self.claims.claim(claim)
-        return await self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
-
-    async def rpc_adopt(self, meta, payload):
-        """Recovery re-points a dead broker's settled segments here as evicted segments: the
-        payload holds one index chunk per segment (``kera.index_chunk``), in group order.
-        Answered once each adoption is durable in our own vlogs and its foreign vsegs are
-        claimed on their backups, so neither a failure of ours nor a reclaim loses them."""
-        self._check_epoch(meta)
-        self._check_lease()
-        todo = []
-        for h, off in chunk.scan(payload):  # all checked before anything changes
-            sl = self.streamlets.get((h.stream_id, h.streamlet))
-            if sl is None or not sl.recovering:
-                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
-            try:
-                mv = payload[off:off + h.size]
-                todo.append((sl, h, mv, index_chunk.parse(mv, h)))
-            except ProtocolError as e:
-                raise InvalidArgument(f"adopt takes index chunks: {e}") from None
-        waits: dict[Replicator, int] = {}
-        claim: dict = {}
-        adopted = 0
-        rows: dict[Streamlet, list] = {}
-        try:
-            for sl, h, mv, ix in todo:
-                done = self._adopt_index(sl, h, mv, ix)
-                if done is not None:
-                    vlog, idx, seg = done
-                    waits[vlog] = max(idx, waits.get(vlog, 0))
-                    claim.update(dict.fromkeys(seg.foreign))
-                    rows.setdefault(sl, []).append(ix.rows)
-                    adopted += 1
-        finally:  # one pass per streamlet over every adopted segment's rows
-            for sl, rs in rows.items():
-                sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
-        await self.claims.claim(claim)
-        await self._acked_when_durable(waits, {})
-        for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
-            if v.log.close_open():
-                v.poke()
-        return {"adopted": adopted}
-
-    def _adopt_index(self, sl: Streamlet, h, data, ix):
-        """Adopt the segment ``ix`` describes and append its index chunk (``data``, header
-        ``h``) to the group's own vlog: (vlog, ref, segment), None if the group holds the
-        segment already."""
-        g = sl.groups.get(h.group)
-        if g is not None and h.segment < len(g.segments):
-            if h.flags & chunk.CLOSE:
-                mark(sl, h.group)
-            seg = g.segments[h.segment]
-            if not isinstance(seg, AdoptedSegment):
-                return None
-            # adopted by an earlier try whose answer was lost or which failed later: claimed
-            # again, and answered once what that try appended is durable
-            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
-            return vlog, vlog.log.appended, seg
-        seg = adopted_segment(ix, sl.segment_size, self.claims)
-        sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole
-        if h.flags & chunk.CLOSE:  # the group's last segment: nothing is appended after it
-            mark(sl, h.group)
-        holder = IndexHolder(bytes(data))
-        vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
-        idx = vlog.append(holder, 0, holder.head, h.body_checksum)
-        self.claims.attach(seg, holder)
-        return vlog, idx, seg
 
     def _check_lease(self) -> None:
         if time.monotonic() > self.lease_until:
@@ -481,152 +340,7 @@ class BrokerService(Service):
             await vlog.wait_durable(idx)
         return reply
 
-    # -- consume ---------------------------------------------------------------------
-    async def rpc_pull(self, meta, payload):
-        reqs = meta.get("streamlets")
-        if not isinstance(reqs, list):
-            raise InvalidArgument("pull needs a list of streamlets")
-        max_bytes = meta.get("max_bytes", 1 << 20)
-        wait = meta.get("max_wait_ms", 0)
-        if not isinstance(max_bytes, int) or not isinstance(wait, (int, float)):
-            raise InvalidArgument("max_bytes and max_wait_ms must be numbers")
-        max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
-        # no lease needed: only durable data is served, a prefix of what any successor holds
-        deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
-        while True:
-            event = self.durable_event
-            entries, parts, errors, moved = self._collect(reqs, max_bytes)
-            if parts or errors or moved or trio.current_time() >= deadline:
-                if any(isinstance(p, tuple) for p in parts):
-                    parts = await self._read_evicted(parts)
-                return {"entries": entries, "errors": errors}, parts
-            with trio.move_on_at(deadline):
-                await event.wait()
-
-    def _collect(self, reqs, max_bytes):
-        entries, parts, errors = [], [], []
-        moved = False
-        budget = max_bytes
-        for r in reqs:
-            try:
-                stream_id, index, low, positions = r
-                if not isinstance(positions, dict) or not isinstance(low, int):
-                    raise InvalidArgument("pull entry is [stream_id, streamlet, low, {group: position}]")
-                sl = self._streamlet(stream_id, index)
-            except KeraError as e:
-                errors.append([r[0] if isinstance(r, list) and r else None,
-                               r[1] if isinstance(r, list) and len(r) > 1 else None, e.code])
-                continue
-            except (TypeError, ValueError):
-                errors.append([None, None, InvalidArgument.code])
-                continue
-            if budget <= 0:
-                continue
-            try:
-                got = sl.read(low, positions, budget)
-            except OutOfRange:
-                errors.append([stream_id, index, OutOfRange.code, sl.starts()])
-                continue
-            except (TypeError, ValueError):
-                errors.append([stream_id, index, InvalidArgument.code])
-                continue
-            for gid, si, off, n, nxt in got:
-                entries.append([stream_id, index, gid, si, off, n, nxt])
-                if n:
-                    seg = sl.groups[gid].segments[si]
-                    # an evicted segment: read back from a backup before the reply goes
-                    part = seg.part(off, n)
-                    parts.append(part if part is not None else (seg, gid, off, n))
-                    budget -= n
-                else:
-                    moved = True
-        return entries, parts, errors, moved
-
-    async def _read_evicted(self, parts: list) -> list:
-        """The parts of evicted segments, fetched from the backups (segments in parallel)."""
-        need = {p[0]: p[1] for p in parts if isinstance(p, tuple)}
-        got: dict = {}
-
-        async def one(seg, gid):
-            got[seg] = await self.tiered.segment(seg, gid)
-
-        async with trio.open_nursery() as n:
-            for seg, gid in need.items():
-                n.start_soon(one, seg, gid)
-        return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
-
-    def rpc_offsets(self, meta, payload):
-        """Latest durable positions of streamlets: where a consumer 'from latest' starts."""
-        out, errors = [], []
-        for stream_id, index in meta.get("streamlets") or []:
-            try:
-                low, pos = self._streamlet(stream_id, index).latest()
-                out.append([stream_id, index, low, pos])
-            except KeraError as e:
-                errors.append([stream_id, index, e.code])
-        return {"offsets": out, "errors": errors}
-
-    def rpc_seek(self, meta, payload):
-        """The first chunk boundary at or after each position, so a reader (Spark's admission
-        control) may end a batch at any byte: ``seeks`` [[stream_id, streamlet, group, pos]]."""
-        out, errors = [], []
-        for stream_id, index, gid, pos in meta.get("seeks") or []:
-            try:
-                g = self._streamlet(stream_id, index).groups.get(gid)
-                out.append([stream_id, index, gid, g.align(pos) if g is not None else pos])
-            except KeraError as e:
-                errors.append([stream_id, index, e.code])
-        return {"positions": out, "errors": errors}
-
-    # -- retention, reclaiming, eviction -----------------------------------------------
-    def _reclaim_once(self) -> None:
-        """One pass: retention frees whole expired segments, vsegs nothing live references are
-        released (their backups are told), memory is brought down to the low-water mark."""
-        now = time.time()
-        for sl in self.streamlets.values():
-            if sl.filled and not sl.recovering and (sl.retention_bytes >= 0 or sl.retention_ms >= 0):
-                freed = sl.expired(now)
-                if freed:
-                    self._free(freed)
-                if sl.waiting is not None and close_waiting(sl.waiting):
-                    sl.waiting.vlog.poke()
-        for v in self.vlogs.values():
-            if v.log.advance_floor() or v.log.floor > v.trimmed:
-                v.poke()
-        self.memory.relieve()
-
-    async def _reclaimer(self) -> None:
-        while True:
-            await trio.sleep(RECLAIM_INTERVAL)
-            self._reclaim_once()
-
-    async def _releaser(self) -> None:
-        """Claims on foreign vsegs nothing of ours needs any more go (apart from the reclaim
-        pass, so a slow backup never delays retention or eviction)."""
-        while True:
-            await trio.sleep(RECLAIM_INTERVAL)
-            await self.claims.release()
-
-    def retention_stats(self) -> dict:
-        """Per stream here: retained chunk bytes, evicted bytes, and where each streamlet
-        starts (lowest group held, its first segment); with the stream's name and retention,
-        so a status needs no listing of every stream."""
-        out: dict = {}
-        for (sid, i), sl in self.streamlets.items():
-            gid, seg, held = sl.start_position()
-            evicted = sum(s.head for g in sl.groups.values() for s in g.segments[g.start:] if s.evicted)
-            e = out.get(sid)
-            if e is None:
-                s = self.streams.get(sid) or {}
-                e = out[sid] = {"name": s.get("name"), "retention_bytes": s.get("retention_bytes", -1),
-                                "retention_ms": s.get("retention_ms", -1),
-                                "retained": 0, "evicted": 0, "freed": 0, "starts": {}}
-            e["retained"] += held
-            e["evicted"] += evicted
-            e["freed"] += sl.freed_bytes
-            e["starts"][i] = [gid, seg]
-        return out
-
+    # -- stats -------------------------------------------------------------------
     def stats(self) -> dict:
         vl = []
         for r in self.vlogs.values():
@@ -660,86 +374,6 @@ class BrokerService(Service):
         if meta.get("streams"):
             out["streams"] = self.retention_stats()
         return out
-
-    # -- membership ------------------------------------------------------------------
-    async def _register(self) -> None:
-        delay = 0.05
-        while True:
-            try:
-                r, _ = await self.coord.call("register", {
-                    "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
-                    "epoch": self.epoch or None,  # claimed back after a coordinator restart
-                }, timeout=5)
-                break
-            except KeraError as e:
-                log.info("coordinator not reachable yet: %s", e)
-                await trio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        self.broker_id, self.epoch = r["id"], r["epoch"]
-        self.heartbeat = r.get("heartbeat", HEARTBEAT)
-        self.lease = r.get("lease", 3 * HEARTBEAT)
-        self.lease_until = time.monotonic() + self.lease
-        metafile.save(self.id_path, {"id": self.broker_id})
-
-    async def _heartbeats(self) -> None:
-        while True:
-            sent = time.monotonic()
-            try:
-                r, _ = await self.coord.call("heartbeat", {
-                    "role": "broker", "id": self.broker_id, "epoch": self.epoch,
-                    "stats": self.stats()}, timeout=5)
-                self.lease_until = sent + self.lease
-                self._set_backups(r.get("backups") or [])
-            except UnknownMember:
-                # the coordinator restarted: rejoin as this incarnation, keeping every streamlet
-                epoch = self.epoch
-                await self._register()
-                if self.epoch != epoch:
-                    log.error("broker %d could not rejoin as epoch %d (got %d): its state is gone",
-                              self.broker_id, epoch, self.epoch)
-                    self.fenced = True
-                    raise Fenced(f"epoch {epoch} was not taken back") from None
-                log.warning("broker %d rejoined a restarted coordinator as epoch %d", self.broker_id, epoch)
-                continue
-            except Fenced:
-                self.fenced = True
-                raise
-            except KeraError as e:
-                log.warning("heartbeat failed: %s", e)
-            await trio.sleep(self.heartbeat)
-
-    def _set_backups(self, live: list[dict]) -> None:
-        """Membership from a heartbeat answer: a backup gone or restarted is replaced at once."""
-        new = {b["id"]: b for b in live}
-        if new.keys() == self.backups.keys() and all(
-                new[k]["addr"] == self.backups[k]["addr"] and new[k]["epoch"] == self.backups[k]["epoch"]
-                for k in new):
-            return
-        self.backups = new
-        changed = self.backup_set.set_live({b: (v["node"], v["epoch"]) for b, v in new.items()})
-        log.info("live backups: %s", sorted(new))
-        for b in changed:
-            log.warning("backup %d gone or restarted: its copies are made again", b)
-        for v in self.vlogs.values():
-            v.poke()
-
-    def _reset(self) -> None:
-        """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
-        self.streams.clear()
-        self.streamlets.clear()
-        self.memory.used = 0
-        self.memory.resident.clear()
-        if self.tiered is not None:
-            self.tiered.cache.clear()
-            self.tiered.cached = 0
-        self.vlogs.clear()
-        self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
-        self.mapping.turn = 0
-        self.backups.clear()
-        self.backup_set.set_live({})
-        self.fenced = False
-        self.lease_until = 0.0
-        self.epoch = 0  # a new incarnation follows: nothing to claim back
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:

@@ -1,0 +1,204 @@
+"""Reading replicas back: for a recovery (``read``, ``replay``, ``index``) and for a broker's
+evicted segments (``read_chunks``, tiered storage).
+
+Every chunk read from a file is verified again; a corrupt one is marked on its replica,
+logged and never served (the caller asks another copy). File reads run in worker
+threads under the service's I/O lock, so a replica dropped meanwhile is refused.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import numpy as np
+import trio
+
+from .. import chunk as chunkfmt
+from .. import limits
+from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, ProtocolError
+from . import disk
+from .fields import U63, uint, vseg_key
+from .replay import parse_replay_from, parse_routes, replay
+from .replica import Replica
+from .store import BackupStore
+
+log = logging.getLogger("kera.backup")
+
+INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
+MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
+DEFAULT_READ_BYTES = 1 << 20
+
+
+class ReadBack:
+    """``BackupService``'s read RPCs (its state: store, counters, the I/O lock, pool)."""
+
+    def rpc_read_chunks(self, meta: dict, payload):
+        """Chunks of one replica by [offset, size] (a broker reading back an evicted segment):
+        each verified again when it comes from the file; a corrupt one is never served."""
+        rep = self.store.get(vseg_key(meta))
+        ranges = self.store.chunk_ranges(rep, meta.get("ranges"))
+        self.counters["tiered_reads"] += 1
+        if all(off >= rep.mem_base for off, _ in ranges):
+            parts = [p for off, size in ranges for p in rep.memory_parts(off, off + size)]
+            self.counters["tiered_bytes"] += sum(size for _, size in ranges)
+            return {"chunks": len(ranges)}, parts
+        return self._read_chunks_file(rep, ranges)
+
+    async def _read_chunks_file(self, rep: Replica, ranges):
+        def work():
+            out = []
+            for off, size in ranges:
+                data, bad = disk.read_verified(rep.path, off, off + size, [off], [off + size])
+                if bad is not None:
+                    return out, bad
+                out.append(data)
+            return out, None
+
+        parts, bad = await self._read_replica(rep, work)
+        if bad is not None:
+            off, size, reason = self._corrupt(rep, bad)
+            raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+        self.counters["tiered_bytes"] += sum(len(p) for p in parts)
+        return {"chunks": len(parts)}, parts
+
+    async def rpc_index(self, meta: dict, payload):
+        """Closed, intact replicas' chunks without their bodies (a recovery re-pointing evicted
+        history), for ``vsegs`` ([[vlog, vseg], ...] of ``broker``): one request per backup
+        and batch, however long the history. Per vseg, in order, an ``answers`` entry and its
+        bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, 10 little-endian
+        u64s per chunk: vseg offset, size, stream, streamlet, group, segment, segment offset,
+        producer, sequence, flags, from each verified header; then its index chunks
+        (``kera.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
+        (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` past
+        ``INDEX_ANSWER`` bytes (asked again)."""
+        broker = uint(meta, "broker")
+        vsegs = meta.get("vsegs")
+        if not isinstance(vsegs, list) or not vsegs or not all(
+                isinstance(v, list) and len(v) == 2 and all(type(x) is int and 0 <= x < U63 for x in v)
+                for v in vsegs):
+            raise InvalidArgument("index needs vsegs: [[vlog, vseg], ...], at least one")
+        answers, parts, size = [], [], 0
+        for vlog, vseg in vsegs:
+            if size >= INDEX_ANSWER:
+                answers.append({"later": True})
+                continue
+            try:
+                mine = await self._index(self.store.get((broker, vlog, vseg)))
+            except KeraError as e:
+                answers.append({"error": e.code, "message": str(e)})
+                continue
+            n = sum(len(p) for p in mine)
+            if size + n > limits.MAX_PAYLOAD:
+                answers.append({"later": True} if size else
+                               {"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
+                continue
+            answers.append({"rows": len(mine[0]), "bytes": n})
+            parts += mine
+            size += n
+            self.counters["indexes"] = self.counters.get("indexes", 0) + 1
+        return {"answers": answers}, parts
+
+    async def _index(self, rep: Replica) -> list:
+        """One replica's index: its rows, then its index chunks. The headers are gathered with
+        one fancy index (from the mapped file, then from memory) and checked as arrays."""
+        if not rep.closed or rep.corrupt or rep.damaged:
+            raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
+        starts = np.frombuffer(rep.starts, np.uint64).astype(np.int64)
+        ends = np.frombuffer(rep.ends, np.uint64).astype(np.int64)
+        cut = int(np.searchsorted(starts, rep.mem_base))  # chunks before it are read from the file
+        packed = b""
+        if cut:
+            packed = await self._read_replica(rep, disk.read_headers, rep.path, starts[:cut])
+        if cut < len(starts):
+            memory = b"".join(rep.memory_parts(rep.mem_base, rep.length))
+            packed += disk.gather_headers(memory, starts[cut:] - rep.mem_base)
+        h = np.frombuffer(packed, chunkfmt.HEADER_DTYPE)
+        ok = chunkfmt.headers_ok(h, packed) \
+            & (h["body_len"].astype(np.int64) + chunkfmt.HEADER_SIZE == ends - starts)
+        if not ok.all():
+            i = int(np.argmin(ok))
+            s = int(starts[i])
+            try:
+                chunkfmt.parse_header(packed, i * chunkfmt.HEADER_SIZE)
+                err = "its size disagrees with the replica's"
+            except (ChecksumError, ProtocolError) as e:
+                err = e
+            raise ChecksumError(f"replica {rep.key}: header at {s}: {err}")
+        rows = np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
+                                h["segment"], h["offset"], h["producer_id"], h["sequence"], h["flags"]))
+        marks = np.flatnonzero(h["flags"] & chunkfmt.INDEX)
+        parts = [rows.astype("<u8").tobytes()]
+        for s, e in zip(starts[marks].tolist(), ends[marks].tolist(), strict=True):  # one per adopted segment
+            if s >= rep.mem_base:
+                parts.append(b"".join(rep.memory_parts(s, e)))
+                continue
+            data, bad = await self._read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
+            if bad is not None:
+                off, _, reason = self._corrupt(rep, bad)
+                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+            parts.append(data)
+        return parts
+
+    def rpc_read(self, meta: dict, payload):
+        key = vseg_key(meta)
+        offset = uint(meta, "offset", 0)
+        max_bytes = min(max(uint(meta, "max_bytes", DEFAULT_READ_BYTES), 1), MAX_READ_BYTES)
+        rep, start, stop, corrupt_at, nxt, in_memory = self.store.plan_read(key, offset, max_bytes)
+        self.counters["reads"] += 1
+        if in_memory:
+            parts = rep.memory_parts(start, stop) if stop > start else []
+            self.counters["bytes_read"] += stop - start
+            return BackupStore.read_meta(rep, nxt, corrupt_at), parts
+        return self._read_file(rep, start, stop, corrupt_at, nxt)
+
+    async def _read_replica(self, rep: Replica, fn, *args):
+        """``fn(*args)`` in a worker thread, reading ``rep``'s file under the I/O lock: a
+        replica dropped meanwhile, or an I/O error, is a ``BackupError``."""
+        async with self._io:
+            if rep.dropped:
+                raise BackupError(f"replica {rep.key} was dropped")
+            try:
+                return await trio.to_thread.run_sync(fn, *args)
+            except OSError as e:
+                raise BackupError(f"reading replica {rep.key}: {e}") from None
+
+    @staticmethod
+    def _corrupt(rep: Replica, bad: tuple) -> tuple:
+        """A chunk that failed verification on read: logged, marked, never served."""
+        off, size, reason = bad
+        log.error("replica %s: chunk at %d failed verification: %s; never served", rep.key, off, reason)
+        rep.mark_corrupt(off, size, reason)
+        return bad
+
+    async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):
+        starts, ends = BackupStore.chunk_bounds(rep, start, stop)
+        data, bad = await self._read_replica(rep, disk.read_verified, rep.path, start, stop, starts, ends)
+        if bad is not None:
+            off, size, _ = self._corrupt(rep, bad)
+            corrupt_at, nxt = off, off + size
+        self.counters["bytes_read"] += len(data)
+        return BackupStore.read_meta(rep, nxt, corrupt_at), data
+
+    async def rpc_replay(self, meta: dict, payload):
+        """Push one replica's chunks, from ``offset``, to the brokers recovering their streamlets.
+
+        Stops at the copy's end or at its first corrupt chunk and says where
+        (``next``, ``stopped``), so that another copy takes over from there.
+        """
+        key = vseg_key(meta)
+        rep = self.store.get(key)
+        routes = parse_routes(meta.get("routes"))
+        offset = uint(meta, "offset", 0)
+        if offset > rep.length:
+            raise InvalidArgument(f"offset {offset} beyond replica {key} of length {rep.length}")
+
+        async def read(offset, max_bytes):
+            res = self.rpc_read({"broker": key[0], "vlog": key[1], "vseg": key[2], "offset": offset,
+                                 "max_bytes": max_bytes}, b"")
+            return await res if inspect.iscoroutine(res) else res
+
+        out = await replay(read, self.pool, routes, offset, rep.length,
+                           parse_replay_from(meta.get("replay_from")))
+        log.info("replayed replica %s from %d: %s", key, offset, out)
+        return out

@@ -1,0 +1,92 @@
+"""Reclaiming: retention, release of unreferenced vsegs, eviction to the memory budget.
+
+A background pass (``_reclaim_once``) applies retention (whole segments freed),
+releases the vsegs nothing live references (their backups delete the files) and
+evicts replicated segments down to the memory budget's low-water mark; claims on
+foreign vsegs (adopted segments) are released by a loop of their own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import trio
+
+from .adopted import AdoptedSegment
+from .segment import close_waiting
+
+RECLAIM_INTERVAL = 0.25
+
+
+class Reclaim:
+    """``BrokerService``'s freeing of segments and its reclaim loops."""
+
+    def _free(self, segments) -> None:
+        """Segments gone for good: their memory, their share of their vsegs' lives."""
+        for seg in segments:
+            if seg.freed and seg.buf is None and seg.capacity == 0:
+                continue  # a placeholder (recovery) never held anything
+            settled = seg.replicated()
+            self.memory.free(seg)
+            if self.tiered is not None:
+                self.tiered.forget(seg)
+            if isinstance(seg, AdoptedSegment):
+                self.claims.free(seg)
+            for vs in seg.vsegs:
+                vs.live -= 1
+                if settled:
+                    vs.frozen = True
+            self.freed_segments += 1
+            self.freed_bytes += seg.head
+            seg.freed = True
+            if settled:  # else its vsegs still send from it; they drop it when released
+                seg.drop_buffer()
+            seg.vsegs, seg.ends = [], []
+
+    def _reclaim_once(self) -> None:
+        """One pass: retention frees whole expired segments, vsegs nothing live references are
+        released (their backups are told), memory is brought down to the low-water mark."""
+        now = time.time()
+        for sl in self.streamlets.values():
+            if sl.filled and not sl.recovering and (sl.retention_bytes >= 0 or sl.retention_ms >= 0):
+                freed = sl.expired(now)
+                if freed:
+                    self._free(freed)
+                if sl.waiting is not None and close_waiting(sl.waiting):
+                    sl.waiting.vlog.poke()
+        for v in self.vlogs.values():
+            if v.log.advance_floor() or v.log.floor > v.trimmed:
+                v.poke()
+        self.memory.relieve()
+
+    async def _reclaimer(self) -> None:
+        while True:
+            await trio.sleep(RECLAIM_INTERVAL)
+            self._reclaim_once()
+
+    async def _releaser(self) -> None:
+        """Claims on foreign vsegs nothing of ours needs any more go (apart from the reclaim
+        pass, so a slow backup never delays retention or eviction)."""
+        while True:
+            await trio.sleep(RECLAIM_INTERVAL)
+            await self.claims.release()
+
+    def retention_stats(self) -> dict:
+        """Per stream here: retained chunk bytes, evicted bytes, and where each streamlet
+        starts (lowest group held, its first segment); with the stream's name and retention,
+        so a status needs no listing of every stream."""
+        out: dict = {}
+        for (sid, i), sl in self.streamlets.items():
+            gid, seg, held = sl.start_position()
+            evicted = sum(s.head for g in sl.groups.values() for s in g.segments[g.start:] if s.evicted)
+            e = out.get(sid)
+            if e is None:
+                s = self.streams.get(sid) or {}
+                e = out[sid] = {"name": s.get("name"), "retention_bytes": s.get("retention_bytes", -1),
+                                "retention_ms": s.get("retention_ms", -1),
+                                "retained": 0, "evicted": 0, "freed": 0, "starts": {}}
+            e["retained"] += held
+            e["evicted"] += evicted
+            e["freed"] += sl.freed_bytes
+            e["starts"][i] = [gid, seg]
+        return out

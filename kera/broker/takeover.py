@@ -1,0 +1,143 @@
+"""Taking over a dead broker's streamlets: the RPCs a recovery drives on the new owner.
+
+A recovering streamlet is rebuilt from its backups' copies: ``recover`` places the chunks
+a backup replays (at the positions their headers carry) and ``adopt`` re-points settled
+segments the dead broker held as evicted segments read from their existing vsegs. Both
+answer once what they placed is durable in this broker's own virtual logs. Kept apart
+from the produce and pull paths, which never see a recovering streamlet.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .. import chunk, index_chunk
+from ..errors import InvalidArgument, KeraError, NotOwner, ProtocolError
+from .adopted import AdoptedSegment, IndexHolder, adopted_segment
+from .group_close import mark
+from .replicator import Replicator
+from .segment import VlogChunk
+from .streamlet import Streamlet
+
+log = logging.getLogger("kera.broker")
+
+
+class Takeover:
+    """``BrokerService``'s recovery RPCs (its state: streamlets, vlogs, claims)."""
+
+    async def rpc_recover(self, meta, payload):
+        """Chunks replayed by a backup: placed where their headers say, then replicated
+        through our own virtual logs; answered once they are durable here. An index chunk
+        (a segment the dead broker had adopted) is adopted again (``_adopt_index``)."""
+        self._check_epoch(meta)
+        self._check_lease()
+        waits: dict[Replicator, int] = {}
+        claim: dict = {}
+        placed = dup = 0
+        for i, (h, off) in enumerate(chunk.scan(payload)):
+            sl = self.streamlets.get((h.stream_id, h.streamlet))
+            if sl is None or not sl.recovering:
+                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
+            mv = payload[off:off + h.size]
+            try:
+                if h.flags & chunk.INDEX:
+                    ix = index_chunk.parse(mv, h)
+                    done = self._adopt_index(sl, h, mv, ix)
+                    if done is None:
+                        dup += 1
+                        continue
+                    vlog, idx, seg = done
+                    sl.note_adopted(ix.producers())
+                    claim.update(dict.fromkeys(seg.foreign))
+                    waits[vlog] = idx
+                    placed += 1
+                    continue
+                if h.flags & chunk.CLOSE:  # the group was closed: nothing is placed
+                    g = mark(sl, h.group)
+                    if g is not None:  # recorded again in our vlog, after the group's chunks
+                        vlog, idx = self._append_close(sl, g, VlogChunk(bytes(mv)), h.body_checksum)
+                        waits[vlog] = idx
+                    dup += 1
+                    continue
+                g, seg = sl.place(mv, h.producer_id, h.group, h.segment, h.offset)
+            except KeraError as e:  # DataLoss: a hole before it; refused, never stored past it
+                e.index = i  # which chunk of the request: the backup knows its offset
+                log.error("recovery: %s; chunk refused", e)
+                raise
+            if seg is None:
+                dup += 1
+                continue
+            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
+            idx = vlog.append(seg, h.offset, h.size, h.body_checksum)
+            sl.note_producer(h.producer_id, h.sequence, vlog, idx)
+            waits[vlog] = sl.tails[vlog] = idx
+            placed += 1
+        await self.claims.claim(claim)
+        return await self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
+
+    async def rpc_adopt(self, meta, payload):
+        """Recovery re-points a dead broker's settled segments here as evicted segments: the
+        payload holds one index chunk per segment (``kera.index_chunk``), in group order.
+        Answered once each adoption is durable in our own vlogs and its foreign vsegs are
+        claimed on their backups, so neither a failure of ours nor a reclaim loses them."""
+        self._check_epoch(meta)
+        self._check_lease()
+        todo = []
+        for h, off in chunk.scan(payload):  # all checked before anything changes
+            sl = self.streamlets.get((h.stream_id, h.streamlet))
+            if sl is None or not sl.recovering:
+                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
+            try:
+                mv = payload[off:off + h.size]
+                todo.append((sl, h, mv, index_chunk.parse(mv, h)))
+            except ProtocolError as e:
+                raise InvalidArgument(f"adopt takes index chunks: {e}") from None
+        waits: dict[Replicator, int] = {}
+        claim: dict = {}
+        adopted = 0
+        rows: dict[Streamlet, list] = {}
+        try:
+            for sl, h, mv, ix in todo:
+                done = self._adopt_index(sl, h, mv, ix)
+                if done is not None:
+                    vlog, idx, seg = done
+                    waits[vlog] = max(idx, waits.get(vlog, 0))
+                    claim.update(dict.fromkeys(seg.foreign))
+                    rows.setdefault(sl, []).append(ix.rows)
+                    adopted += 1
+        finally:  # one pass per streamlet over every adopted segment's rows
+            for sl, rs in rows.items():
+                sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
+        await self.claims.claim(claim)
+        await self._acked_when_durable(waits, {})
+        for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
+            if v.log.close_open():
+                v.poke()
+        return {"adopted": adopted}
+
+    def _adopt_index(self, sl: Streamlet, h, data, ix):
+        """Adopt the segment ``ix`` describes and append its index chunk (``data``, header
+        ``h``) to the group's own vlog: (vlog, ref, segment), None if the group holds the
+        segment already."""
+        g = sl.groups.get(h.group)
+        if g is not None and h.segment < len(g.segments):
+            if h.flags & chunk.CLOSE:
+                mark(sl, h.group)
+            seg = g.segments[h.segment]
+            if not isinstance(seg, AdoptedSegment):
+                return None
+            # adopted by an earlier try whose answer was lost or which failed later: claimed
+            # again, and answered once what that try appended is durable
+            vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
+            return vlog, vlog.log.appended, seg
+        seg = adopted_segment(ix, sl.segment_size, self.claims)
+        sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole
+        if h.flags & chunk.CLOSE:  # the group's last segment: nothing is appended after it
+            mark(sl, h.group)
+        holder = IndexHolder(bytes(data))
+        vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
+        idx = vlog.append(holder, 0, holder.head, h.body_checksum)
+        self.claims.attach(seg, holder)
+        return vlog, idx, seg
