@@ -81,7 +81,7 @@ async def run(k: KeraRun, mb: int, streams: int) -> dict:
     rec = recs[-1]
     out.update(victim_bytes=held, replayed_bytes=rec["bytes"], replayed_chunks=rec["chunks"],
                recovery_s=rec["seconds"], replay_mb_s=rec["rate_mb_s"], backups_in_parallel=rec["backups"],
-               vlogs=rec["vlogs"], streamlets=len(rec["streamlets"]),
+               vlogs=rec["vlogs"], streamlets=rec["streamlets"],
                producer_blocked_s=round(max(gaps), 2) if gaps else None)
     return out
 
