@@ -425,7 +425,7 @@ def main(argv=None) -> None:
     ap.add_argument("--node", default="")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--vlogs", type=int, default=1, help="virtual logs per broker (shared policy)")
+    ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
     ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
     ap.add_argument("--vseg-size", type=_vseg_size, default=limits.DEFAULT_VSEG_SIZE,
                     help=f"virtual segment capacity, bytes (at most MAX_VSEG_SIZE, {limits.MAX_VSEG_SIZE})")

@@ -17,7 +17,7 @@ POLICIES = ("shared", "per-stream", "per-group")
 
 
 class VlogMapping:
-    def __init__(self, policy: str = "shared", vlogs: int = 1):
+    def __init__(self, policy: str = "shared", vlogs: int = 4):
         if policy not in POLICIES:
             raise ValueError(f"vlog policy must be one of {POLICIES}")
         if vlogs < 1:
