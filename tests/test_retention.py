@@ -378,7 +378,7 @@ def test_kill_broker_with_4x_history_replays_what_it_held_not_its_history(make_c
               f"{r['bytes'] / MiB:.1f} MiB replayed, {r['adopted_bytes'] / MiB:.1f} MiB in "
               f"{r['adopted_segments']} segments re-pointed; {r['records']} records read back")
     assert four["adopted_bytes"] > 3 * one["adopted_bytes"] > 0
-    assert four["bytes"] <= one["bytes"] + 4 * MiB, (one, four)
+    assert four["bytes"] <= one["bytes"] + 1 * MiB, (one, four)  # closed groups re-pointed whole
     assert four["bytes"] < 96 * MiB / 4
 
 
