@@ -42,12 +42,13 @@ class Recovered:
             coord.log.set(("recovered",), [r for r in meta["recovered"] if r not in held])
         self.shown = meta["recovered_version"]   # the newest version backups are told
 
-    def add(self, broker: int, epoch: int) -> None:
-        """``(broker, epoch)`` was recovered with nothing lost: recorded now, told to the
-        backups once the next commit returns."""
+    def add(self, broker: int, epoch: int, covered: list) -> None:
+        """``(broker, epoch)`` was recovered with nothing lost, its replay going through
+        ``covered`` ([[vlog, last vseg], ...]: only files within it go): recorded now, told to
+        the backups once the next commit returns."""
         meta, store = self.coord.meta, self.coord.log
         version = meta["recovered_version"] + 1
-        store.set(("recovered",), [*meta["recovered"], [broker, epoch, version]])
+        store.set(("recovered",), [*meta["recovered"], [broker, epoch, version, covered]])
         store.set(("recovered_version",), version)
 
     def durable(self, version: int) -> None:
@@ -58,11 +59,14 @@ class Recovered:
         """What backup ``m``'s registration or heartbeat answer carries, given the version it
         says it ``applied``: the list if that is not the current one."""
         version = self.shown
+        if type(applied) is not int:
+            applied = None
         caught_up = applied == version and m.recovered != version
         m.recovered = applied
         if applied != version:
             return {"recovered": {"version": version, "incarnations": [
-                [b, e] for b, e, v in self.coord.meta["recovered"] if v <= version]}}
+                [r[0], r[1], r[3] if len(r) > 3 else []] for r in self.coord.meta["recovered"]
+                if r[2] <= version]}}
         if caught_up and self.coord.meta["recovered"]:
             self._prune(version)
         return {}

@@ -215,7 +215,7 @@ class RecoveryManager:
         if replayed.complete:  # else what is left may be all there is of the lost range: kept
             # every backup, now or when it is back, drops this incarnation's files (a claimed
             # one stays until released) and releases its claims: told once the owners are durable
-            coord.recovered.add(rec.broker, rec.epoch)
+            coord.recovered.add(rec.broker, rec.epoch, replayed.covered())
         await coord.commit()
         rec.served = time.time()
 

@@ -317,6 +317,12 @@ class RecoveryPlan:
         """Every vlog was replayed to its end: the copies may be dropped after hand-over."""
         return all(isinstance(v.outcome, Done) for v in self._vlogs.values())
 
+    def covered(self) -> list[list[int]]:
+        """[[vlog, last vseg], ...]: what a complete replay went through, per vlog. Only files
+        within it may go: a vlog or vseg the listings never showed (its copies on backups down
+        then) may hold all there is of it."""
+        return [[v.id, v.outcome.vseg] for v in self._vlogs.values() if isinstance(v.outcome, Done)]
+
     @property
     def lost(self) -> list[LostRange]:
         return [r for v in self._vlogs.values() if isinstance(v.outcome, Truncated)

@@ -101,10 +101,14 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 failed += batch
                 continue
             at = 0
-            for item, e in zip(batch, entries, strict=True):
+            for i, (item, e) in enumerate(zip(batch, entries, strict=True)):
                 vlog, vseg, _ = item
                 try:
+                    if not isinstance(e, dict):
+                        raise TypeError(f"answer {e!r} is not a map")
                     if e.get("later"):
+                        if i == 0:  # a backup always answers the first vseg asked: never again
+                            raise TypeError("the first vseg asked was put off")
                         items.append(item)
                         continue
                     if "error" in e:
@@ -112,8 +116,8 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                     n = e["bytes"]
                     if not isinstance(n, int) or not 0 <= n <= len(data) - at:
                         raise TypeError(f"bytes {n!r} past the payload")
-                    take(vlog, vseg, data[at:at + n], e["rows"])
-                    at += n
+                    part, at = data[at:at + n], at + n  # the next answer's bytes start here either way
+                    take(vlog, vseg, part, e["rows"])
                 except (KeraError, KeyError, TypeError, AttributeError) as err:
                     log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, err)
                     failed.append(item)

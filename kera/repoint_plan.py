@@ -91,7 +91,8 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
     rows = np.asarray(rows, np.uint64).reshape(-1, COLUMNS)
     close = rows[:, FLAGS] & (INDEX | CLOSE) == CLOSE
     closes: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
-    for sid, sl, gid, s, off in rows[close][:, [STREAM, STREAMLET, GROUP, SEGMENT, OFFSET]].tolist():
+    close_rows = rows[close]
+    for sid, sl, gid, s, off in close_rows[:, [STREAM, STREAMLET, GROUP, SEGMENT, OFFSET]].tolist():
         closes.setdefault((sid, sl, gid), set()).add((s, off))
     rows = rows[~close]
     index = rows[:, FLAGS] & INDEX != 0
@@ -144,11 +145,16 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
                 out.adopted += adopted
                 out.replay_from[(sid, sl, gid)] = prev + 1
                 taken[g0:j + len(adopted)] = True
-    # a settled vseg is skipped when every chunk in it is taken (close chunks never count)
+    # a settled vseg is skipped when every chunk in it is taken; a close chunk counts only while
+    # its segment is replayed (else the new owner would not learn its group closed)
     left = rows[~np.repeat(taken, count if n else 0)]
+    kept = [(v, s) for v, s, sid, sl, gid, seg in close_rows[:, [VLOG, VSEG, STREAM, STREAMLET, GROUP,
+                                                                 SEGMENT]].tolist()
+            if out.replay_from.get((sid, sl, gid), 0) <= seg]
     for vlog, vsegs in settled.items():
         busy = np.sort(left[left[:, VLOG] == vlog, VSEG])
         busy = set(busy[np.append(True, busy[1:] != busy[:-1])].tolist()) if len(busy) else set()
+        busy.update(s for v, s in kept if v == vlog)
         for s in vsegs:
             if s not in busy:
                 out.skip.setdefault(vlog, set()).add(s)

@@ -612,7 +612,8 @@ async def test_claimed_files_outlive_their_drop_until_released(backups):
 async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(backups, tmp_path):
     """The coordinator's list of incarnations recovered with nothing lost reaches a backup in
     heartbeat answers: their files go, one a live owner claims stays (marked dropped), their
-    own claims are released; other incarnations' files stay. A restarted backup gets the list
+    own claims are released; other incarnations' files stay, and so does a file past what its
+    incarnation's recovery replayed (with that incarnation's claims). A restarted backup gets the list
     with its registration and applies it again, changing nothing. The list is emptied once
     every backup ever registered reported its version (a malformed one counts as none); a
     malformed list is refused and changes nothing."""
@@ -633,7 +634,7 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
             r, _ = await pool.call(f"127.0.0.1:{port}", "register", ghost)  # known, then away
             assert r["recovered"] == {"version": 0, "incarnations": []}
             ghost["id"] = r["id"]
-            for b, vlog, vseg in ((4, e1, 0), (5, e1, 0), (5, e1, 1)):
+            for b, vlog, vseg in ((4, e1, 0), (5, e1, 0), (5, e1, 1), (6, e1, 3)):
                 await replicate(pool, bk.addr, vseg, 0, a[0], close=True, broker=b, vlog=vlog)
             # (5, 1) adopted a vseg of (4, 1), and (9, 1) one of (5, 1)
             for (owner, epoch), key in (((5, 1), [4, e1, 0]), ((9, 1), [5, e1, 0])):
@@ -644,40 +645,41 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
             def applied(version):
                 return lambda: member().recovered == version
 
-            coord.recovered.add(4, 1)
+            coord.recovered.add(4, 1, [[e1, 0]])
             await coord.commit()   # told once durable
             await until(applied(1), "version 1 applied")
             assert os.path.exists(bk.seg(4, e1, 0))  # claimed by (5, 1): only marked dropped
-            coord.recovered.add(5, 1)
+            coord.recovered.add(5, 1, [[e1, 1]])
+            coord.recovered.add(6, 1, [[e1, 2]])  # its vseg 3 lies past what its recovery replayed
             await coord.commit()
-            await until(applied(2), "version 2 applied")
+            await until(applied(3), "version 3 applied")
             left = sorted(os.listdir(os.path.join(bk.dir, "segments")))
-            assert left == [sf.file_name(5, e1, 0), sf.file_name(5, e2, 0)], left
+            assert left == sorted([sf.file_name(5, e1, 0), sf.file_name(5, e2, 0), sf.file_name(6, e1, 3)]), left
             assert (await stats(pool, bk.addr))["claimed_files"] == 1
-            assert coord.meta["recovered"] == [[4, 1, 1], [5, 1, 2]]  # the ghost has not reported
+            assert [r[:3] for r in coord.meta["recovered"]] == [[4, 1, 1], [5, 1, 2], [6, 1, 3]]  # the ghost
 
             first = member()
             await trio.to_thread.run_sync(bk.restart)
-            await until(lambda: member() is not first and applied(2)(), "applied again")
+            await until(lambda: member() is not first and applied(3)(), "applied again")
             assert sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
             assert (await stats(pool, bk.addr))["claimed_files"] == 1
 
-            r, _ = await pool.call(f"127.0.0.1:{port}", "register", {**ghost, "recovered": 2})
+            r, _ = await pool.call(f"127.0.0.1:{port}", "register", {**ghost, "recovered": 3})
             assert "recovered" not in r and coord.meta["recovered"] == []
-            assert coord.meta["recovered_version"] == 2
+            assert coord.meta["recovered_version"] == 3
 
             # a malformed list is refused (typed, logged), changes nothing, and is not reported
             # as applied: the next answers bring the list again
-            coord.log.set(("recovered",), [[4, -1, 3]])
-            coord.log.set(("recovered_version",), 3)
-            await coord.commit()
-            await until(lambda: "recovered incarnations must be [[broker, epoch], ...]" in bk.logs(),
-                        "the malformed list refused")
-            assert member().recovered == 2 and sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
-            coord.log.set(("recovered",), [])
+            coord.log.set(("recovered",), [[4, -1, 4, []]])
             coord.log.set(("recovered_version",), 4)
             await coord.commit()
-            await until(applied(4), "a well-formed list applied")
+            await until(lambda: "recovered incarnations must be [[broker, epoch, [[vlog, vseg], ...]], ...]"
+                        in bk.logs(), "the malformed list refused")
+            assert member().recovered == 3 and sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
+            coord.log.set(("recovered",), [])
+            coord.log.set(("recovered_version",), 5)
+            await coord.commit()
+            await until(applied(5), "a well-formed list applied")
             bk.kill()
             nursery.cancel_scope.cancel()
 
@@ -692,15 +694,15 @@ async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owne
         async with trio.open_nursery() as nursery:
             await nursery.start(coord.log.run)
             coord.log.set(("streams", "s"), {"name": "s", "id": 1, "streamlets": 1, "owners": [[7, 1]]})
-            coord.recovered.add(7, 1)
-            coord.recovered.add(8, 1)
+            coord.recovered.add(7, 1, [])
+            coord.recovered.add(8, 1, [])
             assert coord.recovered.shown == 0
             await coord.commit()
             assert coord.recovered.shown == 2
             nursery.cancel_scope.cancel()
     coord.log.close()
     again = Coordinator(d)
-    assert again.meta["recovered"] == [[8, 1, 2]] and again.recovered.shown == 2
+    assert again.meta["recovered"] == [[8, 1, 2, []]] and again.recovered.shown == 2
     again.log.close()
 
 
@@ -753,6 +755,6 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
             assert [sorted(e) for e in got] == [["error", "message"], ["bytes", "rows"], ["error", "message"]]
             assert got[1]["bytes"] == sum(map(len, parts if isinstance(parts, list) else [parts]))
             for bad in ({"broker": 1, "vsegs": []}, {"broker": 1, "vsegs": [[0]]}, {"broker": 1, "vlog": 0, "vseg": 1},
-                        {"vsegs": [[0, 1]]}, {"broker": 1, "vsegs": [[0, -1]]}):
+                        {"vsegs": [[0, 1]]}, {"broker": 1, "vsegs": [[0, -1]]}, {"broker": 1, "vsegs": [[0, 1]] * 257}):
                 with pytest.raises(InvalidArgument):
                     await pool.call(bk.addr, "index", bad)

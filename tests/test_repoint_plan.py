@@ -87,10 +87,22 @@ def test_a_close_chunk_naming_another_offset_or_segment_or_none_adopts_no_last_s
         rp = plan(seg + marker, {1: [1, 2]})
         assert [(a.segment, a.closed) for a in rp.adopted] == [(2, False)]
         assert rp.replay_from == {(7, 0, 0): 3}
-        assert rp.skip == {1: {2}}   # vseg 2 holds nothing else: a close chunk keeps no vseg replayed
+        # a close chunk whose segment is replayed keeps its vseg replayed: the new owner learns it
+        assert rp.skip == ({1: {2}} if not marker else {})
 
 
-def test_a_close_chunk_never_keeps_a_vseg_replayed_and_is_never_adopted():
+def test_a_close_chunk_of_a_group_not_adopted_keeps_its_vseg_replayed():
+    # streamlet (7, 1) is replayed whole; its close chunk shares vseg 2 with adopted chunks only
+    other = [r[:5] + (1,) + r[6:] for r in close_row(2, 0, 0, 100, 40)]
+    rows = rows_of(1, 0, 2, [100, 100]) + rows_of(2, 0, 3, [40]) + rows_of(3, 0, 4, [10]) + other
+    rp = plan(rows, {1: [1, 2, 3]}, replayed=frozenset({(7, 1)}))
+    assert [a.segment for a in rp.adopted] == [2, 3]
+    assert rp.skip == {1: {1}}
+    rp = plan(rows[:-1], {1: [1, 2, 3]}, replayed=frozenset({(7, 1)}))
+    assert rp.skip == {1: {1, 2}}
+
+
+def test_a_close_chunk_of_an_adopted_segment_keeps_no_vseg_replayed_and_is_never_adopted():
     # the marker shares vseg 2 with segment 3's last chunk; everything else there is taken
     rows = (rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + rows_of(2, 0, 3, [30], 0)
             + close_row(2, 0, 3, 80, 30))

@@ -2,12 +2,13 @@
 
 A recovery may hand a dead broker's settled segments to new owners as
 evicted segments that read their chunks from the dead incarnation's vseg
-files (``kera.broker.adopted``). Those files must outlive the recovery's
-``drop`` and must go once nobody reads them:
+files (``kera.broker.adopted``). Those files must outlive the backups'
+letting go of the dead incarnation (``kera.recovered``) and must go once
+nobody reads them:
 
 - an owner *claims* (broker, vlog, vseg) here before its adoption is
   answered (only a file this backup holds can be claimed);
-- the recovery's ``drop`` of a claimed file only marks it *dropped*;
+- letting go of a claimed file only marks it *dropped*;
 - an owner *releases* its claim once no index chunk of its own naming the
   vseg can be replayed; the end of a recovery releases every claim of the
   dead incarnation (its successors claimed what they adopted again first),
@@ -61,7 +62,8 @@ class Claims:
         """``owner`` lets go of ``keys`` (all its claims if None). Returns the dropped files no
         claim holds any more (to delete), and whether anything changed."""
         if keys is None:
-            return self.due(), self.release_owners({owner})
+            changed = self.release_owners({owner})
+            return self.due(), changed
         changed = False
         for key in keys:
             owners = self.owners.get(key)

@@ -26,6 +26,7 @@ from .store import BackupStore
 log = logging.getLogger("kera.backup")
 
 INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
+INDEX_VSEGS = 256              # vsegs one index request may name (the recovery asks 64 at a time)
 MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
 
@@ -70,14 +71,14 @@ class ReadBack:
         u64s per chunk: vseg offset, size, stream, streamlet, group, segment, segment offset,
         producer, sequence, flags, from each verified header; then its index chunks
         (``kera.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
-        (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` past
-        ``INDEX_ANSWER`` bytes (asked again)."""
+        (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
+        the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off)."""
         broker = uint(meta, "broker")
         vsegs = meta.get("vsegs")
-        if not isinstance(vsegs, list) or not vsegs or not all(
+        if not isinstance(vsegs, list) or not 0 < len(vsegs) <= INDEX_VSEGS or not all(
                 isinstance(v, list) and len(v) == 2 and all(type(x) is int and 0 <= x < U63 for x in v)
                 for v in vsegs):
-            raise InvalidArgument("index needs vsegs: [[vlog, vseg], ...], at least one")
+            raise InvalidArgument(f"index needs vsegs: [[vlog, vseg], ...], 1 to {INDEX_VSEGS} of them")
         answers, parts, size = [], [], 0
         for vlog, vseg in vsegs:
             if size >= INDEX_ANSWER:
@@ -89,9 +90,12 @@ class ReadBack:
                 answers.append({"error": e.code, "message": str(e)})
                 continue
             n = sum(len(p) for p in mine)
-            if size + n > limits.MAX_PAYLOAD:
-                answers.append({"later": True} if size else
-                               {"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
+            if size and size + n > INDEX_ANSWER:  # the first one always goes (if a frame holds it)
+                size = INDEX_ANSWER
+                answers.append({"later": True})
+                continue
+            if n > limits.MAX_PAYLOAD:
+                answers.append({"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
                 continue
             answers.append({"rows": len(mine[0]), "bytes": n})
             parts += mine

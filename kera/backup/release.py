@@ -129,18 +129,29 @@ class Release:
         return [tuple(k) for k in keys]
 
     async def let_go(self, incarnations) -> dict:
-        """The coordinator recovered these dead incarnations ([[broker, epoch], ...]) with
-        nothing lost (``kera.recovered``): every file of theirs here is deleted, or only marked
-        dropped while an owner claims it, and every claim they made is released. Idempotent."""
+        """The coordinator recovered these dead incarnations ([[broker, epoch, [[vlog, last
+        vseg], ...]], ...]) with nothing lost (``kera.recovered``): every file of theirs here
+        within what the recovery went through is deleted, or only marked dropped while an owner
+        claims it, and every claim they made is released. A file outside it (a vlog or vseg
+        whose copies were all down then) may hold all there is of it: it is kept, and so are
+        that incarnation's claims. Idempotent."""
         if not isinstance(incarnations, list) or not all(
-                isinstance(i, list) and len(i) == 2 and all(type(x) is int and 0 <= x < U63 for x in i)
+                isinstance(i, list) and len(i) == 3 and all(type(x) is int and 0 <= x < U63 for x in i[:2])
+                and isinstance(i[2], list) and all(
+                    isinstance(c, list) and len(c) == 2 and all(type(x) is int and 0 <= x < U63 for x in c)
+                    for c in i[2])
                 for i in incarnations):
-            raise InvalidArgument("recovered incarnations must be [[broker, epoch], ...]")
-        dead = {(b, e) for b, e in incarnations}
-        if not dead:
+            raise InvalidArgument("recovered incarnations must be [[broker, epoch, [[vlog, vseg], ...]], ...]")
+        covered = {(b, e): dict(map(tuple, c)) for b, e, c in incarnations}
+        if not covered:
             return {"dropped": 0, "claimed": 0, "bytes": 0}
-        keys = [k for k in self.store.replicas if (k[0], k[1] >> 32) in dead]  # vlog ids carry the epoch
-        # all decided before any await: a claim arriving meanwhile finds the file gone
+        mine = [k for k in self.store.replicas if (k[0], k[1] >> 32) in covered]  # vlog ids carry the epoch
+        keys = [k for k in mine if k[2] <= covered[(k[0], k[1] >> 32)].get(k[1], -1)]
+        outside = {(k[0], k[1] >> 32) for k in set(mine) - set(keys)}
+        if outside:
+            log.warning("files of recovered incarnations %s lie past what their recovery replayed: "
+                        "kept, with their claims", sorted(outside))
+        dead = set(covered) - outside
         claimed = {k for k in keys if self.claims.drop(k)}
         reps = [self.store.drop(k) for k in keys if k not in claimed]
         released = self.claims.release_owners(dead)

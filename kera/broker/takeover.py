@@ -55,6 +55,9 @@ class Takeover:
                     placed += 1
                     continue
                 if h.flags & chunk.CLOSE:  # the group was closed: nothing is placed
+                    if h.record_count != 1 or h.sequence != 0 or h.size > chunk.HEADER_SIZE + 64:
+                        raise InvalidArgument(f"stream {h.stream_id} streamlet {h.streamlet}: a chunk "
+                                              f"flagged CLOSE that is not a group's close chunk")
                     g = mark(sl, h.group)
                     if g is not None:  # recorded again in our vlog, after the group's chunks
                         vlog, idx = self._append_close(sl, g, VlogChunk(bytes(mv)), h.body_checksum)
