@@ -11,7 +11,7 @@ def plot(res: dict, path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rows = res.get("rows", [])
-    if res["experiment"] == "compare":
+    if res["experiment"] == "streams":
         x, title = "streams", "records/s vs streams, median and range of runs (100 B, linger 5 ms, 16 KB)"
         for phase in ("sequential",):
             for system in ("peer", "kera R=1", "kera R=3"):
@@ -28,14 +28,6 @@ def plot(res: dict, path: str) -> None:
                                 label=f"{system} {what.split('_')[0]}")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-    elif res["experiment"] == "streams":
-        x, title = "streams", "records/s produced vs number of streams (linger 1 ms)"
-        for key in sorted({(r["system"], r["chunk"]) for r in rows}):
-            pts = sorted((r[x], r["produce_rps"]) for r in rows if (r["system"], r["chunk"]) == key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                    linestyle="-" if key[1] == 1024 else "--", label=f"{key[0]}, chunk {key[1]}")
-        ax.set_yscale("log")
-        ax.set_xscale("log", base=2)
     elif res["experiment"] == "vlogs":
         x, title = "vlogs", "records/s produced vs shared vlogs per broker (chunk 1 KB)"
         for key in sorted({(r["system"], r["streams"]) for r in rows if r["chunk"] == 1024}):

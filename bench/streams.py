@@ -1,4 +1,4 @@
-"""kera beside the peer, like for like: ``python -m bench compare [--quick] [--concurrent]``.
+"""kera beside the peer as streams grow, like for like: ``python -m bench streams [--quick] [--concurrent]``.
 
 Every cell is the same on both sides: 100-byte records; one producer process
 calling send() / produce() once per record, records round-robin over the
@@ -15,31 +15,42 @@ kera's chunk-level reading (records counted from chunk headers, values not
 touched) is reported in a column of its own. Each cell runs ``--repeats``
 times (3) with the systems in a rotating order; the median and the range
 (min-max) are reported, every run is in the results file. kera uses one
-3-node cluster whose streams are deleted after each run; the peer gets a
-fresh broker per run. Phases: producer alone, then consumer alone;
-``--concurrent`` adds runs with both at once. Writes
-bench/results/compare[-quick].json and .png.
+long-lived 3-node cluster for the whole invocation, whose streams are deleted
+after each run; the peer gets a fresh broker per run. Phases: producer alone,
+then consumer alone; ``--concurrent`` adds runs with both at once.
+
+The ``acceptance`` block is computed from the same runs (issue 12, point 1):
+kera R=3 / peer at 512 and 2,048 streams (>= 3x, >= 4x), kera R=3 at 2,048
+streams / its own 1-stream rate (>= 0.8), all on medians; and for each kera R=3
+cell its last repeat / its first (within 10%: a cluster that ages slows the
+later repeats down).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 
 from .kera_side import KeraRun
 
 SIZE = 100
 CFG = {"acks": "all", "linger.ms": 5, "chunk.size": 16384}
 SYSTEMS = ("peer", "kera R=1", "kera R=3")
+COUNTS = [1, 128, 512, 2048]
+QUICK_COUNTS = [1, 2048]
 
 
 def _run_kera(k: KeraRun, r: int, streams: int, n: int, concurrent: bool) -> dict:
+    t0 = time.monotonic()
     names = k.create(streams, replication=r)
+    create_s = round(time.monotonic() - t0, 3)
     try:
         out = k.measure(names, n, SIZE, 1, 1, CFG, sequential=not concurrent, touch=True,
                         chunk_read=not concurrent)
     finally:
         k.delete(names)
-    return out
+    return {**out, "create_s": create_s}
 
 
 def _run_peer(streams: int, n: int, concurrent: bool) -> dict:
@@ -58,16 +69,49 @@ def _stat(values: list) -> dict | None:
             "runs": len(values)}
 
 
+def _check(value: float | None, bound: str) -> dict:
+    """One acceptance figure against its bound (">=3", "within 10%")."""
+    if value is None:
+        return {"value": None, "bound": bound, "pass": None}
+    ok = abs(value - 1) <= 0.10 if bound == "within 10%" else value >= float(bound[2:])
+    return {"value": round(value, 3), "bound": bound, "pass": ok}
+
+
+def acceptance(cells: list[dict], runs: list[dict], repeats: int) -> dict:
+    """Issue 12's point 1, from the medians and runs of the sequential phase."""
+    med = {(c["system"], c["streams"]): c["produce_rps"]["median"]
+           for c in cells if c["phase"] == "sequential" and c["produce_rps"]}
+
+    def ratio(a, b):
+        return med[a] / med[b] if a in med and b in med and med[b] else None
+
+    out = {"r3_vs_peer@512": _check(ratio(("kera R=3", 512), ("peer", 512)), ">=3"),
+           "r3_vs_peer@2048": _check(ratio(("kera R=3", 2048), ("peer", 2048)), ">=4"),
+           "r3@2048_vs_r3@1": _check(ratio(("kera R=3", 2048), ("kera R=3", 1)), ">=0.8")}
+    last = repeats - 1
+    drift = {}
+    for s in sorted({r["streams"] for r in runs}):
+        mine = {r["repeat"]: r["produce_rps"] for r in runs
+                if (r["system"], r["streams"], r["phase"]) == ("kera R=3", s, "sequential")}
+        if 0 in mine and last in mine and last > 0:
+            drift[str(s)] = _check(mine[last] / mine[0], "within 10%")
+    out[f"r3_repeat{last + 1}_vs_repeat1"] = {
+        "cells": drift, "pass": all(d["pass"] for d in drift.values()) if drift else None,
+        "failing_streams": [int(s) for s, d in drift.items() if not d["pass"]]}
+    return out
+
+
 def run(counts: list[int], n: int, repeats: int, concurrent: bool, say) -> dict:
     runs: list[dict] = []
     phases = ["sequential"] + (["concurrent"] if concurrent else [])
+    load_start = os.getloadavg()
     with KeraRun(3) as k:
         for rep in range(repeats):
             for s in counts:
                 for phase in phases:
                     order = SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]   # rotate who goes first
                     for system in order:
-                        say(f"compare: repeat {rep + 1}/{repeats}, {s} streams, {phase}, {system}")
+                        say(f"streams: repeat {rep + 1}/{repeats}, {s} streams, {phase}, {system}")
                         conc = phase == "concurrent"
                         out = _run_peer(s, n, conc) if system == "peer" else \
                             _run_kera(k, int(system[-1]), s, n, conc)
@@ -83,8 +127,10 @@ def run(counts: list[int], n: int, repeats: int, concurrent: bool, say) -> dict:
                               "consume_rps": _stat([r.get("consume_rps") for r in mine]),
                               "consume_rps_chunks": _stat([r.get("consume_rps_chunks") for r in mine]),
                               "produce_p99_ms": _stat([r.get("produce_p99_ms") for r in mine])})
-    return {"experiment": "compare", "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
-            "producers": 1, "consumers": 1, "cells": cells, "runs": runs}
+    return {"experiment": "streams", "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
+            "producers": 1, "consumers": 1, "nodes": 3, "cells": cells,
+            "acceptance": acceptance(cells, runs, repeats), "runs": runs,
+            "load": {"start": load_start, "end": os.getloadavg()}}
 
 
 def table(res: dict) -> str:
@@ -93,21 +139,32 @@ def table(res: dict) -> str:
             return ""
         return f"{st['median'] / 1000:.0f}k ({st['min'] / 1000:.0f}-{st['max'] / 1000:.0f}k)"
 
+    def ratio(a, b):
+        return f"{a['median'] / b['median']:.1f}" if a and b and b["median"] else ""
+
     lines = []
     for phase in sorted({c["phase"] for c in res["cells"]}, reverse=True):
         what = "producer alone, then consumer alone" if phase == "sequential" else "producer and consumer at once"
         lines += [f"{what}: records/s, median (min-max) of {res['repeats']} runs", "",
-                  "| streams | peer produce | kera R=1 produce | kera R=3 produce | R=1 / peer | "
+                  "| streams | peer produce | kera R=1 produce | kera R=3 produce | R=1 / peer | R=3 / peer | "
                   "peer consume | kera R=1 consume | kera R=3 consume | kera R=3 consume, chunk-level |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         by = {(c["system"], c["streams"]): c for c in res["cells"] if c["phase"] == phase}
         for s in sorted({c["streams"] for c in res["cells"]}):
             peer, k1, k3 = by[("peer", s)], by[("kera R=1", s)], by[("kera R=3", s)]
-            ratio = (k1["produce_rps"]["median"] / peer["produce_rps"]["median"]
-                     if peer["produce_rps"] and k1["produce_rps"] else 0)
             lines.append(f"| {s} | {fmt(peer['produce_rps'])} | {fmt(k1['produce_rps'])} | "
-                         f"{fmt(k3['produce_rps'])} | {ratio:.1f} | {fmt(peer['consume_rps'])} | "
+                         f"{fmt(k3['produce_rps'])} | {ratio(k1['produce_rps'], peer['produce_rps'])} | "
+                         f"{ratio(k3['produce_rps'], peer['produce_rps'])} | {fmt(peer['consume_rps'])} | "
                          f"{fmt(k1['consume_rps'])} | {fmt(k3['consume_rps'])} | "
                          f"{fmt(k3['consume_rps_chunks'])} |")
         lines.append("")
+    lines.append("acceptance (issue 12, point 1):")
+    for name, a in res["acceptance"].items():
+        if "cells" in a:
+            each = ", ".join(f"{s} streams {d['value']}" for s, d in a["cells"].items())
+            verdict = {True: "pass", False: f"FAIL at {a['failing_streams']} streams", None: "n/a"}[a["pass"]]
+            lines.append(f"  {name} (kera R=3, within 10%): {each}: {verdict}")
+        else:
+            verdict = {True: "pass", False: "FAIL", None: "n/a"}[a["pass"]]
+            lines.append(f"  {name} ({a['bound']}): {a['value']}: {verdict}")
     return "\n".join(lines)
