@@ -35,24 +35,23 @@ class Outgoing:
     """One chunk: open (records still arrive), sealed (``seq`` set) and then packed (``data``)."""
 
     __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky", "seq",
-                 "records", "data", "start", "flags", "charged", "wall", "reports")
+                 "records", "data", "start", "flags", "charged", "reports")
 
-    def __init__(self, key: tuple, created: float, deadline: float, sticky: bool):
+    def __init__(self, key: tuple, created: float, deadline: float, sticky: int):
         self.key = key
         self.values: list[bytes] = []
         self.keys: list[bytes | None] | None = None   # only once a record has a key
         self.ts: list[int] | None = None              # only once a record has its own timestamp
         self.size = 0           # open: 16 + key + value per record; sealed: the chunk's bytes
-        self.created = created  # the first record's arrival: latencies count from here
+        self.created = created  # the first record's arrival: latencies and timestamps count from here
         self.deadline = deadline
-        self.sticky = sticky    # the round-robin streamlet of its stream, until sealed
+        self.sticky = sticky    # the round-robin chunk of a stream of this many streamlets (0: keyed)
         self.seq = -1
         self.records = 0
         self.data = None        # once packed: the buffer holding the chunk at ``start``
         self.start = 0          # (its request's payload: no per-chunk object)
         self.flags = 0
         self.charged = 0        # bytes counted against buffer.memory until acked or given up
-        self.wall = 0           # the records' timestamp, for those without their own
         self.reports = None     # its records' delivery callbacks (``delivery``), if any
 
     def chunk(self):
@@ -61,16 +60,10 @@ class Outgoing:
             return self.data
         return memoryview(self.data)[self.start:self.start + self.size]
 
-    def seal(self, seq: int, wall_ms: int) -> None:
-        self.seq = seq
-        self.records = len(self.values)
-        self.wall = wall_ms
-        self.size = chunkfmt.chunk_size(self.records, self.size - 16 * self.records)
-
     @classmethod
     def packed(cls, key: tuple, seq: int, data, records: int, created: float, reports=None) -> Outgoing:
         """A chunk built elsewhere (the columnar path)."""
-        c = cls(key, created, created, False)
+        c = cls(key, created, created, 0)
         c.seq, c.data, c.records, c.size, c.reports = seq, data, records, len(data), reports
         return c
 
@@ -87,10 +80,15 @@ def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
     if any(c.keys is not None for c in todo):
         keys = list(chain.from_iterable(c.keys if c.keys is not None else [None] * c.records
                                         for c in todo))
+    # records without their own timestamp get their chunk's first record's arrival, in wall
+    # milliseconds: one clock reading for the request, not one per chunk
+    to_wall = time.time() - time.monotonic()
+    wall = ((np.fromiter([c.created for c in todo], np.float64, len(todo)) + to_wall) * 1000).astype(np.int64)
     if any(c.ts is not None for c in todo):
-        ts = list(chain.from_iterable(c.ts if c.ts is not None else [c.wall] * c.records for c in todo))
+        ts = list(chain.from_iterable(c.ts if c.ts is not None else [w] * c.records
+                                      for c, w in zip(todo, wall.tolist(), strict=True)))
     else:
-        ts = np.repeat(np.fromiter([c.wall for c in todo], np.int64, len(todo)), counts)
+        ts = np.repeat(wall, counts)
     data, starts, sizes = chunkfmt.pack_many(
         [c.key[0] for c in todo], [c.key[1] for c in todo], producer_id, [c.seq for c in todo],
         [c.flags for c in todo], counts, values, keys, ts)
@@ -123,6 +121,7 @@ class Accumulator:
         self.batches: dict[tuple, Outgoing] = {}
         self.sticky: dict[int, Outgoing] = {}   # stream id -> open round-robin chunk
         self.linger_q: deque = deque()
+        self.due: dict[tuple, Outgoing] = {}    # lingered out while their streamlet was in a request
         self.seq: dict[tuple, int] = {}
         self._woken = False
         self._token = trio.lowlevel.current_trio_token()
@@ -155,11 +154,12 @@ class Accumulator:
         if key is None or not self.by_key:
             b = self.sticky.get(s["id"])
             if b is None:
-                b = self._open(s, self.rr.streamlet(s["id"], s["streamlets"]), True)
+                n = s["streamlets"]
+                b = self._open(s, self.rr.streamlet(s["id"], n) if n > 1 else 0, n)
         else:
             b = self.batches.get((s["id"], key_streamlet(key, s["streamlets"])))
             if b is None:
-                b = self._open(s, key_streamlet(key, s["streamlets"]), False)
+                b = self._open(s, key_streamlet(key, s["streamlets"]), 0)
         return b
 
     def _append(self, s: dict, value: bytes, key, timestamp, cb=None) -> None:
@@ -181,7 +181,9 @@ class Accumulator:
                 raise self._too_large(s, n, "record")
             self.delivery.refused(s["name"], key, value, cb, self._too_large(s, n, "record"))
             return
-        b = self._batch(s, key)
+        b = self.sticky.get(s["id"]) if key is None or not self.by_key else None
+        if b is None:
+            b = self._batch(s, key)
         if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
             self._seal(b)
             self._notify()
@@ -206,9 +208,10 @@ class Accumulator:
         self.outstanding += 1
         if b.size >= self.chunk_size:
             self._seal(b)
-            self._notify()
+            if not self._woken:
+                self._notify()
 
-    def _open(self, s: dict, streamlet: int, sticky: bool) -> Outgoing:
+    def _open(self, s: dict, streamlet: int, sticky: int) -> Outgoing:
         now = time.monotonic()
         k = (s["id"], streamlet)
         b = self.batches[k] = Outgoing(k, now, now + self.linger, sticky)
@@ -220,16 +223,23 @@ class Accumulator:
         return b
 
     def _seal(self, b: Outgoing) -> None:
-        """Close the open chunk and queue it with the next sequence; it is packed with the
-        other chunks of the request it leaves in (``accumulator.pack``)."""
+        """Close the open chunk and queue it with the next sequence (as ``_enqueue``, inline:
+        once per chunk); it is packed with the other chunks of the request it leaves in
+        (``accumulator.pack``)."""
         k = b.key
         del self.batches[k]
         if b.sticky:
             del self.sticky[k[0]]
-            self.rr.sealed(k[0], self.by_id[k[0]]["streamlets"])
-        # records without their own timestamp get the chunk's first record's arrival
-        b.seal(self.seq.get(k, 0), wall_ms(b.created) if b.ts is None else 0)
-        self._enqueue(b)
+            if b.sticky > 1:
+                self.rr.sealed(k[0], b.sticky)
+        b.seq = seq = self.seq.get(k, 0)
+        b.records = n = len(b.values)
+        b.size = chunkfmt.chunk_size(n, b.size - 16 * n)
+        self.seq[k] = seq + 1
+        q = self.ready.get(k)
+        if q is None:
+            q = self.ready[k] = deque()
+        q.append(b)
 
     def _enqueue(self, c: Outgoing) -> None:
         """Queue a sealed chunk: only now is its sequence taken, so a build that failed
@@ -269,12 +279,28 @@ class Accumulator:
         return cb if report else None
 
     def _seal_expired(self, now: float) -> None:
-        """Seal the open chunks whose ``linger.ms`` is over (the sender's loop, under the lock)."""
+        """Seal the open chunks whose ``linger.ms`` is over (the sender's loop, under the lock).
+
+        One whose streamlet is in a request could only wait sealed behind it (a streamlet
+        is in one request at a time): it stays open, taking records up to ``chunk.size``,
+        and is sealed when that request is settled (``_release``). So under load chunks
+        grow instead of queueing one or two records each, as a Kafka producer's batches do
+        while their partition waits to be sent."""
         q = self.linger_q
+        busy = self.inflight_keys
         while q and q[0].deadline <= now:
             b = q.popleft()
             if self.batches.get(b.key) is b:
-                self._seal(b)
+                if b.key in busy:
+                    self.due[b.key] = b
+                else:
+                    self._seal(b)
+
+    def _release(self, k: tuple) -> None:
+        """Streamlet ``k`` left its request: seal its open chunk if its linger ran out meanwhile."""
+        b = self.due.pop(k, None)
+        if b is not None and self.batches.get(k) is b:
+            self._seal(b)
 
     def seal_all(self) -> None:
         """Seal every open chunk, lingering or not."""

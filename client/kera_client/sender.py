@@ -70,15 +70,17 @@ class Sender:
         next_retry = math.inf
         plans: dict[str, list] = {}
         sizes: dict[str, int] = {}
+        ready, busy, retry_at, gaps = self.ready, self.inflight_keys, self.retry_at, self.gaps
+        limit, too_old = self.request_size, now - self.delivery_timeout
         with self.lock:
-            for k in list(self.ready):
-                q = self.ready[k]
+            for k in list(ready):
+                q = ready[k]
                 if not q:
-                    del self.ready[k]
+                    del ready[k]
                     continue
-                if k in self.inflight_keys:
+                if k in busy:
                     continue
-                t = self.retry_at.get(k, 0)
+                t = retry_at.get(k, 0) if retry_at else 0
                 if t > now:
                     next_retry = min(next_retry, t)
                     continue
@@ -94,35 +96,39 @@ class Sender:
                     continue
                 if self.inflight.get(addr, 0) >= self.max_in_flight:
                     continue
-                if sizes.get(addr, 0) >= self.request_size:
+                size = sizes.get(addr, 0)
+                if size >= limit:
                     continue
-                items = plans.setdefault(addr, [])
+                items = plans.get(addr)
+                if items is None:
+                    items = plans[addr] = []
                 taken = len(items)
-                gap = self.gaps.get(k)
-                while q and (sizes.get(addr, 0) == 0 or sizes[addr] + q[0].size <= self.request_size):
+                gap = gaps.get(k) if gaps else None
+                while q and (size == 0 or size + q[0].size <= limit):
                     c = q.popleft()
-                    if now - c.created > self.delivery_timeout:
+                    if c.created < too_old:
                         self._give_up([c], TIMEOUT)
-                        gap = self.gaps[k]
+                        gap = gaps[k]
                         continue
                     if gap is not None and c.seq > gap:  # the first chunk after a hole: a new base
                         if c.data is None:
                             c.flags |= chunkfmt.SEQ_RESET
                         else:
                             c.data, c.start = chunkfmt.with_flags(c.chunk(), chunkfmt.SEQ_RESET), 0
-                        del self.gaps[k]
+                        del gaps[k]
                         gap = None
                     items.append(c)
-                    sizes[addr] = sizes.get(addr, 0) + c.size
+                    size += c.size
+                sizes[addr] = size
                 if len(items) > taken:
-                    self.inflight_keys.add(k)
+                    busy.add(k)
                 if not q:
-                    del self.ready[k]
+                    del ready[k]
                 elif len(items) > taken:
                     # served: to the back, so the streamlets after it go first next time (else,
                     # with a deep buffer, the first ones in the dict always fill the requests
                     # and the others' records wait, and age, in the buffer)
-                    self.ready[k] = self.ready.pop(k)
+                    ready[k] = ready.pop(k)
             for addr, items in plans.items():
                 if items:
                     self.inflight[addr] = self.inflight.get(addr, 0) + 1
@@ -191,13 +197,16 @@ class Sender:
         with self.lock:
             self.inflight[addr] -= 1
             retry: dict[tuple, list] = {}
+            busy, due, latency = self.inflight_keys, self.due, self.latencies.append
+            acked = charged = 0
             for i, (c, res) in enumerate(zip(items, results, strict=False)):
-                self.inflight_keys.discard(c.key)
+                busy.discard(c.key)
+                if due:
+                    self._release(c.key)
                 if res is None:
-                    self.acked += c.records
-                    self.outstanding -= c.records
-                    self.buffered -= c.charged
-                    self.latencies.append(now - c.created)
+                    acked += c.records
+                    charged += c.charged
+                    latency(now - c.created)
                     if c.reports is not None:
                         self.delivery.settle(c, self.by_id[c.key[0]]["name"], None, where.get(i))
                 elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
@@ -206,6 +215,9 @@ class Sender:
                     retry.setdefault(c.key, []).append(c)
                 else:
                     self._give_up([c], res)
+            self.acked += acked
+            self.outstanding -= acked
+            self.buffered -= charged
             for k, cs in retry.items():
                 q = self.ready.setdefault(k, deque())
                 q.extendleft(reversed(cs))
