@@ -173,3 +173,38 @@ async def test_producer_resyncs_after_a_delivery_timeout(make_cluster):
                 cluster.kill("node1-broker", signal.SIGCONT)
         want = [b"v0", b"v1"] + [b"v%d" % i for i in range(4, 14)]
         assert await read_all(coord, "rs", len(want)) == want
+
+
+async def test_a_lingering_chunk_grows_while_its_streamlet_is_in_a_request(make_cluster):
+    """A chunk whose linger ran out while its streamlet waits for an answer stays open (it
+    could only queue sealed behind that request) and takes the records that follow, so
+    under load chunks grow instead of carrying one record each; it is sealed, and sent,
+    once the answer comes, and the records arrive in order."""
+    cluster = make_cluster(1, coordinator_args=["--dead-after", "20"])  # no failover during the pause
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        await a.create_stream("lg", replication=1)
+    stopped = False
+    with trio.fail_after(60):
+        try:
+            async with open_producer(coord, **{"chunk.size": 16384, "linger.ms": 1}) as p:
+                await p.send("lg", b"v0")
+                await p.flush()
+                k = (p.streams["lg"]["id"], 0)
+                cluster.kill("node1-broker", signal.SIGSTOP)
+                stopped = True
+                await p.send("lg", b"v1")
+                await poll(lambda: k in p.inflight_keys)    # v1's chunk in a request not answered yet
+                for i in (2, 3, 4):
+                    await p.send("lg", b"v%d" % i)
+                await poll(lambda: k in p.due)              # their linger is over: still open, not queued
+                assert p.batches[k].values == [b"v2", b"v3", b"v4"] and not p.ready.get(k)
+                await p.send("lg", b"v5")
+                cluster.kill("node1-broker", signal.SIGCONT)
+                stopped = False
+                await poll(lambda: p.outstanding == 0)
+                assert p.acked == 6 and p.failed == 0
+        finally:
+            if stopped:
+                cluster.kill("node1-broker", signal.SIGCONT)
+    assert await read_all(coord, "lg", 6) == [b"v%d" % i for i in range(6)]

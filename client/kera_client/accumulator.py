@@ -2,7 +2,8 @@
 
 ``Accumulator`` (the ``AsyncProducer``'s accumulating side, on any thread under
 its lock) puts each record in its streamlet's open ``Outgoing`` chunk, seals a
-chunk when it is full or its ``linger.ms`` is over, and queues it in ``ready``
+chunk when it is full or its ``linger.ms`` is over (and its streamlet is not in a
+request: ``_seal_expired``), and queues it in ``ready``
 with the next sequence of its streamlet, where the sender (``sender``) takes it.
 
 An ``Outgoing`` chunk collects one streamlet's records as plain lists while it is

@@ -1,7 +1,9 @@
 """Producers: records -> chunks (one per streamlet) -> requests (one per broker).
 
 ``send`` appends a record to its streamlet's open chunk; a chunk is sealed
-when it reaches ``chunk.size`` or has waited ``linger.ms``; sealed chunks get
+when it reaches ``chunk.size`` or has waited ``linger.ms`` (if its streamlet
+is then in a request, once that request is settled: under load chunks grow
+rather than queue, as a Kafka producer's batches do); sealed chunks get
 the next sequence of their (producer, streamlet) and leave in requests of up
 to ``request.size`` bytes, one per broker, at most ``max.in.flight`` requests
 per broker. A streamlet is in at most one request at a time, so a retry
