@@ -65,7 +65,9 @@ def plot(res: dict, path: str) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     m = res.get("machine", {})
-    fig.text(0.01, 0.01, f"{m.get('cpus')} cores, {m.get('when')}; peer: Tansu, memory storage, "
+    load = res.get("load")
+    busy = f", load average {load['start'][0]:.1f} to {load['end'][0]:.1f}" if load else ""
+    fig.text(0.01, 0.01, f"{m.get('cpus')} cores{busy}, {m.get('when')}; peer: Tansu, memory storage, "
              "no replication", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)

@@ -52,7 +52,7 @@ class Outgoing:
         self.data = None        # once packed: the buffer holding the chunk at ``start``
         self.start = 0          # (its request's payload: no per-chunk object)
         self.flags = 0
-        self.charged = 0        # bytes counted against buffer.memory until acked or given up
+        self.charged = 0        # bytes counted against buffer.memory until acked or given up (from sealing)
         self.reports = None     # its records' delivery callbacks (``delivery``), if any
 
     def chunk(self):
@@ -170,7 +170,8 @@ class Accumulator:
         allocation but the list slots; chunks are packed when sealed. A record
         that no chunk of its stream could hold is refused here, at once.
         """
-        if not isinstance(value, _BYTES) or key is not None and not isinstance(key, _BYTES):
+        if (type(value) is not bytes and not isinstance(value, _BYTES)
+                or key is not None and not isinstance(key, _BYTES)):
             raise TypeError(f"a record's value and key are bytes, not {type(value).__name__} / "
                             f"{type(key).__name__}")
         if timestamp is not None and type(timestamp) is not int:
@@ -204,7 +205,6 @@ class Accumulator:
             b.reports.append((len(b.values), cb, time.monotonic(), key, value))
         b.values.append(value)
         b.size += n
-        b.charged += n
         self.buffered += n
         self.outstanding += 1
         if b.size >= self.chunk_size:
@@ -235,6 +235,7 @@ class Accumulator:
                 self.rr.sealed(k[0], b.sticky)
         b.seq = seq = self.seq.get(k, 0)
         b.records = n = len(b.values)
+        b.charged = b.size      # what its records added to ``buffered``
         b.size = chunkfmt.chunk_size(n, b.size - 16 * n)
         self.seq[k] = seq + 1
         q = self.ready.get(k)
