@@ -3,7 +3,8 @@
     python -m bench streams [--quick]    # the headline: 1 -> 2,048 streams like for like beside the peer,
                                          # 3 runs each, issue 12's acceptance (bench/streams.py);
                                          # `compare` is the same experiment under its older name
-    python -m bench throughput [--quick] # B: 1 stream x 32 streamlets x 4 groups, chunk and producers
+    python -m bench throughput [--quick] # 1 stream x 32 streamlets x 4 groups, R=3, 2 producers and a
+                                         # consumer at once: send_columns beside send() (bench/throughput.py)
     python -m bench vlogs [--quick]      # C: V = 1 -> 32 shared vlogs, 128 and 512 streams, R=3
     python -m bench latency [--quick]    # p50/p99 ack latency at half the maximum rate, R=3
     python -m bench metadata [--quick]   # 100k streams: create rate, RSS per stream, fan-out (bench/metadata.py)
@@ -84,23 +85,8 @@ def exp_latency(args) -> dict:
 
 
 def exp_throughput(args) -> dict:
-    chunks = [16384] if args.quick else [4096, 16384, 65536]
-    producers = [2] if args.quick else [2, 4, 8]
-    n = args.records or (200_000 if args.quick else 1_000_000)
-    rows = []
-    with KeraRun(args.nodes) as k:
-        for chunk in chunks:
-            for p in producers:
-                for mode in ("send", "batch"):
-                    streams = k.create(1, streamlets=32, groups=4, replication=3)  # fresh per run
-                    say(f"B: chunk {chunk}, {p} producers, {mode}")
-                    out = k.measure(streams, n, 100, p, args.consumers,
-                                    {"acks": "all", "linger.ms": 5, "chunk.size": chunk,
-                                     "request.size": 4 << 20}, mode=mode)
-                    rows.append({"system": f"kera R=3 ({mode})", "chunk": chunk, "producers": p, **out})
-                    say(f"   {out}")
-    return {"experiment": "throughput", "records": n, "rows": rows, "nodes": args.nodes,
-            "consumers": args.consumers}
+    from .throughput import run
+    return run(args, say)
 
 
 def exp_vlogs(args) -> dict:
@@ -138,6 +124,9 @@ def table(res: dict) -> str:
     if res["experiment"] == "streams":
         from .streams import table as streams_table
         return streams_table(res)
+    if res["experiment"] == "throughput":
+        from .throughput import table as throughput_table
+        return throughput_table(res)
     rows = res["rows"]
     keys = [k for k in ("system", "streams", "vlogs", "chunk", "producers", "rate", "offered", "produce_rps",
                         "consume_rps", "produce_p50_ms", "produce_p99_ms", "produce_p999_ms", "chunks_per_rpc",
@@ -164,7 +153,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench")
     ap.add_argument("experiment", choices=["streams", "compare", "throughput", "vlogs", "latency", "metadata",
                                            "soak"])
-    ap.add_argument("--repeats", type=int, default=3, help="streams: runs per cell, systems alternating")
+    ap.add_argument("--repeats", type=int, default=3, help="streams, throughput: runs per cell, systems alternating")
     ap.add_argument("--concurrent", action="store_true", help="streams: also producer and consumer at once")
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
     ap.add_argument("--records", type=int, default=0)

@@ -21,30 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import time
 
-from .kera_side import KeraRun
+from .kera_side import KeraRun, own_cpu, proc_cpu
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu(pid: int) -> float:
-    """Seconds of CPU (user + system, all threads) the process used so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def _self_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def _pids(run: KeraRun, kind: str) -> list[int]:
-    return [p.pid for name, p in run.cluster.procs.items() if name.endswith(f"-{kind}")]
 
 
 def one_run(run: KeraRun, streams: list[str], records: int, size: int, replication: int) -> dict:
@@ -59,16 +41,16 @@ def one_run(run: KeraRun, streams: list[str], records: int, size: int, replicati
         for i in range(2 * s):  # warm: connections, vlogs, first segments and replica files
             p.send(streams[i % s], value)
         p.flush()
-        brokers, backups = _pids(run, "broker"), _pids(run, "backup")
+        brokers, backups = run.pids("broker"), run.pids("backup")
         before = run.stats()
-        c0 = (_self_cpu(), [_cpu(x) for x in brokers], [_cpu(x) for x in backups])
+        c0 = (own_cpu(), [proc_cpu(x) for x in brokers], [proc_cpu(x) for x in backups])
         t0 = time.monotonic()
         send = p.send
         for i in range(records):
             send(streams[i % s], value)
         p.flush()
         wall = time.monotonic() - t0
-        c1 = (_self_cpu(), [_cpu(x) for x in brokers], [_cpu(x) for x in backups])
+        c1 = (own_cpu(), [proc_cpu(x) for x in brokers], [proc_cpu(x) for x in backups])
         after = run.stats()
     finally:
         p.portal.close()

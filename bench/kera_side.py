@@ -3,7 +3,10 @@
 Producers are the paper's proxy producers: each cycles over all streams, one
 ``send()`` per record from Python (the same shape as the peer's one
 ``produce()`` per record), so each request carries a chunk per stream.
-``mode="batch"`` uses ``send_many`` instead (labelled separately).
+``mode="send_many"`` (a 2-D array per stream) and ``mode="send_columns"`` (offsets
+and one buffer, sent in slices of ``COLUMN_SLICE`` records) use the batch API
+instead, labelled separately. Workers report their own CPU time (``cpu_s``, all
+threads) over the measured part.
 
 Latency is per record, as on the peer's side: every ``LATENCY_SAMPLE_EVERY``-th
 record is sent with a delivery callback, whose report gives the time from its
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import resource
 import tempfile
 import time
 
@@ -25,6 +29,25 @@ from kera.cluster import LocalCluster
 
 from .peer import LATENCY_SAMPLE_EVERY
 from .stage import run_stage, split, summarize
+
+COLUMN_SLICE = 65536  # records per send_columns call: big enough to amortise the call, small
+                      # enough that the first chunks leave while later slices are packed
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_cpu(pid: int) -> float:
+    """Seconds of CPU (user + system, all threads) process ``pid`` used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def own_cpu() -> float:
+    """Seconds of CPU this process used so far (user + system, all threads)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_index=0,
@@ -49,7 +72,7 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
         every = LATENCY_SAMPLE_EVERY
         if barrier is not None:
             barrier.wait()
-        t0 = time.monotonic()
+        t0, c0 = time.monotonic(), own_cpu()
         if mode == "send":
             send = p.send
             if rate:
@@ -73,15 +96,26 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
                         send(streams[i % s], value, on_delivery=on_delivery)
                     else:
                         send(streams[i % s], value)
-        else:
+        elif mode == "send_many":
             per = max(1, n_records // s)
             arr = np.full((per, size), ord("x"), dtype=np.uint8)
             for j in range(s):
                 p.send_many(streams[(start_index + j) % s], arr, on_delivery=on_delivery)
+        elif mode == "send_columns":
+            per = max(1, n_records // s)
+            data = value * min(per, COLUMN_SLICE)
+            for j in range(s):
+                for a in range(0, per, COLUMN_SLICE):
+                    m = min(COLUMN_SLICE, per - a)
+                    p.send_columns(streams[(start_index + j) % s], np.arange(0, (m + 1) * size, size),
+                                   data, on_delivery=on_delivery)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
         p.flush()
-        t1 = time.monotonic()
+        t1, c1 = time.monotonic(), own_cpu()
         lat = sorted(x * 1000 for x in latencies)
-        return {"records": p.acked - warm, "t_start": t0, "t_end": t1, "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
+        return {"records": p.acked - warm, "t_start": t0, "t_end": t1, "cpu_s": c1 - c0,
+                "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
     finally:
         p.portal.close()
 
@@ -99,7 +133,7 @@ def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", sk
         async with open_consumer(streams, coord, start=start) as c:
             if barrier is not None:
                 await trio.to_thread.run_sync(barrier.wait)
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), own_cpu()
             n = 0
             total = 0
             with trio.move_on_after(timeout_s):
@@ -109,7 +143,8 @@ def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", sk
                             for v in ch.values():
                                 total += len(v)
                         n += len(ch)
-            return {"records": n - skip, "t_start": t0, "t_end": time.monotonic(), "bytes": total}
+            return {"records": n - skip, "t_start": t0, "t_end": time.monotonic(), "bytes": total,
+                    "cpu_s": own_cpu() - c0}
 
     return trio.run(run)
 
@@ -165,6 +200,14 @@ class KeraRun:
 
         return trio.run(go)
 
+    def pids(self, kind: str) -> list[int]:
+        """The cluster's processes of one kind (broker, backup, coordinator)."""
+        return [p.pid for name, p in self.cluster.procs.items() if name.split("-")[-1].rstrip("0123456789") == kind]
+
+    def server_cpu(self) -> dict:
+        """CPU seconds used so far, summed per kind of server process."""
+        return {kind: sum(proc_cpu(x) for x in self.pids(kind)) for kind in ("coordinator", "broker", "backup")}
+
     def delete(self, streams) -> None:
         """Drop a run's streams, so the next run meets a cluster as fresh as the peer's."""
         from kera_client import open_admin
@@ -187,7 +230,7 @@ class KeraRun:
         n_warm = max(len(streams), int(n_records * warmup)) // producers
         if mode != "send":
             n_warm = 0
-        before = self.stats()
+        before, cpu0 = self.stats(), self.server_cpu()
         counts = split(n_records, producers)
         starts = [(j * len(streams)) // producers for j in range(producers)]
         jobs = [("p", j, produce_worker, (coord, streams, counts[j], size, cfg),
@@ -226,14 +269,19 @@ class KeraRun:
             c2 = list(again.values())
             chunk_rps = round(sum(o["records"] for o in c2) /
                               (max(o["t_end"] for o in c2) - min(o["t_start"] for o in c2)))
-        after = self.stats()
+        after, cpu1 = self.stats(), self.server_cpu()
         couts = [outs[("c", k)] for k in range(consumers)]
-        out = summarize([outs[("p", j)] for j in range(producers)], couts,
+        pouts = [outs[("p", j)] for j in range(producers)]
+        cpu = {"producers": sum(o["cpu_s"] for o in pouts), "consumers": sum(o["cpu_s"] for o in couts),
+               **{k + "s": cpu1[k] - cpu0[k] for k in cpu0}}
+        out = summarize(pouts, couts,
                         min(o["t_start"] for o in couts) if sequential and couts else None)
         out.update(rpcs=after["rpcs"] - before["rpcs"], chunks=after["chunks"] - before["chunks"])
         if consumers:
             out["expected"] = sum(share)
         out["chunks_per_rpc"] = round(out["chunks"] / out["rpcs"], 1) if out["rpcs"] else None
+        out["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
+        out["cpu_us_per_record"] = {k: round(v / n_records * 1e6, 2) for k, v in cpu.items()}
         if chunk_rps is not None:
             out["consume_rps_chunks"] = chunk_rps
         return out

@@ -69,32 +69,49 @@ def encode_parts(kind: int, request_id: int, meta: dict, parts) -> bytes:
     return b"".join([PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen), m, *parts])
 
 
+ADOPT = 1 << 16  # a frame at least this large that is not yet complete is filled in a buffer of its own,
+ADOPT_SHARE = 4  # once 1/ADOPT_SHARE of it is in: what a peer's prefix makes us allocate stays bounded
+                 # by what it sent
+
+
 class FrameDecoder:
     """Incremental decoder. ``feed`` bytes, then ``next`` until it returns None.
 
-    A frame's payload is copied once out of the stream buffer, after its
-    prefix was validated, so payload memoryviews stay valid after later feeds.
+    A frame's payload is copied once out of what was fed, after its prefix was
+    validated, so payload memoryviews stay valid after later feeds. A large frame
+    (``ADOPT`` bytes or more) still arriving gets a buffer of its exact size once a
+    quarter of it is in (an announced size alone allocates nothing): the rest of it is written there as it comes, and that buffer
+    becomes the payload as it is (no growing stream buffer, no copy out of it).
     """
 
     def __init__(self, max_frame: int = MAX_FRAME):
         self.max_frame = max_frame
         self._buf = bytearray()
         self._pos = 0
+        self._frame: bytearray | None = None  # a large frame being filled in place
+        self._fill = 0
 
     def feed(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        if self._frame is not None:  # the stream buffer is empty while a frame fills
+            f, fill = self._frame, self._fill
+            take = min(len(mv), len(f) - fill)
+            f[fill:fill + take] = mv[:take]
+            self._fill = fill + take
+            mv = mv[take:]
+            if not mv:
+                return
         if self._pos and self._pos == len(self._buf):
             self._buf.clear()
             self._pos = 0
-        self._buf += data
+        self._buf += mv
 
     @property
     def pending(self) -> int:
-        return len(self._buf) - self._pos
+        return len(self._buf) - self._pos + (self._fill if self._frame is not None else 0)
 
-    def next(self) -> Frame | None:
-        buf, pos = self._buf, self._pos
-        if len(buf) - pos < PREFIX_SIZE:
-            return None
+    def _prefix(self, buf, pos: int) -> tuple[int, int, int, int]:
+        """A frame prefix's (kind, request id, meta length, payload length), checked."""
         magic, version, kind, rid, mlen, plen = PREFIX.unpack_from(buf, pos)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {bytes(magic)!r}")
@@ -106,17 +123,36 @@ class FrameDecoder:
             raise FrameTooLarge(f"meta of {mlen} bytes exceeds MAX_META ({MAX_META})")
         if PREFIX_SIZE + mlen + plen > self.max_frame:
             raise FrameTooLarge(f"frame of {PREFIX_SIZE + mlen + plen} bytes exceeds {self.max_frame}")
-        end = pos + PREFIX_SIZE + mlen + plen
+        return kind, rid, mlen, plen
+
+    def next(self) -> Frame | None:
+        if self._frame is not None:
+            f = self._frame
+            if self._fill < len(f):
+                return None
+            self._frame = None
+            kind, rid, mlen, _ = self._prefix(f, 0)
+            return Frame(kind, rid, _meta(f, PREFIX_SIZE, mlen), memoryview(f)[PREFIX_SIZE + mlen:])
+        buf, pos = self._buf, self._pos
+        if len(buf) - pos < PREFIX_SIZE:
+            return None
+        kind, rid, mlen, plen = self._prefix(buf, pos)
+        size = PREFIX_SIZE + mlen + plen
+        end = pos + size
         if len(buf) < end:
+            have = len(buf) - pos
+            if size >= ADOPT and have * ADOPT_SHARE >= size:
+                f = bytearray(size)
+                with memoryview(buf) as m:
+                    f[:have] = m[pos:]
+                buf.clear()
+                self._pos = 0
+                self._frame, self._fill = f, have
             return None
         mstart = pos + PREFIX_SIZE
-        try:
-            meta = msgpack.unpackb(buf[mstart:mstart + mlen], raw=False, strict_map_key=False)
-        except Exception as e:  # msgpack raises several unrelated types
-            raise ProtocolError(f"undecodable frame meta: {e}") from None
-        if not isinstance(meta, dict):
-            raise ProtocolError("frame meta is not a map")
-        payload = memoryview(bytes(buf[mstart + mlen:end]))
+        meta = _meta(buf, mstart, mlen)
+        with memoryview(buf) as m:
+            payload = memoryview(bytes(m[mstart + mlen:end]))
         self._pos = end
         if end == len(buf):
             buf.clear()
@@ -125,3 +161,14 @@ class FrameDecoder:
             del buf[:end]
             self._pos = 0
         return Frame(kind, rid, meta, payload)
+
+
+def _meta(buf, start: int, mlen: int) -> dict:
+    with memoryview(buf) as m:
+        try:
+            meta = msgpack.unpackb(m[start:start + mlen], raw=False, strict_map_key=False)
+        except Exception as e:  # msgpack raises several unrelated types
+            raise ProtocolError(f"undecodable frame meta: {e}") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError("frame meta is not a map")
+    return meta

@@ -113,6 +113,29 @@ def test_pipelined_arbitrary_splits(frs, data):
 
 
 @FEW
+@given(st.lists(st.sampled_from([0, 100, frame.ADOPT - 40, frame.ADOPT, 5 * frame.ADOPT]), min_size=1, max_size=4),
+       st.data())
+def test_large_frames_any_split(sizes, data):
+    """Large frames (filled in a buffer of their own once a share is in) between small ones,
+    cut anywhere: the same frames, whole, payloads intact after later feeds, ``pending`` exact."""
+    rng = np.random.default_rng(len(sizes))
+    frs = [(REQUEST, i, {"i": i}, rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for i, n in enumerate(sizes)]
+    stream = b"".join(encode(*fr) for fr in frs)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(stream)), max_size=20))))
+    dec = FrameDecoder()
+    got = []
+    prev = 0
+    for cut in cuts + [len(stream)]:
+        dec.feed(stream[prev:cut])
+        prev = cut
+        got += drain(dec)
+        assert dec.pending == cut - sum(len(encode(*fr)) for fr in frs[:len(got)])
+    for f, fr in zip(got, frs, strict=True):
+        same(f, *fr)
+    assert len(got) == len(frs)
+
+
+@FEW
 @given(st.lists(frames, min_size=1, max_size=3))
 def test_byte_at_a_time(frs):
     stream = b"".join(encode(*fr) for fr in frs)
