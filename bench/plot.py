@@ -53,12 +53,18 @@ def plot(res: dict, path: str) -> None:
                         color=line.get_color(), label=f"{system} p99")
         ax.set_xscale("log")
         ax.set_yscale("log")
-    else:
-        x, title = "chunk", "records/s produced, 1 stream x 32 streamlets x 4 groups, R=3"
-        for key in sorted({(r["system"], r["producers"]) for r in rows}):
-            pts = sorted((r[x], r["produce_rps"]) for r in rows if (r["system"], r["producers"]) == key)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{key[0]}, {key[1]} producers")
-        ax.set_xscale("log", base=2)
+    elif res["experiment"] == "throughput":
+        x, title = "producer API (2 producer processes, 1 consumer at once)", \
+            "records/s with R=3, 1 stream x 32 streamlets, median and range of runs"
+        summary = res["summary"]
+        for i, (what, label) in enumerate((("produce_rps", "acknowledged"), ("consume_rps", "consumed"))):
+            xs = [j + (i - 0.5) * 0.35 for j in range(len(summary))]
+            med = [s_[what]["median"] for s_ in summary]
+            err = [[m - s_[what]["min"] for m, s_ in zip(med, summary, strict=True)],
+                   [s_[what]["max"] - m for m, s_ in zip(med, summary, strict=True)]]
+            ax.bar(xs, med, width=0.35, yerr=err, capsize=4, label=label)
+        ax.axhline(1_000_000, color="grey", linestyle="--", linewidth=1, label="1 M records/s")
+        ax.set_xticks(range(len(summary)), [f"{s_['api']}, chunk {s_['chunk'] // 1024} KB" for s_ in summary])
     ax.set_xlabel(x)
     ax.set_ylabel({"latency": "ms", "metadata": "created/s"}.get(res["experiment"], "records/s"))
     ax.set_title(title, fontsize=10)
@@ -67,7 +73,9 @@ def plot(res: dict, path: str) -> None:
     m = res.get("machine", {})
     load = res.get("load")
     busy = f", load average {load['start'][0]:.1f} to {load['end'][0]:.1f}" if load else ""
-    fig.text(0.01, 0.01, f"{m.get('cpus')} cores{busy}, {m.get('when')}; peer: Tansu, memory storage, "
-             "no replication", fontsize=7)
+    if res["experiment"] == "throughput":
+        busy = ", load average " + ", ".join(f"{s_['api']} {s_['load'][0]}-{s_['load'][1]}" for s_ in res["summary"])
+    peer = "; peer: Tansu, memory storage, no replication" if res["experiment"] != "throughput" else ""
+    fig.text(0.01, 0.01, f"{m.get('cpus')} cores{busy}, {m.get('when')}{peer}", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
