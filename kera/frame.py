@@ -37,7 +37,7 @@ class Frame:
     payload: memoryview
 
 
-def _nbytes(b) -> int:
+def nbytes(b) -> int:
     """Byte size of a buffer (len() counts items: wrong for numpy or array.array)."""
     t = type(b)
     if t is bytes or t is bytearray:
@@ -56,17 +56,22 @@ def _check(mlen: int, plen: int) -> None:
 def encode(kind: int, request_id: int, meta: dict, payload=b"") -> bytes:
     """One contiguous frame: a single copy of the payload, a single send."""
     m = msgpack.packb(meta, use_bin_type=True)
-    plen = _nbytes(payload)
+    plen = nbytes(payload)
     _check(len(m), plen)
     return b"".join((PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen), m, payload))
 
 
 def encode_parts(kind: int, request_id: int, meta: dict, parts) -> bytes:
     """A frame whose payload is the concatenation of ``parts`` (buffers)."""
+    return b"".join(frame_buffers(kind, request_id, meta, parts))
+
+
+def frame_buffers(kind: int, request_id: int, meta: dict, parts) -> list:
+    """The same frame as a list of buffers, ``parts`` uncopied, for a vectored send."""
     m = msgpack.packb(meta, use_bin_type=True)
-    plen = sum(map(_nbytes, parts))
+    plen = sum(map(nbytes, parts))
     _check(len(m), plen)
-    return b"".join([PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen), m, *parts])
+    return [PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen) + m, *parts]
 
 
 ADOPT = 1 << 16  # a frame at least this large that is not yet complete is filled in a buffer of its own,

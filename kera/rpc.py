@@ -31,6 +31,8 @@ log = logging.getLogger("kera.rpc")
 
 MAX_INFLIGHT = 256
 RECV_SIZE = 1 << 20
+VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg), not joined first
+IOV_MAX = 1024
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -40,13 +42,43 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _result_frame(rid: int, result) -> bytes:
+def _parts_frame(kind: int, rid: int, meta: dict, parts) -> bytes | list:
+    """A frame whose payload is ``parts``: joined when small, else its buffers as they are."""
+    bufs = frame.frame_buffers(kind, rid, meta, parts)
+    return bufs if sum(map(frame.nbytes, bufs)) >= VECTOR_FROM else b"".join(bufs)
+
+
+async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
+    """Send one frame: bytes with ``send_all``, a list of buffers with ``sendmsg`` (no copy into
+    one buffer), up to ``IOV_MAX`` buffers per call, resuming after a partial send."""
+    if not isinstance(data, list):
+        await stream.send_all(data)
+        return
+    sock = stream.socket
+    views = [memoryview(b).cast("B") for b in data]
+    i = 0
+    while i < len(views):
+        try:
+            sent = await sock.sendmsg(views[i:i + IOV_MAX])
+        except OSError as e:  # as send_all says it
+            raise trio.BrokenResourceError(f"socket send failed: {e}") from e
+        while sent:
+            n = len(views[i])
+            if sent >= n:
+                sent -= n
+                i += 1
+            else:
+                views[i] = views[i][sent:]
+                sent = 0
+
+
+def _result_frame(rid: int, result) -> bytes | list:
     if result is None:
         result = {}
     if isinstance(result, tuple):
         meta, payload = result
         if isinstance(payload, list):
-            return frame.encode_parts(frame.RESPONSE, rid, meta, payload)
+            return _parts_frame(frame.RESPONSE, rid, meta, payload)
         return frame.encode(frame.RESPONSE, rid, meta, payload)
     return frame.encode(frame.RESPONSE, rid, result)
 
@@ -95,9 +127,9 @@ class Service:
         send_lock = trio.Lock()
         slots = trio.Semaphore(MAX_INFLIGHT)
 
-        async def send(data: bytes) -> None:
+        async def send(data: bytes | list) -> None:
             async with send_lock:
-                await stream.send_all(data)
+                await send_frame(stream, data)
 
         async def finish(rid: int, coro) -> None:
             try:
@@ -206,7 +238,7 @@ class Connection:
         self.next_id = (rid + 1) & 0xFFFFFFFF or 1
         m = dict(meta or ())
         m["m"] = method
-        data = frame.encode_parts(frame.REQUEST, rid, m, parts) if parts is not None \
+        data = _parts_frame(frame.REQUEST, rid, m, parts) if parts is not None \
             else frame.encode(frame.REQUEST, rid, m, payload)
         slot = [trio.Event(), None]
         self.pending[rid] = slot
@@ -216,7 +248,7 @@ class Connection:
                     if self.closed:
                         raise Unavailable(str(self.error))
                     try:
-                        await self.stream.send_all(data)
+                        await send_frame(self.stream, data)
                     except BaseException as e:
                         # part of the frame may be on the wire: nothing more may follow it
                         self._tear(f"send of {method} interrupted ({type(e).__name__})")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 import trio
 
 from kera.errors import InvalidArgument, Unavailable
-from kera.rpc import Service, open_pool
+from kera.rpc import IOV_MAX, VECTOR_FROM, Service, open_pool, send_frame
 
 
 class SlowReader:
@@ -28,6 +29,10 @@ class SlowReader:
 
     async def send_all(self, data):
         await self.stream.send_all(data)
+
+    @property
+    def socket(self):  # large frames of parts go out vectored on the socket itself
+        return self.stream.socket
 
     async def aclose(self):
         await self.stream.aclose()
@@ -66,6 +71,12 @@ class TestService(Service):
         await self.release.wait()
         self.raised.set()
         raise InvalidArgument("answered after the caller gave up")
+
+    def rpc_echo_parts(self, meta, payload):
+        """The payload back as parts of uneven sizes (a frame of buffers, uncopied)."""
+        mv = memoryview(payload)
+        cuts = [0, *meta["cuts"], len(mv)]
+        return {"n": len(mv)}, [mv[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def rpc_big(self, meta, payload):
         self.big_calls += 1
@@ -117,6 +128,36 @@ async def test_late_reply_is_dropped_and_the_connection_stays(server):
             meta, _ = await pool.call(addr, "echo", {"n": 2}, timeout=5)
             assert meta == {"n": 2}
             assert pool.conns[addr] is conn and not conn.closed and svc.connections == 1
+
+
+@pytest.mark.parametrize("size", [100, VECTOR_FROM - 200, 3 * VECTOR_FROM + 7])
+async def test_frames_of_parts_small_and_vectored(server, size):
+    """Requests and answers made of parts arrive whole, joined or sent vectored."""
+    svc, addr = server
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    cuts = sorted({size // 3, size // 2, size - 1} - {0})
+    parts = [data[:5], memoryview(data.tobytes())[5:size // 2], *np.array_split(data[size // 2:], 2000)]
+    with trio.fail_after(30):
+        async with open_pool() as pool:
+            meta, payload = await pool.call(addr, "echo_parts", {"cuts": cuts}, parts=parts, timeout=20)
+            assert meta == {"n": size} and bytes(payload) == data.tobytes()
+            assert svc.connections == 1
+
+
+async def test_vectored_send_resumes_after_partial_sends():
+    """More buffers than one sendmsg takes and more bytes than the kernel holds: each partial
+    send resumes where it stopped, the reader gets every byte in order."""
+    a, b = trio.socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    data = np.random.default_rng(7).integers(0, 256, (2 << 20) + 11, dtype=np.uint8)
+    parts = [memoryview(p.tobytes()) for p in np.array_split(data, 3 * IOV_MAX)]
+    got = bytearray()
+    with trio.fail_after(20), a, b:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_frame, trio.SocketStream(a), parts)
+            while len(got) < data.nbytes:
+                got += await b.recv(1 << 16)
+    assert bytes(got) == data.tobytes()
 
 
 @pytest.mark.parametrize("how", ["timeout", "cancel"])
