@@ -29,7 +29,7 @@ from .kera_side import KeraRun
 STREAMLETS, GROUPS, SIZE = 32, 4, 100
 CONFIGS = {
     "send_columns": {"mode": "send_columns", "producers": 2,
-                     "cfg": {"acks": "all", "linger.ms": 5, "chunk.size": 65536, "request.size": 4 << 20}},
+                     "cfg": {"acks": "all", "linger.ms": 5, "chunk.size": 262144, "request.size": 4 << 20}},
     "send": {"mode": "send", "producers": 2,
              "cfg": {"acks": "all", "linger.ms": 5, "chunk.size": 16384, "request.size": 4 << 20}},
 }

@@ -74,35 +74,33 @@ def frame_buffers(kind: int, request_id: int, meta: dict, parts) -> list:
     return [PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen) + m, *parts]
 
 
-ADOPT = 1 << 16  # a frame at least this large that is not yet complete is filled in a buffer of its own,
-ADOPT_SHARE = 4  # once 1/ADOPT_SHARE of it is in: what a peer's prefix makes us allocate stays bounded
-                 # by what it sent
+GATHER = 1 << 16  # a frame at least this large still arriving is gathered piece by piece
 
 
 class FrameDecoder:
     """Incremental decoder. ``feed`` bytes, then ``next`` until it returns None.
 
     A frame's payload is copied once out of what was fed, after its prefix was
-    validated, so payload memoryviews stay valid after later feeds. A large frame
-    (``ADOPT`` bytes or more) still arriving gets a buffer of its exact size once a
-    quarter of it is in (an announced size alone allocates nothing): the rest of it is written there as it comes, and that buffer
-    becomes the payload as it is (no growing stream buffer, no copy out of it).
+    validated, into bytes of its own, so payload memoryviews stay valid (and
+    unchanging) after later feeds. A large frame (``GATHER`` bytes or more) still
+    arriving is kept as the pieces fed (views of them when they are bytes) and
+    joined once complete: no growing stream buffer, and an announced size alone
+    allocates nothing.
     """
 
     def __init__(self, max_frame: int = MAX_FRAME):
         self.max_frame = max_frame
         self._buf = bytearray()
         self._pos = 0
-        self._frame: bytearray | None = None  # a large frame being filled in place
-        self._fill = 0
+        self._pieces: list | None = None  # a large frame being gathered
+        self._need = 0                    # and the bytes it still lacks
 
     def feed(self, data) -> None:
         mv = memoryview(data).cast("B")
-        if self._frame is not None:  # the stream buffer is empty while a frame fills
-            f, fill = self._frame, self._fill
-            take = min(len(mv), len(f) - fill)
-            f[fill:fill + take] = mv[:take]
-            self._fill = fill + take
+        if self._pieces is not None and self._need:  # the stream buffer is empty meanwhile
+            take = min(len(mv), self._need)
+            self._pieces.append(mv[:take] if type(data) is bytes else bytes(mv[:take]))
+            self._need -= take
             mv = mv[take:]
             if not mv:
                 return
@@ -113,7 +111,8 @@ class FrameDecoder:
 
     @property
     def pending(self) -> int:
-        return len(self._buf) - self._pos + (self._fill if self._frame is not None else 0)
+        gathered = sum(map(len, self._pieces)) if self._pieces is not None else 0
+        return len(self._buf) - self._pos + gathered
 
     def _prefix(self, buf, pos: int) -> tuple[int, int, int, int]:
         """A frame prefix's (kind, request id, meta length, payload length), checked."""
@@ -131,11 +130,11 @@ class FrameDecoder:
         return kind, rid, mlen, plen
 
     def next(self) -> Frame | None:
-        if self._frame is not None:
-            f = self._frame
-            if self._fill < len(f):
+        if self._pieces is not None:
+            if self._need:
                 return None
-            self._frame = None
+            f = b"".join(self._pieces)
+            self._pieces = None
             kind, rid, mlen, _ = self._prefix(f, 0)
             return Frame(kind, rid, _meta(f, PREFIX_SIZE, mlen), memoryview(f)[PREFIX_SIZE + mlen:])
         buf, pos = self._buf, self._pos
@@ -145,14 +144,12 @@ class FrameDecoder:
         size = PREFIX_SIZE + mlen + plen
         end = pos + size
         if len(buf) < end:
-            have = len(buf) - pos
-            if size >= ADOPT and have * ADOPT_SHARE >= size:
-                f = bytearray(size)
+            if size >= GATHER:
                 with memoryview(buf) as m:
-                    f[:have] = m[pos:]
+                    self._pieces = [bytes(m[pos:])]
+                self._need = end - len(buf)
                 buf.clear()
                 self._pos = 0
-                self._frame, self._fill = f, have
             return None
         mstart = pos + PREFIX_SIZE
         meta = _meta(buf, mstart, mlen)

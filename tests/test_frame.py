@@ -113,11 +113,11 @@ def test_pipelined_arbitrary_splits(frs, data):
 
 
 @FEW
-@given(st.lists(st.sampled_from([0, 100, frame.ADOPT - 40, frame.ADOPT, 5 * frame.ADOPT]), min_size=1, max_size=4),
+@given(st.lists(st.sampled_from([0, 100, frame.GATHER - 40, frame.GATHER, 5 * frame.GATHER]), min_size=1, max_size=4),
        st.data())
 def test_large_frames_any_split(sizes, data):
-    """Large frames (filled in a buffer of their own once a share is in) between small ones,
-    cut anywhere: the same frames, whole, payloads intact after later feeds, ``pending`` exact."""
+    """Large frames (gathered piece by piece) between small ones, cut anywhere: the same frames,
+    whole, payloads intact after later feeds and backed by bytes (unchanging), ``pending`` exact."""
     rng = np.random.default_rng(len(sizes))
     frs = [(REQUEST, i, {"i": i}, rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for i, n in enumerate(sizes)]
     stream = b"".join(encode(*fr) for fr in frs)
@@ -132,6 +132,7 @@ def test_large_frames_any_split(sizes, data):
         assert dec.pending == cut - sum(len(encode(*fr)) for fr in frs[:len(got)])
     for f, fr in zip(got, frs, strict=True):
         same(f, *fr)
+        assert type(f.payload.obj) is bytes
     assert len(got) == len(frs)
 
 
