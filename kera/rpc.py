@@ -31,7 +31,8 @@ log = logging.getLogger("kera.rpc")
 
 MAX_INFLIGHT = 256
 RECV_SIZE = 1 << 20
-VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg), not joined first
+VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg), not joined first,
+VECTOR_PART = 1 << 12  # when its parts average this much: many tiny parts cost less joined
 IOV_MAX = 1024
 
 
@@ -43,9 +44,11 @@ def parse_addr(addr: str) -> tuple[str, int]:
 
 
 def _parts_frame(kind: int, rid: int, meta: dict, parts) -> bytes | list:
-    """A frame whose payload is ``parts``: joined when small, else its buffers as they are."""
+    """A frame whose payload is ``parts``: joined when small or of tiny parts, else its buffers
+    as they are."""
     bufs = frame.frame_buffers(kind, rid, meta, parts)
-    return bufs if sum(map(frame.nbytes, bufs)) >= VECTOR_FROM else b"".join(bufs)
+    total = sum(map(frame.nbytes, bufs))
+    return bufs if total >= VECTOR_FROM and total >= len(bufs) * VECTOR_PART else b"".join(bufs)
 
 
 async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
