@@ -40,7 +40,7 @@ def spread(xs: list[float]) -> dict:
 
 
 def run(args, say) -> dict:
-    n = args.records or (400_000 if args.quick else 2_000_000)
+    n = args.records or (400_000 if args.quick else 4_000_000)
     repeats = 1 if args.quick else max(3, args.repeats)
     rows = []
     with KeraRun(args.nodes) as k:
