@@ -153,11 +153,20 @@ def build(stream_id: int, streamlet: int, producer_id: int, sequence: int,
 
 def _seal_header(stream_id, streamlet, producer_id, sequence, n, ts_min, ts_max, body,
                  flags: int = 0) -> bytes:
+    """The chunk: its header, then ``body`` (bytes, or a list of buffers: hashed piece by piece
+    and copied once, straight into the chunk)."""
+    if isinstance(body, list):
+        h = xxhash.xxh3_64()
+        for part in body:
+            h.update(part)
+        body_len, digest = sum(memoryview(part).nbytes for part in body), h.intdigest()
+    else:
+        body_len, digest, body = len(body), xxhash.xxh3_64_intdigest(body), [body]
     head = bytearray(HEADER.pack(MAGIC, VERSION, flags, stream_id, streamlet, n, producer_id, sequence,
-                                 ts_min, ts_max, NO_PLACEMENT, NO_PLACEMENT, NO_PLACEMENT, len(body),
-                                 xxhash.xxh3_64_intdigest(body), 0, 0))
+                                 ts_min, ts_max, NO_PLACEMENT, NO_PLACEMENT, NO_PLACEMENT, body_len,
+                                 digest, 0, 0))
     _HCHECK.pack_into(head, _CHECKED, xxhash.xxh32_intdigest(memoryview(head)[:_CHECKED]))
-    return bytes(head) + body
+    return b"".join((head, *body))
 
 
 def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, voff, vbytes,
@@ -171,8 +180,8 @@ def build_arrays(stream_id, streamlet, producer_id, sequence, ts, koff, kbytes, 
     _check_limits(n, raw)
     body_len = _pad8(8 * n + 8 * (n + 1) + raw)
     pad = body_len - (8 * n + 8 * (n + 1) + raw)
-    body = b"".join((ts.astype("<i8", copy=False).tobytes(), koff.astype("<u4", copy=False).tobytes(),
-                     voff.astype("<u4", copy=False).tobytes(), kbytes, vbytes, bytes(pad)))
+    body = [ts.astype("<i8", copy=False).tobytes(), koff.astype("<u4", copy=False).tobytes(),
+            voff.astype("<u4", copy=False).tobytes(), kbytes, vbytes, bytes(pad)]
     return _seal_header(stream_id, streamlet, producer_id, sequence, n, int(ts.min()), int(ts.max()), body,
                         flags)
 
