@@ -19,10 +19,11 @@ async def cluster_state(coord):
 
 
 async def vlog_totals(coord) -> tuple[int, int]:
-    """(replication RPCs, chunks appended) over every broker's vlogs, from the brokers."""
+    """(replicate messages, chunks appended) over every broker's vlogs, from the brokers: each
+    message is one vseg copy's entry of a replicate RPC."""
     async with open_admin(coord) as a:
         st = await a.broker_stats()
-    return (sum(v["rpcs"] for r in st for v in r["vlogs"]),
+    return (sum(v["messages"] for r in st for v in r["vlogs"]),
             sum(v["appended"] for r in st for v in r["vlogs"]))
 
 
@@ -48,11 +49,11 @@ async def test_shared_vlogs_batch_replication_per_group_does_not(make_cluster):
         shared_32 = await run(coord, "sm", 32, "shared")
         group_256 = await run(coord, "pg", 256, "per-group")
         group_32 = await run(coord, "pm", 32, "per-group")
-    print(f"rpcs, chunks: shared 256 {shared_256}, shared 32 {shared_32}, "
+    print(f"messages, chunks: shared 256 {shared_256}, shared 32 {shared_32}, "
           f"per-group 256 {group_256}, per-group 32 {group_32}")
-    rpcs, chunks = shared_256
-    assert rpcs * 10 <= chunks, f"shared vlogs: {rpcs} replication RPCs for {chunks} chunks"
-    # one replicated log per partition: replication RPCs grow with the number of streams
+    messages, chunks = shared_256
+    assert messages * 10 <= chunks, f"shared vlogs: {messages} replicate messages for {chunks} chunks"
+    # one replicated log per partition: its messages grow with the number of streams
     assert group_256[0] > 3 * group_32[0]
     assert group_256[0] > 3 * shared_256[0]
 
