@@ -261,8 +261,9 @@ def cmd_status(args) -> None:
                   f"({rep['bytes'] / mib:.1f} MiB)")
         for v in s.get("vlogs", []):
             per = v["durable"] / v["messages"] if v["messages"] else 0.0
-            print(f"  vlog {v['vlog']} R={v['replication']}: chunks={v['appended']} messages={v['messages']} "
-                  f"chunks/message={per:.1f} lag={v['lag']} vsegs={v['vsegs']} "
+            print(f"  vlog {v['vlog']} R={v['replication']}: chunks={v['appended']} "
+                  f"messages={v['messages']} chunks/message={per:.1f} lag={v['lag']} "
+                  f"vsegs={v['vsegs']} "
                   f"with R copies={v['fully_replicated']} released={v.get('released', 0)}")
         for sid, e in (own.get("streams") or {}).items():
             t = per_stream.setdefault(int(sid), {"retained": 0, "evicted": 0, "starts": {}, "name": e.get("name"),

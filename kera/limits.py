@@ -79,7 +79,8 @@ MAX_METALOG_RECORD = 16 * MiB     # one record of the metadata log (a group-comm
 assert MAX_CHUNK <= MAX_SEGMENT_SIZE, "a chunk must fit a segment of the largest size"
 assert MAX_CHUNK <= MAX_REPLICATE_PAYLOAD <= MAX_PAYLOAD, "every chunk must be replicable"
 assert max(REPLICATE_BATCH, MAX_CHUNK) <= MAX_REPLICATE_PAYLOAD, "every entry must fit a replicate"
-assert REPLICATE_ENTRIES * REPLICATE_ENTRY_META <= MAX_META, "every replicate and its answer must fit a frame's meta"
+assert REPLICATE_ENTRIES * REPLICATE_ENTRY_META <= MAX_META, \
+    "every replicate and its answer must fit a frame's meta"
 assert MAX_VSEG_BYTES <= MAX_REPLICA_BYTES, "every virtual segment must fit a replica"
 assert MAX_PRODUCE_PAYLOAD <= MAX_PAYLOAD, "every producer request must fit a frame"
 assert max(MAX_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every read reply must fit a frame"

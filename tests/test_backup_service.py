@@ -394,7 +394,8 @@ async def test_a_batch_is_served_entry_by_entry_and_a_malformed_one_stores_nothi
                                   ({**ep, "entries": [[0, 0, ok, False]]}, a[3]),
                                   ({**ep, "entries": []}, b""),
                                   ({**ep, "entries": [[5, 0, 0, False, 0]] * 1025}, b""),
-                                  ({"broker": -1, "epoch": 1, "entries": [[5, 0, 0, False, 0]]}, b"")]:
+                                  ({"broker": -1, "epoch": 1, "entries": [[5, 0, 0, False, 0]]},
+                                   b"")]:
                 with pytest.raises(InvalidArgument):
                     await pool.call(bk.addr, "replicate", {**meta}, payload, timeout=5)
             assert await held() == stored

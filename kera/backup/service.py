@@ -9,7 +9,8 @@ flusher task writes new bytes to segment files (``segment_file``) every
 ``--flush-interval`` and fsyncs every ``--fsync-interval``. With
 ``--fsync always`` a replicate is answered only once its bytes are written
 and fsynced (group commit: one write + fsync per file per round, for every
-replicate waiting; a replicate's entries wait for one round together). Segments are read back (``read``) only for recovery.
+replicate waiting; a replicate's entries wait for one round together).
+Segments are read back (``read``) only for recovery.
 
 Failures are never silent: a write error is remembered on its replica and
 reported to the next replicate (periodic mode) or to the waiting one (always
@@ -35,6 +36,7 @@ import os
 import signal
 import sys
 
+import numpy as np
 import trio
 
 from .. import metafile
@@ -49,7 +51,7 @@ from .membership import load_id, run_membership
 from .readback import ReadBack
 from .release import CLAIMS_FILE, FLOORS_FILE, Release
 from .replica import Replica
-from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob
+from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob, scan_payload
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
 from .store import MAX_SEGMENT_BYTES as MAX_SEGMENT_BYTES
 
@@ -62,6 +64,25 @@ def _stable(payload) -> memoryview:
     if isinstance(mv.obj, bytes) and mv.c_contiguous:
         return mv.cast("B") if mv.format != "B" else mv
     return memoryview(bytes(mv))
+
+
+def _scans(mv: memoryview, starts: list[int], sizes: list[int]) -> list:
+    """The chunks of each entry (``sizes`` bytes at ``starts`` of ``mv``) from one scan of
+    the whole payload: its per-call cost is paid once per RPC, not once per entry. All None
+    (each entry is then verified alone, for its own error) unless the payload is whole valid
+    chunks and every entry starts at one of them."""
+    try:
+        heads, offs = scan_payload(mv)
+    except KeraError:
+        return [None] * len(starts)
+    offs = np.asarray(offs, np.int64)
+    st, sz = np.array(starts, np.int64), np.array(sizes, np.int64)
+    lo, hi = np.searchsorted(offs, st), np.searchsorted(offs, st + sz)
+    at = offs[np.minimum(lo, len(offs) - 1)] if len(offs) else st + 1
+    if not ((sz == 0) | ((lo < len(offs)) & (at == st))).all():
+        return [None] * len(starts)
+    return [(heads[i:j], offs[i:j] - o) if n else None
+            for i, j, o, n in zip(lo.tolist(), hi.tolist(), starts, sizes, strict=True)]
 
 
 class BackupService(ReadBack, Release, Service):
@@ -89,9 +110,9 @@ class BackupService(ReadBack, Release, Service):
         self._dir_dirty = False
         self.stopping = False
         self.counters = dict.fromkeys(
-            ("replicate_rpcs", "replicate_entries", "chunks", "bytes_received", "duplicates", "bytes_flushed", "fsyncs",
-             "errors", "write_errors", "reads", "bytes_read", "drops", "trims", "tiered_reads",
-             "tiered_bytes", "claims", "releases"), 0)
+            ("replicate_rpcs", "replicate_entries", "chunks", "bytes_received", "duplicates",
+             "bytes_flushed", "fsyncs", "errors", "write_errors", "reads", "bytes_read", "drops",
+             "trims", "tiered_reads", "tiered_bytes", "claims", "releases"), 0)
         self._io: trio.Lock | None = None
         self._kick: trio.Event | None = None
         self._round_done: trio.Event | None = None
@@ -173,24 +194,25 @@ class BackupService(ReadBack, Release, Service):
                 raise BackupError("backup shutting down")
             batch = "entries" in meta
             epoch = uint(meta, "epoch", 0)
-            entries = self._entries(meta, payload) if batch else \
-                [(vseg_key(meta), uint(meta, "offset"), meta.get("close", False) is True, _stable(payload))]
+            entries = self._entries(meta, payload) if batch else [
+                (vseg_key(meta), uint(meta, "offset"), meta.get("close", False) is True,
+                 _stable(payload), None)]
         except KeraError:
             self.counters["errors"] += 1
             raise
         self.counters["replicate_entries"] += len(entries)
         results: list = [0] * len(entries)   # each entry's length, or its error
-        waits, new = [], []                  # entries answered once on disk; files to create
-        for i, (key, offset, close, data) in enumerate(entries):
+        waits: list[tuple[int, Replica, int, bool]] = []   # entries answered once on disk
+        new: list[Replica] = []                            # replicas whose files are to be made
+        for i, (key, offset, close, data, scans) in enumerate(entries):
             try:
-                d = self.store.replicate(key, epoch, offset, data, close)
+                d = self.store.replicate(key, epoch, offset, data, close, scans)
             except KeraError as e:
                 self.counters["errors"] += 1
                 results[i] = e
                 continue
             if d.kind == EMPTY:
                 continue
-            rep = results[i] = d.replica, d.length, close
             if d.kind == DUPLICATE:
                 self.counters["duplicates"] += 1
             else:
@@ -199,36 +221,41 @@ class BackupService(ReadBack, Release, Service):
             if d.kind == NEW:
                 d.replica.ready = trio.Event()
                 new.append(d.replica)
-            if self._acked(*rep):
+            if self._acked(d.replica, d.length, close):
                 results[i] = d.length
             else:
-                waits.append(i)
+                waits.append((i, d.replica, d.length, close))
         if new or waits:
             return self._answer_later(batch, results, waits, new)
         return self._answer(batch, results)
 
     def _entries(self, meta: dict, payload) -> list[tuple]:
-        """A batch's entries as (key, offset, close, bytes): all well formed and adding up to
-        the payload, or an ``InvalidArgument`` (nothing stored)."""
+        """A batch's entries as (key, offset, close, bytes, their chunks if scanned): all well
+        formed and adding up to the payload, or an ``InvalidArgument`` (nothing stored)."""
         broker, entries = uint(meta, "broker"), meta["entries"]
         if not isinstance(entries, list) or not 0 < len(entries) <= REPLICATE_ENTRIES:
             raise InvalidArgument(f"replicate entries must be a list of 1 to {REPLICATE_ENTRIES} "
                                   f"[vlog, vseg, offset, close, length]")
         mv = _stable(payload)
         if mv.nbytes > MAX_REPLICATE_BYTES:
-            raise LimitExceeded(f"replicate payload of {mv.nbytes} bytes exceeds {MAX_REPLICATE_BYTES}",
-                                limit="MAX_REPLICATE_PAYLOAD", bound=MAX_REPLICATE_BYTES, size=mv.nbytes)
-        out, pos = [], 0
+            raise LimitExceeded(f"replicate payload of {mv.nbytes} bytes exceeds "
+                                f"{MAX_REPLICATE_BYTES}", limit="MAX_REPLICATE_PAYLOAD",
+                                bound=MAX_REPLICATE_BYTES, size=mv.nbytes)
+        starts, pos = [], 0
         for e in entries:
             if not (isinstance(e, list) and len(e) == 5 and type(e[3]) is bool
                     and all(type(x) is int and 0 <= x < U63 for x in (e[0], e[1], e[2], e[4]))):
                 raise InvalidArgument(f"a replicate entry is [vlog, vseg, offset, close, length], "
                                       f"not {e!r:.80}")
-            out.append(((broker, e[0], e[1]), e[2], e[3], mv[pos:pos + e[4]]))
+            starts.append(pos)
             pos += e[4]
         if pos != mv.nbytes:
-            raise InvalidArgument(f"replicate entries add up to {pos} bytes, the payload has {mv.nbytes}")
-        return out
+            raise InvalidArgument(f"replicate entries add up to {pos} bytes, the payload has "
+                                  f"{mv.nbytes}")
+        sizes = [e[4] for e in entries]
+        return [((broker, e[0], e[1]), e[2], e[3], mv[o:o + n], scan)
+                for e, o, n, scan in zip(entries, starts, sizes, _scans(mv, starts, sizes),
+                                         strict=True)]
 
     @staticmethod
     def _answer(batch: bool, results: list):
@@ -259,22 +286,23 @@ class BackupService(ReadBack, Release, Service):
             raise BackupError(f"replica {rep.key}: {rep.error}")
         return False
 
-    async def _answer_later(self, batch: bool, results: list, waits: list[int], new: list[Replica]):
+    async def _answer_later(self, batch: bool, results: list, waits: list, new: list[Replica]):
         """Create the new replicas' files, then wait for the flusher until every waiting entry is
         on disk or failed: one round serves them all."""
         with trio.CancelScope(shield=True):  # a creation is finished even if the caller goes away
             for rep in new:
                 await self._create_file(rep)
         while waits:
-            for i in waits:
-                await results[i][0].ready.wait()  # a file another replicate is creating
+            for _, rep, _, _ in waits:
+                await rep.ready.wait()  # a file another replicate is creating
             pending = []
-            for i in waits:
+            for w in waits:
+                i, rep, end, close = w
                 try:
-                    if self._acked(*results[i]):
-                        results[i] = results[i][1]
+                    if self._acked(rep, end, close):
+                        results[i] = end
                     else:
-                        pending.append(i)
+                        pending.append(w)
                 except BackupError as e:
                     self.counters["errors"] += 1
                     results[i] = e

@@ -107,8 +107,8 @@ class ReplicationHub:
                     size: int) -> KeraError | None:
         """One replicate RPC; the error if it failed as a whole (connection, timeout)."""
         broker, epoch = self.identity()
-        meta = {"broker": broker, "epoch": epoch,
-                "entries": [[r.log.id, s.vseg.id, s.offset, s.close, s.end - s.offset] for r, s in batch]}
+        meta = {"broker": broker, "epoch": epoch, "entries": [
+            [r.log.id, s.vseg.id, s.offset, s.close, s.end - s.offset] for r, s in batch]}
         parts = [p for _, s in batch for p in s.parts()]
         self.rpcs += 1
         self.entries += len(batch)
@@ -179,8 +179,9 @@ class Replicator:
 
         async def one(addr):
             try:
-                r, _ = await self.hub.pool.call(addr, "trim", {"broker": broker, "vlog": self.log.id,
-                                                               "floor": floor}, timeout=self.log.timeout)
+                r, _ = await self.hub.pool.call(
+                    addr, "trim", {"broker": broker, "vlog": self.log.id, "floor": floor},
+                    timeout=self.log.timeout)
                 self.reclaimed += int(r.get("bytes", 0))
             except KeraError as e:
                 ok[0] = False

@@ -194,7 +194,8 @@ class VirtualLog:
                 for b in self.backups.choose(vs.copies, avoid, self.need - len(vs.copies)):
                     vs.copies[b] = Copy(b, self.backups.incarnation(b))
             for c in vs.copies.values():
-                if c.inflight or c.backup in busy or c.retry_at > now or (c.acked == vs.size and (c.closed or not vs.closed)):
+                if c.inflight or c.backup in busy or c.retry_at > now or (
+                        c.acked == vs.size and (c.closed or not vs.closed)):
                     continue
                 s = self._message(vs, c)
                 if s is not None:
