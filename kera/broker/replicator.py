@@ -28,6 +28,21 @@ from ..vlog.virtual_log import Send
 log = logging.getLogger("kera.vlog")
 
 
+def rpc_batches(sizes: list[int], max_bytes: int = REPLICATE_RPC,
+                max_entries: int = REPLICATE_ENTRIES) -> list[tuple[int, int]]:
+    """Consecutive [i, j) ranges of entries (of ``sizes`` bytes) for one backup, one RPC each:
+    up to ``max_entries`` entries and ``max_bytes`` bytes, or one entry if it alone is larger."""
+    out, i = [], 0
+    while i < len(sizes):
+        j, total = i + 1, sizes[i]
+        while j < len(sizes) and j - i < max_entries and total + sizes[j] <= max_bytes:
+            total += sizes[j]
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
+
+
 class ReplicationHub:
     """A broker incarnation's replication task: every vlog's copies, one RPC per backup."""
 
@@ -85,20 +100,12 @@ class ReplicationHub:
     async def _send(self, backup: int, sends: list[tuple[Replicator, Send]]) -> None:
         """Every message for ``backup``, one RPC at a time (more than one only past the limits)."""
         try:
-            i = 0
-            while i < len(sends):
-                j, size = i + 1, sends[i][1].end - sends[i][1].offset
-                while j < len(sends) and j - i < REPLICATE_ENTRIES:
-                    n = sends[j][1].end - sends[j][1].offset
-                    if size + n > REPLICATE_RPC:
-                        break
-                    size += n
-                    j += 1
-                failed = await self._call(backup, sends[i:j], size)
+            sizes = [s.end - s.offset for _, s in sends]
+            for i, j in rpc_batches(sizes):
+                failed = await self._call(backup, sends[i:j], sum(sizes[i:j]))
                 if failed is not None:
                     self._outcomes(sends[j:], failed)  # not answering: the rest fail alike
                     break
-                i = j
         finally:
             self.busy.discard(backup)
             self.wake.set()
