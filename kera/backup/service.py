@@ -294,7 +294,8 @@ class BackupService(ReadBack, Release, Service):
                 await self._create_file(rep)
         while waits:
             for _, rep, _, _ in waits:
-                await rep.ready.wait()  # a file another replicate is creating
+                if not rep.ready.is_set():
+                    await rep.ready.wait()  # a file another replicate is creating
             pending = []
             for w in waits:
                 i, rep, end, close = w
