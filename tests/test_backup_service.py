@@ -358,6 +358,60 @@ async def test_bad_input_refused_and_others_still_served(backups):
             assert bk.proc.poll() is None
 
 
+async def test_a_batch_is_served_entry_by_entry_and_a_malformed_one_stores_nothing(backups):
+    """One replicate carrying several vseg copies (how a broker sends all its vlogs' copies for
+    a backup): a bad entry gets its own typed error and stores nothing, the others are stored,
+    on disk (write mode) and answered together; a malformed batch is refused whole."""
+    bk = backups()
+    a = chunks_for(4)
+    bad = bytearray(a[3])
+    bad[chunk.HEADER_SIZE + 5] ^= 0x40
+    ep = {"broker": 1, "epoch": 1}
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            la = await replicate(pool, bk.addr, 0, 0, a[0])
+            entries = [[0, 0, la, False, len(a[1])],      # continues vlog 0's vseg 0
+                       [0, 1, 100, False, len(a[2])],     # a gap: no copy of vseg 1 here
+                       [2, 0, 0, True, len(a[2])],        # a new copy, closed at once
+                       [3, 0, 0, False, len(bad)],        # a bad checksum
+                       [4, 0, 0, False, 0]]               # nothing: no copy, length 0
+            r, _ = await pool.call(bk.addr, "replicate", {**ep, "entries": entries},
+                                   a[1] + a[2] + a[2] + bytes(bad), timeout=5)
+            ok, gap, closed, corrupt, empty = r["results"]
+            assert ok == la + len(a[1]) and closed == len(a[2]) and empty == 0
+            assert gap["code"] == "backup" and gap["length"] == 0
+            assert corrupt["code"] == "checksum"
+            async def held():
+                return {k: (v["length"], v["chunks"], v["closed"])
+                        for k, v in (await segments(pool, bk.addr)).items()}
+
+            stored = await held()
+            assert stored == {(1, 0, 0): (ok, 2, False), (1, 2, 0): (closed, 1, True)}
+            assert (await read_all(pool, bk.addr, 0))[:2] == (a[0] + a[1], [])
+            # malformed: refused whole, nothing stored (lengths not adding up, bad fields, too many)
+            for meta, payload in [({**ep, "entries": [[0, 0, ok, False, len(a[3])]]}, a[3] + b"x"),
+                                  ({**ep, "entries": [[0, 0, ok, 0, len(a[3])]]}, a[3]),
+                                  ({**ep, "entries": [[0, 0, ok, False]]}, a[3]),
+                                  ({**ep, "entries": []}, b""),
+                                  ({**ep, "entries": [[5, 0, 0, False, 0]] * 1025}, b""),
+                                  ({"broker": -1, "epoch": 1, "entries": [[5, 0, 0, False, 0]]},
+                                   b"")]:
+                with pytest.raises(InvalidArgument):
+                    await pool.call(bk.addr, "replicate", {**meta}, payload, timeout=5)
+            assert await held() == stored
+            # a fenced epoch: every entry says so, nothing stored
+            r, _ = await pool.call(bk.addr, "replicate", {"broker": 1, "epoch": 0, "entries": [
+                [0, 0, ok, False, len(a[3])], [6, 0, 0, False, len(a[3])]]}, a[3] + a[3], timeout=5)
+            assert [x["code"] for x in r["results"]] == ["fenced", "fenced"]
+            assert await held() == stored
+            st = await stats(pool, bk.addr)
+            assert st["chunks"] == 3 and st["replicate_entries"] == 1 + 5 + 2
+            # what was acknowledged in the batch was written before the answer
+            bk.restart()
+            assert (await read_all(pool, bk.addr, 0))[:2] == (a[0] + a[1], [])
+            assert (await read_all(pool, bk.addr, 0, vlog=2))[:2] == (a[2], [])
+
+
 async def test_max_bytes_refuses_up_front(backups):
     a = chunks_for(12)
     size = len(a[0])

@@ -239,12 +239,17 @@ class BackupStore:
         d.length = rep.length
         return rep
 
-    def replicate(self, key: Key, epoch: int, offset: int, payload: memoryview, close: bool) -> Decision:
-        """Decide, verify the bytes to store, check the limits, store: all or nothing."""
+    def replicate(self, key: Key, epoch: int, offset: int, payload: memoryview, close: bool,
+                  scanned=None) -> Decision:
+        """Decide, verify the bytes to store, check the limits, store: all or nothing.
+        ``scanned``: ``scan_payload(payload)``, when the caller verified it already."""
         d = self.accept_replicate(key, epoch, offset, payload.nbytes, close)
         if d.stores:
-            mv = payload if payload.nbytes == d.take else payload[:d.take]
-            self.commit(d, mv, scan_payload(mv) if d.take else None)
+            whole = payload.nbytes == d.take
+            mv = payload if whole else payload[:d.take]
+            if d.take:
+                scanned = scanned if whole and scanned is not None else scan_payload(mv)
+            self.commit(d, mv, scanned if d.take else None)
         return d
 
     # -- registry ----------------------------------------------------------------------------
