@@ -598,7 +598,10 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
             assert (first.addr, first.node, first.alive) == (bk.addr, "n1", True)
             assert first.holds == [[5, 1, 3, n1, True], [6, 0, 0, n2, False]]
             await until(lambda: load_id(str(data)) == first.id, "id saved")
-            assert (await pool.call(bk.addr, "list", {}))[0]["backup"] == first.id
+
+            async def listed_as(bid):  # the id is saved before the service takes it
+                return (await pool.call(bk.addr, "list", {}))[0]["backup"] == bid
+            await until(lambda: listed_as(first.id), "the backup lists as its id")
 
             # fences reach the backup with its heartbeats
             assert not await _fenced(pool, bk.addr, 7, 3)
