@@ -6,8 +6,9 @@ vlog's settled prefix (``RecoveryPlan.settled``) one whole copy per vseg
 lists its chunks without bodies (backup ``index``, asked for many vsegs at
 once: a few requests per backup, not one per vseg of the history; the index
 chunks of the dead broker's own adoptions come whole); ``kera.repoint_plan`` picks the
-re-pointed segments; each new owner gets one index chunk per segment
-(``adopt``, ``kera.index_chunk``) and builds it evicted, naming the copies;
+re-pointed segments; each new owner gets one index chunk per run of a group's
+consecutive re-pointed segments (``adopt``, ``kera.index_chunk``) and builds
+them evicted, naming the copies;
 the plan is told which settled vsegs need no replay at all, and the backups
 skip the re-pointed segments' chunks in the vsegs that are replayed.
 
@@ -32,8 +33,10 @@ from .recovery_plan import RecoveryPlan
 from .repoint_plan import (
     COLUMNS,
     FLAGS,
+    LAST,
     OFFSET,
     PRODUCER,
+    SEGMENT,
     SEQUENCE,
     SIZE,
     STREAM,
@@ -50,7 +53,7 @@ log = logging.getLogger("kera.recovery")
 INDEX_TIMEOUT = 30.0
 INDEX_BATCH = 64     # vsegs asked of a backup in one index call
 ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
-ANSWER = COLUMNS - VOFF  # u64s per chunk in an index answer: the row's columns from VOFF on
+ANSWER = FLAGS + 1 - VOFF  # u64s per chunk in an index answer: the row's columns VOFF..FLAGS
 
 
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
@@ -80,10 +83,13 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
         marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
         if len(marks) != len(found):
             raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
-        for voff, (h, off) in zip(a[marks, 0].tolist(), found, strict=True):
-            indexes[(vlog, vseg, voff)] = bytes(data[rows + off:rows + off + h.size])
         out = np.empty((len(a), COLUMNS), np.uint64)
-        out[:, VLOG], out[:, VSEG], out[:, VOFF:] = vlog, vseg, a
+        out[:, VLOG], out[:, VSEG], out[:, VOFF:FLAGS + 1] = vlog, vseg, a
+        out[:, LAST] = out[:, SEGMENT]
+        for i, (h, off) in zip(marks.tolist(), found, strict=True):  # an index chunk covers a run
+            data_i = bytes(data[rows + off:rows + off + h.size])
+            out[i, LAST] += len(index_chunk.parse(data_i, h).counts) - 1
+            indexes[(vlog, vseg, int(a[i, 0]))] = data_i
         answers.append(out)
 
     async def ask(b: int, items: list, failed: list) -> None:
@@ -143,13 +149,14 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
 
     per_owner: dict[int, list] = {}
     indexed = 0
-    for a in rp.adopted:
+    for run in _runs(rp.adopted):
+        a = run[0]
         if a.indexed:
             r = a.rows[0].tolist()
             data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
-            indexed += index_chunk.parse(data).head
+            indexed += sum(index_chunk.parse(data).heads)
         else:
-            data = _index_chunk(rec.broker, a, whole)
+            data = _index_chunk(rec.broker, run, whole)
         per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
 
     async def adopt(m, mine: list[bytes]) -> None:
@@ -192,12 +199,34 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarra
     return rows[keep]
 
 
-def _index_chunk(broker: int, a: Adopted, whole: dict) -> bytes:
-    """The index chunk of a segment re-pointed at ``broker``'s copies."""
-    r = a.rows
+def _runs(adopted: list[Adopted]):
+    """The plan's re-pointed segments as runs, each one index chunk: a group's consecutive
+    segments of records (up to ``index_chunk.MAX_ROWS`` rows), or one index chunk of the dead
+    broker's own, as it stands."""
+    run: list[Adopted] = []
+    rows = 0
+    for a in adopted:
+        if run and (a.indexed or (a.stream, a.streamlet, a.group, a.segment) != (
+                run[-1].stream, run[-1].streamlet, run[-1].group, run[-1].segment + 1)
+                or rows + len(a.rows) > index_chunk.MAX_ROWS):
+            yield run
+            run, rows = [], 0
+        if a.indexed:
+            yield [a]
+            continue
+        run.append(a)
+        rows += len(a.rows)
+    if run:
+        yield run
+
+
+def _index_chunk(broker: int, run: list[Adopted], whole: dict) -> bytes:
+    """The index chunk of a run of a group's segments re-pointed at ``broker``'s copies."""
+    r = np.concatenate([a.rows for a in run]) if len(run) > 1 else run[0].rows
     rows = np.column_stack((r[:, OFFSET] + r[:, SIZE], r[:, VSEG], r[:, VOFF], r[:, PRODUCER], r[:, SEQUENCE]))
-    vlog, vs = int(r[0, VLOG]), r[:, VSEG]
-    vsegs = vs[:1].tolist() + vs[1:][vs[1:] != vs[:-1]].tolist()  # ascending: chunks in vlog order
+    vlog = int(r[0, VLOG])
+    vsegs = np.unique(r[:, VSEG]).tolist()
+    a = run[0]
     return index_chunk.build(index_chunk.SegmentIndex(
         a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
-        {v: list(whole[vlog][v]) for v in vsegs}), closed=a.closed)
+        {v: list(whole[vlog][v]) for v in vsegs}, [len(x.rows) for x in run]), closed=run[-1].closed)

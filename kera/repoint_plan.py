@@ -20,10 +20,10 @@ names those copies) when:
   stays in group order; what follows is replayed as before, and a hole there
   is still ``DataLoss``).
 
-A segment the dead broker had itself adopted is listed as one *index chunk*
-(``kera.index_chunk``: the adoption it made durable in its vlog): it is
-re-pointed as it stands (it names the original copies) whenever the
-segments before it are, last or not.
+Segments the dead broker had itself adopted are listed as *index chunks*
+(``kera.index_chunk``: the adoptions it made durable in its vlog, one per run
+of consecutive segments): each is re-pointed as it stands (it names the
+original copies) whenever the segments before its run are, last or not.
 
 A group whose first listed segment starts past offset 0 began in released
 vsegs: that segment is dropped (retention frees whole segments), as replay
@@ -44,14 +44,16 @@ from .chunk import CLOSE, INDEX
 from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg, as a backup's index lists it
-VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS = range(12)
-COLUMNS = 12        # VOFF... are the backup's answer; VLOG, VSEG the vseg it answered for
+VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, LAST = range(13)
+COLUMNS = 13        # VOFF..FLAGS are the backup's answer; VLOG, VSEG the vseg it answered for;
+# LAST the last segment the row covers: SEGMENT, or an index chunk's run's last (``kera.repoint``)
 
 
 @dataclass(slots=True)
 class Adopted:
     """A re-pointed segment: its chunks' rows in order, all in settled vsegs of one vlog (or
-    one index chunk of the dead broker's own adoption of it)."""
+    one index chunk of the dead broker's own adoption of it, covering ``segment`` up to its
+    row's ``LAST``)."""
 
     stream: int
     streamlet: int
@@ -96,8 +98,9 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         closes.setdefault((sid, sl, gid), set()).add((s, off))
     rows = rows[~close]
     index = rows[:, FLAGS] & INDEX != 0
-    rows = rows[np.lexsort((~index, rows[:, OFFSET], rows[:, SEGMENT], rows[:, GROUP], rows[:, STREAMLET],
-                            rows[:, STREAM]))]  # an index chunk first in its segment
+    # an index chunk first in its segment, the one covering the longest run first
+    rows = rows[np.lexsort((~rows[:, LAST], ~index, rows[:, OFFSET], rows[:, SEGMENT], rows[:, GROUP],
+                            rows[:, STREAMLET], rows[:, STREAM]))]
     index = rows[:, FLAGS] & INDEX != 0
     out = Repoint()
     n = len(rows)
@@ -118,6 +121,7 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         groups = np.flatnonzero(new[first, 1])
         taken = np.zeros(len(first), bool)
         ids = rows[first][:, [STREAM, STREAMLET, GROUP, SEGMENT]].tolist()
+        lasts = rows[first, LAST].tolist()
         starts, counts, heads = first.tolist(), count.tolist(), head.tolist()
         whole, indexed = whole.tolist(), index[first].tolist()
         for g0, g1 in zip(groups.tolist(), [*groups[1:].tolist(), len(first)], strict=True):
@@ -132,14 +136,15 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
                 s, at = ids[k][3], starts[k]
                 if s != prev + 1:
                     break
-                if indexed[k]:
+                if indexed[k]:  # a run of the dead broker's own adoptions, as it stands
                     adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1]))
-                else:
-                    # a segment of records: whole, not too many chunks, and proved complete
-                    closed = k == g1 - 1 and (s, heads[k]) in marks
-                    if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
-                        break
-                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed))
+                    prev = max(lasts[k], s)
+                    continue
+                # a segment of records: whole, not too many chunks, and proved complete
+                closed = k == g1 - 1 and (s, heads[k]) in marks
+                if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
+                    break
+                adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed))
                 prev = s
             if adopted:
                 out.adopted += adopted
