@@ -148,13 +148,15 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     rec.index_seconds = time.monotonic() - t0
 
     per_owner: dict[int, list] = {}
-    indexed = 0
+    indexed = segments = 0   # bytes and segments of the index chunks passed on as they stand
     for run in _runs(rp.adopted):
         a = run[0]
         if a.indexed:
             r = a.rows[0].tolist()
             data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
-            indexed += sum(index_chunk.parse(data).heads)
+            heads = index_chunk.parse(data).heads
+            indexed += sum(heads)
+            segments += len(heads) - 1
         else:
             data = _index_chunk(rec.broker, run, whole)
         per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
@@ -177,10 +179,10 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     rec.adopt_seconds = time.monotonic() - t1
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
-    rec.adopted_segments = len(rp.adopted)
+    rec.adopted_segments = len(rp.adopted) + segments
     rec.adopted_bytes = rp.bytes + indexed
     log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies, %d vsegs "
-             "not replayed, index in %.2f s, adopted in %.2f s", rec.broker, rec.epoch, len(rp.adopted),
+             "not replayed, index in %.2f s, adopted in %.2f s", rec.broker, rec.epoch, rec.adopted_segments,
              rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.index_seconds, rec.adopt_seconds)
     return [[*k, s] for k, s in rp.replay_from.items()]
 
@@ -225,7 +227,8 @@ def _index_chunk(broker: int, run: list[Adopted], whole: dict) -> bytes:
     r = np.concatenate([a.rows for a in run]) if len(run) > 1 else run[0].rows
     rows = np.column_stack((r[:, OFFSET] + r[:, SIZE], r[:, VSEG], r[:, VOFF], r[:, PRODUCER], r[:, SEQUENCE]))
     vlog = int(r[0, VLOG])
-    vsegs = np.unique(r[:, VSEG]).tolist()
+    vs = r[:, VSEG]   # ascending: a group's chunks are in vlog order (np.unique imports numpy.ma)
+    vsegs = vs[np.append(True, vs[1:] != vs[:-1])].tolist()
     a = run[0]
     return index_chunk.build(index_chunk.SegmentIndex(
         a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
