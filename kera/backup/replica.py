@@ -130,7 +130,8 @@ class Replica:
         if heads is None or n * 8 * INDEX_COLUMNS > room or sum(map(len, heads)) != n:
             return 0
         starts = np.frombuffer(self.starts, np.uint64)
-        h = np.concatenate(heads) if heads else np.zeros(0, HEADER_DTYPE)
+        h = np.frombuffer(b"".join(x.tobytes() for x in heads), HEADER_DTYPE)  # np.concatenate of
+        # a structured dtype costs ten times more
         self.index = index_rows(starts, np.frombuffer(self.ends, np.uint64), h)
         return len(self.index)
 
