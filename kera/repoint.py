@@ -76,8 +76,6 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
 
     def take(vlog: int, vseg: int, data: memoryview, rows: int) -> None:
         """One vseg's answer: its rows, then its index chunks (verified)."""
-        if not isinstance(rows, int) or not 0 <= rows <= len(data) or rows % (8 * ANSWER):
-            raise TypeError(f"rows {rows!r} is not a whole number of rows in the answer")
         found = chunk.scan(data[rows:])
         a = np.frombuffer(data[:rows], "<u8").reshape(-1, ANSWER)
         marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
@@ -91,6 +89,27 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
             out[i, LAST] += len(index_chunk.parse(data_i, h).counts) - 1
             indexes[(vlog, vseg, int(a[i, 0]))] = data_i
         answers.append(out)
+
+    def take_rows(b: int, got: list, failed: list) -> None:
+        """Answers holding rows only (no index chunk), decoded together: one array for the
+        batch, not a few per vseg; one with a row flagged INDEX is a bad answer."""
+        if not got:
+            return
+        a = np.frombuffer(b"".join(part for _, part in got), "<u8").reshape(-1, ANSWER)
+        counts = [len(part) // (8 * ANSWER) for _, part in got]
+        which = np.repeat(np.arange(len(got)), counts)
+        good = np.ones(len(got), bool)
+        for k in set(which[a[:, FLAGS - VOFF] & chunk.INDEX != 0].tolist()):
+            vlog, vseg, _ = item = got[k][0]
+            log.warning("index of vlog %d vseg %d on backup %d: index rows but no index chunks", vlog, vseg, b)
+            failed.append(item)
+            good[k] = False
+        out = np.empty((len(a), COLUMNS), np.uint64)
+        out[:, VLOG] = np.repeat([item[0] for item, _ in got], counts)
+        out[:, VSEG] = np.repeat([item[1] for item, _ in got], counts)
+        out[:, VOFF:FLAGS + 1] = a
+        out[:, LAST] = out[:, SEGMENT]
+        answers.append(out if good.all() else out[good[which]])
 
     async def ask(b: int, items: list, failed: list) -> None:
         while items:
@@ -107,6 +126,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 failed += batch
                 continue
             at = 0
+            plain = []   # (item, its rows): answers without index chunks
             for i, (item, e) in enumerate(zip(batch, entries, strict=True)):
                 vlog, vseg, _ = item
                 try:
@@ -123,10 +143,17 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                     if not isinstance(n, int) or not 0 <= n <= len(data) - at:
                         raise TypeError(f"bytes {n!r} past the payload")
                     part, at = data[at:at + n], at + n  # the next answer's bytes start here either way
-                    take(vlog, vseg, part, e["rows"])
+                    rows = e["rows"]
+                    if not isinstance(rows, int) or not 0 <= rows <= n or rows % (8 * ANSWER):
+                        raise TypeError(f"rows {rows!r} is not a whole number of rows in the answer")
+                    if rows == n:
+                        plain.append((item, part))
+                    else:
+                        take(vlog, vseg, part, rows)
                 except (KeraError, KeyError, TypeError, AttributeError) as err:
                     log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, err)
                     failed.append(item)
+            take_rows(b, plain, failed)
 
     while todo:
         failed: dict[int, list] = {}
@@ -198,7 +225,7 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarra
     wanted = np.array([(s << 32) | sl for s, sl in owners if s < 1 << 32], np.uint64)
     keep &= rows[:, STREAM] < 1 << 32
     keep &= np.isin((rows[:, STREAM] << np.uint64(32)) | rows[:, STREAMLET], wanted)
-    return rows[keep]
+    return rows if keep.all() else rows[keep]
 
 
 def _runs(adopted: list[Adopted]):
@@ -208,16 +235,17 @@ def _runs(adopted: list[Adopted]):
     run: list[Adopted] = []
     rows = 0
     for a in adopted:
-        if run and (a.indexed or (a.stream, a.streamlet, a.group, a.segment) != (
-                run[-1].stream, run[-1].streamlet, run[-1].group, run[-1].segment + 1)
-                or rows + len(a.rows) > index_chunk.MAX_ROWS):
+        n = len(a.rows)
+        if run and (a.indexed or a.segment != run[-1].segment + 1 or a.group != run[-1].group
+                    or (a.stream, a.streamlet) != (run[-1].stream, run[-1].streamlet)
+                    or rows + n > index_chunk.MAX_ROWS):
             yield run
             run, rows = [], 0
         if a.indexed:
             yield [a]
             continue
         run.append(a)
-        rows += len(a.rows)
+        rows += n
     if run:
         yield run
 
@@ -225,7 +253,8 @@ def _runs(adopted: list[Adopted]):
 def _index_chunk(broker: int, run: list[Adopted], whole: dict) -> bytes:
     """The index chunk of a run of a group's segments re-pointed at ``broker``'s copies."""
     r = np.concatenate([a.rows for a in run]) if len(run) > 1 else run[0].rows
-    rows = np.column_stack((r[:, OFFSET] + r[:, SIZE], r[:, VSEG], r[:, VOFF], r[:, PRODUCER], r[:, SEQUENCE]))
+    rows = r[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]]   # one gather
+    rows[:, 0] += r[:, SIZE]
     vlog = int(r[0, VLOG])
     vs = r[:, VSEG]   # ascending: a group's chunks are in vlog order (np.unique imports numpy.ma)
     vsegs = vs[np.append(True, vs[1:] != vs[:-1])].tolist()

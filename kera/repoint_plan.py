@@ -45,6 +45,7 @@ from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg, as a backup's index lists it
 VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, LAST = range(13)
+_32, _40 = np.uint64(32), np.uint64(1 << 40)
 COLUMNS = 13        # VOFF..FLAGS are the backup's answer; VLOG, VSEG the vseg it answered for;
 # LAST the last segment the row covers: SEGMENT, or an index chunk's run's last (``kera.repoint``)
 
@@ -61,10 +62,7 @@ class Adopted:
     segment: int
     rows: np.ndarray      # (n, COLUMNS) u64
     closed: bool = False  # its group's last segment, proved complete by the group's close chunk
-
-    @property
-    def indexed(self) -> bool:
-        return bool(self.rows[0, FLAGS] & INDEX)
+    indexed: bool = False  # one index chunk of the dead broker's own
 
     @property
     def head(self) -> int:
@@ -98,19 +96,23 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         closes.setdefault((sid, sl, gid), set()).add((s, off))
     rows = rows[~close]
     index = rows[:, FLAGS] & INDEX != 0
-    # an index chunk first in its segment, the one covering the longest run first
-    rows = rows[np.lexsort((~rows[:, LAST], ~index, rows[:, OFFSET], rows[:, SEGMENT], rows[:, GROUP],
-                            rows[:, STREAMLET], rows[:, STREAM]))]
-    index = rows[:, FLAGS] & INDEX != 0
+    # sorted by (stream, streamlet), (group, segment), then an index chunk first in its segment
+    # (the one covering the longest run first), then offset: three u64 keys, the header's
+    # streamlet, group, segment and offset being u32 and stream ids below 2**32 (the caller's)
+    assert not (rows[:, STREAM] >> _32).any(), "stream ids below 2**32"
+    sl = (rows[:, STREAM] << _32) | rows[:, STREAMLET]
+    gs = (rows[:, GROUP] << _32) | rows[:, SEGMENT]
+    at = np.where(index, _40 - np.uint64(1) - rows[:, LAST], _40 + rows[:, OFFSET])
+    order = np.lexsort((at, gs, sl))
+    rows, index, sl, gs = rows[order], index[order], sl[order], gs[order]
     out = Repoint()
     n = len(rows)
     taken = np.zeros(0, bool)
     if n:
         # per segment (a run of rows): first row, count, head, whole from 0, index chunk first
-        key = rows[:, [STREAM, STREAMLET, GROUP, SEGMENT]]
         new = np.ones((n, 2), bool)
-        new[1:, 0] = (key[1:] != key[:-1]).any(axis=1)           # a segment starts
-        new[1:, 1] = (key[1:, :3] != key[:-1, :3]).any(axis=1)   # a group starts
+        new[1:, 1] = (sl[1:] != sl[:-1]) | (gs[1:] >> _32 != gs[:-1] >> _32)   # a group starts
+        new[1:, 0] = new[1:, 1] | (gs[1:] != gs[:-1])                         # a segment starts
         first = np.flatnonzero(new[:, 0])
         count = np.diff(np.append(first, n))
         end = rows[:, OFFSET] + rows[:, SIZE]
@@ -137,7 +139,7 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
                 if s != prev + 1:
                     break
                 if indexed[k]:  # a run of the dead broker's own adoptions, as it stands
-                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1]))
+                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1], indexed=True))
                     prev = max(lasts[k], s)
                     continue
                 # a segment of records: whole, not too many chunks, and proved complete
