@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import trio
 
 from .. import chunk, index_chunk
 from ..errors import InvalidArgument, KeraError, NotOwner, ProtocolError
+from ..rpc import unwrapped
 from .adopted import AdoptedSegment, IndexHolder, adopted_segments
 from .group_close import mark
 from .replicator import Replicator
@@ -78,8 +80,7 @@ class Takeover:
             sl.note_producer(h.producer_id, h.sequence, vlog, idx)
             waits[vlog] = sl.tails[vlog] = idx
             placed += 1
-        await self.claims.claim(claim)
-        return await self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
+        return await self._claimed_and_durable(claim, waits, {"placed": placed, "duplicates": dup})
 
     async def rpc_adopt(self, meta, payload):
         """Recovery re-points a dead broker's settled segments here as evicted segments: the
@@ -116,12 +117,21 @@ class Takeover:
         finally:  # one pass per streamlet over every adopted segment's rows
             for sl, rs in rows.items():
                 sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
-        await self.claims.claim(claim)
-        await self._acked_when_durable(waits, {})
+        await self._claimed_and_durable(claim, waits, {})
         for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
             if v.log.close_open():
                 v.poke()
         return {"adopted": adopted}
+
+    async def _claimed_and_durable(self, claim: dict, waits: dict, reply: dict) -> dict:
+        """``reply`` once the foreign vsegs are claimed and what was placed is durable: the two
+        at once (each an fsync away), since neither needs the other. An adoption durable but not
+        yet claimed is adopted again by a recovery of ours, from files the backups keep until
+        this recovery is recorded, which waits for this answer."""
+        async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
+            n.start_soon(self.claims.claim, claim)
+            n.start_soon(self._acked_when_durable, waits, reply)
+        return reply
 
     def _adopt_index(self, sl: Streamlet, h, data, ix):
         """Adopt the segments of the run ``ix`` describes that the group does not hold yet,
