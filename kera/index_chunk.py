@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+
 import numpy as np
 
 from . import chunk

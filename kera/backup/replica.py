@@ -36,6 +36,7 @@ import xxhash
 
 from ..chunk import HEADER_DTYPE, HEADER_SIZE
 from ..errors import InvalidArgument
+from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
 INDEX_COLUMNS = 10   # u64s per chunk in an index row (``index_rows``)
 
@@ -46,7 +47,6 @@ def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
     return np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
                             h["segment"], h["offset"], h["producer_id"], h["sequence"],
                             h["flags"])).astype("<u8").tobytes()
-from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
 
 class Replica:
