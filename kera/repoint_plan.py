@@ -63,10 +63,7 @@ class Adopted:
     rows: np.ndarray      # (n, COLUMNS) u64
     closed: bool = False  # its group's last segment, proved complete by the group's close chunk
     indexed: bool = False  # one index chunk of the dead broker's own
-
-    @property
-    def head(self) -> int:
-        return int(self.rows[-1, OFFSET] + self.rows[-1, SIZE])
+    head: int = 0         # its last chunk's end (a segment of records)
 
 
 @dataclass(slots=True)
@@ -146,7 +143,7 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
                 closed = k == g1 - 1 and (s, heads[k]) in marks
                 if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
                     break
-                adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed))
+                adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed, head=heads[k]))
                 prev = s
             if adopted:
                 out.adopted += adopted

@@ -87,7 +87,9 @@ class Takeover:
         payload holds one index chunk per run of a group's segments (``kera.index_chunk``), in
         group order.
         Answered once each adoption is durable in our own vlogs and its foreign vsegs are
-        claimed on their backups, so neither a failure of ours nor a reclaim loses them."""
+        claimed on their backups, so neither a failure of ours nor a reclaim loses them (the
+        two at once: a recovery of ours adopts a durable but unclaimed segment again, from
+        files the backups keep until this recovery is recorded, which waits for this answer)."""
         self._check_epoch(meta)
         self._check_lease()
         todo = []
@@ -100,24 +102,28 @@ class Takeover:
                 todo.append((sl, h, mv, index_chunk.parse(mv, h)))
             except ProtocolError as e:
                 raise InvalidArgument(f"adopt takes index chunks: {e}") from None
+        # every foreign vseg named is claimed while the segments are built (a claim is an fsync
+        # on each backup); one left unused (its group held the segment already) is released
+        claim = {self.claims.vseg(ix.source, ix.vlog, v, ix.copies[v]): None
+                 for _, _, _, ix in todo for v in dict.fromkeys(ix.rows[:, 1].tolist())}
         waits: dict[Replicator, int] = {}
-        claim: dict = {}
         adopted = 0
         rows: dict[Streamlet, list] = {}
-        try:
-            for sl, h, mv, ix in todo:
-                done = self._adopt_index(sl, h, mv, ix)
-                if done is not None:
-                    vlog, idx, segs = done
-                    waits[vlog] = max(idx, waits.get(vlog, 0))
-                    for seg in segs:
-                        claim.update(dict.fromkeys(seg.foreign))
-                    rows.setdefault(sl, []).append(ix.rows)
-                    adopted += len(segs)
-        finally:  # one pass per streamlet over every adopted segment's rows
-            for sl, rs in rows.items():
-                sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
-        await self._claimed_and_durable(claim, waits, {})
+        async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
+            n.start_soon(self.claims.claim, claim)
+            try:
+                for sl, h, mv, ix in todo:
+                    await trio.lowlevel.checkpoint()   # the claims go out meanwhile
+                    done = self._adopt_index(sl, h, mv, ix)
+                    if done is not None:
+                        vlog, idx, segs = done
+                        waits[vlog] = max(idx, waits.get(vlog, 0))
+                        rows.setdefault(sl, []).append(ix.rows)
+                        adopted += len(segs)
+            finally:  # one pass per streamlet over every adopted segment's rows
+                for sl, rs in rows.items():
+                    sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
+            await self._acked_when_durable(waits, {})
         for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
             if v.log.close_open():
                 v.poke()
@@ -125,9 +131,7 @@ class Takeover:
 
     async def _claimed_and_durable(self, claim: dict, waits: dict, reply: dict) -> dict:
         """``reply`` once the foreign vsegs are claimed and what was placed is durable: the two
-        at once (each an fsync away), since neither needs the other. An adoption durable but not
-        yet claimed is adopted again by a recovery of ours, from files the backups keep until
-        this recovery is recorded, which waits for this answer."""
+        at once (each an fsync away), as in ``rpc_adopt``."""
         async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
             n.start_soon(self.claims.claim, claim)
             n.start_soon(self._acked_when_durable, waits, reply)
