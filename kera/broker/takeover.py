@@ -114,6 +114,9 @@ class Takeover:
             try:
                 for sl, h, mv, ix in todo:
                     await trio.lowlevel.checkpoint()   # the claims go out meanwhile
+                    if self.streamlets.get((h.stream_id, h.streamlet)) is not sl or not sl.recovering:
+                        raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is no longer "
+                                       f"being recovered here")  # unassigned meanwhile
                     done = self._adopt_index(sl, h, mv, ix)
                     if done is not None:
                         vlog, idx, segs = done
