@@ -4,19 +4,20 @@ A recovery hands a new owner a dead broker's settled segments as *index*
 (per chunk: its end, the vseg of the dead incarnation holding it and the
 offset there) instead of bodies (``kera.repoint_plan``). The new owner makes
 each adoption durable before the streamlet serves by appending one index
-chunk per run of consecutive adopted segments of a group (not one per segment: what an
-adoption costs grows with the groups, not with the history) to the group's own virtual log,
-through the normal
-replication path. If the new owner dies too, its vlogs hold these chunks
+chunk per run of consecutive adopted segments of a group (not one per
+segment: what an adoption costs grows with the groups, not with the history)
+to the group's own virtual log, through the normal replication path. If the
+new owner dies too, its vlogs hold these chunks
 where the segments' data would be: its recovery adopts the segments again
 from them (by replay, or from the backups' index of a settled vseg), naming
 the original copies, so a chain of failures never chains indirections.
 
 An index chunk is an ordinary chunk (header, one record, checksums) with the
-``chunk.INDEX`` flag (and ``chunk.CLOSE`` when its last segment is its closed group's
-last: nothing follows it in the group); its header places it at (group, first segment, 0)
-of the run it describes and names the first segment's first producer (the group's slot).
-Its one value is little-endian u64s::
+``chunk.INDEX`` flag (and ``chunk.CLOSE`` when its last segment is its closed
+group's last: nothing follows it in the group); its header places it at
+(group, first segment, 0) of the run it describes and names the first
+segment's first producer (the group's slot). Its one value is little-endian
+u64s::
 
     MAGIC2, source broker, source vlog, n (chunks), m (vsegs), k (copies), s (segments)
     s counts: chunks of each segment of the run, in turn
@@ -24,8 +25,9 @@ Its one value is little-endian u64s::
     m vsegs: vseg id, copies of it
     k backup ids, the copies of each vseg in turn
 
-An index chunk written before runs (``MAGIC``: no ``s`` and no counts, one segment) is
-read the same way, so a vlog holding either is replayed and re-pointed as it stands.
+An index chunk written before runs (``MAGIC``: no ``s`` and no counts, one
+segment) is read the same way, so a vlog holding either is replayed and
+re-pointed as it stands.
 
 One format serves the ``adopt`` request, the owner's vlog and the replay.
 """
