@@ -765,9 +765,10 @@ async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owne
 
 async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_one(backups):
     """``index``: one row per chunk from its header (placement included), an index chunk
-    following whole; the same from memory and from the file; a header rotted on disk is a
-    ``checksum`` error naming it, for that vseg only (the others of the request are answered),
-    nothing stored changes; a malformed request is refused."""
+    following whole; the same from memory and from the file (rows kept since the close); once
+    reloaded from the file, a header rotted on disk is a ``checksum`` error naming it, for
+    that vseg only (the others of the request are answered), nothing stored changes; a
+    malformed request is refused."""
     ix = index_chunk.SegmentIndex(3, 1, 2, 4, 1, 0, np.array([[100, 0, 0, 11, 0]], "<u8"), {0: [5]})
     a = [bytearray(c) for c in chunks_for(5)]
     for i, c in enumerate(a):
@@ -802,6 +803,15 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
             before = open(bk.seg(1, 0, 0), "rb").read()
             flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + 30, 1 << 2)
             rotted = open(bk.seg(1, 0, 0), "rb").read()
+            _, kept, _ = await index()  # the rows kept since the close (a read verifies the chunk)
+            assert (kept == rows).all()
+            await trio.to_thread.run_sync(bk.restart)  # found on reload: not indexed at all
+            assert (await index())["error"] == "backup"
+            with open(bk.seg(1, 0, 0), "r+b") as f:
+                f.write(before)
+            await trio.to_thread.run_sync(bk.restart)  # reloaded whole: no rows kept, headers read
+            assert ((await index())[1] == rows).all()
+            flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + 30, 1 << 2)
             e = await index()
             assert e["error"] == "checksum" and f"header at {starts[4]}: chunk header checksum" in e["message"]
             assert open(bk.seg(1, 0, 0), "rb").read() == rotted != before
