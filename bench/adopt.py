@@ -1,7 +1,10 @@
-"""CPU per adopted segment on a new owner: ``python -m bench.adopt [--segments N] [--rows R]``.
+"""CPU per adopted segment on a new owner:
+``python -m bench.adopt [--segments N] [--rows R] [--run K]``.
 
-Runs the broker's ``adopt`` handler in this process on one request of N index
-chunks (R chunk rows each, two vsegs per segment) and reports the best of
+Runs the broker's ``adopt`` handler in this process on one request of N
+segments (R chunk rows each, two vsegs per segment) in index chunks of K
+consecutive segments each (a recovery sends one per run of a group's
+re-pointed segments; ``--run 1``: one per segment) and reports the best of
 several runs in CPU time (``time.process_time``), so the figure holds on a
 loaded machine. The two network steps of an adoption are left out, since
 they cost one round trip per request, not per segment: the ``claim`` RPC to
@@ -23,16 +26,19 @@ from kera.broker.service import BrokerService
 from kera.vlog import VlogMapping
 
 
-def request(segments: int, rows: int) -> memoryview:
-    """One adopt payload: ``segments`` index chunks of group 0, in order."""
+def request(segments: int, rows: int, run: int = 1) -> memoryview:
+    """One adopt payload: ``segments`` segments of group 0, in order, ``run`` per index chunk."""
     out = []
-    for s in range(segments):
-        ends = np.arange(1, rows + 1, dtype="<u8") * 16000
-        vsegs = np.where(np.arange(rows) < rows // 2, s // 4, s // 4 + 1).astype("<u8")
-        table = np.stack([ends, vsegs, np.arange(rows, dtype="<u8") * 16000, np.full(rows, 7, "<u8"),
-                          np.arange(s * rows, (s + 1) * rows, dtype="<u8")], 1)
+    for first in range(0, segments, run):
+        tables, copies = [], {}
+        for s in range(first, min(first + run, segments)):
+            ends = np.arange(1, rows + 1, dtype="<u8") * 16000
+            vsegs = np.where(np.arange(rows) < rows // 2, s // 4, s // 4 + 1).astype("<u8")
+            tables.append(np.stack([ends, vsegs, np.arange(rows, dtype="<u8") * 16000, np.full(rows, 7, "<u8"),
+                                    np.arange(s * rows, (s + 1) * rows, dtype="<u8")], 1))
+            copies.update({int(v): [1, 2] for v in np.unique(vsegs)})
         out.append(index_chunk.build(index_chunk.SegmentIndex(
-            1, 0, 0, s, 3, 5, table, {int(v): [1, 2] for v in np.unique(vsegs)})))
+            1, 0, 0, first, 3, 5, np.concatenate(tables), copies, [rows] * len(tables))))
     return memoryview(b"".join(out))
 
 
@@ -67,9 +73,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.adopt")
     ap.add_argument("--segments", type=int, default=400)
     ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--run", type=int, default=32, help="segments per index chunk")
     ap.add_argument("--runs", type=int, default=15)
     args = ap.parse_args(argv)
-    payload = request(args.segments, args.rows)
+    payload = request(args.segments, args.rows, args.run)
     best = float("inf")
     with tempfile.TemporaryDirectory() as d:
         for _ in range(args.runs):
@@ -78,7 +85,8 @@ def main(argv=None) -> None:
             r = trio.run(svc.rpc_adopt, {"epoch": 0}, payload)
             best = min(best, time.process_time() - t)
             assert r["adopted"] == args.segments, r
-    print(f"adopt of {args.segments} segments ({args.rows} chunks each) in one request: "
+    print(f"adopt of {args.segments} segments ({args.rows} chunks each, {args.run} per index chunk) "
+          f"in one request: "
           f"{best * 1000:.1f} ms CPU, {best / args.segments * 1e6:.1f} us per segment")
 
 

@@ -189,13 +189,14 @@ class KeraRun:
         return names
 
     def stats(self) -> dict:
-        """Replication RPCs and chunks appended, summed over the brokers' own counters."""
+        """Replicate RPCs (each carrying a broker's copies for one backup) and chunks appended,
+        summed over the brokers' own counters."""
         from kera_client import open_admin
 
         async def go():
             async with open_admin(self.cluster.coordinator) as a:
                 st = await a.broker_stats()
-            return {"rpcs": sum(v["rpcs"] for r in st for v in r["vlogs"]),
+            return {"rpcs": sum(r.get("replication", {}).get("rpcs", 0) for r in st),
                     "chunks": sum(v["appended"] for r in st for v in r["vlogs"])}
 
         return trio.run(go)

@@ -255,10 +255,15 @@ def cmd_status(args) -> None:
         print(f" evictions={own.get('evictions', 0)} ({own.get('evicted_bytes', 0) / mib:.1f} MiB) "
               f"freed={own.get('freed_bytes', 0) / mib:.1f} MiB tiered reads={own.get('tiered_reads', 0)} "
               f"({own.get('tiered_bytes', 0) / mib:.1f} MiB)")
+        rep = own.get("replication") or {}
+        if rep:
+            print(f"  replicate rpcs={rep['rpcs']} vseg copies={rep['entries']} "
+                  f"({rep['bytes'] / mib:.1f} MiB)")
         for v in s.get("vlogs", []):
-            per = v["durable"] / v["rpcs"] if v["rpcs"] else 0.0
-            print(f"  vlog {v['vlog']} R={v['replication']}: chunks={v['appended']} rpcs={v['rpcs']} "
-                  f"chunks/rpc={per:.1f} lag={v['lag']} vsegs={v['vsegs']} "
+            per = v["durable"] / v["messages"] if v["messages"] else 0.0
+            print(f"  vlog {v['vlog']} R={v['replication']}: chunks={v['appended']} "
+                  f"messages={v['messages']} chunks/message={per:.1f} lag={v['lag']} "
+                  f"vsegs={v['vsegs']} "
                   f"with R copies={v['fully_replicated']} released={v.get('released', 0)}")
         for sid, e in (own.get("streams") or {}).items():
             t = per_stream.setdefault(int(sid), {"retained": 0, "evicted": 0, "starts": {}, "name": e.get("name"),

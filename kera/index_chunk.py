@@ -1,25 +1,33 @@
-"""Index chunks: an adopted segment, described in a chunk its new owner replicates.
+"""Index chunks: a run of adopted segments, described in a chunk its new owner replicates.
 
 A recovery hands a new owner a dead broker's settled segments as *index*
 (per chunk: its end, the vseg of the dead incarnation holding it and the
 offset there) instead of bodies (``kera.repoint_plan``). The new owner makes
 each adoption durable before the streamlet serves by appending one index
-chunk per adopted segment to the group's own virtual log, through the normal
-replication path. If the new owner dies too, its vlogs hold these chunks
-where the segment's data would be: its recovery adopts the segment again
+chunk per run of consecutive adopted segments of a group (not one per
+segment: what an adoption costs grows with the groups, not with the history)
+to the group's own virtual log, through the normal replication path. If the
+new owner dies too, its vlogs hold these chunks
+where the segments' data would be: its recovery adopts the segments again
 from them (by replay, or from the backups' index of a settled vseg), naming
 the original copies, so a chain of failures never chains indirections.
 
 An index chunk is an ordinary chunk (header, one record, checksums) with the
-``chunk.INDEX`` flag (and ``chunk.CLOSE`` when the segment is its closed group's
-last: nothing follows it in the group); its header places it at (group, segment, 0) of the
-segment it describes and names the segment's first producer (the group's
-slot). Its one value is little-endian u64s::
+``chunk.INDEX`` flag (and ``chunk.CLOSE`` when its last segment is its closed
+group's last: nothing follows it in the group); its header places it at
+(group, first segment, 0) of the run it describes and names the first
+segment's first producer (the group's slot). Its one value is little-endian
+u64s::
 
-    MAGIC, source broker, source vlog, n (chunks), m (vsegs), k (copies)
-    n rows: end in the segment, vseg, offset in the vseg, producer, sequence
+    MAGIC2, source broker, source vlog, n (chunks), m (vsegs), k (copies), s (segments)
+    s counts: chunks of each segment of the run, in turn
+    n rows: end in its segment, vseg, offset in the vseg, producer, sequence
     m vsegs: vseg id, copies of it
     k backup ids, the copies of each vseg in turn
+
+An index chunk written before runs (``MAGIC``: no ``s`` and no counts, one
+segment) is read the same way, so a vlog holding either is replayed and
+re-pointed as it stands.
 
 One format serves the ``adopt`` request, the owner's vlog and the replay.
 """
@@ -28,7 +36,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from operator import ge
 
 import numpy as np
 
@@ -36,31 +43,54 @@ from . import chunk
 from .errors import InvalidArgument, ProtocolError
 from .limits import MAX_CHUNK
 
-MAGIC = 0x3158444E494B  # "KINDX1"
-ROW = 5                 # u64s per chunk row
-HEAD = 6
-MAX_ROWS = (MAX_CHUNK - chunk.HEADER_SIZE - 4096) // (8 * (ROW + 2))  # rows an index chunk holds
+MAGIC = 0x3158444E494B   # "KINDX1": one segment
+MAGIC2 = 0x3258444E494B  # "KINDX2": a run of segments
+ROW = 5                  # u64s per chunk row
+HEAD = 6                 # u64s before the rows (KINDX1); KINDX2 adds s and the s counts
+MAX_ROWS = (MAX_CHUNK - chunk.HEADER_SIZE - 4096) // (8 * (ROW + 3))  # rows an index chunk holds
 
 
 @dataclass(slots=True)
 class SegmentIndex:
-    """One adopted segment: where each of its chunks lies among a dead incarnation's vsegs."""
+    """A run of consecutive adopted segments of one group (from ``segment`` on, ``counts[i]``
+    rows each): where each of their chunks lies among a dead incarnation's vsegs."""
 
     stream: int
     streamlet: int
     group: int
-    segment: int
+    segment: int           # the run's first segment
     source: int            # the broker whose vsegs hold the chunks
     vlog: int              # its vlog (the epoch in the high bits)
-    rows: np.ndarray       # (n, 5) u64: end, vseg, vseg offset, producer, sequence
+    rows: np.ndarray       # (n, 5) u64: end in its segment, vseg, vseg offset, producer, sequence
     copies: dict[int, list[int]]  # vseg -> backups holding it whole
+    counts: list[int] | None = None  # rows of each segment of the run; None: one segment
+
+    def __post_init__(self) -> None:
+        if self.counts is None:
+            self.counts = [len(self.rows)]
+
+    @property
+    def starts(self) -> list[int]:
+        """Each segment's first row."""
+        out, at = [], 0
+        for c in self.counts:
+            out.append(at)
+            at += c
+        return out
+
+    @property
+    def heads(self) -> list[int]:
+        """Each segment's head (its last chunk's end)."""
+        ends = self.rows[:, 0]
+        return ends[np.cumsum(self.counts) - 1].tolist()
 
     @property
     def head(self) -> int:
+        """The last segment's head."""
         return int(self.rows[-1, 0])
 
     def producers(self) -> dict[int, int]:
-        """Each producer's highest sequence in the segment (resends stay duplicates)."""
+        """Each producer's highest sequence in the run (resends stay duplicates)."""
         return highest_sequences(self.rows)
 
 
@@ -73,16 +103,20 @@ def highest_sequences(rows: np.ndarray) -> dict[int, int]:
 
 
 def build(ix: SegmentIndex, closed: bool = False) -> bytes:
-    """The index chunk of ``ix`` (its placement is the segment's start). ``closed``: the
-    segment is its group's last and the group is closed (flags ``INDEX | CLOSE``)."""
+    """The index chunk of ``ix`` (its placement is the run's first segment's start).
+    ``closed``: the run's last segment is its group's last and the group is closed (flags
+    ``INDEX | CLOSE``)."""
     n = len(ix.rows)
-    if not 0 < n <= MAX_ROWS:
-        raise InvalidArgument(f"an index chunk holds 1..{MAX_ROWS} rows, not {n}")
+    if not 0 < n <= MAX_ROWS or sum(ix.counts) != n or min(ix.counts) < 1:
+        raise InvalidArgument(f"an index chunk holds 1..{MAX_ROWS} rows, at least one per segment, "
+                              f"not {n} in {ix.counts}")
     vsegs = sorted(ix.copies)
     per = [x for v in vsegs for x in (v, len(ix.copies[v]))]
     backups = [b for v in vsegs for b in ix.copies[v]]
-    value = b"".join((np.array([MAGIC, ix.source, ix.vlog, n, len(vsegs), len(backups)], "<u8").tobytes(),
-                      np.ascontiguousarray(ix.rows, "<u8").tobytes(), np.array(per + backups, "<u8").tobytes()))
+    value = b"".join((
+        np.array([MAGIC2, ix.source, ix.vlog, n, len(vsegs), len(backups), len(ix.counts), *ix.counts],
+                 "<u8").tobytes(),
+        np.ascontiguousarray(ix.rows, "<u8").tobytes(), np.array(per + backups, "<u8").tobytes()))
     data = bytearray(chunk.build(ix.stream, ix.streamlet, int(ix.rows[0, 3]), 0, [value], timestamps=0,
                                  flags=chunk.INDEX | (chunk.CLOSE if closed else 0)))
     chunk.place(data, 0, ix.group, ix.segment, 0)
@@ -90,9 +124,9 @@ def build(ix: SegmentIndex, closed: bool = False) -> bytes:
 
 
 def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
-    """The segment an index chunk (verified by the caller's ``chunk.scan``) describes.
+    """The run an index chunk (verified by the caller's ``chunk.scan``) describes.
 
-    Parsed once per adopted segment: a few array views and checks, no Python loop per row."""
+    Parsed once per run: a few array views and checks, no Python loop per row."""
     h = h or chunk.parse_header(data)
     if not h.flags & chunk.INDEX or h.record_count != 1 or h.offset != 0:
         raise ProtocolError("not an index chunk")
@@ -101,22 +135,36 @@ def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
         raise ProtocolError("index chunk too short")
     a = np.frombuffer(value, "<u8")
     magic, source, vlog, n, m, k = a[:HEAD].tolist()
-    if magic != MAGIC or n == 0 or len(a) != HEAD + ROW * n + 2 * m + k:
+    at = HEAD
+    if magic == MAGIC2 and len(a) > HEAD:
+        s = int(a[HEAD])
+        at = HEAD + 1 + s
+        counts = a[HEAD + 1:at].tolist() if s <= len(a) else []
+        if not 0 < s == len(counts) or min(counts) < 1 or sum(counts) != n:
+            raise ProtocolError("index chunk segment counts disagree")
+    elif magic == MAGIC:
+        counts = [n]
+    else:
         raise ProtocolError("index chunk is not a segment index")
-    rows = a[HEAD:HEAD + ROW * n].reshape(n, ROW)
-    per = a[HEAD + ROW * n:HEAD + ROW * n + 2 * m]
-    vsegs, counts = per[0::2].tolist(), per[1::2].tolist()
-    if sum(counts) != k:
+    if n == 0 or len(a) != at + ROW * n + 2 * m + k:
+        raise ProtocolError("index chunk is not a segment index")
+    rows = a[at:at + ROW * n].reshape(n, ROW)
+    per = a[at + ROW * n:at + ROW * n + 2 * m]
+    vsegs, cs = per[0::2].tolist(), per[1::2].tolist()
+    if sum(cs) != k:
         raise ProtocolError("index chunk copies disagree")
-    backups = a[HEAD + ROW * n + 2 * m:].tolist()
-    copies, at = {}, 0
-    for v, c in zip(vsegs, counts, strict=True):  # per vseg (a few), not per row
-        copies[v] = backups[at:at + c]
-        at += c
-    ends = rows[:, 0].tolist()
-    if not set(rows[:, 1].tolist()) <= copies.keys() or any(map(ge, ends, ends[1:])):
+    backups = a[at + ROW * n + 2 * m:].tolist()
+    copies, b = {}, 0
+    for v, c in zip(vsegs, cs, strict=True):  # per vseg (a few), not per row
+        copies[v] = backups[b:b + c]
+        b += c
+    ends = rows[:, 0]
+    rising = ends[1:] > ends[:-1]
+    if len(counts) > 1:  # a segment's first end starts anew
+        rising[np.cumsum(counts[:-1], dtype=np.int64) - 1] = True
+    if not set(rows[:, 1].tolist()) <= copies.keys() or not rising.all():
         raise ProtocolError("index chunk rows name vsegs it has no copies of, or are out of order")
-    return SegmentIndex(h.stream_id, h.streamlet, h.group, h.segment, source, vlog, rows, copies)
+    return SegmentIndex(h.stream_id, h.streamlet, h.group, h.segment, source, vlog, rows, copies, counts)
 
 
 _OFFSETS = struct.Struct("<4I")   # a one-record chunk's key and value offsets (``kera.chunk``)

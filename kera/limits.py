@@ -52,8 +52,15 @@ MAX_REQUEST = 32 * MiB            # producer request.size is clamped to this
 MAX_PRODUCE_PAYLOAD = max(MAX_REQUEST, MAX_CHUNK)
 
 # -- replication (vlog -> backup) -----------------------------------------------------
-REPLICATE_BATCH = 8 * MiB         # a replicate RPC carries up to this, or one chunk if larger
-MAX_REPLICATE_PAYLOAD = max(REPLICATE_BATCH, MAX_CHUNK)
+REPLICATE_BATCH = 8 * MiB         # one vseg copy's entry carries up to this, or one chunk if larger
+# one replicate RPC carries the entries of every vseg copy a broker has for one backup (all its
+# vlogs), up to this many bytes (or its first entry, if larger) and REPLICATE_ENTRIES entries:
+# two full entries, so a backlog after a stall drains in few RPCs while the frame a backup holds
+# and the time it spends verifying one request's checksums stay small
+REPLICATE_RPC = 2 * REPLICATE_BATCH
+REPLICATE_ENTRIES = 1024
+REPLICATE_ENTRY_META = 512        # an entry's description and its answer (a typed error's message)
+MAX_REPLICATE_PAYLOAD = max(REPLICATE_RPC, MAX_CHUNK)
 DEFAULT_VSEG_SIZE = 8 * MiB
 MAX_VSEG_SIZE = 256 * MiB         # a virtual segment's capacity (broker --vseg-size)
 # a virtual segment takes chunks while they fit, and always its first one
@@ -71,6 +78,9 @@ MAX_METALOG_RECORD = 16 * MiB     # one record of the metadata log (a group-comm
 # -- the relations --------------------------------------------------------------------
 assert MAX_CHUNK <= MAX_SEGMENT_SIZE, "a chunk must fit a segment of the largest size"
 assert MAX_CHUNK <= MAX_REPLICATE_PAYLOAD <= MAX_PAYLOAD, "every chunk must be replicable"
+assert max(REPLICATE_BATCH, MAX_CHUNK) <= MAX_REPLICATE_PAYLOAD, "every entry must fit a replicate"
+assert REPLICATE_ENTRIES * REPLICATE_ENTRY_META <= MAX_META, \
+    "every replicate and its answer must fit a frame's meta"
 assert MAX_VSEG_BYTES <= MAX_REPLICA_BYTES, "every virtual segment must fit a replica"
 assert MAX_PRODUCE_PAYLOAD <= MAX_PAYLOAD, "every producer request must fit a frame"
 assert max(MAX_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every read reply must fit a frame"

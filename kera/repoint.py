@@ -6,8 +6,9 @@ vlog's settled prefix (``RecoveryPlan.settled``) one whole copy per vseg
 lists its chunks without bodies (backup ``index``, asked for many vsegs at
 once: a few requests per backup, not one per vseg of the history; the index
 chunks of the dead broker's own adoptions come whole); ``kera.repoint_plan`` picks the
-re-pointed segments; each new owner gets one index chunk per segment
-(``adopt``, ``kera.index_chunk``) and builds it evicted, naming the copies;
+re-pointed segments; each new owner gets one index chunk per run of a group's
+consecutive re-pointed segments (``adopt``, ``kera.index_chunk``) and builds
+them evicted, naming the copies;
 the plan is told which settled vsegs need no replay at all, and the backups
 skip the re-pointed segments' chunks in the vsegs that are replayed.
 
@@ -32,8 +33,10 @@ from .recovery_plan import RecoveryPlan
 from .repoint_plan import (
     COLUMNS,
     FLAGS,
+    LAST,
     OFFSET,
     PRODUCER,
+    SEGMENT,
     SEQUENCE,
     SIZE,
     STREAM,
@@ -50,7 +53,7 @@ log = logging.getLogger("kera.recovery")
 INDEX_TIMEOUT = 30.0
 INDEX_BATCH = 64     # vsegs asked of a backup in one index call
 ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
-ANSWER = COLUMNS - VOFF  # u64s per chunk in an index answer: the row's columns from VOFF on
+ANSWER = FLAGS + 1 - VOFF  # u64s per chunk in an index answer: the row's columns VOFF..FLAGS
 
 
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
@@ -73,18 +76,40 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
 
     def take(vlog: int, vseg: int, data: memoryview, rows: int) -> None:
         """One vseg's answer: its rows, then its index chunks (verified)."""
-        if not isinstance(rows, int) or not 0 <= rows <= len(data) or rows % (8 * ANSWER):
-            raise TypeError(f"rows {rows!r} is not a whole number of rows in the answer")
         found = chunk.scan(data[rows:])
         a = np.frombuffer(data[:rows], "<u8").reshape(-1, ANSWER)
         marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
         if len(marks) != len(found):
             raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
-        for voff, (h, off) in zip(a[marks, 0].tolist(), found, strict=True):
-            indexes[(vlog, vseg, voff)] = bytes(data[rows + off:rows + off + h.size])
         out = np.empty((len(a), COLUMNS), np.uint64)
-        out[:, VLOG], out[:, VSEG], out[:, VOFF:] = vlog, vseg, a
+        out[:, VLOG], out[:, VSEG], out[:, VOFF:FLAGS + 1] = vlog, vseg, a
+        out[:, LAST] = out[:, SEGMENT]
+        for i, (h, off) in zip(marks.tolist(), found, strict=True):  # an index chunk covers a run
+            data_i = bytes(data[rows + off:rows + off + h.size])
+            out[i, LAST] += len(index_chunk.parse(data_i, h).counts) - 1
+            indexes[(vlog, vseg, int(a[i, 0]))] = data_i
         answers.append(out)
+
+    def take_rows(b: int, got: list, failed: list) -> None:
+        """Answers holding rows only (no index chunk), decoded together: one array for the
+        batch, not a few per vseg; one with a row flagged INDEX is a bad answer."""
+        if not got:
+            return
+        a = np.frombuffer(b"".join(part for _, part in got), "<u8").reshape(-1, ANSWER)
+        counts = [len(part) // (8 * ANSWER) for _, part in got]
+        which = np.repeat(np.arange(len(got)), counts)
+        good = np.ones(len(got), bool)
+        for k in set(which[a[:, FLAGS - VOFF] & chunk.INDEX != 0].tolist()):
+            vlog, vseg, _ = item = got[k][0]
+            log.warning("index of vlog %d vseg %d on backup %d: index rows but no index chunks", vlog, vseg, b)
+            failed.append(item)
+            good[k] = False
+        out = np.empty((len(a), COLUMNS), np.uint64)
+        out[:, VLOG] = np.repeat([item[0] for item, _ in got], counts)
+        out[:, VSEG] = np.repeat([item[1] for item, _ in got], counts)
+        out[:, VOFF:FLAGS + 1] = a
+        out[:, LAST] = out[:, SEGMENT]
+        answers.append(out if good.all() else out[good[which]])
 
     async def ask(b: int, items: list, failed: list) -> None:
         while items:
@@ -101,6 +126,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 failed += batch
                 continue
             at = 0
+            plain = []   # (item, its rows): answers without index chunks
             for i, (item, e) in enumerate(zip(batch, entries, strict=True)):
                 vlog, vseg, _ = item
                 try:
@@ -117,10 +143,17 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                     if not isinstance(n, int) or not 0 <= n <= len(data) - at:
                         raise TypeError(f"bytes {n!r} past the payload")
                     part, at = data[at:at + n], at + n  # the next answer's bytes start here either way
-                    take(vlog, vseg, part, e["rows"])
+                    rows = e["rows"]
+                    if not isinstance(rows, int) or not 0 <= rows <= n or rows % (8 * ANSWER):
+                        raise TypeError(f"rows {rows!r} is not a whole number of rows in the answer")
+                    if rows == n:
+                        plain.append((item, part))
+                    else:
+                        take(vlog, vseg, part, rows)
                 except (KeraError, KeyError, TypeError, AttributeError) as err:
                     log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, err)
                     failed.append(item)
+            take_rows(b, plain, failed)
 
     while todo:
         failed: dict[int, list] = {}
@@ -142,14 +175,17 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     rec.index_seconds = time.monotonic() - t0
 
     per_owner: dict[int, list] = {}
-    indexed = 0
-    for a in rp.adopted:
+    indexed = segments = 0   # bytes and segments of the index chunks passed on as they stand
+    for run in _runs(rp.adopted):
+        a = run[0]
         if a.indexed:
             r = a.rows[0].tolist()
             data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
-            indexed += index_chunk.parse(data).head
+            heads = index_chunk.parse(data).heads
+            indexed += sum(heads)
+            segments += len(heads) - 1
         else:
-            data = _index_chunk(rec.broker, a, whole)
+            data = _index_chunk(rec.broker, run, whole)
         per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
 
     async def adopt(m, mine: list[bytes]) -> None:
@@ -170,10 +206,10 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     rec.adopt_seconds = time.monotonic() - t1
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
-    rec.adopted_segments = len(rp.adopted)
+    rec.adopted_segments = len(rp.adopted) + segments
     rec.adopted_bytes = rp.bytes + indexed
     log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies, %d vsegs "
-             "not replayed, index in %.2f s, adopted in %.2f s", rec.broker, rec.epoch, len(rp.adopted),
+             "not replayed, index in %.2f s, adopted in %.2f s", rec.broker, rec.epoch, rec.adopted_segments,
              rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.index_seconds, rec.adopt_seconds)
     return [[*k, s] for k, s in rp.replay_from.items()]
 
@@ -189,15 +225,40 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarra
     wanted = np.array([(s << 32) | sl for s, sl in owners if s < 1 << 32], np.uint64)
     keep &= rows[:, STREAM] < 1 << 32
     keep &= np.isin((rows[:, STREAM] << np.uint64(32)) | rows[:, STREAMLET], wanted)
-    return rows[keep]
+    return rows if keep.all() else rows[keep]
 
 
-def _index_chunk(broker: int, a: Adopted, whole: dict) -> bytes:
-    """The index chunk of a segment re-pointed at ``broker``'s copies."""
-    r = a.rows
-    rows = np.column_stack((r[:, OFFSET] + r[:, SIZE], r[:, VSEG], r[:, VOFF], r[:, PRODUCER], r[:, SEQUENCE]))
-    vlog, vs = int(r[0, VLOG]), r[:, VSEG]
-    vsegs = vs[:1].tolist() + vs[1:][vs[1:] != vs[:-1]].tolist()  # ascending: chunks in vlog order
+def _runs(adopted: list[Adopted]):
+    """The plan's re-pointed segments as runs, each one index chunk: a group's consecutive
+    segments of records (up to ``index_chunk.MAX_ROWS`` rows), or one index chunk of the dead
+    broker's own, as it stands."""
+    run: list[Adopted] = []
+    rows = 0
+    for a in adopted:
+        n = len(a.rows)
+        if run and (a.indexed or a.segment != run[-1].segment + 1 or a.group != run[-1].group
+                    or (a.stream, a.streamlet) != (run[-1].stream, run[-1].streamlet)
+                    or rows + n > index_chunk.MAX_ROWS):
+            yield run
+            run, rows = [], 0
+        if a.indexed:
+            yield [a]
+            continue
+        run.append(a)
+        rows += n
+    if run:
+        yield run
+
+
+def _index_chunk(broker: int, run: list[Adopted], whole: dict) -> bytes:
+    """The index chunk of a run of a group's segments re-pointed at ``broker``'s copies."""
+    r = np.concatenate([a.rows for a in run]) if len(run) > 1 else run[0].rows
+    rows = r[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]]   # one gather
+    rows[:, 0] += r[:, SIZE]
+    vlog = int(r[0, VLOG])
+    vs = r[:, VSEG]   # ascending: a group's chunks are in vlog order (np.unique imports numpy.ma)
+    vsegs = vs[np.append(True, vs[1:] != vs[:-1])].tolist()
+    a = run[0]
     return index_chunk.build(index_chunk.SegmentIndex(
         a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
-        {v: list(whole[vlog][v]) for v in vsegs}), closed=a.closed)
+        {v: list(whole[vlog][v]) for v in vsegs}, [len(x.rows) for x in run]), closed=run[-1].closed)

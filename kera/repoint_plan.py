@@ -20,10 +20,10 @@ names those copies) when:
   stays in group order; what follows is replayed as before, and a hole there
   is still ``DataLoss``).
 
-A segment the dead broker had itself adopted is listed as one *index chunk*
-(``kera.index_chunk``: the adoption it made durable in its vlog): it is
-re-pointed as it stands (it names the original copies) whenever the
-segments before it are, last or not.
+Segments the dead broker had itself adopted are listed as *index chunks*
+(``kera.index_chunk``: the adoptions it made durable in its vlog, one per run
+of consecutive segments): each is re-pointed as it stands (it names the
+original copies) whenever the segments before its run are, last or not.
 
 A group whose first listed segment starts past offset 0 began in released
 vsegs: that segment is dropped (retention frees whole segments), as replay
@@ -44,14 +44,17 @@ from .chunk import CLOSE, INDEX
 from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg, as a backup's index lists it
-VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS = range(12)
-COLUMNS = 12        # VOFF... are the backup's answer; VLOG, VSEG the vseg it answered for
+VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, LAST = range(13)
+_32, _40 = np.uint64(32), np.uint64(1 << 40)
+COLUMNS = 13        # VOFF..FLAGS are the backup's answer; VLOG, VSEG the vseg it answered for;
+# LAST the last segment the row covers: SEGMENT, or an index chunk's run's last (``kera.repoint``)
 
 
 @dataclass(slots=True)
 class Adopted:
     """A re-pointed segment: its chunks' rows in order, all in settled vsegs of one vlog (or
-    one index chunk of the dead broker's own adoption of it)."""
+    one index chunk of the dead broker's own adoption of it, covering ``segment`` up to its
+    row's ``LAST``)."""
 
     stream: int
     streamlet: int
@@ -59,14 +62,8 @@ class Adopted:
     segment: int
     rows: np.ndarray      # (n, COLUMNS) u64
     closed: bool = False  # its group's last segment, proved complete by the group's close chunk
-
-    @property
-    def indexed(self) -> bool:
-        return bool(self.rows[0, FLAGS] & INDEX)
-
-    @property
-    def head(self) -> int:
-        return int(self.rows[-1, OFFSET] + self.rows[-1, SIZE])
+    indexed: bool = False  # one index chunk of the dead broker's own
+    head: int = 0         # its last chunk's end (a segment of records)
 
 
 @dataclass(slots=True)
@@ -96,18 +93,23 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         closes.setdefault((sid, sl, gid), set()).add((s, off))
     rows = rows[~close]
     index = rows[:, FLAGS] & INDEX != 0
-    rows = rows[np.lexsort((~index, rows[:, OFFSET], rows[:, SEGMENT], rows[:, GROUP], rows[:, STREAMLET],
-                            rows[:, STREAM]))]  # an index chunk first in its segment
-    index = rows[:, FLAGS] & INDEX != 0
+    # sorted by (stream, streamlet), (group, segment), then an index chunk first in its segment
+    # (the one covering the longest run first), then offset: three u64 keys, the header's
+    # streamlet, group, segment and offset being u32 and stream ids below 2**32 (the caller's)
+    assert not (rows[:, STREAM] >> _32).any(), "stream ids below 2**32"
+    sl = (rows[:, STREAM] << _32) | rows[:, STREAMLET]
+    gs = (rows[:, GROUP] << _32) | rows[:, SEGMENT]
+    at = np.where(index, _40 - np.uint64(1) - rows[:, LAST], _40 + rows[:, OFFSET])
+    order = np.lexsort((at, gs, sl))
+    rows, index, sl, gs = rows[order], index[order], sl[order], gs[order]
     out = Repoint()
     n = len(rows)
     taken = np.zeros(0, bool)
     if n:
         # per segment (a run of rows): first row, count, head, whole from 0, index chunk first
-        key = rows[:, [STREAM, STREAMLET, GROUP, SEGMENT]]
         new = np.ones((n, 2), bool)
-        new[1:, 0] = (key[1:] != key[:-1]).any(axis=1)           # a segment starts
-        new[1:, 1] = (key[1:, :3] != key[:-1, :3]).any(axis=1)   # a group starts
+        new[1:, 1] = (sl[1:] != sl[:-1]) | (gs[1:] >> _32 != gs[:-1] >> _32)   # a group starts
+        new[1:, 0] = new[1:, 1] | (gs[1:] != gs[:-1])                         # a segment starts
         first = np.flatnonzero(new[:, 0])
         count = np.diff(np.append(first, n))
         end = rows[:, OFFSET] + rows[:, SIZE]
@@ -118,6 +120,7 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         groups = np.flatnonzero(new[first, 1])
         taken = np.zeros(len(first), bool)
         ids = rows[first][:, [STREAM, STREAMLET, GROUP, SEGMENT]].tolist()
+        lasts = rows[first, LAST].tolist()
         starts, counts, heads = first.tolist(), count.tolist(), head.tolist()
         whole, indexed = whole.tolist(), index[first].tolist()
         for g0, g1 in zip(groups.tolist(), [*groups[1:].tolist(), len(first)], strict=True):
@@ -132,14 +135,15 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
                 s, at = ids[k][3], starts[k]
                 if s != prev + 1:
                     break
-                if indexed[k]:
-                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1]))
-                else:
-                    # a segment of records: whole, not too many chunks, and proved complete
-                    closed = k == g1 - 1 and (s, heads[k]) in marks
-                    if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
-                        break
-                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed))
+                if indexed[k]:  # a run of the dead broker's own adoptions, as it stands
+                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1], indexed=True))
+                    prev = max(lasts[k], s)
+                    continue
+                # a segment of records: whole, not too many chunks, and proved complete
+                closed = k == g1 - 1 and (s, heads[k]) in marks
+                if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
+                    break
+                adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed, head=heads[k]))
                 prev = s
             if adopted:
                 out.adopted += adopted

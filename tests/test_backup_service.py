@@ -358,6 +358,60 @@ async def test_bad_input_refused_and_others_still_served(backups):
             assert bk.proc.poll() is None
 
 
+async def test_a_batch_is_served_entry_by_entry_and_a_malformed_one_stores_nothing(backups):
+    """One replicate carrying several vseg copies (how a broker sends all its vlogs' copies for
+    a backup): a bad entry gets its own typed error and stores nothing, the others are stored,
+    on disk (write mode) and answered together; a malformed batch is refused whole."""
+    bk = backups()
+    a = chunks_for(4)
+    bad = bytearray(a[3])
+    bad[chunk.HEADER_SIZE + 5] ^= 0x40
+    ep = {"broker": 1, "epoch": 1}
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            la = await replicate(pool, bk.addr, 0, 0, a[0])
+            entries = [[0, 0, la, False, len(a[1])],      # continues vlog 0's vseg 0
+                       [0, 1, 100, False, len(a[2])],     # a gap: no copy of vseg 1 here
+                       [2, 0, 0, True, len(a[2])],        # a new copy, closed at once
+                       [3, 0, 0, False, len(bad)],        # a bad checksum
+                       [4, 0, 0, False, 0]]               # nothing: no copy, length 0
+            r, _ = await pool.call(bk.addr, "replicate", {**ep, "entries": entries},
+                                   a[1] + a[2] + a[2] + bytes(bad), timeout=5)
+            ok, gap, closed, corrupt, empty = r["results"]
+            assert ok == la + len(a[1]) and closed == len(a[2]) and empty == 0
+            assert gap["code"] == "backup" and gap["length"] == 0
+            assert corrupt["code"] == "checksum"
+            async def held():
+                return {k: (v["length"], v["chunks"], v["closed"])
+                        for k, v in (await segments(pool, bk.addr)).items()}
+
+            stored = await held()
+            assert stored == {(1, 0, 0): (ok, 2, False), (1, 2, 0): (closed, 1, True)}
+            assert (await read_all(pool, bk.addr, 0))[:2] == (a[0] + a[1], [])
+            # malformed: refused whole, nothing stored (lengths not adding up, bad fields, too many)
+            for meta, payload in [({**ep, "entries": [[0, 0, ok, False, len(a[3])]]}, a[3] + b"x"),
+                                  ({**ep, "entries": [[0, 0, ok, 0, len(a[3])]]}, a[3]),
+                                  ({**ep, "entries": [[0, 0, ok, False]]}, a[3]),
+                                  ({**ep, "entries": []}, b""),
+                                  ({**ep, "entries": [[5, 0, 0, False, 0]] * 1025}, b""),
+                                  ({"broker": -1, "epoch": 1, "entries": [[5, 0, 0, False, 0]]},
+                                   b"")]:
+                with pytest.raises(InvalidArgument):
+                    await pool.call(bk.addr, "replicate", {**meta}, payload, timeout=5)
+            assert await held() == stored
+            # a fenced epoch: every entry says so, nothing stored
+            r, _ = await pool.call(bk.addr, "replicate", {"broker": 1, "epoch": 0, "entries": [
+                [0, 0, ok, False, len(a[3])], [6, 0, 0, False, len(a[3])]]}, a[3] + a[3], timeout=5)
+            assert [x["code"] for x in r["results"]] == ["fenced", "fenced"]
+            assert await held() == stored
+            st = await stats(pool, bk.addr)
+            assert st["chunks"] == 3 and st["replicate_entries"] == 1 + 5 + 2
+            # what was acknowledged in the batch was written before the answer
+            bk.restart()
+            assert (await read_all(pool, bk.addr, 0))[:2] == (a[0] + a[1], [])
+            assert (await read_all(pool, bk.addr, 0, vlog=2))[:2] == (a[2], [])
+
+
 async def test_max_bytes_refuses_up_front(backups):
     a = chunks_for(12)
     size = len(a[0])
@@ -544,7 +598,10 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
             assert (first.addr, first.node, first.alive) == (bk.addr, "n1", True)
             assert first.holds == [[5, 1, 3, n1, True], [6, 0, 0, n2, False]]
             await until(lambda: load_id(str(data)) == first.id, "id saved")
-            assert (await pool.call(bk.addr, "list", {}))[0]["backup"] == first.id
+
+            async def listed_as(bid):  # the id is saved before the service takes it
+                return (await pool.call(bk.addr, "list", {}))[0]["backup"] == bid
+            await until(lambda: listed_as(first.id), "the backup lists as its id")
 
             # fences reach the backup with its heartbeats
             assert not await _fenced(pool, bk.addr, 7, 3)
@@ -708,9 +765,10 @@ async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owne
 
 async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_one(backups):
     """``index``: one row per chunk from its header (placement included), an index chunk
-    following whole; the same from memory and from the file; a header rotted on disk is a
-    ``checksum`` error naming it, for that vseg only (the others of the request are answered),
-    nothing stored changes; a malformed request is refused."""
+    following whole; the same from memory and from the file (rows kept since the close); once
+    reloaded from the file, a header rotted on disk is a ``checksum`` error naming it, for
+    that vseg only (the others of the request are answered), nothing stored changes; a
+    malformed request is refused."""
     ix = index_chunk.SegmentIndex(3, 1, 2, 4, 1, 0, np.array([[100, 0, 0, 11, 0]], "<u8"), {0: [5]})
     a = [bytearray(c) for c in chunks_for(5)]
     for i, c in enumerate(a):
@@ -745,6 +803,15 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
             before = open(bk.seg(1, 0, 0), "rb").read()
             flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + 30, 1 << 2)
             rotted = open(bk.seg(1, 0, 0), "rb").read()
+            _, kept, _ = await index()  # the rows kept since the close (a read verifies the chunk)
+            assert (kept == rows).all()
+            await trio.to_thread.run_sync(bk.restart)  # found on reload: not indexed at all
+            assert (await index())["error"] == "backup"
+            with open(bk.seg(1, 0, 0), "r+b") as f:
+                f.write(before)
+            await trio.to_thread.run_sync(bk.restart)  # reloaded whole: no rows kept, headers read
+            assert ((await index())[1] == rows).all()
+            flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + 30, 1 << 2)
             e = await index()
             assert e["error"] == "checksum" and f"header at {starts[4]}: chunk header checksum" in e["message"]
             assert open(bk.seg(1, 0, 0), "rb").read() == rotted != before

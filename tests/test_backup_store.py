@@ -6,11 +6,13 @@ here each rule is checked on its own, including that a refusal stores nothing.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kera import chunk
 from kera.backup import segment_file as sf
-from kera.backup.replica import Replica
+from kera.backup import store as store_module
+from kera.backup.replica import INDEX_COLUMNS, Replica
 from kera.backup.store import (
     APPEND,
     CLOSE,
@@ -265,3 +267,23 @@ def test_read_plan_memory_then_file():
                                            "closed": False}
     with pytest.raises(BackupError, match="no replica"):
         s.plan_read((1, 1, 1), 0, 10)
+
+
+def test_a_closed_replica_keeps_its_index_rows_within_the_bound_and_gives_them_back(monkeypatch):
+    s = BackupStore()
+    a, b = chunks(3, 4), chunks(2, seq0=2)
+    s.replicate(KEY, 1, 0, mv(a), False)
+    s.replicate(KEY, 1, len(a[0]) + len(a[1]), mv(b), True)
+    rep = s.replicas[KEY]
+    rows = np.frombuffer(rep.index, "<u8").reshape(-1, INDEX_COLUMNS)
+    heads = [chunk.parse_header(c) for c in a + b]
+    assert rows.tolist() == [[st, en - st, h.stream_id, h.streamlet, h.group, h.segment, h.offset,
+                              h.producer_id, h.sequence, h.flags]
+                             for st, en, h in zip(rep.starts, rep.ends, heads, strict=True)]
+    assert s.index_bytes == len(rep.index) == 3 * 80 and rep.heads is None
+    monkeypatch.setattr(store_module, "INDEX_CACHE", s.index_bytes + 100)  # no room for another
+    other = (7, 2, 6)
+    s.replicate(other, 1, 0, mv(a), True)
+    assert s.replicas[other].index is None and s.index_bytes == 240
+    s.drop(KEY)
+    assert s.index_bytes == 0 and rep.index is None

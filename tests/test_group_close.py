@@ -78,9 +78,11 @@ def _check_close_rows(rows: np.ndarray) -> dict[int, tuple[int, int]]:
 
 async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
     """A broker other than ``owner`` recovers a streamlet of a stream of its own by adopting
-    one segment from an index chunk flagged ``INDEX | CLOSE`` (naming one of ``owner``'s
-    settled chunks, as a recovery would); then serves it. Returns the group a chunk produced
-    there goes to: not the adopted, evicted segment's group, though that segment has room."""
+    a run of two segments, then a run of three from an index chunk flagged ``INDEX | CLOSE``
+    (each segment naming one of ``owner``'s settled chunks, as a recovery would): only the
+    third segment is new (an earlier try adopted the first two); then serves it. Returns the
+    group a chunk produced there goes to: not the adopted, evicted segments' group, though
+    their last segment has room."""
     async with open_admin(c.coordinator) as a:
         st = await a.status()
     src = next(b["id"] for b in st["brokers"] if b["addr"] == owner)
@@ -95,11 +97,17 @@ async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
         backups = [{k: b[k] for k in ("id", "addr", "node", "epoch")} for b in st["backups"]]
         await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0], "recovering": True,
                                                   "backups": backups})
-        ix = index_chunk.SegmentIndex(s["id"], 0, 0, 0, src, vlog, np.array([[size, vseg, voff, 5, 0]], "<u8"),
-                                      {vseg: copies})
-        data = chunk.with_flags(index_chunk.build(ix), chunk.INDEX | chunk.CLOSE)
+        def run(n: int) -> index_chunk.SegmentIndex:
+            return index_chunk.SegmentIndex(s["id"], 0, 0, 0, src, vlog, np.array([[size, vseg, voff, 5, 0]] * n, "<u8"),
+                                            {vseg: copies}, [1] * n)
+
+        r, _ = await pool.call(other["addr"], "adopt", e, parts=[index_chunk.build(run(2))])
+        assert r["adopted"] == 2
+        before = (await pool.call(other["addr"], "stats", {}))[0]["chunks"]
+        data = chunk.with_flags(index_chunk.build(run(3)), chunk.INDEX | chunk.CLOSE)
         r, _ = await pool.call(other["addr"], "adopt", e, parts=[data])
-        assert r["adopted"] == 1
+        assert r["adopted"] == 3   # the run's segments, held or adopted now
+        assert (await pool.call(other["addr"], "stats", {}))[0]["chunks"] == before + 1  # one more
         await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0]})
         r, _ = await pool.call(other["addr"], "produce", {"positions": True},
                                parts=[chunk.build(s["id"], 0, 5, 1, [b"x" * 8])])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import trio
@@ -10,7 +11,8 @@ from kera_client import open_admin, open_consumer, open_producer
 from kera.errors import Unavailable
 from kera.rpc import open_pool
 
-from .workload import consume_all, produce_all, values
+from .test_faults import AFTER
+from .workload import consume_all, create, produce_all, send_and_flush, values
 
 
 async def cluster_state(coord):
@@ -19,10 +21,11 @@ async def cluster_state(coord):
 
 
 async def vlog_totals(coord) -> tuple[int, int]:
-    """(replication RPCs, chunks appended) over every broker's vlogs, from the brokers."""
+    """(replicate messages, chunks appended) over every broker's vlogs, from the brokers: each
+    message is one vseg copy's entry of a replicate RPC."""
     async with open_admin(coord) as a:
         st = await a.broker_stats()
-    return (sum(v["rpcs"] for r in st for v in r["vlogs"]),
+    return (sum(v["messages"] for r in st for v in r["vlogs"]),
             sum(v["appended"] for r in st for v in r["vlogs"]))
 
 
@@ -48,11 +51,11 @@ async def test_shared_vlogs_batch_replication_per_group_does_not(make_cluster):
         shared_32 = await run(coord, "sm", 32, "shared")
         group_256 = await run(coord, "pg", 256, "per-group")
         group_32 = await run(coord, "pm", 32, "per-group")
-    print(f"rpcs, chunks: shared 256 {shared_256}, shared 32 {shared_32}, "
+    print(f"messages, chunks: shared 256 {shared_256}, shared 32 {shared_32}, "
           f"per-group 256 {group_256}, per-group 32 {group_32}")
-    rpcs, chunks = shared_256
-    assert rpcs * 10 <= chunks, f"shared vlogs: {rpcs} replication RPCs for {chunks} chunks"
-    # one replicated log per partition: replication RPCs grow with the number of streams
+    messages, chunks = shared_256
+    assert messages * 10 <= chunks, f"shared vlogs: {messages} messages for {chunks} chunks"
+    # one replicated log per partition: its messages grow with the number of streams
     assert group_256[0] > 3 * group_32[0]
     assert group_256[0] > 3 * shared_256[0]
 
@@ -182,3 +185,113 @@ async def test_full_disk_backup_is_avoided(make_cluster):
         ledger = await consume_all(coord, streams, 2 * 2000 * len(streams))
     ledger.check({(s, p): 2000 for s in streams for p in range(2)})
     await assert_r_copies(coord, 3)
+
+
+async def broker_counts(coord) -> dict[int, tuple[int, int, int]]:
+    """Per broker: (produce requests, replicate RPCs, replicate messages)."""
+    async with open_admin(coord) as a:
+        st = await a.broker_stats()
+    return {r["broker"]: (r["requests"], r["replication"]["rpcs"],
+                          sum(v["messages"] for v in r["vlogs"])) for r in st}
+
+
+async def test_one_replicate_rpc_per_backup_per_round_for_all_vlogs(make_cluster):
+    """Four vlogs per broker, R=3: a produce request touching all four costs one replicate RPC
+    per backup holding their copies (two), not one per vlog and copy (eight)."""
+    cluster = make_cluster(3, broker_args=["--vlogs", "4"])
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        # 12 streamlets over 3 brokers: 4 groups, so 4 vlogs, per broker
+        s = await a.create_stream("fan", streamlets=12, replication=3)
+    rounds = 30
+    with trio.fail_after(60):
+        async with open_producer(coord, **{"linger.ms": 10_000}) as p:
+            async def round_(r):   # one request per broker: a chunk for each of its streamlets
+                for i in range(12):
+                    await p.send_many("fan", values(0, r * 10, 10), streamlet=i)
+                await p.flush()
+
+            await round_(0)
+            before = await broker_counts(coord)
+            for r in range(1, rounds + 1):
+                await round_(r)
+            after = await broker_counts(coord)
+        async with open_pool() as pool:
+            holders = {}
+            for addr in set(s["addrs"]):
+                v, _ = await pool.call(addr, "vsegs", {}, timeout=5)
+                holders[v["broker"]] = {b for row in v["vsegs"] for b in row[4]}
+    for b, (req, rpcs, msgs) in after.items():
+        req, rpcs, msgs = req - before[b][0], rpcs - before[b][1], msgs - before[b][2]
+        print(f"broker {b}: {req} requests, {rpcs} replicate RPCs, {msgs} messages, "
+              f"backups {sorted(holders[b])}")
+        assert req >= rounds and msgs >= 8 * rounds   # 4 vlogs x 2 backup copies, every round
+        assert len(holders[b]) == 2, holders
+        assert rpcs <= len(holders[b]) * req, "one replicate RPC per backup per round"
+
+
+async def ingest_through_a_backup_fault(cluster, fault) -> None:
+    """Ingest into streams spread over every broker's four vlogs, apply ``fault`` to a backup
+    once ingest is under way (RPCs carrying all four vlogs' copies are in flight), then check
+    that every record was acknowledged and is read back exactly once, and that new writes
+    are acknowledged after the fault."""
+    coord = cluster.coordinator
+    streams = [f"f{i:02d}" for i in range(24)]
+    await create(coord, streams, replication=3)
+    producers, per_pair = 2, 2000
+    finished = trio.Event()
+
+    async def ingest():
+        await produce_all(coord, streams, producers, per_pair, 40)
+        finished.set()
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as n:
+            n.start_soon(ingest)
+            while (await vlog_totals(coord))[1] < 200:   # under way
+                await trio.sleep(0.02)
+            await fault()
+            assert not finished.is_set(), "the fault came after the ingest"
+        await send_and_flush(coord, streams, AFTER, 100)
+        ledger = await consume_all(coord, streams, (producers * per_pair + 100) * len(streams))
+    ledger.check({**{(s, p): per_pair for s in streams for p in range(producers)},
+                  **{(s, AFTER): 100 for s in streams}})
+
+
+async def test_backup_killed_mid_batch_loses_no_acknowledged_record(make_cluster):
+    cluster = make_cluster(3, broker_args=["--vlogs", "4"])
+
+    async def kill():
+        cluster.kill("node2-backup")
+
+    await ingest_through_a_backup_fault(cluster, kill)
+
+
+async def test_backup_paused_mid_batch_loses_no_acknowledged_record(make_cluster):
+    # a pause shorter than the replicate timeout and the failure detector: acks wait, then flow
+    cluster = make_cluster(3, broker_args=["--vlogs", "4", "--replicate-timeout", "30"],
+                           coordinator_args=["--dead-after", "30"])
+
+    async def pause():
+        pid = cluster.procs["node3-backup"].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            # node1's broker has every vseg copied on node3's backup: its acks are held
+            await trio.sleep(1.0)  # the fault: a one-second pause
+            held = await per_broker(cluster.coordinator)
+            await trio.sleep(0.5)
+            still = await per_broker(cluster.coordinator)
+            assert any(lag > 0 and still[b] == (durable, lag)
+                       for b, (durable, lag) in held.items()), (held, still)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    await ingest_through_a_backup_fault(cluster, pause)
+
+
+async def per_broker(coord) -> dict[int, tuple[int, int]]:
+    """Per broker: (chunks durable, chunks appended and not yet durable)."""
+    async with open_admin(coord) as a:
+        st = await a.broker_stats()
+    return {r["broker"]: (sum(v["durable"] for v in r["vlogs"]), sum(v["lag"] for v in r["vlogs"]))
+            for r in st}

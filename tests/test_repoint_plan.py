@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kera import chunk, index_chunk
-from kera.errors import ProtocolError
+from kera.errors import InvalidArgument, ProtocolError
 from kera.repoint_plan import COLUMNS, plan_repoint
 
 
@@ -14,14 +14,14 @@ def rows_of(vseg: int, group: int, segment: int, sizes, at: int = 0, flags: int 
     """Index rows (see ``kera.repoint_plan``'s columns) of one segment's chunks in one vseg of vlog 1."""
     out, off = [], 0
     for i, n in enumerate(sizes):
-        out.append((1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags))
+        out.append((1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags, segment))
         off += n
     return out
 
 
 def close_row(vseg: int, group: int, segment: int, offset: int, at: int) -> list[tuple]:
     """A group's close chunk, as the index lists it."""
-    return [(1, vseg, at, 120, 7, 0, group, segment, offset, 3, 0, chunk.CLOSE)]
+    return [(1, vseg, at, 120, 7, 0, group, segment, offset, 3, 0, chunk.CLOSE, segment)]
 
 
 def plan(rows, settled, **kw):
@@ -120,9 +120,57 @@ def test_the_dead_brokers_closed_index_chunk_is_repointed_as_it_stands():
 
 
 def test_a_closed_last_segment_with_a_gap_or_in_a_replayed_streamlet_is_not_adopted():
-    gap = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + [(1, 2, 0, 30, 7, 0, 0, 3, 60, 3, 9, 0)]
+    gap = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + [(1, 2, 0, 30, 7, 0, 0, 3, 60, 3, 9, 0, 3)]
     rp = plan(gap + close_row(2, 0, 3, 90, 30), {1: [1, 2]})
     assert [a.segment for a in rp.adopted] == [2] and rp.skip == {}
     rows = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + close_row(1, 0, 3, 50, 250)
     rp = plan(rows, {1: [1]}, replayed=frozenset({(7, 0)}))
     assert rp.adopted == [] and rp.replay_from == {} and rp.skip == {}
+
+
+def test_an_index_chunk_of_a_run_covers_its_segments_and_the_longest_run_is_taken():
+    # the dead broker adopted segments 0..2 in one index chunk, and 0..4 in another (a retry)
+    run = [r[:12] + (2,) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
+    longer = [r[:2] + (300,) + r[3:12] + (4,) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
+    rows = run + longer + rows_of(1, 0, 5, [100, 100]) + rows_of(1, 0, 6, [50], 200) + rows_of(2, 0, 7, [80])
+    rp = plan(rows, {1: [0, 1, 2]})
+    assert [(a.segment, a.indexed) for a in rp.adopted] == [(0, True), (5, False), (6, False)]
+    assert rp.adopted[0].rows[0, 2] == 300          # the index chunk of the longer run
+    assert rp.replay_from == {(7, 0, 0): 7} and rp.skip == {1: {0, 1}}
+    rp = plan(run + rows_of(1, 0, 5, [100]) + rows_of(2, 0, 6, [80]), {1: [0, 1, 2]})
+    assert [a.segment for a in rp.adopted] == [0] and rp.replay_from == {(7, 0, 0): 3}  # 3, 4 missing
+
+
+def test_an_index_chunk_of_a_run_round_trip_and_the_one_segment_format_still_parses():
+    rows = np.array([[100, 3, 0, 7, 1], [250, 4, 0, 9, 5], [60, 4, 300, 7, 6]], "<u8")
+    ix = index_chunk.SegmentIndex(5, 1, 2, 3, 8, 1, rows, {3: [1, 2], 4: [2]}, [2, 1])
+    back = index_chunk.parse(index_chunk.build(ix, closed=True))
+    assert (back.segment, back.counts, back.heads, back.starts) == (3, [2, 1], [250, 60], [0, 2])
+    assert (back.rows == rows).all() and back.producers() == {7: 6, 9: 5}
+    for counts in ([1, 1], [3, 0], [1, 1, 1, 1]):   # counts that do not add up to the rows
+        bad = index_chunk.SegmentIndex(5, 1, 2, 3, 8, 1, rows, {3: [1, 2], 4: [2]}, counts)
+        with pytest.raises(InvalidArgument):
+            index_chunk.build(bad)
+    with pytest.raises(ProtocolError):   # a segment's ends must rise
+        index_chunk.parse(index_chunk.build(index_chunk.SegmentIndex(
+            5, 1, 2, 3, 8, 1, rows, {3: [1, 2], 4: [2]}, [3])))
+    # KINDX1: one segment, no counts (what vlogs written before runs hold)
+    value = np.concatenate((np.array([index_chunk.MAGIC, 8, 1, 2, 2, 3, *rows[:2].ravel(), 3, 2, 4, 1, 1, 2, 2],
+                                     "<u8"),)).tobytes()
+    data = bytearray(chunk.build(5, 1, 7, 0, [value], timestamps=0, flags=chunk.INDEX))
+    chunk.place(data, 0, 2, 3, 0)
+    old = index_chunk.parse(bytes(data))
+    assert (old.segment, old.counts, old.heads, old.copies) == (3, [2], [250], {3: [1, 2], 4: [2]})
+
+
+def test_consecutive_repointed_segments_of_a_group_go_as_one_index_chunk():
+    from kera.repoint import _index_chunk, _runs
+    rows = (rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + rows_of(2, 0, 4, [80])
+            + rows_of(2, 0, 5, [10]) + [r[:6] + (1,) + r[7:] for r in rows_of(2, 1, 0, [30, 30], 90)]
+            + [r[:6] + (1,) + r[7:] for r in rows_of(2, 1, 1, [20], 150)])
+    rp = plan(rows, {1: [1, 2]})
+    runs = list(_runs(rp.adopted))
+    assert [[(a.group, a.segment) for a in run] for run in runs] == [[(0, 2), (0, 3), (0, 4)], [(1, 0)]]
+    ix = index_chunk.parse(_index_chunk(9, runs[0], {1: {1: [4, 5], 2: [5, 6]}}))
+    assert (ix.group, ix.segment, ix.counts, ix.heads, ix.source) == (0, 2, [2, 1, 1], [200, 50, 80], 9)
+    assert ix.copies == {1: [4, 5], 2: [5, 6]} and ix.rows[:, 1].tolist() == [1, 1, 1, 2]

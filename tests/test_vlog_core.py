@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+from kera.broker.replicator import rpc_batches
+from kera.limits import REPLICATE_BATCH
 from kera.vlog import BackupSet, VirtualLog
 
 
@@ -164,3 +166,31 @@ def test_a_stale_answer_after_a_give_up_is_ignored():
     assert v.durable == 0
     v.on_reply(s2.token, s2.end, 2.2)
     assert v.durable == 1
+
+
+def test_a_copy_on_a_busy_backup_waits_and_then_carries_everything_appended_meanwhile():
+    """The broker keeps one RPC in flight per backup: ``poll(now, busy)`` leaves that backup's
+    copies for a later poll, which sends what was appended up to then in one message."""
+    bs = backups({1: "n1", 2: "n2"})
+    v = VirtualLog(1, 3, 1 << 20, bs)
+    append(v, 1)
+    (to2,) = v.poll(0.0, busy={1})
+    assert to2.backup == 2
+    append(v, 2)
+    assert v.poll(0.0, busy={1, 2}) == []
+    (to1,) = v.poll(0.0, busy={2})          # backup 1 free: all three chunks in one message
+    assert to1.backup == 1 and (to1.start, to1.stop) == (0, 3)
+    ack_all(v, [to2, to1])
+    assert v.durable == 1                   # backup 2 has the first chunk only
+    (again,) = v.poll(0.0)
+    assert again.backup == 2 and (again.start, again.stop) == (1, 3)
+    ack_all(v, [again])
+    assert v.durable == 3
+
+
+def test_a_backups_messages_go_in_rpcs_bounded_in_bytes_and_entries():
+    assert rpc_batches([]) == []
+    assert rpc_batches([10, 20, 30], max_bytes=100) == [(0, 3)]
+    assert rpc_batches([60, 50, 10, 200, 5], max_bytes=100) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    assert rpc_batches([1] * 5, max_entries=2) == [(0, 2), (2, 4), (4, 5)]
+    assert rpc_batches([REPLICATE_BATCH] * 3) == [(0, 2), (2, 3)]   # two full entries per RPC

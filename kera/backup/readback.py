@@ -20,7 +20,7 @@ from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, Pro
 from . import disk
 from .fields import U63, uint, vseg_key
 from .replay import parse_replay_from, parse_routes, replay
-from .replica import Replica
+from .replica import INDEX_COLUMNS, Replica, index_rows
 from .store import BackupStore
 
 log = logging.getLogger("kera.backup")
@@ -104,10 +104,29 @@ class ReadBack:
         return {"answers": answers}, parts
 
     async def _index(self, rep: Replica) -> list:
-        """One replica's index: its rows, then its index chunks. The headers are gathered with
-        one fancy index (from the mapped file, then from memory) and checked as arrays."""
+        """One replica's index: its rows (kept since it closed, ``Replica.seal_index``, or
+        gathered from its file's headers), then its index chunks."""
         if not rep.closed or rep.corrupt or rep.damaged:
             raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
+        rows = rep.index if rep.index is not None else await self._index_rows(rep)
+        a = np.frombuffer(rows, "<u8").reshape(-1, INDEX_COLUMNS)
+        marks = np.flatnonzero(a[:, 9] & chunkfmt.INDEX)
+        parts = [rows]
+        for s, n in a[marks, :2].tolist():  # one per run of adopted segments
+            e = s + n
+            if s >= rep.mem_base:
+                parts.append(b"".join(rep.memory_parts(s, e)))
+                continue
+            data, bad = await self._read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
+            if bad is not None:
+                off, _, reason = self._corrupt(rep, bad)
+                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+            parts.append(data)
+        return parts
+
+    async def _index_rows(self, rep: Replica) -> bytes:
+        """The index rows of a replica that kept none: its headers gathered with one fancy
+        index (from the mapped file, then from memory) and checked as arrays."""
         starts = np.frombuffer(rep.starts, np.uint64).astype(np.int64)
         ends = np.frombuffer(rep.ends, np.uint64).astype(np.int64)
         cut = int(np.searchsorted(starts, rep.mem_base))  # chunks before it are read from the file
@@ -129,20 +148,7 @@ class ReadBack:
             except (ChecksumError, ProtocolError) as e:
                 err = e
             raise ChecksumError(f"replica {rep.key}: header at {s}: {err}")
-        rows = np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
-                                h["segment"], h["offset"], h["producer_id"], h["sequence"], h["flags"]))
-        marks = np.flatnonzero(h["flags"] & chunkfmt.INDEX)
-        parts = [rows.astype("<u8").tobytes()]
-        for s, e in zip(starts[marks].tolist(), ends[marks].tolist(), strict=True):  # one per adopted segment
-            if s >= rep.mem_base:
-                parts.append(b"".join(rep.memory_parts(s, e)))
-                continue
-            data, bad = await self._read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
-            if bad is not None:
-                off, _, reason = self._corrupt(rep, bad)
-                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
-            parts.append(data)
-        return parts
+        return index_rows(starts, ends, h)
 
     def rpc_read(self, meta: dict, payload):
         key = vseg_key(meta)

@@ -15,6 +15,15 @@ file (and is verified again); at or above, from memory (verified on arrival).
 Chunks are indexed by start/end offset (O(1) work per chunk on append) so
 reads cut on chunk boundaries without parsing; corrupt regions found on load
 or on a file read are indexed apart and never served.
+
+A recovery re-pointing a dead broker's history asks each closed vseg for its
+chunks' header rows (``index_rows``, backup ``index``). The headers verified
+on arrival are kept (a reference per append, no copy) while the replica is open
+and turned into those rows once, when it closes (``seal_index``), so the
+``index`` answer is a copy of them, however old the vseg: no file read, no
+check again. The store bounds the rows kept (``INDEX_CACHE``); a replica
+without them (over the bound, or reloaded from its file) is indexed from its
+file's headers, checked then.
 """
 
 from __future__ import annotations
@@ -25,16 +34,26 @@ from bisect import bisect_left, bisect_right, insort
 import numpy as np
 import xxhash
 
-from ..chunk import HEADER_SIZE
+from ..chunk import HEADER_DTYPE, HEADER_SIZE
 from ..errors import InvalidArgument
 from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
+
+INDEX_COLUMNS = 10   # u64s per chunk in an index row (``index_rows``)
+
+
+def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
+    """A vseg's index: per chunk 10 little-endian u64s (vseg offset, size, stream, streamlet,
+    group, segment, segment offset, producer, sequence, flags) from its verified headers."""
+    return np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
+                            h["segment"], h["offset"], h["producer_id"], h["sequence"],
+                            h["flags"])).astype("<u8").tobytes()
 
 
 class Replica:
     __slots__ = ("broker", "vlog", "vseg", "epoch", "path", "length", "starts", "ends", "corrupt",
                  "corrupt_starts", "digest", "blocks", "block_starts", "mem_base", "flushed", "synced",
                  "closed", "trailer_written", "trailer_synced", "damaged", "created", "error",
-                 "failed", "dropped", "ready", "budget")
+                 "failed", "dropped", "ready", "budget", "heads", "index")
 
     def __init__(self, broker: int, vlog: int, vseg: int, epoch: int, path: str):
         self.broker, self.vlog, self.vseg, self.epoch, self.path = broker, vlog, vseg, epoch, path
@@ -59,6 +78,8 @@ class Replica:
         self.dropped = False
         self.ready = None      # service: trio.Event set once the file exists (or failed)
         self.budget = 0        # store: bytes of its file counted against --max-bytes
+        self.heads: list | None = []   # verified headers of the chunks appended (None: not kept)
+        self.index: bytes | None = None  # once closed: ``index_rows`` of every chunk, if kept
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -70,6 +91,7 @@ class Replica:
         h = ld.header
         rep = cls(*key, h.epoch if h else 0, ld.path)
         rep.created = True
+        rep.heads = None
         if ld.scan is None:  # damaged file header: nothing can be trusted or appended
             rep.damaged = rep.closed = rep.trailer_written = rep.trailer_synced = True
             rep.corrupt = [{"offset": 0, "length": ld.file_size, "reason": ld.error}]
@@ -89,6 +111,8 @@ class Replica:
     def append(self, payload: memoryview, heads, offs) -> None:
         """Append verified whole chunks: ``kera.chunk.scan_headers(payload)`` (array work only)."""
         assert not self.closed and not self.damaged
+        if self.heads is not None:
+            self.heads.append(heads)
         base = self.length
         starts = np.asarray(offs, np.uint64) + np.uint64(base)
         self.starts.frombytes(starts.tobytes())
@@ -97,6 +121,19 @@ class Replica:
         self.blocks.append(payload)
         self.block_starts.append(base)
         self.length = base + payload.nbytes
+
+    def seal_index(self, room: int) -> int:
+        """Closed: its index rows, built once from the headers kept, if they take at most
+        ``room`` bytes; returns the bytes kept."""
+        heads, self.heads = self.heads, None
+        n = len(self.starts)
+        if heads is None or n * 8 * INDEX_COLUMNS > room or sum(map(len, heads)) != n:
+            return 0
+        starts = np.frombuffer(self.starts, np.uint64)
+        h = np.frombuffer(b"".join(x.tobytes() for x in heads), HEADER_DTYPE)  # np.concatenate of
+        # a structured dtype costs ten times more
+        self.index = index_rows(starts, np.frombuffer(self.ends, np.uint64), h)
+        return len(self.index)
 
     @property
     def chunks(self) -> int:

@@ -1,14 +1,16 @@
 """BackupService: stores replicas of brokers' virtual segments, flushes them to disk.
 
 A broker replicates each virtual segment of its virtual logs to R-1 backups
-with ``replicate`` (many chunks per RPC, at an explicit byte offset so a
-resend is recognised); the backup verifies every chunk's checksums (one call
+with ``replicate`` (one RPC carries the new chunks of every copy the broker
+has for this backup, each at an explicit byte offset so a resend is
+recognised); the backup verifies every chunk's checksums (one call
 per chunk, never per record), keeps the payload in memory as it came, and a
 flusher task writes new bytes to segment files (``segment_file``) every
 ``--flush-interval`` and fsyncs every ``--fsync-interval``. With
 ``--fsync always`` a replicate is answered only once its bytes are written
 and fsynced (group commit: one write + fsync per file per round, for every
-replicate waiting). Segments are read back (``read``) only for recovery.
+replicate waiting; a replicate's entries wait for one round together).
+Segments are read back (``read``) only for recovery.
 
 Failures are never silent: a write error is remembered on its replica and
 reported to the next replicate (periodic mode) or to the waiting one (always
@@ -34,20 +36,22 @@ import os
 import signal
 import sys
 
+import numpy as np
 import trio
 
 from .. import metafile
 from ..coordinator_link import CoordinatorLink
-from ..errors import BackupError, KeraError
+from ..errors import BackupError, InvalidArgument, KeraError, LimitExceeded
+from ..limits import REPLICATE_ENTRIES
 from ..rpc import Service, open_pool
 from . import disk, segment_file
 from .claims import Claims
-from .fields import uint, vseg_key
+from .fields import U63, uint, vseg_key
 from .membership import load_id, run_membership
 from .readback import ReadBack
 from .release import CLAIMS_FILE, FLOORS_FILE, Release
 from .replica import Replica
-from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob
+from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob, scan_payload
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
 from .store import MAX_SEGMENT_BYTES as MAX_SEGMENT_BYTES
 
@@ -60,6 +64,25 @@ def _stable(payload) -> memoryview:
     if isinstance(mv.obj, bytes) and mv.c_contiguous:
         return mv.cast("B") if mv.format != "B" else mv
     return memoryview(bytes(mv))
+
+
+def _scans(mv: memoryview, starts: list[int], sizes: list[int]) -> list:
+    """The chunks of each entry (``sizes`` bytes at ``starts`` of ``mv``) from one scan of
+    the whole payload: its per-call cost is paid once per RPC, not once per entry. All None
+    (each entry is then verified alone, for its own error) unless the payload is whole valid
+    chunks and every entry starts at one of them."""
+    try:
+        heads, offs = scan_payload(mv)
+    except KeraError:
+        return [None] * len(starts)
+    offs = np.asarray(offs, np.int64)
+    st, sz = np.array(starts, np.int64), np.array(sizes, np.int64)
+    lo, hi = np.searchsorted(offs, st), np.searchsorted(offs, st + sz)
+    at = offs[np.minimum(lo, len(offs) - 1)] if len(offs) else st + 1
+    if not ((sz == 0) | ((lo < len(offs)) & (at == st))).all():
+        return [None] * len(starts)
+    return [(heads[i:j], offs[i:j] - o) if n else None
+            for i, j, o, n in zip(lo.tolist(), hi.tolist(), starts, sizes, strict=True)]
 
 
 class BackupService(ReadBack, Release, Service):
@@ -87,9 +110,9 @@ class BackupService(ReadBack, Release, Service):
         self._dir_dirty = False
         self.stopping = False
         self.counters = dict.fromkeys(
-            ("replicate_rpcs", "chunks", "bytes_received", "duplicates", "bytes_flushed", "fsyncs",
-             "errors", "write_errors", "reads", "bytes_read", "drops", "trims", "tiered_reads",
-             "tiered_bytes", "claims", "releases"), 0)
+            ("replicate_rpcs", "replicate_entries", "chunks", "bytes_received", "duplicates",
+             "bytes_flushed", "fsyncs", "errors", "write_errors", "reads", "bytes_read", "drops",
+             "trims", "tiered_reads", "tiered_bytes", "claims", "releases"), 0)
         self._io: trio.Lock | None = None
         self._kick: trio.Event | None = None
         self._round_done: trio.Event | None = None
@@ -160,66 +183,135 @@ class BackupService(ReadBack, Release, Service):
     # -- replicate -----------------------------------------------------------
 
     def rpc_replicate(self, meta: dict, payload):
+        """New bytes of one vseg copy, or (with ``entries``) of every copy a broker has for
+        this backup: [vlog, vseg, offset, close, length] each, over consecutive parts of the
+        payload. Each entry is taken or refused by the store's rules on its own; a batch is
+        answered at once, after one durability wait for all its entries, with each one's
+        length or typed error. A malformed request is refused whole and stores nothing."""
         self.counters["replicate_rpcs"] += 1
         try:
-            return self._replicate(meta, payload)
+            if self.stopping:
+                raise BackupError("backup shutting down")
+            batch = "entries" in meta
+            epoch = uint(meta, "epoch", 0)
+            entries = self._entries(meta, payload) if batch else [
+                (vseg_key(meta), uint(meta, "offset"), meta.get("close", False) is True,
+                 _stable(payload), None)]
         except KeraError:
             self.counters["errors"] += 1
             raise
+        self.counters["replicate_entries"] += len(entries)
+        results: list = [0] * len(entries)   # each entry's length, or its error
+        waits: list[tuple[int, Replica, int, bool]] = []   # entries answered once on disk
+        new: list[Replica] = []                            # replicas whose files are to be made
+        for i, (key, offset, close, data, scans) in enumerate(entries):
+            try:
+                d = self.store.replicate(key, epoch, offset, data, close, scans)
+            except KeraError as e:
+                self.counters["errors"] += 1
+                results[i] = e
+                continue
+            if d.kind == EMPTY:
+                continue
+            if d.kind == DUPLICATE:
+                self.counters["duplicates"] += 1
+            else:
+                self.counters["chunks"] += d.chunks
+                self.counters["bytes_received"] += d.take
+            if d.kind == NEW:
+                d.replica.ready = trio.Event()
+                new.append(d.replica)
+            if self._acked(d.replica, d.length, close):
+                results[i] = d.length
+            else:
+                waits.append((i, d.replica, d.length, close))
+        if new or waits:
+            return self._answer_later(batch, results, waits, new)
+        return self._answer(batch, results)
 
-    def _replicate(self, meta: dict, payload):
-        if self.stopping:
-            raise BackupError("backup shutting down")
-        key = vseg_key(meta)
-        epoch, offset = uint(meta, "epoch", 0), uint(meta, "offset")
-        close = meta.get("close", False) is True
-        d = self.store.replicate(key, epoch, offset, _stable(payload), close)
-        if d.kind == EMPTY:
-            return {"length": 0}
-        if d.kind == DUPLICATE:
-            self.counters["duplicates"] += 1
-            return self._ack(d.replica, d.length, close)
-        rep = d.replica
-        self.counters["chunks"] += d.chunks
-        self.counters["bytes_received"] += d.take
-        if d.kind == NEW:
-            rep.ready = trio.Event()
-            return self._first_replicate(rep, d.length, close)
-        return self._ack(rep, d.length, close)
+    def _entries(self, meta: dict, payload) -> list[tuple]:
+        """A batch's entries as (key, offset, close, bytes, their chunks if scanned): all well
+        formed and adding up to the payload, or an ``InvalidArgument`` (nothing stored)."""
+        broker, entries = uint(meta, "broker"), meta["entries"]
+        if not isinstance(entries, list) or not 0 < len(entries) <= REPLICATE_ENTRIES:
+            raise InvalidArgument(f"replicate entries must be a list of 1 to {REPLICATE_ENTRIES} "
+                                  f"[vlog, vseg, offset, close, length]")
+        mv = _stable(payload)
+        if mv.nbytes > MAX_REPLICATE_BYTES:
+            raise LimitExceeded(f"replicate payload of {mv.nbytes} bytes exceeds "
+                                f"{MAX_REPLICATE_BYTES}", limit="MAX_REPLICATE_PAYLOAD",
+                                bound=MAX_REPLICATE_BYTES, size=mv.nbytes)
+        starts, pos = [], 0
+        for e in entries:
+            if not (isinstance(e, list) and len(e) == 5 and type(e[3]) is bool
+                    and all(type(x) is int and 0 <= x < U63 for x in (e[0], e[1], e[2], e[4]))):
+                raise InvalidArgument(f"a replicate entry is [vlog, vseg, offset, close, length], "
+                                      f"not {e!r:.80}")
+            starts.append(pos)
+            pos += e[4]
+        if pos != mv.nbytes:
+            raise InvalidArgument(f"replicate entries add up to {pos} bytes, the payload has "
+                                  f"{mv.nbytes}")
+        sizes = [e[4] for e in entries]
+        return [((broker, e[0], e[1]), e[2], e[3], mv[o:o + n], scan)
+                for e, o, n, scan in zip(entries, starts, sizes, _scans(mv, starts, sizes),
+                                         strict=True)]
 
-    def _ack(self, rep: Replica, end: int, close: bool):
-        if rep.ready.is_set() and not (self.always or self.write_through):
-            return {"length": end}
-        return self._ack_later(rep, end, close)
+    @staticmethod
+    def _answer(batch: bool, results: list):
+        if batch:
+            return {"results": [r.to_wire() if isinstance(r, KeraError) else r for r in results]}
+        if isinstance(results[0], KeraError):
+            raise results[0]
+        return {"length": results[0]}
 
-    async def _first_replicate(self, rep: Replica, end: int, close: bool):
+    def _acked(self, rep: Replica, end: int, close: bool) -> bool:
+        """Whether an entry may be answered: its replica's file exists and its bytes (and close)
+        are where the --fsync mode wants them; a replica that failed raises why."""
+        if not rep.ready.is_set():
+            return False
+        if rep.failed:
+            raise BackupError(rep.failed)
+        if self.always:
+            if rep.synced >= end and (not close or rep.trailer_synced):
+                return True
+        elif self.write_through:
+            if rep.flushed >= end and (not close or rep.trailer_written):
+                return True
+        else:
+            return True
+        if rep.dropped:
+            raise BackupError(f"replica {rep.key} was dropped")
+        if rep.error:
+            raise BackupError(f"replica {rep.key}: {rep.error}")
+        return False
+
+    async def _answer_later(self, batch: bool, results: list, waits: list, new: list[Replica]):
+        """Create the new replicas' files, then wait for the flusher until every waiting entry is
+        on disk or failed: one round serves them all."""
         with trio.CancelScope(shield=True):  # a creation is finished even if the caller goes away
-            await self._create_file(rep)
-        return await self._ack_later(rep, end, close)
-
-    async def _ack_later(self, rep: Replica, end: int, close: bool):
-        try:
-            await rep.ready.wait()
-            if rep.failed:
-                raise BackupError(rep.failed)
-            if self.always or self.write_through:
-                def on_disk() -> bool:
-                    if self.always:
-                        return rep.synced >= end and (not close or rep.trailer_synced)
-                    return rep.flushed >= end and (not close or rep.trailer_written)
-
-                while not on_disk():
-                    if rep.dropped:
-                        raise BackupError(f"replica {rep.key} was dropped")
-                    if rep.error:
-                        raise BackupError(f"replica {rep.key}: {rep.error}")
-                    done = self._round_done
-                    self._kick.set()
-                    await done.wait()
-        except BackupError:
-            self.counters["errors"] += 1
-            raise
-        return {"length": end}
+            for rep in new:
+                await self._create_file(rep)
+        while waits:
+            for _, rep, _, _ in waits:
+                if not rep.ready.is_set():
+                    await rep.ready.wait()  # a file another replicate is creating
+            pending = []
+            for w in waits:
+                i, rep, end, close = w
+                try:
+                    if self._acked(rep, end, close):
+                        results[i] = end
+                    else:
+                        pending.append(w)
+                except BackupError as e:
+                    self.counters["errors"] += 1
+                    results[i] = e
+            if waits := pending:
+                done = self._round_done
+                self._kick.set()
+                await done.wait()
+        return self._answer(batch, results)
 
     async def _create_file(self, rep: Replica) -> None:
         try:

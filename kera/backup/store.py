@@ -39,6 +39,7 @@ MAX_REPLICATE_BYTES = limits.MAX_REPLICATE_PAYLOAD  # one replicate payload
 MAX_SEGMENT_BYTES = limits.MAX_REPLICA_BYTES        # one replica's chunk area
 MAX_REPLICAS = 100_000           # replicas held at once
 DEFAULT_MAX_MEMORY = 1 << 30     # unflushed bytes; flushed ones are released under pressure
+INDEX_CACHE = 64 << 20           # closed replicas' index rows kept (80 bytes per chunk)
 
 Key = tuple[int, int, int]
 
@@ -112,6 +113,7 @@ class BackupStore:
         self.memory = 0       # payload bytes held in memory
         self.floors: dict[tuple[int, int], int] = {}  # (broker, vlog) -> vsegs below were released
         self.reclaimed = 0    # file bytes deleted because their vsegs were released
+        self.index_bytes = 0  # closed replicas' index rows kept (``Replica.seal_index``)
 
     # -- released vsegs ---------------------------------------------------------------------
 
@@ -231,20 +233,26 @@ class BackupStore:
             d.chunks = len(chunks[1])
             self.unflushed += d.take
             self.memory += d.take
-        if d.close:
+        if d.close and not rep.closed:
             rep.closed = True
+            self.index_bytes += rep.seal_index(INDEX_CACHE - self.index_bytes)
         self.committed += need
         rep.budget += need
         self.dirty[rep] = None
         d.length = rep.length
         return rep
 
-    def replicate(self, key: Key, epoch: int, offset: int, payload: memoryview, close: bool) -> Decision:
-        """Decide, verify the bytes to store, check the limits, store: all or nothing."""
+    def replicate(self, key: Key, epoch: int, offset: int, payload: memoryview, close: bool,
+                  scanned=None) -> Decision:
+        """Decide, verify the bytes to store, check the limits, store: all or nothing.
+        ``scanned``: ``scan_payload(payload)``, when the caller verified it already."""
         d = self.accept_replicate(key, epoch, offset, payload.nbytes, close)
         if d.stores:
-            mv = payload if payload.nbytes == d.take else payload[:d.take]
-            self.commit(d, mv, scan_payload(mv) if d.take else None)
+            whole = payload.nbytes == d.take
+            mv = payload if whole else payload[:d.take]
+            if d.take:
+                scanned = scanned if whole and scanned is not None else scan_payload(mv)
+            self.commit(d, mv, scanned if d.take else None)
         return d
 
     # -- registry ----------------------------------------------------------------------------
@@ -267,7 +275,8 @@ class BackupStore:
         self.committed -= rep.budget
         self.unflushed -= rep.length - rep.flushed
         self.memory -= rep.memory_bytes
-        rep.blocks, rep.block_starts = [], array("Q")
+        self.index_bytes -= len(rep.index or b"")
+        rep.blocks, rep.block_starts, rep.heads, rep.index = [], array("Q"), None, None
         return True
 
     def drop(self, key: Key) -> Replica | None:

@@ -11,9 +11,10 @@ through ``kera.broker.tiered`` like any evicted segment, verified the same way.
 
 Two things keep an adoption sound:
 
-- **Durable.** The index chunk is appended to the group's own vlog
-  (``IndexHolder``) and the adoption is answered once it is durable: a
-  recovery of this broker finds it there and adopts the segment again.
+- **Durable.** The index chunk (one per run of consecutive segments of a
+  group) is appended to the group's own vlog (``IndexHolder``) and the
+  adoption is answered once it is durable: a recovery of this broker finds it
+  there and adopts the segments again.
 - **Claimed.** Backups delete a dead incarnation's files once its recovery
   dropped them and no owner *claims* them (``kera.backup.claims``). This
   owner claims each foreign vseg before answering, and releases it once no
@@ -80,35 +81,50 @@ class ForeignVseg:
 
 
 class IndexHolder(VlogChunk):
-    """An index chunk's bytes in our vlog; the vseg of ours holding it counts the adopted
-    segment in its ``live`` (until retention frees the segment, ``Claims.free``)."""
+    """An index chunk's bytes in our vlog; the vseg of ours holding it counts each segment
+    it adopted in its ``live`` (until retention frees that segment, ``Claims.free``)."""
 
-    __slots__ = ()
+    __slots__ = ("segments",)
+
+    def __init__(self, data: bytes, segments: int):
+        super().__init__(data)
+        self.segments = segments
 
     def noted(self, vlog, vs, vseg_offset: int) -> None:
         self.vs = vs
-        vs.live += 1
+        vs.live += self.segments
 
 
 class AdoptedSegment(Segment):
     __slots__ = ("holder", "foreign")
 
 
-def adopted_segment(ix: SegmentIndex, capacity: int, claims: Claims) -> AdoptedSegment:
-    """An evicted segment from its index (not attached to anything yet)."""
-    seg = AdoptedSegment.gone(ix.segment)
-    seg.capacity = capacity
-    seg.freed = False
-    seg.evicted = True
-    seg.ends = ix.rows[:, 0].tolist()
-    seg.head = seg.durable = seg.ends[-1]
-    seg.vseg_ids = array("Q", ix.rows[:, 1].tobytes())
-    seg.vseg_offs = array("Q", ix.rows[:, 2].tobytes())
-    seg.vlog = ForeignVlog(ix.source, ix.vlog)
-    seg.vsegs = [claims.vseg(ix.source, ix.vlog, v, ix.copies[v]) for v in dict.fromkeys(seg.vseg_ids)]
-    seg.foreign = list(seg.vsegs)
-    seg.holder = None
-    return seg
+def adopted_segments(ix: SegmentIndex, capacity: int, claims: Claims) -> list[AdoptedSegment]:
+    """The run's segments, evicted, from its index (not attached to anything yet): the rows
+    are converted once per run, each segment takes its slices."""
+    vlog = ForeignVlog(ix.source, ix.vlog)
+    ends = ix.rows[:, 0].tolist()
+    ids = array("Q", ix.rows[:, 1].tobytes())
+    offs = array("Q", ix.rows[:, 2].tobytes())
+    foreign = {v: claims.vseg(ix.source, ix.vlog, v, ix.copies[v]) for v in dict.fromkeys(ids)}
+    out = []
+    at = 0
+    for i, c in enumerate(ix.counts):
+        seg = AdoptedSegment.gone(ix.segment + i)
+        seg.capacity = capacity
+        seg.freed = False
+        seg.evicted = True
+        seg.ends = ends[at:at + c]
+        seg.head = seg.durable = seg.ends[-1]
+        seg.vseg_ids = ids[at:at + c]
+        seg.vseg_offs = offs[at:at + c]
+        seg.vlog = vlog
+        seg.vsegs = [foreign[v] for v in dict.fromkeys(seg.vseg_ids)]
+        seg.foreign = list(seg.vsegs)
+        seg.holder = None
+        out.append(seg)
+        at += c
+    return out
 
 
 class Claims:

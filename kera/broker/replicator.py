@@ -1,9 +1,14 @@
-"""Replicator: drives one pure ``VirtualLog`` with trio and the broker's RPC pool.
+"""Replication of a broker's virtual logs: one replicate RPC in flight per backup.
 
-The vlog decides what to send and what an answer means; this task only
-sends, waits for answers, timers and new appends, and wakes the producers
-whose chunks became durable. Each replicate runs in this task's nursery, so
-an incarnation's end cancels them all.
+Each ``Replicator`` is one pure ``VirtualLog`` with what producers wait on. The
+broker's ``ReplicationHub`` drives them all with trio and the RPC pool: each
+round it polls every vlog with work for the copies whose backup has no RPC in
+flight, and sends each such backup one ``replicate`` carrying the new bytes of
+all of them (group commit across vlogs: the RPCs follow the backups, not the
+vlogs or the streams). Each entry's answer goes to its own vlog as if it had
+been sent alone; a lost connection or a timeout fails every entry of its RPC.
+The vlogs decide what to send and what an answer means. Every RPC and trim
+runs in the hub's nursery, so an incarnation's end cancels them all.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from collections.abc import Callable
 
 import trio
 
-from ..errors import Fenced, KeraError
+from ..errors import Fenced, KeraError, ProtocolError, from_wire
+from ..limits import REPLICATE_ENTRIES, REPLICATE_RPC
 from ..rpc import Pool
 from ..vlog import VirtualLog
 from ..vlog.virtual_log import Send
@@ -22,23 +28,142 @@ from ..vlog.virtual_log import Send
 log = logging.getLogger("kera.vlog")
 
 
-class Replicator:
-    """A broker's virtual log with its replication task."""
+def rpc_batches(sizes: list[int], max_bytes: int = REPLICATE_RPC,
+                max_entries: int = REPLICATE_ENTRIES) -> list[tuple[int, int]]:
+    """Consecutive [i, j) ranges of entries (of ``sizes`` bytes) for one backup, one RPC each:
+    up to ``max_entries`` entries and ``max_bytes`` bytes, or one entry if it alone is larger."""
+    out, i = [], 0
+    while i < len(sizes):
+        j, total = i + 1, sizes[i]
+        while j < len(sizes) and j - i < max_entries and total + sizes[j] <= max_bytes:
+            total += sizes[j]
+            j += 1
+        out.append((i, j))
+        i = j
+    return out
 
-    def __init__(self, vlog: VirtualLog, pool: Pool, identity: Callable[[], tuple[int, int]],
-                 addr_of: Callable[[int], str], on_durable: Callable[[], None],
+
+class ReplicationHub:
+    """A broker incarnation's replication task: every vlog's copies, one RPC per backup."""
+
+    def __init__(self, pool: Pool, identity: Callable[[], tuple[int, int]],
+                 addr_of: Callable[[int], str], timeout: float):
+        self.pool = pool
+        self.identity = identity      # (broker id, epoch) named in every replicate
+        self.addr_of = addr_of        # backup id -> address
+        self.timeout = timeout
+        self.vlogs: list[Replicator] = []
+        self.busy: set[int] = set()   # backups with a replicate in flight
+        self.wake = trio.Event()
+        self.rpcs = 0                 # replicate RPCs sent
+        self.entries = 0              # vseg copies they carried
+        self.bytes = 0
+
+    def add(self, r: Replicator) -> None:
+        self.vlogs.append(r)
+        self.wake.set()
+
+    def stats(self) -> dict:
+        return {"rpcs": self.rpcs, "entries": self.entries, "bytes": self.bytes,
+                "backups_busy": len(self.busy)}
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                self.wake = trio.Event()
+                # let requests already received append first: they leave in this round
+                await trio.sleep(0)
+                now = trio.current_time()
+                out: dict[int, list[tuple[Replicator, Send]]] = {}
+                deadline = math.inf
+                for r in self.vlogs:
+                    v = r.log
+                    if v.floor > r.trimmed and not r.trimming:
+                        r.trimming = True
+                        nursery.start_soon(r.trim)
+                    if not (v.active or r.poked):
+                        continue  # idle: nothing to send, no timer
+                    r.poked = False
+                    for s in v.poll(now, self.busy):
+                        out.setdefault(s.backup, []).append((r, s))
+                    if v.fenced:
+                        raise Fenced(f"vlog {v.id}: a backup says this incarnation is fenced")
+                    d = v.next_deadline(now)
+                    if d is not None:
+                        deadline = min(deadline, d)
+                for backup, sends in out.items():
+                    self.busy.add(backup)
+                    nursery.start_soon(self._send, backup, sends)
+                with trio.move_on_at(deadline):
+                    await self.wake.wait()
+
+    async def _send(self, backup: int, sends: list[tuple[Replicator, Send]]) -> None:
+        """Every message for ``backup``, one RPC at a time (more than one only past the limits)."""
+        try:
+            sizes = [s.end - s.offset for _, s in sends]
+            for i, j in rpc_batches(sizes):
+                failed = await self._call(backup, sends[i:j], sum(sizes[i:j]))
+                if failed is not None:
+                    self._outcomes(sends[j:], failed)  # not answering: the rest fail alike
+                    break
+        finally:
+            self.busy.discard(backup)
+            self.wake.set()
+
+    async def _call(self, backup: int, batch: list[tuple[Replicator, Send]],
+                    size: int) -> KeraError | None:
+        """One replicate RPC; the error if it failed as a whole (connection, timeout)."""
+        broker, epoch = self.identity()
+        meta = {"broker": broker, "epoch": epoch, "entries": [
+            [r.log.id, s.vseg.id, s.offset, s.close, s.end - s.offset] for r, s in batch]}
+        parts = [p for _, s in batch for p in s.parts()]
+        self.rpcs += 1
+        self.entries += len(batch)
+        self.bytes += size
+        try:
+            r, _ = await self.pool.call(self.addr_of(backup), "replicate", meta, parts=parts,
+                                        timeout=self.timeout)
+            answers = r.get("results")
+            if not (isinstance(answers, list) and len(answers) == len(batch)):
+                raise ProtocolError(f"replicate answered {len(batch)} entries with {answers!r:.80}")
+        except KeraError as e:
+            log.warning("replicate to backup %d (%d vseg copies) failed: %s", backup, len(batch), e)
+            self._outcomes(batch, e)
+            return e
+        self._outcomes(batch, answers)
+        return None
+
+    def _outcomes(self, batch: list[tuple[Replicator, Send]], answers: list | KeraError) -> None:
+        """Each entry's answer (a length, or a typed error) to its vlog; a single error: every
+        entry failed with it."""
+        now = trio.current_time()
+        moved = set()
+        for k, (r, s) in enumerate(batch):
+            a = answers[k] if isinstance(answers, list) else answers
+            if isinstance(a, dict) and "length" not in a:
+                log.warning("vlog %d vseg %d: backup %d refused: %s", r.log.id, s.vseg.id, s.backup,
+                            a.get("message", a.get("code")))
+            if r.outcome(s, a, now):
+                moved.add(r)
+        for r in moved:
+            r.moved()
+
+
+class Replicator:
+    """A broker's virtual log, with the events its producers wait on and its trims."""
+
+    def __init__(self, vlog: VirtualLog, hub: ReplicationHub, on_durable: Callable[[], None],
                  live_backups: Callable[[], list] = list):
         self.log = vlog
+        self.hub = hub
         self.live_backups = live_backups  # [(backup id, addr)]: where released vsegs are trimmed
         self.trimmed = 0      # floor every live backup was told of
         self.trimming = False
         self.reclaimed = 0    # file bytes backups reported deleted for this vlog
-        self.pool = pool
-        self.identity = identity      # (broker id, epoch) named in every replicate
-        self.addr_of = addr_of        # backup id -> address
+        self.poked = True     # polled in the hub's next round even if idle
         self.on_durable = on_durable  # the broker's pulls look again
-        self.wake = trio.Event()
         self.durable_changed = trio.Event()
+        hub.add(self)
 
     @property
     def id(self) -> int:
@@ -48,21 +173,22 @@ class Replicator:
         idx = self.log.append(segment, offset, length, body_checksum)
         vs = self.log.open
         segment.noted(self, vs, vs.size - length)  # where a backup will hold it
-        self.wake.set()
+        self.hub.wake.set()
         return idx
 
-    async def _trim(self) -> None:
+    async def trim(self) -> None:
         """Tell every live backup that this vlog's vsegs below the floor hold nothing live:
         each records the floor (so a recovery knows they were released, not lost) and
         deletes its files of them. Retried after a failure."""
         floor = self.log.floor
-        broker, _ = self.identity()
+        broker, _ = self.hub.identity()
         ok = [True]
 
         async def one(addr):
             try:
-                r, _ = await self.pool.call(addr, "trim", {"broker": broker, "vlog": self.log.id,
-                                                           "floor": floor}, timeout=self.log.timeout)
+                r, _ = await self.hub.pool.call(
+                    addr, "trim", {"broker": broker, "vlog": self.log.id, "floor": floor},
+                    timeout=self.log.timeout)
                 self.reclaimed += int(r.get("bytes", 0))
             except KeraError as e:
                 ok[0] = False
@@ -78,55 +204,33 @@ class Replicator:
                 await trio.sleep(1.0)
         finally:
             self.trimming = False
-            self.wake.set()
+            self.hub.wake.set()
 
     async def wait_durable(self, index: int) -> None:
         while self.log.durable < index:
             await self.durable_changed.wait()
 
     def poke(self) -> None:
-        """Membership changed: look again."""
-        self.wake.set()
+        """Membership changed, or a vseg was closed or released: look again."""
+        self.poked = True
+        self.hub.wake.set()
 
-    def _moved(self) -> None:
+    def moved(self) -> None:
         self.durable_changed.set()
         self.durable_changed = trio.Event()
         self.on_durable()
 
-    async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            while True:
-                self.wake = trio.Event()
-                # let requests already received append first: they leave in this round
-                await trio.sleep(0)
-                for s in self.log.poll(trio.current_time()):
-                    nursery.start_soon(self._send, s)
-                if self.log.floor > self.trimmed and not self.trimming:
-                    self.trimming = True
-                    nursery.start_soon(self._trim)
-                if self.log.fenced:
-                    raise Fenced(f"vlog {self.log.id}: a backup says this incarnation is fenced")
-                deadline = self.log.next_deadline(trio.current_time())
-                with trio.move_on_at(math.inf if deadline is None else deadline):
-                    await self.wake.wait()
-
-    async def _send(self, s: Send) -> None:
-        broker, epoch = self.identity()
-        meta = {"broker": broker, "epoch": epoch, "vlog": self.log.id, "vseg": s.vseg.id,
-                "offset": s.offset, "close": s.close}
+    def outcome(self, s: Send, answer, now: float) -> bool:
+        """A message's answer: the copy's length or a typed error (as sent, or raised by the
+        RPC as a whole). True if the durable head moved."""
         v = self.log
-        try:
-            r, _ = await self.pool.call(self.addr_of(s.backup), "replicate", meta, parts=s.parts(),
-                                        timeout=v.timeout)
-            moved = v.on_reply(s.token, int(r["length"]), trio.current_time())
-        except Fenced:
-            moved = v.on_error(s.token, trio.current_time(), fenced=True)
-        except KeraError as e:
-            length = getattr(e, "length", None)
-            if length is None:
-                log.warning("vlog %d vseg %d: backup %d failed: %s", v.id, s.vseg.id, s.backup, e)
-            moved = v.on_error(s.token, trio.current_time(),
-                               length=length if isinstance(length, int) else None)
-        if moved:
-            self._moved()
-        self.wake.set()
+        if type(answer) is int:
+            return v.on_reply(s.token, answer, now)
+        if isinstance(answer, dict):
+            answer = from_wire(answer)
+        elif not isinstance(answer, KeraError):
+            answer = ProtocolError(f"replicate answer {answer!r:.80}")
+        if isinstance(answer, Fenced):
+            return v.on_error(s.token, now, fenced=True)
+        length = getattr(answer, "length", None)
+        return v.on_error(s.token, now, length=length if type(length) is int else None)

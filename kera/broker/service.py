@@ -41,7 +41,7 @@ from .membership import HEARTBEAT, Membership
 from .memory import MemoryBudget, default_budget
 from .pull import Pulls
 from .reclaim import Reclaim
-from .replicator import Replicator
+from .replicator import ReplicationHub, Replicator
 from .segment import VlogChunk
 from .streamlet import Streamlet
 from .takeover import Takeover
@@ -80,6 +80,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.durable_event = trio.Event()
         self.pool: Pool | None = None
         self.nursery: trio.Nursery | None = None
+        self.hub: ReplicationHub | None = None   # the incarnation's replication (all its vlogs)
         self.requests = 0
         self.fenced = False
         self.heartbeat = HEARTBEAT
@@ -112,10 +113,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             vid = (self.epoch << 32) | len(self.vlogs)
             vlog = VirtualLog(vid, stream["replication"], self.vseg_size, self.backup_set,
                               self.replicate_timeout)
-            v = self.vlogs[key] = Replicator(vlog, self.pool, lambda: (self.broker_id, self.epoch),
-                                             self.backup_addr, self.notify_durable,
+            v = self.vlogs[key] = Replicator(vlog, self.hub, self.notify_durable,
                                              lambda: [(b, m["addr"]) for b, m in self.backups.items()])
-            self.nursery.start_soon(v.run)
         g.vlog = v
         return v
 
@@ -346,7 +345,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         for r in self.vlogs.values():
             v = r.log
             vl.append({"vlog": v.id, "replication": v.replication, "appended": v.appended,
-                       "durable": v.durable, "lag": v.lag(), "rpcs": v.rpcs,
+                       "durable": v.durable, "lag": v.lag(), "messages": v.messages,
                        "failures": v.failures, "give_ups": v.give_ups, **v.copies_held(),
                        "trimmed": r.trimmed, "reclaimed": r.reclaimed})
         t = self.tiered
@@ -361,6 +360,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
+                "replication": self.hub.stats() if self.hub else {},
                 "compaction": self.compactor.stats()}
 
     def rpc_vsegs(self, meta, payload):
@@ -391,9 +391,12 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 task_status.started(bound)
                 task_status = trio.TASK_STATUS_IGNORED
                 try:
-                    # one incarnation: its vlogs' replicators and its heartbeats
+                    # one incarnation: its vlogs' replication and its heartbeats
                     async with trio.open_nursery() as incarnation:
                         self.nursery = incarnation
+                        self.hub = ReplicationHub(self.pool, lambda: (self.broker_id, self.epoch),
+                                                  self.backup_addr, self.replicate_timeout)
+                        incarnation.start_soon(self.hub.run)
                         incarnation.start_soon(self._heartbeats)
                         incarnation.start_soon(self._reclaimer)
                         incarnation.start_soon(self._releaser)

@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import trio
 
 from .. import chunk, index_chunk
 from ..errors import InvalidArgument, KeraError, NotOwner, ProtocolError
-from .adopted import AdoptedSegment, IndexHolder, adopted_segment
+from ..rpc import unwrapped
+from .adopted import AdoptedSegment, IndexHolder, adopted_segments
 from .group_close import mark
 from .replicator import Replicator
 from .segment import VlogChunk
@@ -30,7 +32,7 @@ class Takeover:
     async def rpc_recover(self, meta, payload):
         """Chunks replayed by a backup: placed where their headers say, then replicated
         through our own virtual logs; answered once they are durable here. An index chunk
-        (a segment the dead broker had adopted) is adopted again (``_adopt_index``)."""
+        (segments the dead broker had adopted) is adopted again (``_adopt_index``)."""
         self._check_epoch(meta)
         self._check_lease()
         waits: dict[Replicator, int] = {}
@@ -48,9 +50,10 @@ class Takeover:
                     if done is None:
                         dup += 1
                         continue
-                    vlog, idx, seg = done
+                    vlog, idx, segs = done
                     sl.note_adopted(ix.producers())
-                    claim.update(dict.fromkeys(seg.foreign))
+                    for seg in segs:
+                        claim.update(dict.fromkeys(seg.foreign))
                     waits[vlog] = idx
                     placed += 1
                     continue
@@ -77,14 +80,16 @@ class Takeover:
             sl.note_producer(h.producer_id, h.sequence, vlog, idx)
             waits[vlog] = sl.tails[vlog] = idx
             placed += 1
-        await self.claims.claim(claim)
-        return await self._acked_when_durable(waits, {"placed": placed, "duplicates": dup})
+        return await self._claimed_and_durable(claim, waits, {"placed": placed, "duplicates": dup})
 
     async def rpc_adopt(self, meta, payload):
         """Recovery re-points a dead broker's settled segments here as evicted segments: the
-        payload holds one index chunk per segment (``kera.index_chunk``), in group order.
+        payload holds one index chunk per run of a group's segments (``kera.index_chunk``), in
+        group order.
         Answered once each adoption is durable in our own vlogs and its foreign vsegs are
-        claimed on their backups, so neither a failure of ours nor a reclaim loses them."""
+        claimed on their backups, so neither a failure of ours nor a reclaim loses them (the
+        two at once: a recovery of ours adopts a durable but unclaimed segment again, from
+        files the backups keep until this recovery is recorded, which waits for this answer)."""
         self._check_epoch(meta)
         self._check_lease()
         todo = []
@@ -97,50 +102,69 @@ class Takeover:
                 todo.append((sl, h, mv, index_chunk.parse(mv, h)))
             except ProtocolError as e:
                 raise InvalidArgument(f"adopt takes index chunks: {e}") from None
+        # every foreign vseg named is claimed while the segments are built (a claim is an fsync
+        # on each backup); one left unused (its group held the segment already) is released
+        claim = {self.claims.vseg(ix.source, ix.vlog, v, ix.copies[v]): None
+                 for _, _, _, ix in todo for v in dict.fromkeys(ix.rows[:, 1].tolist())}
         waits: dict[Replicator, int] = {}
-        claim: dict = {}
         adopted = 0
         rows: dict[Streamlet, list] = {}
-        try:
-            for sl, h, mv, ix in todo:
-                done = self._adopt_index(sl, h, mv, ix)
-                if done is not None:
-                    vlog, idx, seg = done
-                    waits[vlog] = max(idx, waits.get(vlog, 0))
-                    claim.update(dict.fromkeys(seg.foreign))
-                    rows.setdefault(sl, []).append(ix.rows)
-                    adopted += 1
-        finally:  # one pass per streamlet over every adopted segment's rows
-            for sl, rs in rows.items():
-                sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
-        await self.claims.claim(claim)
-        await self._acked_when_durable(waits, {})
+        async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
+            n.start_soon(self.claims.claim, claim)
+            try:
+                for sl, h, mv, ix in todo:
+                    await trio.lowlevel.checkpoint()   # the claims go out meanwhile
+                    if self.streamlets.get((h.stream_id, h.streamlet)) is not sl or not sl.recovering:
+                        raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is no longer "
+                                       f"being recovered here")  # unassigned meanwhile
+                    done = self._adopt_index(sl, h, mv, ix)
+                    if done is not None:
+                        vlog, idx, segs = done
+                        waits[vlog] = max(idx, waits.get(vlog, 0))
+                        rows.setdefault(sl, []).append(ix.rows)
+                        adopted += len(segs)
+            finally:  # one pass per streamlet over every adopted segment's rows
+                for sl, rs in rows.items():
+                    sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
+            await self._acked_when_durable(waits, {})
         for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
             if v.log.close_open():
                 v.poke()
         return {"adopted": adopted}
 
+    async def _claimed_and_durable(self, claim: dict, waits: dict, reply: dict) -> dict:
+        """``reply`` once the foreign vsegs are claimed and what was placed is durable: the two
+        at once (each an fsync away), as in ``rpc_adopt``."""
+        async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
+            n.start_soon(self.claims.claim, claim)
+            n.start_soon(self._acked_when_durable, waits, reply)
+        return reply
+
     def _adopt_index(self, sl: Streamlet, h, data, ix):
-        """Adopt the segment ``ix`` describes and append its index chunk (``data``, header
-        ``h``) to the group's own vlog: (vlog, ref, segment), None if the group holds the
-        segment already."""
+        """Adopt the segments of the run ``ix`` describes that the group does not hold yet,
+        and append its index chunk (``data``, header ``h``) to the group's own vlog:
+        (vlog, ref, the run's adopted segments), None if the group holds one of them other
+        than as adopted (placed by replay)."""
         g = sl.groups.get(h.group)
-        if g is not None and h.segment < len(g.segments):
+        held = 0 if g is None else min(max(len(g.segments) - h.segment, 0), len(ix.counts))
+        segs = g.segments[h.segment:h.segment + held] if held else []
+        if not all(isinstance(seg, AdoptedSegment) for seg in segs):
+            return None
+        if held == len(ix.counts):
             if h.flags & chunk.CLOSE:
                 mark(sl, h.group)
-            seg = g.segments[h.segment]
-            if not isinstance(seg, AdoptedSegment):
-                return None
             # adopted by an earlier try whose answer was lost or which failed later: claimed
             # again, and answered once what that try appended is durable
             vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
-            return vlog, vlog.log.appended, seg
-        seg = adopted_segment(ix, sl.segment_size, self.claims)
-        sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole
+            return vlog, vlog.log.appended, segs
+        new = adopted_segments(ix, sl.segment_size, self.claims)[held:]
+        for seg in new:
+            sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole (only the first can be)
         if h.flags & chunk.CLOSE:  # the group's last segment: nothing is appended after it
             mark(sl, h.group)
-        holder = IndexHolder(bytes(data))
+        holder = IndexHolder(bytes(data), len(new))
         vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
         idx = vlog.append(holder, 0, holder.head, h.body_checksum)
-        self.claims.attach(seg, holder)
-        return vlog, idx, seg
+        for seg in new:
+            self.claims.attach(seg, holder)
+        return vlog, idx, segs + new

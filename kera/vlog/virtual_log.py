@@ -31,6 +31,7 @@ an avoidance ends.
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Container
 from dataclasses import dataclass
 
 from ..limits import REPLICATE_BATCH
@@ -80,7 +81,7 @@ class VirtualLog:
         self.appended = 0    # refs appended, ever
         self.durable = 0     # refs on every copy, ever (a prefix)
         self.fenced = False  # a backup said this incarnation is fenced: stop
-        self.rpcs = 0
+        self.messages = 0    # replicate messages built (one entry of a broker's RPC each)
         self.failures = 0
         self.give_ups = 0
         self._tokens = 0
@@ -162,8 +163,10 @@ class VirtualLog:
             return False
         return all(c.acked == vs.size and (c.closed or not vs.closed) for c in vs.copies.values())
 
-    def poll(self, now: float) -> list[Send]:
-        """The messages to send now."""
+    def poll(self, now: float, busy: Container[int] = ()) -> list[Send]:
+        """The messages to send now. ``busy``: backups no message may leave for yet (the broker
+        keeps one replicate RPC in flight per backup); their copies wait for a later poll, which
+        then carries everything appended meanwhile."""
         if self.fenced:
             return []
         if self._membership != self.backups.version:
@@ -191,7 +194,8 @@ class VirtualLog:
                 for b in self.backups.choose(vs.copies, avoid, self.need - len(vs.copies)):
                     vs.copies[b] = Copy(b, self.backups.incarnation(b))
             for c in vs.copies.values():
-                if c.inflight or c.retry_at > now or (c.acked == vs.size and (c.closed or not vs.closed)):
+                if c.inflight or c.backup in busy or c.retry_at > now or (
+                        c.acked == vs.size and (c.closed or not vs.closed)):
                     continue
                 s = self._message(vs, c)
                 if s is not None:
@@ -200,7 +204,7 @@ class VirtualLog:
                     c.inflight = s.token
                     self.sent[s.token] = s
                     out.append(s)
-        self.rpcs += len(out)
+        self.messages += len(out)
         return out
 
     def _message(self, vs: VirtualSegment, c: Copy) -> Send | None:
