@@ -1,8 +1,7 @@
 """Benchmarks: kera beside a Kafka-protocol broker (Tansu), after the paper's experiments.
 
     python -m bench streams [--quick]    # the headline: 1 -> 2,048 streams like for like beside the peer,
-                                         # 3 runs each, issue 12's acceptance (bench/streams.py);
-                                         # `compare` is the same experiment under its older name
+                                         # 3 runs each, with its targets checked (bench/streams.py)
     python -m bench throughput [--quick] # 1 stream x 32 streamlets x 4 groups, R=3, 2 producers and a
                                          # consumer at once: send_columns beside send() (bench/throughput.py)
     python -m bench vlogs [--quick]      # C: V = 1 -> 32 shared vlogs, 128 and 512 streams, R=3
@@ -151,8 +150,7 @@ def main() -> None:
         hops(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(prog="python -m bench")
-    ap.add_argument("experiment", choices=["streams", "compare", "throughput", "vlogs", "latency", "metadata",
-                                           "soak"])
+    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency", "metadata", "soak"])
     ap.add_argument("--repeats", type=int, default=3, help="streams, throughput: runs per cell, systems alternating")
     ap.add_argument("--concurrent", action="store_true", help="streams: also producer and consumer at once")
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
@@ -163,7 +161,7 @@ def main() -> None:
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     t0 = time.monotonic()
-    res = {"streams": exp_streams, "compare": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,
+    res = {"streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,
            "latency": exp_latency, "metadata": exp_metadata}[args.experiment](args)
     res["machine"] = machine()
     res["seconds"] = round(time.monotonic() - t0, 1)

@@ -19,7 +19,7 @@ long-lived 3-node cluster for the whole invocation, whose streams are deleted
 after each run; the peer gets a fresh broker per run. Phases: producer alone,
 then consumer alone; ``--concurrent`` adds runs with both at once.
 
-The ``acceptance`` block is computed from the same runs (issue 12, point 1):
+The ``acceptance`` block (the targets) is computed from the same runs:
 kera R=3 / peer at 512 and 2,048 streams (>= 3x, >= 4x), kera R=3 at 2,048
 streams / its own 1-stream rate (>= 0.8), all on medians; and for each kera R=3
 cell its last repeat / its first (within 10%: a cluster that ages slows the
@@ -158,7 +158,7 @@ def table(res: dict) -> str:
                          f"{fmt(k1['consume_rps'])} | {fmt(k3['consume_rps'])} | "
                          f"{fmt(k3['consume_rps_chunks'])} |")
         lines.append("")
-    lines.append("acceptance (issue 12, point 1):")
+    lines.append("targets, from these runs:")
     for name, a in res["acceptance"].items():
         if "cells" in a:
             each = ", ".join(f"{s} streams {d['value']}" for s, d in a["cells"].items())
