@@ -76,7 +76,7 @@ class TestService(Service):
         """The payload back as parts of uneven sizes (a frame of buffers, uncopied)."""
         mv = memoryview(payload)
         cuts = [0, *meta["cuts"], len(mv)]
-        return {"n": len(mv)}, [mv[a:b] for a, b in zip(cuts, cuts[1:])]
+        return {"n": len(mv)}, [mv[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
     def rpc_big(self, meta, payload):
         self.big_calls += 1
