@@ -208,3 +208,22 @@ async def test_a_lingering_chunk_grows_while_its_streamlet_is_in_a_request(make_
             if stopped:
                 cluster.kill("node1-broker", signal.SIGCONT)
     assert await read_all(coord, "lg", 6) == [b"v%d" % i for i in range(6)]
+
+
+async def test_keyed_and_keyless_records_on_one_stream_all_arrive(make_cluster):
+    """Round-robin may put a keyless record on a streamlet where a keyed chunk is open: that
+    chunk leaves first instead of being replaced (and lost, with flush waiting forever)."""
+    cluster = make_cluster(1)
+    coord = cluster.coordinator
+    async with open_admin(coord) as a:
+        await a.create_stream("mixed", streamlets=2, replication=1)
+    want = []
+    with trio.fail_after(60):
+        async with open_producer(coord, **{"linger.ms": 1000}) as p:
+            for i in range(20):
+                await p.send("mixed", b"k%d" % i, key=b"key%d" % (i % 3))
+                await p.send("mixed", b"n%d" % i)
+                want += [b"k%d" % i, b"n%d" % i]
+            await p.flush()
+            assert p.acked == 40 and p.failed == 0
+        assert sorted(await read_all(coord, "mixed", 40)) == sorted(want)

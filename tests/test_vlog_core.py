@@ -188,6 +188,20 @@ def test_a_copy_on_a_busy_backup_waits_and_then_carries_everything_appended_mean
     assert v.durable == 3
 
 
+def test_a_message_whose_copy_was_dropped_is_no_longer_wanted():
+    """A backup's later RPCs skip messages given up while the earlier ones were out: their
+    copy is gone and their vseg may be released since."""
+    bs = backups({1: "n1", 2: "n2", 3: "n3"})
+    v = VirtualLog(1, 3, 1 << 20, bs)
+    append(v, 1)
+    sends = v.poll(0.0)
+    assert len(sends) == 2 and all(v.wanted(s) for s in sends)
+    gone = sends[0].backup
+    bs.set_live({b: (bs.live[b], 1) for b in bs.live if b != gone})
+    v.poll(0.0)                                     # the copy on the backup that left is dropped
+    assert not v.wanted(sends[0]) and v.wanted(sends[1])
+
+
 def test_a_backups_messages_go_in_rpcs_bounded_in_bytes_and_entries():
     assert rpc_batches([]) == []
     assert rpc_batches([10, 20, 30], max_bytes=100) == [(0, 3)]

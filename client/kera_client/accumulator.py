@@ -215,6 +215,10 @@ class Accumulator:
     def _open(self, s: dict, streamlet: int, sticky: int) -> Outgoing:
         now = time.monotonic()
         k = (s["id"], streamlet)
+        old = self.batches.get(k)
+        if old is not None:  # a keyed chunk open where round-robin put a keyless record: it leaves
+            self._seal(old)  # first (replaced, it would be sealed by nothing and lost)
+            self._notify()
         b = self.batches[k] = Outgoing(k, now, now + self.linger, sticky)
         if sticky:
             self.sticky[s["id"]] = b

@@ -100,12 +100,19 @@ class ReplicationHub:
     async def _send(self, backup: int, sends: list[tuple[Replicator, Send]]) -> None:
         """Every message for ``backup``, one RPC at a time (more than one only past the limits)."""
         try:
-            sizes = [s.end - s.offset for _, s in sends]
-            for i, j in rpc_batches(sizes):
-                failed = await self._call(backup, sends[i:j], sum(sizes[i:j]))
+            while sends:
+                # past the first RPC, a message may have been given up meanwhile (its copy
+                # dropped, its vseg then released): it is not sent, its bytes may be gone
+                sends = [(r, s) for r, s in sends if r.log.wanted(s)]
+                if not sends:
+                    break
+                sizes = [s.end - s.offset for _, s in sends]
+                _, j = rpc_batches(sizes)[0]
+                failed = await self._call(backup, sends[:j], sum(sizes[:j]))
                 if failed is not None:
                     self._outcomes(sends[j:], failed)  # not answering: the rest fail alike
                     break
+                sends = sends[j:]
         finally:
             self.busy.discard(backup)
             self.wake.set()

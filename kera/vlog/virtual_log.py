@@ -228,6 +228,10 @@ class VirtualLog:
                 times += [t for t in vs.avoid.values() if t > now]
         return min(times) if times else None
 
+    def wanted(self, s: Send) -> bool:
+        """``s`` still awaits its answer (its copy was not given up or dropped meanwhile)."""
+        return self.sent.get(s.token) is s
+
     # -- outcomes ---------------------------------------------------------------------
     def _take(self, token: int) -> tuple[Send, Copy] | None:
         s = self.sent.pop(token, None)
