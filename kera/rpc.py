@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from . import frame
+from . import frame, iov
 from .errors import KeraError, ProtocolError, Unavailable, UnknownMethod, from_wire
 from .limits import MAX_FRAME
 
@@ -33,7 +33,6 @@ MAX_INFLIGHT = 256
 RECV_SIZE = 1 << 20
 VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg), not joined first,
 VECTOR_PART = 1 << 12  # when its parts average this much: many tiny parts cost less joined
-IOV_MAX = 1024
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
@@ -53,26 +52,19 @@ def _parts_frame(kind: int, rid: int, meta: dict, parts) -> bytes | list:
 
 async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
     """Send one frame: bytes with ``send_all``, a list of buffers with ``sendmsg`` (no copy into
-    one buffer), up to ``IOV_MAX`` buffers per call, resuming after a partial send."""
+    one buffer), up to ``iov.IOV_MAX`` buffers per call, resuming after a partial send."""
     if not isinstance(data, list):
         await stream.send_all(data)
         return
     sock = stream.socket
-    views = [memoryview(b).cast("B") for b in data]
+    vs = iov.views(data)
     i = 0
-    while i < len(views):
+    while i < len(vs):
         try:
-            sent = await sock.sendmsg(views[i:i + IOV_MAX])
+            sent = await sock.sendmsg(vs[i:i + iov.IOV_MAX])
         except OSError as e:  # as send_all says it
             raise trio.BrokenResourceError(f"socket send failed: {e}") from e
-        while sent:
-            n = len(views[i])
-            if sent >= n:
-                sent -= n
-                i += 1
-            else:
-                views[i] = views[i][sent:]
-                sent = 0
+        i = iov.advance(vs, i, sent)
 
 
 def _result_frame(rid: int, result) -> bytes | list:

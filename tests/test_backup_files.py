@@ -13,6 +13,7 @@ from kera import chunk
 from kera.backup import segment_file as sf
 from kera.backup.replica import Replica
 from kera.errors import InvalidArgument
+from kera.iov import IOV_MAX
 
 from .damage import flip_bits
 
@@ -173,7 +174,7 @@ def test_write_many_parts_past_iov_max(tmp_path):
     c = make_chunks([1])[0]
     p = str(tmp_path / "h.seg")
     sf.create(p, 1, 1, 1, 1)
-    parts = [memoryview(c)] * (sf.IOV_MAX + 5)
+    parts = [memoryview(c)] * (IOV_MAX + 5)
     assert sf.write(p, 0, parts, fsync=True) == len(c) * len(parts)
     assert sf.load(p).scan.chunks == len(parts)
 

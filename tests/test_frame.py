@@ -88,6 +88,17 @@ def test_round_trip_single(fr):
     assert dec.pending == 0
 
 
+def fed(dec: FrameDecoder, stream: bytes, cuts: list[int]):
+    """Feed ``stream`` cut at ``cuts`` (then its end): after each feed, the cut and every
+    frame out so far."""
+    got, prev = [], 0
+    for cut in cuts + [len(stream)]:
+        dec.feed(stream[prev:cut])
+        prev = cut
+        got += drain(dec)
+        yield cut, got
+
+
 @FEW
 @given(st.lists(frames, min_size=1, max_size=5), st.data())
 def test_pipelined_arbitrary_splits(frs, data):
@@ -98,12 +109,7 @@ def test_pipelined_arbitrary_splits(frs, data):
     ends = np.cumsum([len(e) for e in encoded]).tolist()
     cuts = sorted(set(data.draw(st.lists(st.integers(0, len(stream)), max_size=12))))
     dec = FrameDecoder()
-    got = []
-    prev = 0
-    for cut in cuts + [len(stream)]:
-        dec.feed(stream[prev:cut])
-        prev = cut
-        got += drain(dec)
+    for cut, got in fed(dec, stream, cuts):
         assert len(got) == sum(1 for e in ends if e <= cut)
         assert dec.pending == cut - (ends[len(got) - 1] if got else 0)
     assert len(got) == len(frs)
@@ -123,12 +129,7 @@ def test_large_frames_any_split(sizes, data):
     stream = b"".join(encode(*fr) for fr in frs)
     cuts = sorted(set(data.draw(st.lists(st.integers(0, len(stream)), max_size=20))))
     dec = FrameDecoder()
-    got = []
-    prev = 0
-    for cut in cuts + [len(stream)]:
-        dec.feed(stream[prev:cut])
-        prev = cut
-        got += drain(dec)
+    for cut, got in fed(dec, stream, cuts):
         assert dec.pending == cut - sum(len(encode(*fr)) for fr in frs[:len(got)])
     for f, fr in zip(got, frs, strict=True):
         same(f, *fr)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from .. import iov
 from ..chunk import HEADER_SIZE, parse_header
 from ..errors import BackupError, ChecksumError, ProtocolError
 
@@ -64,7 +65,6 @@ assert TRAILER_SIZE == HEADER_SIZE == 88
 
 SUFFIX = ".seg"
 _NAME = re.compile(r"^(\d+)-(\d+)-(\d+)\.seg$")
-IOV_MAX = 1024  # Linux' limit on buffers per pwritev call
 
 
 @dataclass(slots=True, frozen=True)
@@ -326,20 +326,13 @@ def read(path: str, offset: int, size: int) -> bytes:
 
 
 def _pwrite_all(fd: int, parts, offset: int) -> int:
-    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+    vs = iov.views(parts)
     total, i = 0, 0
-    while i < len(views):
-        n = os.pwritev(fd, views[i:i + IOV_MAX], offset)
+    while i < len(vs):
+        n = os.pwritev(fd, vs[i:i + iov.IOV_MAX], offset)
         if n <= 0:
             raise OSError(errno.ENOSPC, "pwritev wrote nothing")
         offset += n
         total += n
-        while n:
-            size = views[i].nbytes
-            if n >= size:
-                n -= size
-                i += 1
-            else:
-                views[i] = views[i][n:]
-                n = 0
+        i = iov.advance(vs, i, n)
     return total
