@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 
 import trio
 
@@ -50,6 +51,11 @@ log = logging.getLogger("kera.recovery")
 REPLAY_TIMEOUT = 600.0
 RETRY_DELAY = 0.5
 WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may still bring the rest
+# a recovery's phases, in order, each timed (wall and this process's CPU): fencing the dead
+# incarnation, assigning its streamlets recovering, listing the backups' holdings, planning the
+# replay, indexing the settled vsegs, planning the re-pointing, adopting (the new owners claim
+# and make durable), replaying the rest, handing over (assigned serving, metadata committed)
+PHASES = ("fence", "assign", "list", "plan", "index", "repoint", "adopt", "replay", "handover")
 
 
 class LogIncomplete(Unavailable):
@@ -77,8 +83,19 @@ class Recovery:
         self.lost: list[dict] = []          # ranges no copy could deliver (vlog, vseg, offset, end)
         self.adopted_segments = 0           # re-pointed at the backups' copies, not replayed
         self.adopted_bytes = 0
-        self.index_seconds = 0.0            # listing the settled vsegs' chunks (no bodies)
-        self.adopt_seconds = 0.0            # new owners adopting them (claimed, durable)
+        self.wall = dict.fromkeys(PHASES, 0.0)   # seconds per phase
+        self.cpu = dict.fromkeys(PHASES, 0.0)    # the coordinator's CPU seconds per phase
+        self.claim_seconds = 0.0            # the longest wait of a new owner for its claims
+
+    @contextmanager
+    def phase(self, name: str):
+        """Time a phase of this recovery (see ``PHASES``)."""
+        t, c = time.monotonic(), time.process_time()
+        try:
+            yield
+        finally:
+            self.wall[name] += time.monotonic() - t
+            self.cpu[name] += time.process_time() - c
 
     def describe(self) -> dict:
         end = self.finished or time.time()
@@ -92,8 +109,9 @@ class Recovery:
                 "steps": self.steps, "corrupt_steps": self.corrupt_steps,
                 "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
                 "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
-                "index_seconds": round(self.index_seconds, 3),
-                "adopt_seconds": round(self.adopt_seconds, 3)}
+                **{f"{p}_seconds": round(t, 4) for p, t in self.wall.items()},
+                "claim_seconds": round(self.claim_seconds, 4),
+                "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
 
 
 class RecoveryManager:
@@ -173,11 +191,12 @@ class RecoveryManager:
         coord = self.coord
         backups = [m for m in coord.members["backup"].values() if m.alive]
         # 1. fence the dead incarnation everywhere it could still write
-        coord.fence(rec.broker, rec.epoch)
-        await coord.commit()
-        async with trio.open_nursery() as n:
-            for b in backups:  # a backup that does not answer gets the fence when it registers
-                n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
+        with rec.phase("fence"):
+            coord.fence(rec.broker, rec.epoch)
+            await coord.commit()
+            async with trio.open_nursery() as n:
+                for b in backups:  # a backup that does not answer gets the fence when it registers
+                    n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
         # 2. new owners, in recovering state
         known = coord.meta["streams"]   # those deleted meanwhile are left out
         streams = {n: known[n] for n, _ in rec.streamlets if n in known}
@@ -198,7 +217,8 @@ class RecoveryManager:
                     n.start_soon(coord.assign, coord.members["broker"][mid], mine, recovering, seal)
 
         try:
-            await assign_all(recovering=True)
+            with rec.phase("assign"):
+                await assign_all(recovering=True)
             rec.state = "replaying"
             replayed = await self._replay(rec, backups, streams, plan)
         except BaseException:
@@ -209,14 +229,15 @@ class RecoveryManager:
             raise
         # 4. hand over: the new owners serve, the metadata says so
         # after a loss the groups are sealed: no position of the lost range is ever reused
-        await assign_all(recovering=False, seal=not replayed.complete)
-        for (name, i), m in plan.items():
-            coord.set_owner(streams[name], i, m)
-        if replayed.complete:  # else what is left may be all there is of the lost range: kept
-            # every backup, now or when it is back, drops this incarnation's files (a claimed
-            # one stays until released) and releases its claims: told once the owners are durable
-            coord.recovered.add(rec.broker, rec.epoch, replayed.covered())
-        await coord.commit()
+        with rec.phase("handover"):
+            await assign_all(recovering=False, seal=not replayed.complete)
+            for (name, i), m in plan.items():
+                coord.set_owner(streams[name], i, m)
+            if replayed.complete:  # else what is left may be all there is of the lost range: kept
+                # every backup, now or when it is back, drops this incarnation's files (a claimed
+                # one stays until released) and releases its claims: told once the owners are durable
+                coord.recovered.add(rec.broker, rec.epoch, replayed.covered())
+            await coord.commit()
         rec.served = time.time()
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
@@ -231,11 +252,13 @@ class RecoveryManager:
             for _, vlog, floor in r.get("floors") or []:
                 floors[vlog] = max(floors.get(vlog, 0), floor)
 
-        async with trio.open_nursery() as n:
-            for b in backups:
-                n.start_soon(listing, b)
+        with rec.phase("list"):
+            async with trio.open_nursery() as n:
+                for b in backups:
+                    n.start_soon(listing, b)
         addrs = {b.id: b.addr for b in backups}
-        replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
+        with rec.phase("plan"):
+            replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
         routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]
         rec.vlogs = len(replay_plan.vlogs)
         rec.total = replay_plan.total_bytes
@@ -283,9 +306,10 @@ class RecoveryManager:
                 log.info("vlog %d of broker %d: its newest vseg %d is closed, its successor never "
                          "reached a backup", vlog, rec.broker, step.vseg)
 
-        async with trio.open_nursery() as n:
-            for vlog in replay_plan.vlogs:
-                n.start_soon(replay_vlog, vlog)
+        with rec.phase("replay"):
+            async with trio.open_nursery() as n:
+                for vlog in replay_plan.vlogs:
+                    n.start_soon(replay_vlog, vlog)
         rec.lost = [r.describe() for r in replay_plan.lost]
         for r in rec.lost:
             log.error("recovery of broker %d epoch %d: LOST vlog %d vseg %d bytes %d..%s (%s)",

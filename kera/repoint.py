@@ -22,7 +22,6 @@ until the owner releases them (``kera.backup.claims``).
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import trio
@@ -61,7 +60,6 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries.
     ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
     (stream id, streamlet) pairs replayed whole, never re-pointed."""
-    t0 = time.monotonic()
     settled = {v: plan.settled(v) for v in plan.vlogs}
     answers: list[np.ndarray] = []   # per vseg indexed: its rows
     indexes: dict[tuple[int, int, int], bytes] = {}  # (vlog, vseg, offset) -> index chunk
@@ -155,62 +153,66 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                     failed.append(item)
             take_rows(b, plain, failed)
 
-    while todo:
-        failed: dict[int, list] = {}
-        async with trio.open_nursery() as n:
-            for b, items in todo.items():
-                failed[b] = []
-                n.start_soon(ask, b, items, failed[b])
-        todo = {}
-        for items in failed.values():
-            for vlog, vseg, rest in items:
-                if rest:
-                    todo.setdefault(rest[0], []).append((vlog, vseg, rest[1:]))
-                else:
-                    cut[vlog] = min(cut.get(vlog, vseg), vseg)
-    # the settled prefix ends where a vseg could not be indexed: later ones are replayed
-    whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
-    rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64), owners, cut)
-    rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
-    rec.index_seconds = time.monotonic() - t0
-
-    per_owner: dict[int, list] = {}
-    indexed = segments = 0   # bytes and segments of the index chunks passed on as they stand
-    for run in _runs(rp.adopted):
-        a = run[0]
-        if a.indexed:
-            r = a.rows[0].tolist()
-            data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
-            heads = index_chunk.parse(data).heads
-            indexed += sum(heads)
-            segments += len(heads) - 1
-        else:
-            data = _index_chunk(rec.broker, run, whole)
-        per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
+    with rec.phase("index"):
+        while todo:
+            failed: dict[int, list] = {}
+            async with trio.open_nursery() as n:
+                for b, items in todo.items():
+                    failed[b] = []
+                    n.start_soon(ask, b, items, failed[b])
+            todo = {}
+            for items in failed.values():
+                for vlog, vseg, rest in items:
+                    if rest:
+                        todo.setdefault(rest[0], []).append((vlog, vseg, rest[1:]))
+                    else:
+                        cut[vlog] = min(cut.get(vlog, vseg), vseg)
+    with rec.phase("repoint"):
+        # the settled prefix ends where a vseg could not be indexed: later ones are replayed
+        whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
+        rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64),
+                          owners, cut)
+        rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
+        per_owner: dict[int, list] = {}
+        indexed = segments = 0   # bytes and segments of the index chunks passed on as they stand
+        for run in _runs(rp.adopted):
+            a = run[0]
+            if a.indexed:
+                r = a.rows[0].tolist()
+                data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
+                heads = index_chunk.parse(data).heads
+                indexed += sum(heads)
+                segments += len(heads) - 1
+            else:
+                data = _index_chunk(rec.broker, run, whole)
+            per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
 
     async def adopt(m, mine: list[bytes]) -> None:
         batch, size = [], 0
         for data in mine + [None]:
             if batch and (data is None or size + len(data) > ADOPT_BATCH):
-                await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch, timeout=INDEX_TIMEOUT)
+                r, _ = await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch,
+                                       timeout=INDEX_TIMEOUT)
+                claimed = r.get("claim_seconds") if isinstance(r, dict) else None
+                if isinstance(claimed, float):
+                    rec.claim_seconds = max(rec.claim_seconds, claimed)
                 batch, size = [], 0
             if data is not None:
                 batch.append(data)
                 size += len(data)
 
     members = {m.id: m for m in owners.values()}
-    t1 = time.monotonic()
-    async with trio.open_nursery() as n:
-        for mid, mine in per_owner.items():
-            n.start_soon(adopt, members[mid], mine)
-    rec.adopt_seconds = time.monotonic() - t1
+    with rec.phase("adopt"):
+        async with trio.open_nursery() as n:
+            for mid, mine in per_owner.items():
+                n.start_soon(adopt, members[mid], mine)
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
     rec.adopted_segments = len(rp.adopted) + segments
     rec.adopted_bytes = rp.bytes + indexed
     log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies, %d vsegs "
-             "not replayed, index in %.2f s, adopted in %.2f s", rec.broker, rec.epoch, rec.adopted_segments,
-             rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.index_seconds, rec.adopt_seconds)
+             "not replayed, index in %.3f s, adopted in %.3f s", rec.broker, rec.epoch, rec.adopted_segments,
+             rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"])
     return [[*k, s] for k, s in rp.replay_from.items()]
 
 

@@ -21,6 +21,7 @@ from kera_client import open_admin, open_consumer, open_producer
 
 from kera import chunk
 from kera.errors import InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
+from kera.recovery import PHASES
 from kera.rpc import open_pool
 
 from .conftest import free_port
@@ -372,11 +373,12 @@ def test_kill_broker_with_4x_history_replays_what_it_held_not_its_history(make_c
     one = _recover_repointed(make_cluster, 24 * MiB)
     four = _recover_repointed(make_cluster, 96 * MiB)
     for name, r in (("1x", one), ("4x", four)):
-        print(f"\n{name}: serving after {r['serve_seconds']} s, recovery in {r['seconds']} s "
-              f"(index {r['index_seconds']} s, adopt "
-              f"{r['adopt_seconds']} s): "
+        print(f"\n{name}: serving after {r['serve_seconds']} s, recovery in {r['seconds']} s: "
               f"{r['bytes'] / MiB:.1f} MiB replayed, {r['adopted_bytes'] / MiB:.1f} MiB in "
-              f"{r['adopted_segments']} segments re-pointed; {r['records']} records read back")
+              f"{r['adopted_segments']} segments re-pointed; {r['records']} records read back\n"
+              f"  phases, s (coordinator CPU ms): " + ", ".join(
+                  f"{p} {r[f'{p}_seconds']} ({r['cpu_ms'][p]})" for p in PHASES)
+              + f"; claims on the new owner {r['claim_seconds']} s")
     assert four["adopted_bytes"] > 3 * one["adopted_bytes"] > 0
     assert four["bytes"] <= one["bytes"] + 1 * MiB, (one, four)  # closed groups re-pointed whole
     assert four["bytes"] < 96 * MiB / 4

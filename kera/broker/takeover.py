@@ -10,6 +10,7 @@ from the produce and pull paths, which never see a recovering streamlet.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import trio
@@ -109,8 +110,16 @@ class Takeover:
         waits: dict[Replicator, int] = {}
         adopted = 0
         rows: dict[Streamlet, list] = {}
+        claimed = 0.0
+
+        async def claim_all() -> None:
+            nonlocal claimed
+            t = time.monotonic()
+            await self.claims.claim(claim)
+            claimed = time.monotonic() - t
+
         async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
-            n.start_soon(self.claims.claim, claim)
+            n.start_soon(claim_all)
             try:
                 for sl, h, mv, ix in todo:
                     await trio.lowlevel.checkpoint()   # the claims go out meanwhile
@@ -130,7 +139,7 @@ class Takeover:
         for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
             if v.log.close_open():
                 v.poke()
-        return {"adopted": adopted}
+        return {"adopted": adopted, "claim_seconds": claimed}
 
     async def _claimed_and_durable(self, claim: dict, waits: dict, reply: dict) -> dict:
         """``reply`` once the foreign vsegs are claimed and what was placed is durable: the two
