@@ -6,9 +6,9 @@ segments (R chunk rows each, two vsegs per segment) in index chunks of K
 consecutive segments each (a recovery sends one per run of a group's
 re-pointed segments; ``--run 1``: one per segment) and reports the best of
 several runs in CPU time (``time.process_time``), so the figure holds on a
-loaded machine. The two network steps of an adoption are left out, since
-they cost one round trip per request, not per segment: the ``claim`` RPC to
-the backups and the wait for the index chunks to be durable.
+loaded machine. The two network steps of an adoption are not part of it
+(the recovery's ``settle``, beside the replay): the ``claim`` RPC to the
+backups and the wait for the index chunks to be durable.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import trio
 
 from kera import index_chunk
 from kera.broker.adopted import Claims
+from kera.broker.replicator import ReplicationHub
 from kera.broker.service import BrokerService
 from kera.vlog import VlogMapping
 
@@ -55,15 +56,7 @@ def owner(data_dir: str) -> BrokerService:
     svc.nursery = _Nursery()
     svc.lease_until = float("inf")
     svc.claims = Claims(None, lambda: (1, 1), lambda b: "")
-
-    async def claimed(vsegs) -> None:
-        pass
-
-    async def durable(waits, reply):
-        return reply
-
-    svc.claims.claim = claimed
-    svc._acked_when_durable = durable
+    svc.hub = ReplicationHub(None, lambda: (1, 1), lambda b: "", 5.0)   # never run
     svc._assign({"id": 1, "name": "big", "streamlets": 1, "groups": 1, "replication": 3,
                  "segment_size": 256 << 10, "group_segments": 1 << 20}, [0], True, False)
     return svc

@@ -53,8 +53,9 @@ RETRY_DELAY = 0.5
 WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may still bring the rest
 # a recovery's phases, in order, each timed (wall and this process's CPU): fencing the dead
 # incarnation, assigning its streamlets recovering, listing the backups' holdings, planning the
-# replay, indexing the settled vsegs, planning the re-pointing, adopting (the new owners claim
-# and make durable), replaying the rest, handing over (assigned serving, metadata committed)
+# replay, indexing the settled vsegs, planning the re-pointing, adopting (the new owners build
+# the segments), replaying the rest (the adoptions settle meanwhile: durable, claimed), handing
+# over (assigned serving, metadata committed)
 PHASES = ("fence", "assign", "list", "plan", "index", "repoint", "adopt", "replay", "handover")
 
 
@@ -85,7 +86,7 @@ class Recovery:
         self.adopted_bytes = 0
         self.wall = dict.fromkeys(PHASES, 0.0)   # seconds per phase
         self.cpu = dict.fromkeys(PHASES, 0.0)    # the coordinator's CPU seconds per phase
-        self.claim_seconds = 0.0            # the longest wait of a new owner for its claims
+        self.settle_seconds = 0.0           # the longest settle of a new owner (beside the replay)
 
     @contextmanager
     def phase(self, name: str):
@@ -110,7 +111,7 @@ class Recovery:
                 "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
                 "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
                 **{f"{p}_seconds": round(t, 4) for p, t in self.wall.items()},
-                "claim_seconds": round(self.claim_seconds, 4),
+                "settle_seconds": round(self.settle_seconds, 4),
                 "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
 
 
@@ -263,10 +264,11 @@ class RecoveryManager:
         rec.vlogs = len(replay_plan.vlogs)
         rec.total = replay_plan.total_bytes
         replay_from: list = []
+        settle = None
         if self.coord.repoint_evicted:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
-            replay_from = await repoint(self.coord.pool, rec, replay_plan, addrs, {
+            replay_from, settle = await repoint(self.coord.pool, rec, replay_plan, addrs, {
                 (streams[n]["id"], i): m for (n, i), m in plan.items()}, replayed={
                 (streams[n]["id"], i) for (n, i) in plan
                 if "compact" in streams[n].get("cleanup_policy", "delete")})
@@ -308,6 +310,8 @@ class RecoveryManager:
 
         with rec.phase("replay"):
             async with trio.open_nursery() as n:
+                if settle is not None:  # the rest of the adoptions, made durable and claimed
+                    n.start_soon(settle)
                 for vlog in replay_plan.vlogs:
                     n.start_soon(replay_vlog, vlog)
         rec.lost = [r.describe() for r in replay_plan.lost]

@@ -10,11 +10,14 @@ re-pointed segments; each new owner gets one index chunk per run of a group's
 consecutive re-pointed segments (``adopt``, ``kera.index_chunk``) and builds
 them evicted, naming the copies;
 the plan is told which settled vsegs need no replay at all, and the backups
-skip the re-pointed segments' chunks in the vsegs that are replayed.
+skip the re-pointed segments' chunks in the vsegs that are replayed. The
+replay starts once the segments are built: what makes an adoption safe
+(its index chunks durable, its files claimed: an fsync on each backup)
+is waited for beside it (``settle``), before the hand-over.
 
 What keeps the adopted chunks readable: the copies named are closed and
 whole; the dead incarnation writes and trims no more (fenced); the new owner
-claims the files on their backups before it answers ``adopt``, so the
+claims the files on their backups before it answers ``settle``, so the
 backups' letting go of the dead incarnation (``kera.recovered``) leaves them
 until the owner releases them (``kera.backup.claims``).
 """
@@ -22,6 +25,8 @@ until the owner releases them (``kera.backup.claims``).
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 import numpy as np
 import trio
@@ -56,8 +61,9 @@ ANSWER = FLAGS + 1 - VOFF  # u64s per chunk in an index answer: the row's column
 
 
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
-                  replayed: frozenset = frozenset()) -> list:
-    """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries.
+                  replayed: frozenset = frozenset()) -> tuple[list, Callable]:
+    """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries and what
+    to run beside the replay, before the hand-over (``settle``).
     ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
     (stream id, streamlet) pairs replayed whole, never re-pointed."""
     settled = {v: plan.settled(v) for v in plan.vlogs}
@@ -173,39 +179,51 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
         rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64),
                           owners, cut)
         rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
-        per_owner: dict[int, list] = {}
+        # a group whose adopted segments end with its close has nothing replayed after them: its
+        # runs are adopted beside the replay; the others' before it (the replay places their
+        # next segments after them)
+        last: dict[tuple[int, int, int], Adopted] = {}
+        for a in rp.adopted:
+            last[(a.stream, a.streamlet, a.group)] = a
+        closed = {k for k, a in last.items()
+                  if a.closed or (a.indexed and int(a.rows[0, FLAGS]) & chunk.CLOSE)}
+        now: dict[int, list] = {}     # owner -> index chunks adopted before the replay
+        later: dict[int, list] = {}   # owner -> runs adopted beside it
         indexed = segments = 0   # bytes and segments of the index chunks passed on as they stand
         for run in _runs(rp.adopted):
             a = run[0]
             if a.indexed:
                 r = a.rows[0].tolist()
-                data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
-                heads = index_chunk.parse(data).heads
+                heads = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).heads
                 indexed += sum(heads)
                 segments += len(heads) - 1
-            else:
-                data = _index_chunk(rec.broker, run, whole)
-            per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
+            mid = owners[(a.stream, a.streamlet)].id
+            (later if (a.stream, a.streamlet, a.group) in closed else now).setdefault(mid, []).append(run)
+        members = {m.id: m for m in owners.values()}
+
+    def chunks(runs: list) -> list[bytes]:
+        """The runs' index chunks: built, or the dead broker's own as they stand."""
+        out = []
+        for run in runs:
+            r = run[0].rows[0].tolist()
+            out.append(indexes[(r[VLOG], r[VSEG], r[VOFF])] if run[0].indexed
+                       else _index_chunk(rec.broker, run, whole))
+        return out
 
     async def adopt(m, mine: list[bytes]) -> None:
         batch, size = [], 0
         for data in mine + [None]:
             if batch and (data is None or size + len(data) > ADOPT_BATCH):
-                r, _ = await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch,
-                                       timeout=INDEX_TIMEOUT)
-                claimed = r.get("claim_seconds") if isinstance(r, dict) else None
-                if isinstance(claimed, float):
-                    rec.claim_seconds = max(rec.claim_seconds, claimed)
+                await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch, timeout=INDEX_TIMEOUT)
                 batch, size = [], 0
             if data is not None:
                 batch.append(data)
                 size += len(data)
 
-    members = {m.id: m for m in owners.values()}
     with rec.phase("adopt"):
         async with trio.open_nursery() as n:
-            for mid, mine in per_owner.items():
-                n.start_soon(adopt, members[mid], mine)
+            for mid, runs in now.items():
+                n.start_soon(adopt, members[mid], chunks(runs))
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
     rec.adopted_segments = len(rp.adopted) + segments
@@ -213,7 +231,22 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies, %d vsegs "
              "not replayed, index in %.3f s, adopted in %.3f s", rec.broker, rec.epoch, rec.adopted_segments,
              rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"])
-    return [[*k, s] for k, s in rp.replay_from.items()]
+
+    async def settle() -> None:
+        """Beside the replay: each owner adopts the closed groups' runs, then settles (its
+        adoptions durable, their files claimed); ``rec.settle_seconds``: how long it took."""
+        t = time.monotonic()
+
+        async def one(m) -> None:
+            await adopt(m, chunks(later.get(m.id, [])))
+            await pool.call(m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT)
+
+        async with trio.open_nursery() as n:
+            for mid in now.keys() | later.keys():
+                n.start_soon(one, members[mid])
+        rec.settle_seconds = time.monotonic() - t
+
+    return [[*k, s] for k, s in rp.replay_from.items()], settle
 
 
 def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarray:

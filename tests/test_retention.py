@@ -378,7 +378,7 @@ def test_kill_broker_with_4x_history_replays_what_it_held_not_its_history(make_c
               f"{r['adopted_segments']} segments re-pointed; {r['records']} records read back\n"
               f"  phases, s (coordinator CPU ms): " + ", ".join(
                   f"{p} {r[f'{p}_seconds']} ({r['cpu_ms'][p]})" for p in PHASES)
-              + f"; claims on the new owner {r['claim_seconds']} s")
+              + f"; settle beside the replay {r['settle_seconds']} s")
     assert four["adopted_bytes"] > 3 * one["adopted_bytes"] > 0
     assert four["bytes"] <= one["bytes"] + 1 * MiB, (one, four)  # closed groups re-pointed whole
     assert four["bytes"] < 96 * MiB / 4

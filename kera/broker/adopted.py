@@ -12,12 +12,14 @@ through ``kera.broker.tiered`` like any evicted segment, verified the same way.
 Two things keep an adoption sound:
 
 - **Durable.** The index chunk (one per run of consecutive segments of a
-  group) is appended to the group's own vlog (``IndexHolder``) and the
-  adoption is answered once it is durable: a recovery of this broker finds it
-  there and adopts the segments again.
+  group) is appended to the group's own vlog (``IndexHolder``); the
+  recovery's ``settle`` is answered once it is durable, and the streamlet
+  serves only after that: a recovery of this broker finds it there and
+  adopts the segments again.
 - **Claimed.** Backups delete a dead incarnation's files once its recovery
   dropped them and no owner *claims* them (``kera.backup.claims``). This
-  owner claims each foreign vseg before answering, and releases it once no
+  owner claims each foreign vseg before answering ``settle`` (the recovery
+  is recorded, and the files let go, only after), and releases it once no
   index chunk of ours naming it can be replayed any more: the holder's vseg
   is below our vlog's floor (its segment was freed, and so was everything
   else in that vseg). Until then a recovery of ours may adopt it again, so
@@ -56,7 +58,7 @@ class ForeignVlog:
     def done(self, vs) -> bool:
         return True
 
-    def close_open(self) -> bool:
+    def close_open(self, durable: bool = True) -> bool:
         return False
 
 
@@ -137,6 +139,7 @@ class Claims:
         self.vsegs: dict[Key, ForeignVseg] = {}
         self.freed: list[AdoptedSegment] = []   # freed adopted segments whose holder is still replayable
         self.lock = trio.Lock()     # claims and releases reach the backups in the order decided
+        self.pending: dict[ForeignVseg, None] = {}   # adopted, to claim before the hand-over
         self.released = 0           # foreign vsegs released, ever
 
     def vseg(self, broker: int, vlog: int, vseg: int, copies) -> ForeignVseg:

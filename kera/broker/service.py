@@ -88,6 +88,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.lease_until = 0.0     # monotonic time our lease ends
         self.tiered: TieredReader | None = None
         self.claims: Claims | None = None   # foreign vsegs of adopted segments (kera.broker.adopted)
+        self.unsettled: dict[Replicator, int] = {}   # vlog -> its last adoption not yet settled
         self.freed_segments = 0    # by retention or deletion
         self.freed_bytes = 0
 

@@ -10,7 +10,6 @@ from the produce and pull paths, which never see a recovering streamlet.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 import trio
@@ -86,11 +85,10 @@ class Takeover:
     async def rpc_adopt(self, meta, payload):
         """Recovery re-points a dead broker's settled segments here as evicted segments: the
         payload holds one index chunk per run of a group's segments (``kera.index_chunk``), in
-        group order.
-        Answered once each adoption is durable in our own vlogs and its foreign vsegs are
-        claimed on their backups, so neither a failure of ours nor a reclaim loses them (the
-        two at once: a recovery of ours adopts a durable but unclaimed segment again, from
-        files the backups keep until this recovery is recorded, which waits for this answer)."""
+        group order. Answered once they are built and their index chunks appended to our own
+        vlogs (each vlog's open vseg closed behind them: what is placed later goes to another
+        vseg, released apart from the adoptions), so the replay of what follows them in their
+        groups can start; ``settle`` answers once they are durable and claimed."""
         self._check_epoch(meta)
         self._check_lease()
         todo = []
@@ -103,47 +101,53 @@ class Takeover:
                 todo.append((sl, h, mv, index_chunk.parse(mv, h)))
             except ProtocolError as e:
                 raise InvalidArgument(f"adopt takes index chunks: {e}") from None
-        # every foreign vseg named is claimed while the segments are built (a claim is an fsync
-        # on each backup); one left unused (its group held the segment already) is released
-        claim = {self.claims.vseg(ix.source, ix.vlog, v, ix.copies[v]): None
-                 for _, _, _, ix in todo for v in dict.fromkeys(ix.rows[:, 1].tolist())}
-        waits: dict[Replicator, int] = {}
+        vlogs: dict[Replicator, None] = {}
         adopted = 0
         rows: dict[Streamlet, list] = {}
-        claimed = 0.0
+        try:
+            for sl, h, mv, ix in todo:
+                await trio.lowlevel.checkpoint()   # others are served between runs
+                if self.streamlets.get((h.stream_id, h.streamlet)) is not sl or not sl.recovering:
+                    raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is no longer "
+                                   f"being recovered here")  # unassigned meanwhile
+                done = self._adopt_index(sl, h, mv, ix)
+                if done is not None:
+                    vlog, idx, segs = done
+                    vlogs[vlog] = None
+                    self.unsettled[vlog] = max(idx, self.unsettled.get(vlog, 0))
+                    for seg in segs:
+                        self.claims.pending.update(dict.fromkeys(seg.foreign))
+                    rows.setdefault(sl, []).append(ix.rows)
+                    adopted += len(segs)
+        finally:  # one pass per streamlet over every adopted segment's rows
+            for sl, rs in rows.items():
+                sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
+            for v in vlogs:
+                if v.log.close_open(durable=False):
+                    v.poke()
+        return {"adopted": adopted}
 
-        async def claim_all() -> None:
-            nonlocal claimed
-            t = time.monotonic()
-            await self.claims.claim(claim)
-            claimed = time.monotonic() - t
-
-        async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
-            n.start_soon(claim_all)
-            try:
-                for sl, h, mv, ix in todo:
-                    await trio.lowlevel.checkpoint()   # the claims go out meanwhile
-                    if self.streamlets.get((h.stream_id, h.streamlet)) is not sl or not sl.recovering:
-                        raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is no longer "
-                                       f"being recovered here")  # unassigned meanwhile
-                    done = self._adopt_index(sl, h, mv, ix)
-                    if done is not None:
-                        vlog, idx, segs = done
-                        waits[vlog] = max(idx, waits.get(vlog, 0))
-                        rows.setdefault(sl, []).append(ix.rows)
-                        adopted += len(segs)
-            finally:  # one pass per streamlet over every adopted segment's rows
-                for sl, rs in rows.items():
-                    sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
-            await self._acked_when_durable(waits, {})
-        for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
-            if v.log.close_open():
-                v.poke()
-        return {"adopted": adopted, "claim_seconds": claimed}
+    async def rpc_settle(self, meta, payload):
+        """Answered once every adoption made here so far is durable in our vlogs and every
+        foreign vseg it reads is claimed on its backups (a claim is an fsync on each backup):
+        a recovery asks while it replays the rest and hands over only after the answer, so
+        neither a failure of ours nor the backups' letting go of the dead incarnation loses
+        an adopted segment once it serves."""
+        self._check_epoch(meta)
+        self._check_lease()
+        waits, claim = dict(self.unsettled), dict(self.claims.pending)
+        await self._claimed_and_durable(claim, waits, {})
+        for v, idx in waits.items():
+            if self.unsettled.get(v) == idx:
+                del self.unsettled[v]
+        for vs in claim:
+            if vs.claimed:
+                self.claims.pending.pop(vs, None)
+        return {}
 
     async def _claimed_and_durable(self, claim: dict, waits: dict, reply: dict) -> dict:
         """``reply`` once the foreign vsegs are claimed and what was placed is durable: the two
-        at once (each an fsync away), as in ``rpc_adopt``."""
+        at once (each an fsync away)."""
         async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
             n.start_soon(self.claims.claim, claim)
             n.start_soon(self._acked_when_durable, waits, reply)

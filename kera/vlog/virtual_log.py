@@ -93,9 +93,7 @@ class VirtualLog:
         """Reference a chunk just appended to ``segment``; returns its index in this vlog."""
         vs = self.open
         if vs is None or not vs.has_room(length):
-            if vs is not None:
-                vs.closed = True  # the close still has to reach its copies
-                self.active[vs.id] = vs
+            self.close_open(durable=False)
             vs = self.open = VirtualSegment(len(self.vsegs), self.capacity)
             self.vsegs.append(vs)
         self.active[vs.id] = vs
@@ -126,11 +124,12 @@ class VirtualLog:
         return vs.frozen and bool(vs.copies) and all(
             c.acked == vs.size and c.closed for c in vs.copies.values())
 
-    def close_open(self) -> bool:
-        """Close the open vseg once its chunks are durable (retention waits on it while the
-        vlog is idle); the next append opens a new one. True if it was closed."""
+    def close_open(self, durable: bool = True) -> bool:
+        """Close the open vseg; the next append opens a new one. ``durable``: only once its
+        chunks are durable (retention waits on it while the vlog is idle); else at once, the
+        close reaching its copies after its chunks. True if it was closed."""
         vs = self.open
-        if vs is None or vs.durable < len(vs.refs):
+        if vs is None or (durable and vs.durable < len(vs.refs)):
             return False
         vs.closed = True
         self.open = None
