@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import trio
@@ -179,36 +180,20 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
         rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64),
                           owners, cut)
         rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
-        # a group whose adopted segments end with its close has nothing replayed after them: its
-        # runs are adopted beside the replay; the others' before it (the replay places their
-        # next segments after them)
-        last: dict[tuple[int, int, int], Adopted] = {}
-        for a in rp.adopted:
-            last[(a.stream, a.streamlet, a.group)] = a
-        closed = {k for k, a in last.items()
-                  if a.closed or (a.indexed and int(a.rows[0, FLAGS]) & chunk.CLOSE)}
-        now: dict[int, list] = {}     # owner -> index chunks adopted before the replay
-        later: dict[int, list] = {}   # owner -> runs adopted beside it
+        per_owner: dict[int, list] = {}
         indexed = segments = 0   # bytes and segments of the index chunks passed on as they stand
         for run in _runs(rp.adopted):
             a = run[0]
             if a.indexed:
                 r = a.rows[0].tolist()
-                heads = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).heads
+                data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
+                heads = index_chunk.parse(data).heads
                 indexed += sum(heads)
                 segments += len(heads) - 1
-            mid = owners[(a.stream, a.streamlet)].id
-            (later if (a.stream, a.streamlet, a.group) in closed else now).setdefault(mid, []).append(run)
+            else:
+                data = _index_chunk(rec.broker, run, whole)
+            per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
         members = {m.id: m for m in owners.values()}
-
-    def chunks(runs: list) -> list[bytes]:
-        """The runs' index chunks: built, or the dead broker's own as they stand."""
-        out = []
-        for run in runs:
-            r = run[0].rows[0].tolist()
-            out.append(indexes[(r[VLOG], r[VSEG], r[VOFF])] if run[0].indexed
-                       else _index_chunk(rec.broker, run, whole))
-        return out
 
     async def adopt(m, mine: list[bytes]) -> None:
         batch, size = [], 0
@@ -222,8 +207,8 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
 
     with rec.phase("adopt"):
         async with trio.open_nursery() as n:
-            for mid, runs in now.items():
-                n.start_soon(adopt, members[mid], chunks(runs))
+            for mid, mine in per_owner.items():
+                n.start_soon(adopt, members[mid], mine)
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
     rec.adopted_segments = len(rp.adopted) + segments
@@ -233,17 +218,13 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
              rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"])
 
     async def settle() -> None:
-        """Beside the replay: each owner adopts the closed groups' runs, then settles (its
-        adoptions durable, their files claimed); ``rec.settle_seconds``: how long it took."""
+        """Beside the replay: each owner's adoptions made durable and their files claimed;
+        ``rec.settle_seconds``: how long it took."""
         t = time.monotonic()
-
-        async def one(m) -> None:
-            await adopt(m, chunks(later.get(m.id, [])))
-            await pool.call(m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT)
-
         async with trio.open_nursery() as n:
-            for mid in now.keys() | later.keys():
-                n.start_soon(one, members[mid])
+            for mid in per_owner:
+                m = members[mid]
+                n.start_soon(partial(pool.call, m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT))
         rec.settle_seconds = time.monotonic() - t
 
     return [[*k, s] for k, s in rp.replay_from.items()], settle
