@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import trio
 
 from kera import chunk
 from kera.backup import segment_file as sf
 from kera.backup import store as store_module
 from kera.backup.replica import INDEX_COLUMNS, Replica
+from kera.backup.service import BackupService
 from kera.backup.store import (
     APPEND,
     CLOSE,
@@ -287,3 +289,28 @@ def test_a_closed_replica_keeps_its_index_rows_within_the_bound_and_gives_them_b
     assert s.replicas[other].index is None and s.index_bytes == 240
     s.drop(KEY)
     assert s.index_bytes == 0 and rep.index is None
+
+
+def test_a_file_read_is_not_served_when_its_replica_is_dropped_meanwhile(tmp_path):
+    """Reads of a replica's file run beside the flush rounds (not under the I/O lock): one
+    whose replica is dropped before it returns (its file deleted, maybe made again for a new
+    copy) is refused, typed, and the replica is not marked corrupt; one that was dropped
+    before is refused without reading."""
+    svc = BackupService(str(tmp_path))
+    rep = Replica(1, 2, 3, 0, str(tmp_path / "1-2-3"))
+    svc.store.replicas[rep.key] = rep
+    reads = []
+
+    def read():  # the file read, during which the replica is dropped
+        reads.append(1)
+        svc.store.forget(rep)
+        return b"bytes", (0, 5, "read back: not this file")
+
+    async def main():
+        with pytest.raises(BackupError, match="dropped"):
+            await svc._read_replica(rep, read)
+        with pytest.raises(BackupError, match="dropped"):
+            await svc._read_replica(rep, read)
+
+    trio.run(main)
+    assert reads == [1] and not rep.corrupt

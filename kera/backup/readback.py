@@ -3,7 +3,8 @@ evicted segments (``read_chunks``, tiered storage).
 
 Every chunk read from a file is verified again; a corrupt one is marked on its replica,
 logged and never served (the caller asks another copy). File reads run in worker
-threads under the service's I/O lock, so a replica dropped meanwhile is refused.
+threads beside the flush rounds (they read only what is written); a replica dropped
+before or meanwhile is refused.
 """
 
 from __future__ import annotations
@@ -163,15 +164,21 @@ class ReadBack:
         return self._read_file(rep, start, stop, corrupt_at, nxt)
 
     async def _read_replica(self, rep: Replica, fn, *args):
-        """``fn(*args)`` in a worker thread, reading ``rep``'s file under the I/O lock: a
-        replica dropped meanwhile, or an I/O error, is a ``BackupError``."""
-        async with self._io:
+        """``fn(*args)`` in a worker thread, reading ``rep``'s file: a replica dropped before
+        or meanwhile (its file deleted, maybe made again for a new copy), or an I/O error, is a
+        ``BackupError``. Not under the I/O lock: only bytes already written are read, so a
+        flush round (its fsyncs take long while the disk writes back) never delays a read."""
+        if rep.dropped:
+            raise BackupError(f"replica {rep.key} was dropped")
+        try:
+            out = await trio.to_thread.run_sync(fn, *args)
+        except OSError as e:
             if rep.dropped:
-                raise BackupError(f"replica {rep.key} was dropped")
-            try:
-                return await trio.to_thread.run_sync(fn, *args)
-            except OSError as e:
-                raise BackupError(f"reading replica {rep.key}: {e}") from None
+                raise BackupError(f"replica {rep.key} was dropped") from None
+            raise BackupError(f"reading replica {rep.key}: {e}") from None
+        if rep.dropped:  # what was read may be of another file: not served
+            raise BackupError(f"replica {rep.key} was dropped")
+        return out
 
     @staticmethod
     def _corrupt(rep: Replica, bad: tuple) -> tuple:
