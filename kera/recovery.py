@@ -310,7 +310,7 @@ class RecoveryManager:
 
         with rec.phase("replay"):
             async with trio.open_nursery() as n:
-                if settle is not None:  # the rest of the adoptions, made durable and claimed
+                if settle is not None:  # the adoptions made durable and claimed meanwhile
                     n.start_soon(settle)
                 for vlog in replay_plan.vlogs:
                     n.start_soon(replay_vlog, vlog)

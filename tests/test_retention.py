@@ -20,7 +20,7 @@ import trio
 from kera_client import open_admin, open_consumer, open_producer
 
 from kera import chunk
-from kera.errors import InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
+from kera.errors import Fenced, InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
 from kera.recovery import PHASES
 from kera.rpc import open_pool
 
@@ -454,6 +454,9 @@ def test_retention_frees_adopted_segments_and_the_dead_brokers_files(make_cluste
             with pytest.raises(NotOwner):  # a serving streamlet adopts nothing
                 await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]},
                                 parts=[chunk.build(s["id"], 0, 1, 0, [b"x" * 8], flags=chunk.INDEX)])
+            with pytest.raises(Fenced):  # nor does another incarnation's settle
+                await pool.call(owner["addr"], "settle", {"epoch": owner["epoch"] + 1})
+            await pool.call(owner["addr"], "settle", {"epoch": owner["epoch"]})  # all settled
         await produce(c.coordinator, "big", n + n // 4, start=n, step=2000)
 
         async def gone():
