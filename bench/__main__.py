@@ -109,9 +109,10 @@ def exp_vlogs(args) -> dict:
 
 
 def exp_streams(args) -> dict:
-    from .streams import COUNTS, QUICK_COUNTS, run
-    n = args.records or (50_000 if args.quick else 300_000)
-    return run(QUICK_COUNTS if args.quick else COUNTS, n, args.repeats, args.concurrent, say)
+    from .streams import COUNTS, QUICK_COUNTS, QUICK_SECONDS, SECONDS, run
+    n = args.records or (50_000 if args.quick else 300_000)   # the concurrent phase's records
+    seconds = args.seconds or (QUICK_SECONDS if args.quick else SECONDS)
+    return run(QUICK_COUNTS if args.quick else COUNTS, n, seconds, args.repeats, args.concurrent, say)
 
 
 def exp_metadata(args) -> dict:
@@ -155,6 +156,7 @@ def main() -> None:
     ap.add_argument("--concurrent", action="store_true", help="streams: also producer and consumer at once")
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
     ap.add_argument("--records", type=int, default=0)
+    ap.add_argument("--seconds", type=float, default=0.0, help="streams: length of each producer phase alone")
     ap.add_argument("--producers", type=int, default=1)
     ap.add_argument("--consumers", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=3)
