@@ -138,7 +138,7 @@ def run(counts: list[int], n: int, seconds: float, repeats: int, concurrent: boo
                               "consume_rps": _stat([r.get("consume_rps") for r in mine]),
                               "consume_rps_chunks": _stat([r.get("consume_rps_chunks") for r in mine]),
                               "produce_p99_ms": _stat([r.get("produce_p99_ms") for r in mine])})
-    return {"experiment": "streams", "seconds": seconds, "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
+    return {"experiment": "streams", "phase_seconds": seconds, "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
             "producers": 1, "consumers": 1, "nodes": 3, "cells": cells,
             "acceptance": acceptance(cells, runs, repeats), "runs": runs,
             "load": {"start": load_start, "end": os.getloadavg()}}
