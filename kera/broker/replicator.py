@@ -55,6 +55,7 @@ class ReplicationHub:
         self.vlogs: list[Replicator] = []
         self.busy: set[int] = set()   # backups with a replicate in flight
         self.wake = trio.Event()
+        self.appended = False         # chunks were appended since the last round began
         self.rpcs = 0                 # replicate RPCs sent
         self.entries = 0              # vseg copies they carried
         self.bytes = 0
@@ -71,8 +72,9 @@ class ReplicationHub:
         async with trio.open_nursery() as nursery:
             while True:
                 self.wake = trio.Event()
-                # let requests already received append first: they leave in this round
-                await trio.sleep(0)
+                if self.appended:  # let requests already received append too: they leave in this round
+                    self.appended = False
+                    await trio.sleep(0)
                 now = trio.current_time()
                 out: dict[int, list[tuple[Replicator, Send]]] = {}
                 deadline = math.inf
@@ -180,6 +182,7 @@ class Replicator:
         idx = self.log.append(segment, offset, length, body_checksum)
         vs = self.log.open
         segment.noted(self, vs, vs.size - length)  # where a backup will hold it
+        self.hub.appended = True
         self.hub.wake.set()
         return idx
 
