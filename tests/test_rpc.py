@@ -50,7 +50,7 @@ class TestService(Service):
         self.connections = 0
         self.closed = 0
         self.big_calls = 0
-        self.laters: list[Later] = []
+        self.laters: dict[int, Later] = {}
 
     def set_reading(self, on: bool) -> None:
         self.reading = on
@@ -90,7 +90,7 @@ class TestService(Service):
         if meta.get("now"):
             later.done({"now": True})
         else:
-            self.laters.append(later)
+            self.laters[meta["n"]] = later
         return later
 
 
@@ -134,13 +134,13 @@ async def test_later_is_answered_when_settled_by_anyone(server):
             got = []
 
             async def waiting(n):
-                got.append((n, (await pool.call(addr, "later", {}, timeout=10))[0]))
+                got.append((n, (await pool.call(addr, "later", {"n": n}, timeout=10))[0]))
             for n in range(2):
                 nursery.start_soon(waiting, n)
             await _poll(lambda: len(svc.laters) == 2)
             assert (await pool.call(addr, "echo", {"n": 5}, timeout=5))[0] == {"n": 5}
             assert (await pool.call(addr, "later", {"now": True}, timeout=5))[0] == {"now": True}
-            svc.laters[1].done({"k": 1})
+            svc.laters[1].done({"k": 1})   # in another order than asked
             svc.laters[0].done({"k": 0})
             await _poll(lambda: len(got) == 2)
             assert sorted(got) == [(0, {"k": 0}), (1, {"k": 1})]
