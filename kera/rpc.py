@@ -13,7 +13,9 @@ Clients: ``Pool`` owns one pipelined connection per address and the reader
 tasks that match responses to requests by id. A send that was cancelled or
 timed out may have left part of a frame on the wire, so its connection is
 closed (the next call opens a new one); a reply or error for a request no
-longer waited for is dropped and the connection stays.
+longer waited for is dropped and the connection stays. ``Connection.post``
+sends a request with no task waiting for it: the reader hands its answer to
+a callback.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
     await _send_rest(stream.socket, _views(data), 0)
 
 
-async def _take(lock: trio.Lock) -> None:
+async def _take(lock: trio.Semaphore) -> None:
     """Take ``lock``: at once when it is free (no trip through the scheduler), else in turn."""
     try:
         lock.acquire_nowait()
