@@ -177,6 +177,28 @@ async def test_posted_requests_answers_errors_forgotten_and_failed(server):
             assert conn.post("echo", {}, done("x"), parts=[]) is None, "a closed connection posts nothing"
 
 
+async def test_posted_frame_given_up_while_being_written_closes_the_connection(server):
+    """A posted frame larger than the socket takes is left to a task to finish; given up on
+    (a timeout) while still being written, it closes the connection: never read as a request."""
+    svc, addr = server
+    with trio.fail_after(30):
+        async with open_pool() as pool:
+            await pool.call(addr, "echo", {"n": 0}, timeout=5)
+            conn = pool.conns[addr]
+            conn.stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            got = []
+            svc.set_reading(False)
+            rid = conn.post("big", {}, got.append, parts=[b"\x07" * (8 << 20)])
+            assert rid is not None and conn.writing == rid
+            conn.forget(rid)
+            assert conn.closed
+            svc.set_reading(True)
+            await _poll(lambda: svc.closed == 1)
+            assert svc.big_calls == 0 and not got
+            meta, _ = await pool.call(addr, "big", {}, b"y" * 1000, timeout=5)
+            assert meta == {"len": 1000} and pool.conns[addr] is not conn
+
+
 async def test_late_reply_is_dropped_and_the_connection_stays(server):
     """The same with a result instead of an error: a pipelined answer for nobody."""
     svc, addr = server
