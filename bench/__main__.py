@@ -9,7 +9,7 @@
                                          # maximum, target checked at half of it (bench/latency.py)
     python -m bench metadata [--quick]   # 100k streams: create rate, RSS per stream, fan-out (bench/metadata.py)
     python -m bench soak [--quick]       # retention: ingest 8 GiB past a 256 MiB broker budget
-    python -m bench hops [--label L]     # CPU us per 1-record chunk on each hop (bench/hops.py)
+    python -m bench hops [--label L]     # CPU us per 1-record chunk and per 1-chunk request on each hop (bench/hops.py)
 
 Each writes bench/results/<experiment>.json and .png and prints a table. Ratios
 compare runs of the same invocation on the same machine, same record size,

@@ -126,7 +126,7 @@ class Takeover:
             finally:  # one pass per streamlet over every adopted segment's rows
                 for sl, rs in rows.items():
                     sl.note_adopted(index_chunk.highest_sequences(np.concatenate(rs)))
-            await self._acked_when_durable(waits, {})
+            await self._durable(waits)
         for v in waits:  # later chunks go to a new vseg: this one is released with the adoptions
             if v.log.close_open():
                 v.poke()
@@ -137,7 +137,7 @@ class Takeover:
         at once (each an fsync away), as in ``rpc_adopt``."""
         async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
             n.start_soon(self.claims.claim, claim)
-            n.start_soon(self._acked_when_durable, waits, reply)
+            n.start_soon(self._durable, waits)
         return reply
 
     def _adopt_index(self, sl: Streamlet, h, data, ix):
