@@ -364,13 +364,42 @@ class BackupService(ReadBack, Release, Service):
             self._kick = trio.Event()
             done, self._round_done = self._round_done, trio.Event()
             now = trio.current_time()
-            fsync = self.always or now >= next_fsync
             try:
-                await self._flush_round(fsync)
+                await self._flush_round(self.always)
             finally:
                 done.set()
-            if fsync:
+            if not self.always and now >= next_fsync:
+                await self._sync_round()
                 next_fsync = now + self.fsync_interval
+
+    async def _sync_round(self) -> None:
+        """--fsync periodic / write: fsync what earlier rounds wrote, without the io lock, so
+        write rounds (and the replicates waiting on them) go on meanwhile: an fsync after a
+        large write takes tens of milliseconds, which every answer would otherwise wait."""
+        due = self.store.sync_due()
+        dir_sync = self._dir_dirty
+        if not (due or dir_sync):
+            return
+        self._dir_dirty = False
+        results, extra = await trio.to_thread.run_sync(
+            disk.sync_round, [rep.path for rep, _, _ in due], self.segdir, dir_sync)
+        store = self.store
+        for (rep, upto, trailer), err in zip(due, results, strict=True):
+            if rep.dropped:
+                continue
+            if err is not None:
+                msg = f"fsync of {os.path.basename(rep.path)} failed: {err}"
+                if store.flush_failed(rep, msg):
+                    log.error("replica %s: %s", rep.key, msg)
+                    self.counters["write_errors"] += 1
+                continue
+            store.sync_done(rep, upto, trailer)
+            self.counters["fsyncs"] += 1
+        if extra is not None:
+            self._dir_dirty = True
+            log.error("segment directory: %s", extra)
+            store.disk_error = f"segment directory: {extra}"
+        store.relieve_memory()
 
     async def _flush_round(self, fsync: bool) -> None:
         """Write what the store says is due (new bytes, trailers), fsync if asked, in a thread;
