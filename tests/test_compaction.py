@@ -19,6 +19,8 @@ from kera.broker.segment import Segment
 from kera.broker.streamlet import Streamlet
 from kera.errors import KeraError
 
+from .workload import read_to_end
+
 KEYS, ROUNDS = 1000, 100
 
 
@@ -152,16 +154,10 @@ def test_a_pass_agrees_with_a_per_record_model(chunks, per_segment, drop):
 
 
 # -- a compacted stream on a real cluster ---------------------------------------------------
-async def _read_all(coord: str, name: str, idle: float = 1.0) -> list:
-    """(key, value) of every record from earliest, until a poll of ``idle`` seconds is empty."""
-    got: list = []
-    async with open_consumer([name], coord, start="earliest") as c:
-        while True:
-            chunks = await c.poll_chunks(idle)
-            if not chunks:
-                return got
-            for ch in chunks:
-                got += zip(ch.keys(), ch.values(), strict=True)
+async def _read_all(coord: str, name: str) -> list:
+    """(key, value) of every record from earliest to the stream's durable end."""
+    return [kv for ch in await read_to_end(coord, [name])
+            for kv in zip(ch.keys(), ch.values(), strict=True)]
 
 
 def _latest(pairs) -> dict:
@@ -182,7 +178,7 @@ async def _compacted(coord: str, name: str, want: dict, most: int, timeout: floa
     """Read until the stream holds at most ``most`` records whose latest values are ``want``."""
     with trio.fail_after(timeout):
         while True:
-            got = await _read_all(coord, name, 0.5)
+            got = await _read_all(coord, name)
             if len(got) <= most and _latest(got) == want:
                 return got
 
@@ -260,7 +256,7 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
     with trio.fail_after(120):
         while True:
             try:
-                got = await _read_all(coord, "c", 0.5)
+                got = await _read_all(coord, "c")
             except KeraError:
                 continue
             if got:   # a streamlet being recovered serves nothing; once it serves, all of it

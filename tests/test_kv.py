@@ -17,7 +17,7 @@ from kera import chunk
 from kera.errors import KeraError
 
 from .linearizability import Op, check
-from .workload import status
+from .workload import read_to_end, status
 
 INF = None
 
@@ -207,7 +207,6 @@ async def test_map_on_a_compacted_stream_stays_small_and_an_idle_client_rereads(
     key, deletes stay deletes once their tombstones are gone, and a client idle past
     REREAD_AFTER reads the map again from its start instead of keeping a deleted key."""
     from kera_client import kv
-    from kera_client.consumer import open_consumer
     cluster = make_cluster(3)
     coord = cluster.coordinator
     with trio.fail_after(120):
@@ -222,10 +221,7 @@ async def test_map_on_a_compacted_stream_stays_small_and_an_idle_client_rereads(
             assert await idle.get("z") == b"z49"          # idle has read z before its delete
             await a.delete("z")
             while True:    # compaction removes the old versions, then the tombstone
-                n = 0
-                async with open_consumer(["m"], coord, start="earliest") as c:
-                    while chunks := await c.poll_chunks(0.5):
-                        n += sum(len(ch) for ch in chunks)
+                n = sum(len(ch) for ch in await read_to_end(coord, ["m"]))
                 if n <= 2:
                     break
                 await trio.sleep(0.2)

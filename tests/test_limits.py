@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import trio
 import xxhash
-from kera_client import open_admin, open_consumer, open_producer
+from kera_client import open_admin, open_producer
 
 from kera import chunk, frame, limits
 from kera.broker.streamlet import Streamlet
 from kera.errors import FrameTooLarge, InvalidArgument, LimitExceeded, RecordTooLarge
 from kera.rpc import open_pool
+
+from .workload import stream_values
 
 # -- one module --------------------------------------------------------------------------
 
@@ -139,16 +141,6 @@ def oversized_chunk(stream_id: int, streamlet: int, producer: int, seq: int, nby
     return out
 
 
-async def read_values(coord, stream: str, want: int) -> list[bytes]:
-    got: list[bytes] = []
-    async with open_consumer([stream], coord) as c:
-        while len(got) < want:
-            for ch in await c.poll_chunks(1.0):
-                got += ch.values()
-        got += [v for ch in await c.poll_chunks(0.3) for v in ch.values()]  # nothing more
-    return got
-
-
 async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster):
     cluster = make_cluster(1)
     coord = cluster.coordinator
@@ -188,9 +180,9 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
             await p.send("big", b"after")
             await p.flush()
             assert p.acked == 9 and p.failed == 0
-        assert await read_values(coord, "big", 2) == [b"before", b"after"]
-        assert await read_values(coord, "other", 3) == [b"o0", b"o1", b"o2"]
-        assert await read_values(coord, "small", 4) == [b"y" * (room - 16), b"s0", b"s1", b"s2"]
+        assert await stream_values(coord, "big", 2) == [b"before", b"after"]
+        assert await stream_values(coord, "other", 3) == [b"o0", b"o1", b"o2"]
+        assert await stream_values(coord, "small", 4) == [b"y" * (room - 16), b"s0", b"s1", b"s2"]
 
         # a producer that does not check: the broker refuses those chunks only, typed
         async with open_pool() as pool:
@@ -199,8 +191,8 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
                      oversized_chunk(big["id"], 0, 9997, 0, limits.MAX_CHUNK + 4096)]
             r, _ = await pool.call(big["addrs"][0], "produce", {"producer": 0}, parts=parts, timeout=30)
             assert r["errors"] == [[0, "record_too_large"], [2, "record_too_large"]]
-        assert await read_values(coord, "small", 5) == [b"y" * (room - 16), b"s0", b"s1", b"s2", b"fits"]
-        assert await read_values(coord, "big", 2) == [b"before", b"after"]
+        assert await stream_values(coord, "small", 5) == [b"y" * (room - 16), b"s0", b"s1", b"s2", b"fits"]
+        assert await stream_values(coord, "big", 2) == [b"before", b"after"]
 
 
 def test_cli_produce_reports_an_oversized_line_and_sends_the_others(make_cluster):

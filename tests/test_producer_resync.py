@@ -15,12 +15,14 @@ import time
 
 import pytest
 import trio
-from kera_client import ProduceError, open_admin, open_consumer, open_producer
+from kera_client import ProduceError, open_admin, open_producer
 
 from kera import chunk
 from kera.broker.streamlet import Streamlet
 from kera.errors import OutOfOrderSequence
 from kera.rpc import open_pool
+
+from .workload import stream_values
 
 
 def streamlet(segment_size: int = 4096, group_segments: int = 1) -> Streamlet:
@@ -94,15 +96,6 @@ def test_recovery_replay_notes_producers_in_any_order():
 # -- real processes -----------------------------------------------------------------------
 
 
-async def read_all(coord, stream: str, want: int) -> list[bytes]:
-    got: list[bytes] = []
-    async with open_consumer([stream], coord) as c:
-        while len(got) < want:
-            got += [v for ch in await c.poll_chunks(1.0) for v in ch.values()]
-        got += [v for ch in await c.poll_chunks(0.3) for v in ch.values()]  # and nothing more
-    return got
-
-
 async def poll(cond) -> None:
     while not cond():
         await trio.sleep(0.02)
@@ -130,7 +123,7 @@ async def test_broker_takes_a_reset_and_never_stores_a_late_copy(make_cluster):
             assert await produce(c(1), c(2)) == []             # late copies: acknowledged, not stored
             assert await produce(c(3, chunk.SEQ_RESET)) == []  # the reset chunk resent
             assert await produce(c(5)) == []
-        assert await read_all(coord, "rs", 4) == [b"seq0", b"seq3", b"seq4", b"seq5"]
+        assert await stream_values(coord, "rs", 4) == [b"seq0", b"seq3", b"seq4", b"seq5"]
 
 
 async def test_producer_resyncs_after_a_delivery_timeout(make_cluster):
@@ -172,7 +165,7 @@ async def test_producer_resyncs_after_a_delivery_timeout(make_cluster):
             if stopped:
                 cluster.kill("node1-broker", signal.SIGCONT)
         want = [b"v0", b"v1"] + [b"v%d" % i for i in range(4, 14)]
-        assert await read_all(coord, "rs", len(want)) == want
+        assert await stream_values(coord, "rs", len(want)) == want
 
 
 async def test_a_lingering_chunk_grows_while_its_streamlet_is_in_a_request(make_cluster):
@@ -207,7 +200,7 @@ async def test_a_lingering_chunk_grows_while_its_streamlet_is_in_a_request(make_
         finally:
             if stopped:
                 cluster.kill("node1-broker", signal.SIGCONT)
-    assert await read_all(coord, "lg", 6) == [b"v%d" % i for i in range(6)]
+    assert await stream_values(coord, "lg", 6) == [b"v%d" % i for i in range(6)]
 
 
 async def test_keyed_and_keyless_records_on_one_stream_all_arrive(make_cluster):
@@ -226,4 +219,4 @@ async def test_keyed_and_keyless_records_on_one_stream_all_arrive(make_cluster):
                 want += [b"k%d" % i, b"n%d" % i]
             await p.flush()
             assert p.acked == 40 and p.failed == 0
-        assert sorted(await read_all(coord, "mixed", 40)) == sorted(want)
+        assert sorted(await stream_values(coord, "mixed", 40)) == sorted(want)

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import trio
 
-from kera.errors import InvalidArgument, Unavailable
+from kera.errors import InvalidArgument, KeraError, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
-from kera.rpc import VECTOR_FROM, Service, open_pool, send_frame
+from kera.rpc import VECTOR_FROM, Later, Service, open_pool, send_frame
 
 
 class SlowReader:
@@ -50,6 +50,7 @@ class TestService(Service):
         self.connections = 0
         self.closed = 0
         self.big_calls = 0
+        self.laters: dict[int, Later] = {}
 
     def set_reading(self, on: bool) -> None:
         self.reading = on
@@ -83,6 +84,15 @@ class TestService(Service):
         self.big_calls += 1
         return {"len": len(payload)}
 
+    def rpc_later(self, meta, payload):
+        """Answered when the test settles it (``done``), or at once if asked."""
+        later = Later()
+        if meta.get("now"):
+            later.done({"now": True})
+        else:
+            self.laters[meta["n"]] = later
+        return later
+
 
 async def _poll(cond) -> None:
     while not cond():
@@ -113,6 +123,80 @@ async def test_late_error_is_dropped_and_the_connection_stays(server):
                 assert meta == {"n": n} and bytes(payload) == b"x" * n
             assert pool.conns[addr] is conn and not conn.closed
             assert svc.connections == 1
+
+
+async def test_later_is_answered_when_settled_by_anyone(server):
+    """A handler's ``Later`` is answered when settled, from whichever task settles it, or at
+    once if settled before the handler returned; the connection serves others meanwhile."""
+    svc, addr = server
+    with trio.fail_after(20):
+        async with open_pool() as pool, trio.open_nursery() as nursery:
+            got = []
+
+            async def waiting(n):
+                got.append((n, (await pool.call(addr, "later", {"n": n}, timeout=10))[0]))
+            for n in range(2):
+                nursery.start_soon(waiting, n)
+            await _poll(lambda: len(svc.laters) == 2)
+            assert (await pool.call(addr, "echo", {"n": 5}, timeout=5))[0] == {"n": 5}
+            assert (await pool.call(addr, "later", {"now": True}, timeout=5))[0] == {"now": True}
+            svc.laters[1].done({"k": 1})   # in another order than asked
+            svc.laters[0].done({"k": 0})
+            await _poll(lambda: len(got) == 2)
+            assert sorted(got) == [(0, {"k": 0}), (1, {"k": 1})]
+
+
+async def test_posted_requests_answers_errors_forgotten_and_failed(server):
+    """``post`` sends at once and hands the answer to its callback from the reader: a reply,
+    a typed error, nothing for a forgotten request, Unavailable when the connection ends."""
+    svc, addr = server
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            await pool.call(addr, "echo", {"n": 0}, timeout=5)
+            conn = pool.conns[addr]
+            got = {}
+
+            def done(name):
+                return lambda answer: got.__setitem__(name, answer)
+            assert conn.post("echo", {"n": 1}, done("echo"), parts=[b"ab", b"c"]) is not None
+            assert conn.post("nope", {}, done("nope"), parts=[]) is not None
+            gone = conn.post("slow", {}, done("slow"), parts=[])
+            conn.forget(gone)
+            await _poll(lambda: len(got) == 2)
+            meta, payload = got["echo"]
+            assert meta == {"n": 1} and bytes(payload) == b"abc"
+            assert isinstance(got["nope"], UnknownMethod)
+            svc.release.set()
+            await svc.raised.wait()
+            assert (await pool.call(addr, "echo", {"n": 2}, timeout=5))[0] == {"n": 2}
+            assert "slow" not in got and not conn.closed
+            svc.release = trio.Event()
+            conn.post("slow", {}, done("cut"), parts=[])
+            pool.drop(addr)
+            assert isinstance(got["cut"], Unavailable) and isinstance(got["cut"], KeraError)
+            assert conn.post("echo", {}, done("x"), parts=[]) is None, "a closed connection posts nothing"
+
+
+async def test_posted_frame_given_up_while_being_written_closes_the_connection(server):
+    """A posted frame larger than the socket takes is left to a task to finish; given up on
+    (a timeout) while still being written, it closes the connection: never read as a request."""
+    svc, addr = server
+    with trio.fail_after(30):
+        async with open_pool() as pool:
+            await pool.call(addr, "echo", {"n": 0}, timeout=5)
+            conn = pool.conns[addr]
+            conn.stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            got = []
+            svc.set_reading(False)
+            rid = conn.post("big", {}, got.append, parts=[b"\x07" * (8 << 20)])
+            assert rid is not None and conn.writing == rid
+            conn.forget(rid)
+            assert conn.closed
+            svc.set_reading(True)
+            await _poll(lambda: svc.closed == 1)
+            assert svc.big_calls == 0 and not got
+            meta, _ = await pool.call(addr, "big", {}, b"y" * 1000, timeout=5)
+            assert meta == {"len": 1000} and pool.conns[addr] is not conn
 
 
 async def test_late_reply_is_dropped_and_the_connection_stays(server):

@@ -8,6 +8,7 @@ import trio
 from kera_client import open_admin, open_consumer, open_producer
 
 from kera.errors import Unavailable
+from kera.position import DONE
 
 SIZE = 100
 
@@ -88,6 +89,38 @@ async def consume_all(coord, streams, total, idle=15.0, **kw) -> Ledger:
     return ledger
 
 
+def reached(position: dict, end: dict) -> bool:
+    """A reader's ``position()`` is at or past ``end`` (a ``position()`` from 'latest') in
+    every group of every streamlet: a group it finished, left, or read up to there. A group
+    finished at ``end`` that the reader never saw counts as left once the reader holds a later
+    group: a broker serves groups in id order, and a finished group freed meanwhile (compacted
+    away) is never reported to anyone."""
+    for key, e in end.items():
+        p = position.get(key, {"low": 0, "groups": {}})
+        later = max(map(int, p["groups"]), default=-1)
+        for g, stop in e["groups"].items():
+            at = p["groups"].get(g)
+            if int(g) < p["low"] or at == DONE:
+                continue
+            if at is None and stop == DONE and later > int(g):
+                continue
+            if stop == DONE or (at or 0) < stop:
+                return False
+    return True
+
+
+async def read_to_end(coord, streams, **kw) -> list:
+    """Every chunk from earliest up to the streams' durable end when called (taken from a
+    reader starting 'latest'): an empty poll is never taken for the end."""
+    async with open_consumer(streams, coord, start="latest") as c:
+        end = c.position()
+    got: list = []
+    async with open_consumer(streams, coord, start="earliest", **kw) as c:
+        while not reached(c.position(), end):
+            got += await c.poll_chunks(1.0)
+    return got
+
+
 async def read_values(consumer, want: int, timeout: float = 30.0, surplus: float = 0.3) -> list:
     """Values polled until ``want`` arrived (``timeout`` is a hang guard), then whatever
     more shows up within ``surplus``: an empty poll on a loaded machine is not the end,
@@ -98,6 +131,12 @@ async def read_values(consumer, want: int, timeout: float = 30.0, surplus: float
             got += [v for ch in await consumer.poll_chunks(1.0) for v in ch.values()]
     got += [v for ch in await consumer.poll_chunks(surplus) for v in ch.values()]
     return got
+
+
+async def stream_values(coord, stream: str, want: int, **kw) -> list:
+    """``stream``'s values from earliest: ``want`` of them, and any surplus (``read_values``)."""
+    async with open_consumer([stream], coord, **kw) as c:
+        return await read_values(c, want)
 
 
 async def create(coord, streams, **kw) -> None:

@@ -28,7 +28,7 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera.coordinator_link import CoordinatorLink
-from kera.errors import KeraError, OutOfRange, UnknownStream
+from kera.errors import KeraError, OutOfRange, Unavailable, UnknownStream
 from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
 
@@ -151,6 +151,9 @@ class AsyncConsumer:
         if latest:
             by_addr: dict[str, list] = {}
             for s, i in latest:
+                if s["addrs"][i] is None:  # being recovered: its end is not known yet
+                    raise Unavailable(f"stream {s['name']} streamlet {i} has no live owner; "
+                                      f"its latest position is not known yet")
                 by_addr.setdefault(s["addrs"][i], []).append([s["id"], i])
             for addr, sls in by_addr.items():
                 r, _ = await self.pool.call(addr, "offsets", {"streamlets": sls}, timeout=30)

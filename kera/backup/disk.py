@@ -91,6 +91,28 @@ def write_round(jobs, segdir: str, dir_sync: bool, probe: bool):
     return results, extra
 
 
+def sync_round(paths: list[str], segdir: str, dir_sync: bool):
+    """Thread side of a sync round: fsync files written earlier (writes to them may go on
+    meanwhile) and, if asked, the directory. A file deleted meanwhile (its replica released)
+    is not an error: nothing of it is wanted any more."""
+    results = []
+    for path in paths:
+        try:
+            segment_file.fsync_file(path)
+            results.append(None)
+        except FileNotFoundError:
+            results.append(None)
+        except OSError as e:
+            results.append(e)
+    extra = None
+    if dir_sync:
+        try:
+            segment_file.fsync_dir(segdir)
+        except OSError as e:
+            extra = e
+    return results, extra
+
+
 def load_dir(segdir: str) -> list:
     """Load every segment file in ``segdir``: verify all chunks, cut torn tails, log damage."""
     os.makedirs(segdir, exist_ok=True)

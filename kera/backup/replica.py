@@ -34,7 +34,7 @@ from bisect import bisect_left, bisect_right, insort
 import numpy as np
 import xxhash
 
-from ..chunk import HEADER_DTYPE, HEADER_SIZE
+from ..chunk import FEW, HEADER_DTYPE, HEADER_SIZE
 from ..errors import InvalidArgument
 from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
@@ -114,9 +114,15 @@ class Replica:
         if self.heads is not None:
             self.heads.append(heads)
         base = self.length
-        starts = np.asarray(offs, np.uint64) + np.uint64(base)
-        self.starts.frombytes(starts.tobytes())
-        self.ends.frombytes((starts + heads["body_len"] + np.uint64(HEADER_SIZE)).astype("<u8").tobytes())
+        if len(offs) <= FEW:  # a few chunks: list work costs less than numpy's fixed cost
+            starts = [base + o for o in offs]
+            self.starts.extend(starts)
+            self.ends.extend([s + HEADER_SIZE + b for s, b in zip(starts, heads["body_len"].tolist(),
+                                                                  strict=True)])
+        else:
+            starts = np.asarray(offs, np.uint64) + np.uint64(base)
+            self.starts.frombytes(starts.tobytes())
+            self.ends.frombytes((starts + heads["body_len"] + np.uint64(HEADER_SIZE)).astype("<u8").tobytes())
         self.digest.update(heads["body_checksum"].astype("<u8").tobytes())
         self.blocks.append(payload)
         self.block_starts.append(base)

@@ -262,6 +262,15 @@ def load(path: str, repair: bool = True) -> Loaded:
         return Loaded(path, header, scan, size, cut)
 
 
+def fsync_file(path: str) -> None:
+    """Make what was written to the file so far durable (through any descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

@@ -332,6 +332,23 @@ class BackupStore:
             jobs.append(FlushJob(rep, rep.flushed, upto, parts, trailer, sync))
         return jobs
 
+    def sync_due(self) -> list[tuple[Replica, int, bool]]:
+        """What a sync round fsyncs (--fsync periodic / write): each dirty replica with bytes or a
+        trailer written since its last fsync, with how far its file is written now."""
+        return [(rep, rep.flushed, rep.trailer_written) for rep in self.dirty
+                if rep.created and (rep.synced < rep.flushed or (rep.trailer_written and not rep.trailer_synced))]
+
+    def sync_done(self, rep: Replica, upto: int, trailer: bool) -> None:
+        """The file was fsynced after ``upto`` bytes (and the trailer, if ``trailer``) were written;
+        a closed, clean copy leaves memory."""
+        rep.synced = max(rep.synced, upto)
+        rep.trailer_synced = rep.trailer_synced or trailer
+        rep.error = None
+        if rep.clean:
+            self.dirty.pop(rep, None)
+            if rep.closed:
+                self.memory -= rep.release(rep.length)
+
     def flush_done(self, job: FlushJob) -> None:
         """The job's bytes are in the file (fsynced if it asked); a closed, clean copy leaves memory."""
         rep = job.replica

@@ -7,19 +7,24 @@ flight, and sends each such backup one ``replicate`` carrying the new bytes of
 all of them (group commit across vlogs: the RPCs follow the backups, not the
 vlogs or the streams). Each entry's answer goes to its own vlog as if it had
 been sent alone; a lost connection or a timeout fails every entry of its RPC.
-The vlogs decide what to send and what an answer means. Every RPC and trim
-runs in the hub's nursery, so an incarnation's end cancels them all.
+The vlogs decide what to send and what an answer means. An RPC that can leave
+at once on the backup's open connection is posted: no task waits for it, its
+answer comes back from the connection's reader and the hub times it out. The
+other RPCs and the trims run in the hub's nursery, so an incarnation's end
+cancels them all; the posted ones' answers are then dropped.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections.abc import Callable
+from functools import partial
 
 import trio
 
-from ..errors import Fenced, KeraError, ProtocolError, from_wire
+from ..errors import Fenced, KeraError, ProtocolError, Unavailable, from_wire
 from ..limits import REPLICATE_ENTRIES, REPLICATE_RPC
 from ..rpc import Pool
 from ..vlog import VirtualLog
@@ -54,7 +59,9 @@ class ReplicationHub:
         self.timeout = timeout
         self.vlogs: list[Replicator] = []
         self.busy: set[int] = set()   # backups with a replicate in flight
+        self.posted: dict[int, tuple] = {}  # backup -> (deadline, connection, request id, batch)
         self.wake = trio.Event()
+        self.appended = False         # chunks were appended since the last round began
         self.rpcs = 0                 # replicate RPCs sent
         self.entries = 0              # vseg copies they carried
         self.bytes = 0
@@ -68,11 +75,20 @@ class ReplicationHub:
                 "backups_busy": len(self.busy)}
 
     async def run(self) -> None:
+        try:
+            await self._rounds()
+        finally:  # the incarnation ended: answers to its posted RPCs are dropped, as its tasks are
+            for _, conn, rid, _ in self.posted.values():
+                conn.forget(rid)
+            self.posted.clear()
+
+    async def _rounds(self) -> None:
         async with trio.open_nursery() as nursery:
             while True:
                 self.wake = trio.Event()
-                # let requests already received append first: they leave in this round
-                await trio.sleep(0)
+                if self.appended:  # let requests already received append too: they leave in this round
+                    self.appended = False
+                    await trio.sleep(0)
                 now = trio.current_time()
                 out: dict[int, list[tuple[Replicator, Send]]] = {}
                 deadline = math.inf
@@ -93,9 +109,50 @@ class ReplicationHub:
                         deadline = min(deadline, d)
                 for backup, sends in out.items():
                     self.busy.add(backup)
-                    nursery.start_soon(self._send, backup, sends)
-                with trio.move_on_at(deadline):
+                    if not self._post(backup, sends, now):
+                        nursery.start_soon(self._send, backup, sends)
+                for backup, (t, conn, rid, batch) in list(self.posted.items()):
+                    if t <= now:
+                        conn.forget(rid)
+                        self._done(backup, batch, Unavailable(
+                            f"replicate to {conn.addr} timed out after {self.timeout} s"))
+                    else:
+                        deadline = min(deadline, t)
+                if deadline == math.inf:
                     await self.wake.wait()
+                else:
+                    with trio.move_on_at(deadline):
+                        await self.wake.wait()
+
+    def _post(self, backup: int, sends: list[tuple[Replicator, Send]], now: float) -> bool:
+        """Send the one RPC ``sends`` make without a task, if the backup's connection is open
+        and free: its answer comes back through ``_done``, from the connection's reader."""
+        sizes = [s.end - s.offset for _, s in sends]
+        if len(rpc_batches(sizes)) > 1:
+            return False  # ``_send`` sends them one RPC after the other
+        try:
+            conn = self.pool.conns.get(self.addr_of(backup))
+        except KeraError:
+            return False  # ``_send`` reports it
+        if conn is None:
+            return False
+        meta, parts = self._request(sends, sum(sizes))
+        rid = conn.post("replicate", meta, partial(self._done, backup, sends), parts=parts)
+        if rid is None:
+            self.rpcs -= 1  # not sent: ``_send`` sends it
+            self.entries -= len(sends)
+            self.bytes -= sum(sizes)
+            return False
+        self.posted[backup] = (now + self.timeout, conn, rid, sends)
+        return True
+
+    def _done(self, backup: int, batch: list[tuple[Replicator, Send]], answer) -> None:
+        """A posted RPC's answer (or failure, or timeout)."""
+        if self.posted.pop(backup, None) is None:
+            return  # timed out already
+        self._answered(backup, batch, answer[0] if isinstance(answer, tuple) else answer)
+        self.busy.discard(backup)
+        self.wake.set()
 
     async def _send(self, backup: int, sends: list[tuple[Replicator, Send]]) -> None:
         """Every message for ``backup``, one RPC at a time (more than one only past the limits)."""
@@ -120,25 +177,37 @@ class ReplicationHub:
     async def _call(self, backup: int, batch: list[tuple[Replicator, Send]],
                     size: int) -> KeraError | None:
         """One replicate RPC; the error if it failed as a whole (connection, timeout)."""
-        broker, epoch = self.identity()
-        meta = {"broker": broker, "epoch": epoch, "entries": [
-            [r.log.id, s.vseg.id, s.offset, s.close, s.end - s.offset] for r, s in batch]}
-        parts = [p for _, s in batch for p in s.parts()]
-        self.rpcs += 1
-        self.entries += len(batch)
-        self.bytes += size
+        meta, parts = self._request(batch, size)
         try:
             r, _ = await self.pool.call(self.addr_of(backup), "replicate", meta, parts=parts,
                                         timeout=self.timeout)
-            answers = r.get("results")
-            if not (isinstance(answers, list) and len(answers) == len(batch)):
-                raise ProtocolError(f"replicate answered {len(batch)} entries with {answers!r:.80}")
         except KeraError as e:
-            log.warning("replicate to backup %d (%d vseg copies) failed: %s", backup, len(batch), e)
-            self._outcomes(batch, e)
-            return e
-        self._outcomes(batch, answers)
-        return None
+            r = e
+        return self._answered(backup, batch, r)
+
+    def _request(self, batch: list[tuple[Replicator, Send]], size: int) -> tuple[dict, list]:
+        """A replicate's meta and payload parts, counted as sent."""
+        broker, epoch = self.identity()
+        meta = {"broker": broker, "epoch": epoch, "entries": [
+            [r.log.id, s.vseg.id, s.offset, s.close, s.end - s.offset] for r, s in batch]}
+        self.rpcs += 1
+        self.entries += len(batch)
+        self.bytes += size
+        return meta, [p for _, s in batch for p in s.parts()]
+
+    def _answered(self, backup: int, batch: list[tuple[Replicator, Send]],
+                  r: dict | KeraError) -> KeraError | None:
+        """A replicate's answer (its meta) or failure to each entry's vlog; the error if it
+        failed as a whole."""
+        if not isinstance(r, KeraError):
+            answers = r.get("results")
+            if isinstance(answers, list) and len(answers) == len(batch):
+                self._outcomes(batch, answers)
+                return None
+            r = ProtocolError(f"replicate answered {len(batch)} entries with {answers!r:.80}")
+        log.warning("replicate to backup %d (%d vseg copies) failed: %s", backup, len(batch), r)
+        self._outcomes(batch, r)
+        return r
 
     def _outcomes(self, batch: list[tuple[Replicator, Send]], answers: list | KeraError) -> None:
         """Each entry's answer (a length, or a typed error) to its vlog; a single error: every
@@ -170,6 +239,8 @@ class Replicator:
         self.poked = True     # polled in the hub's next round even if idle
         self.on_durable = on_durable  # the broker's pulls look again
         self.durable_changed = trio.Event()
+        self.waiters: list = []       # heap of (index, n, fn): called once durable reaches index
+        self._waiters = 0
         hub.add(self)
 
     @property
@@ -180,6 +251,7 @@ class Replicator:
         idx = self.log.append(segment, offset, length, body_checksum)
         vs = self.log.open
         segment.noted(self, vs, vs.size - length)  # where a backup will hold it
+        self.hub.appended = True
         self.hub.wake.set()
         return idx
 
@@ -222,7 +294,19 @@ class Replicator:
         self.poked = True
         self.hub.wake.set()
 
+    def when_durable(self, index: int, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the durable head reaches ``index`` (at once if it has): no task
+        waits for it."""
+        if self.log.durable >= index:
+            fn()
+            return
+        self._waiters += 1
+        heapq.heappush(self.waiters, (index, self._waiters, fn))
+
     def moved(self) -> None:
+        w, durable = self.waiters, self.log.durable
+        while w and w[0][0] <= durable:
+            heapq.heappop(w)[2]()
         self.durable_changed.set()
         self.durable_changed = trio.Event()
         self.on_durable()

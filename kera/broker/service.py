@@ -32,7 +32,7 @@ from ..errors import (
     Recovering,
     Unavailable,
 )
-from ..rpc import Pool, Service
+from ..rpc import Later, Pool, Service
 from ..vlog import BackupSet, VirtualLog, VlogMapping
 from .adopted import Claims
 from .compactor import Compactor
@@ -335,10 +335,27 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         sl.key_last[bytes(key)] = sl.appended_chunks
         return self._acked_when_durable({vlog: idx}, {"duplicate": False})
 
-    async def _acked_when_durable(self, waits: dict, reply: dict) -> dict:
+    @staticmethod
+    def _acked_when_durable(waits: dict, reply: dict) -> Later:
+        """``reply``, given once every vlog of ``waits`` is durable up to its index."""
+        later = Later()
+        left = [len(waits)]
+
+        def one() -> None:
+            left[0] -= 1
+            if not left[0]:
+                later.done(reply)
+        for vlog, idx in waits.items():
+            vlog.when_durable(idx, one)
+        if not waits:
+            later.done(reply)
+        return later
+
+    @staticmethod
+    async def _durable(waits: dict) -> None:
+        """Wait until every vlog of ``waits`` is durable up to its index."""
         for vlog, idx in waits.items():
             await vlog.wait_durable(idx)
-        return reply
 
     # -- stats -------------------------------------------------------------------
     def stats(self) -> dict:

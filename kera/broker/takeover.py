@@ -150,7 +150,7 @@ class Takeover:
         at once (each an fsync away)."""
         async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
             n.start_soon(self.claims.claim, claim)
-            n.start_soon(self._acked_when_durable, waits, reply)
+            n.start_soon(self._durable, waits)
         return reply
 
     def _adopt_index(self, sl: Streamlet, h, data, ix):
