@@ -47,7 +47,8 @@ class Ingest:
         self.stop = trio.Event()
 
     async def run(self) -> None:
-        async with open_producer(self.coord, **{"linger.ms": 2}) as prod:
+        # a small buffer: sends wait for acks instead of queueing minutes of records to check
+        async with open_producer(self.coord, **{"linger.ms": 2, "buffer.memory": 1 << 20}) as prod:
             await prod.load_metadata(self.streams)
             while not self.stop.is_set():
                 for s in self.streams:
