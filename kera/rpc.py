@@ -106,6 +106,7 @@ class Later:
         self._result = self._to = None
 
     def done(self, result) -> None:
+        """The answer: a result, or an exception (sent as its typed error)."""
         if self._to is not None:
             self._to(result)
         else:
@@ -196,6 +197,8 @@ class Service:
             if not live:
                 return
             try:
+                if isinstance(result, Exception):
+                    raise result
                 out = _result_frame(rid, result)
             except Exception as e:
                 out = _error_frame(rid, e)
@@ -283,7 +286,11 @@ class _Posted:
         self.slot = [self, None]
 
     def set(self) -> None:
-        self.done(self.conn._answer(self.slot[1]))
+        try:
+            self.done(self.conn._answer(self.slot[1]))
+        except Exception as e:  # noqa: BLE001 (the answer was bad, not the pool: this connection goes)
+            log.warning("answer to a posted request on %s failed", self.conn.addr, exc_info=e)
+            self.conn._tear(f"bad answer to a posted request: {e}")
 
 
 class Connection:
@@ -356,13 +363,10 @@ class Connection:
         goes to ``done`` from the reader. A frame the socket does not take whole is finished
         by a task. Returns the request's id (``forget`` it on a timeout), or None: nothing
         was sent."""
-        if self.closed:
-            return None
-        try:
-            self.send_lock.acquire_nowait()
-        except trio.WouldBlock:
+        if self.closed or self.send_lock.value == 0:
             return None
         rid, data = self._request(method, meta, b"", parts)
+        self.send_lock.acquire_nowait()
         vs = _views(data)
         try:
             i = _write(self.stream.socket, vs, 0)

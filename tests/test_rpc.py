@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import trio
 
-from kera.errors import InvalidArgument, KeraError, Unavailable, UnknownMethod
+from kera.errors import Fenced, InvalidArgument, KeraError, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
 from kera.rpc import VECTOR_FROM, Later, Service, open_pool, send_frame
 
@@ -89,6 +89,8 @@ class TestService(Service):
         later = Later()
         if meta.get("now"):
             later.done({"now": True})
+        elif meta.get("now_error"):
+            later.done(Fenced("ended"))
         else:
             self.laters[meta["n"]] = later
         return later
@@ -144,6 +146,19 @@ async def test_later_is_answered_when_settled_by_anyone(server):
             svc.laters[0].done({"k": 0})
             await _poll(lambda: len(got) == 2)
             assert sorted(got) == [(0, {"k": 0}), (1, {"k": 1})]
+            # settled with an error (the incarnation ended): the caller gets it typed
+            failed = []
+
+            async def refused():
+                with pytest.raises(Fenced, match="ended") as e:
+                    await pool.call(addr, "later", {"n": 2}, timeout=10)
+                failed.append(e.value)
+            nursery.start_soon(refused)
+            await _poll(lambda: 2 in svc.laters)
+            svc.laters[2].done(Fenced("ended"))
+            await _poll(lambda: failed)
+            with pytest.raises(Fenced, match="ended"):
+                await pool.call(addr, "later", {"now_error": True}, timeout=5)
 
 
 async def test_posted_requests_answers_errors_forgotten_and_failed(server):

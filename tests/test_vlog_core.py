@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import random
 
-from kera.broker.replicator import rpc_batches
+import trio
+
+from kera.broker.replicator import ReplicationHub, Replicator, rpc_batches
+from kera.errors import Fenced
 from kera.limits import REPLICATE_BATCH
 from kera.vlog import BackupSet, VirtualLog
 
@@ -208,3 +211,19 @@ def test_a_backups_messages_go_in_rpcs_bounded_in_bytes_and_entries():
     assert rpc_batches([60, 50, 10, 200, 5], max_bytes=100) == [(0, 1), (1, 3), (3, 4), (4, 5)]
     assert rpc_batches([1] * 5, max_entries=2) == [(0, 2), (2, 4), (4, 5)]
     assert rpc_batches([REPLICATE_BATCH] * 3) == [(0, 2), (2, 3)]   # two full entries per RPC
+
+
+async def test_durability_waiters_hear_when_the_incarnation_ends():
+    """A produce answered by a ``Later`` waits on its vlog's durable head: when the
+    incarnation's replication ends first, the waiter gets ``Fenced`` instead of nothing (the
+    client retries elsewhere, the connection's slot is freed)."""
+    hub = ReplicationHub(None, lambda: (1, 1), str, 1.0)
+    r = Replicator(VirtualLog(1, 3, 1 << 20, BackupSet("n1")), hub, lambda: None)
+    got = []
+    r.when_durable(0, got.append)   # durable already: at once
+    r.when_durable(1, got.append)
+    async with trio.open_nursery() as n:
+        n.start_soon(hub.run)
+        await trio.sleep(0)
+        n.cancel_scope.cancel()
+    assert got[0] is None and isinstance(got[1], Fenced) and not r.waiters

@@ -94,13 +94,11 @@ def write_round(jobs, segdir: str, dir_sync: bool, probe: bool):
 def sync_round(paths: list[str], segdir: str, dir_sync: bool):
     """Thread side of a sync round: fsync files written earlier (writes to them may go on
     meanwhile) and, if asked, the directory. A file deleted meanwhile (its replica released)
-    is not an error: nothing of it is wanted any more."""
+    is skipped by the caller (dropped); one that is not dropped reports the error."""
     results = []
     for path in paths:
         try:
             segment_file.fsync_file(path)
-            results.append(None)
-        except FileNotFoundError:
             results.append(None)
         except OSError as e:
             results.append(e)

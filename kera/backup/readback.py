@@ -130,13 +130,14 @@ class ReadBack:
         index (from the mapped file, then from memory) and checked as arrays."""
         starts = np.frombuffer(rep.starts, np.uint64).astype(np.int64)
         ends = np.frombuffer(rep.ends, np.uint64).astype(np.int64)
-        cut = int(np.searchsorted(starts, rep.mem_base))  # chunks before it are read from the file
+        base = rep.mem_base   # taken before the file read: a sync round may free memory meanwhile
+        cut = int(np.searchsorted(starts, base))  # chunks before it are read from the file
+        memory = b"".join(rep.memory_parts(base, rep.length)) if cut < len(starts) else b""
         packed = b""
         if cut:
             packed = await self._read_replica(rep, disk.read_headers, rep.path, starts[:cut])
         if cut < len(starts):
-            memory = b"".join(rep.memory_parts(rep.mem_base, rep.length))
-            packed += disk.gather_headers(memory, starts[cut:] - rep.mem_base)
+            packed += disk.gather_headers(memory, starts[cut:] - base)
         h = np.frombuffer(packed, chunkfmt.HEADER_DTYPE)
         ok = chunkfmt.headers_ok(h, packed) \
             & (h["body_len"].astype(np.int64) + chunkfmt.HEADER_SIZE == ends - starts)

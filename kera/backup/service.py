@@ -119,6 +119,7 @@ class BackupService(ReadBack, Release, Service):
         self.epoch: int | None = None
         self.port: int | None = None
         self._dir_dirty = False
+        self._syncing = False   # a sync round is under way (``_syncer``)
         self.stopping = False
         self.counters = dict.fromkeys(
             ("replicate_rpcs", "replicate_entries", "chunks", "bytes_received", "duplicates",
@@ -143,6 +144,8 @@ class BackupService(ReadBack, Release, Service):
             self.pool = pool
             self.port = await nursery.start(self.serve, host, port)
             nursery.start_soon(self._flusher)
+            if not self.always:
+                nursery.start_soon(self._syncer)
             if self.coordinator:
                 adv = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
                 nursery.start_soon(run_membership, self, CoordinatorLink(pool, self.coordinator),
@@ -368,12 +371,21 @@ class BackupService(ReadBack, Release, Service):
                 await self._flush_round(self.always)
             finally:
                 done.set()
-            if not self.always and now >= next_fsync:
-                await self._sync_round()
+            if self.always and now >= next_fsync:
                 next_fsync = now + self.fsync_interval
 
+    async def _syncer(self) -> None:
+        """--fsync periodic / write: every --fsync-interval, a sync round beside the flusher."""
+        while True:
+            await trio.sleep(self.fsync_interval)
+            self._syncing = True
+            try:
+                await self._sync_round()
+            finally:
+                self._syncing = False
+
     async def _sync_round(self) -> None:
-        """--fsync periodic / write: fsync what earlier rounds wrote, without the io lock, so
+        """Fsync what earlier rounds wrote, in a task of its own and without the io lock, so
         write rounds (and the replicates waiting on them) go on meanwhile: an fsync after a
         large write takes tens of milliseconds, which every answer would otherwise wait."""
         due = self.store.sync_due()
@@ -414,8 +426,8 @@ class BackupService(ReadBack, Release, Service):
     def _write_now(self) -> bool:
         """A write round (no fsync) right here, if little is due and no file work is under way
         (a round in a thread, a file created, read or deleted); False if not done."""
-        if self.store.unflushed > WRITE_NOW_BYTES:
-            return False
+        if self.store.unflushed > WRITE_NOW_BYTES or self._syncing:
+            return False   # (a write beside an fsync may block: not on the event loop)
         try:
             self._io.acquire_nowait()
         except trio.WouldBlock:

@@ -343,7 +343,6 @@ class BackupStore:
         a closed, clean copy leaves memory."""
         rep.synced = max(rep.synced, upto)
         rep.trailer_synced = rep.trailer_synced or trailer
-        rep.error = None
         if rep.clean:
             self.dirty.pop(rep, None)
             if rep.closed:

@@ -95,6 +95,7 @@ class Membership:
             self.tiered.cache.clear()
             self.tiered.cached = 0
         self.vlogs.clear()
+        self.unsettled.clear()
         self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
         self.mapping.turn = 0
         self.backups.clear()

@@ -78,9 +78,12 @@ class ReplicationHub:
         try:
             await self._rounds()
         finally:  # the incarnation ended: answers to its posted RPCs are dropped, as its tasks are
-            for _, conn, rid, _ in self.posted.values():
+            for _, conn, rid, _ in list(self.posted.values()):
                 conn.forget(rid)
             self.posted.clear()
+            ended = Fenced("this broker incarnation ended before the chunks were durable")
+            for r in self.vlogs:
+                r.fail_waiters(ended)
 
     async def _rounds(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -294,19 +297,25 @@ class Replicator:
         self.poked = True
         self.hub.wake.set()
 
-    def when_durable(self, index: int, fn: Callable[[], None]) -> None:
-        """Call ``fn()`` once the durable head reaches ``index`` (at once if it has): no task
-        waits for it."""
+    def when_durable(self, index: int, fn: Callable[[KeraError | None], None]) -> None:
+        """Call ``fn(None)`` once the durable head reaches ``index`` (at once if it has), or
+        ``fn(error)`` if the incarnation ends first: no task waits for it."""
         if self.log.durable >= index:
-            fn()
+            fn(None)
             return
         self._waiters += 1
         heapq.heappush(self.waiters, (index, self._waiters, fn))
 
+    def fail_waiters(self, error: KeraError) -> None:
+        """The incarnation ended: whoever waits for durability is told ``error``."""
+        w, self.waiters = self.waiters, []
+        for _, _, fn in w:
+            fn(error)
+
     def moved(self) -> None:
         w, durable = self.waiters, self.log.durable
         while w and w[0][0] <= durable:
-            heapq.heappop(w)[2]()
+            heapq.heappop(w)[2](None)
         self.durable_changed.set()
         self.durable_changed = trio.Event()
         self.on_durable()

@@ -341,7 +341,12 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         later = Later()
         left = [len(waits)]
 
-        def one() -> None:
+        def one(error) -> None:
+            if error is not None:
+                if left[0] > 0:
+                    left[0] = 0
+                    later.done(error)
+                return
             left[0] -= 1
             if not left[0]:
                 later.done(reply)

@@ -135,7 +135,10 @@ class Takeover:
         an adopted segment once it serves."""
         self._check_epoch(meta)
         self._check_lease()
-        waits, claim = dict(self.unsettled), dict(self.claims.pending)
+        pending = self.claims.pending
+        for vs in [vs for vs in pending if vs.live <= 0]:
+            del pending[vs]   # no segment of ours reads it any more (a failed recovery's, unassigned)
+        waits, claim = dict(self.unsettled), dict(pending)
         await self._claimed_and_durable(claim, waits, {})
         for v, idx in waits.items():
             if self.unsettled.get(v) == idx:
