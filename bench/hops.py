@@ -38,6 +38,11 @@ from .kera_side import KeraRun, own_cpu, proc_cpu
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
+def _cpu(run: KeraRun) -> tuple:
+    """CPU seconds so far: this process's, each broker's, each backup's."""
+    return (own_cpu(), [proc_cpu(x) for x in run.pids("broker")], [proc_cpu(x) for x in run.pids("backup")])
+
+
 def one_run(run: KeraRun, streams: list[str], records: int, size: int, replication: int) -> dict:
     from kera_client import Producer
 
@@ -50,17 +55,12 @@ def one_run(run: KeraRun, streams: list[str], records: int, size: int, replicati
         for i in range(2 * s):  # warm: connections, vlogs, first segments and replica files
             p.send(streams[i % s], value)
         p.flush()
-        brokers, backups = run.pids("broker"), run.pids("backup")
-        before = run.stats()
-        c0 = (own_cpu(), [proc_cpu(x) for x in brokers], [proc_cpu(x) for x in backups])
-        t0 = time.monotonic()
+        before, c0, t0 = run.stats(), _cpu(run), time.monotonic()
         send = p.send
         for i in range(records):
             send(streams[i % s], value)
         p.flush()
-        wall = time.monotonic() - t0
-        c1 = (own_cpu(), [proc_cpu(x) for x in brokers], [proc_cpu(x) for x in backups])
-        after = run.stats()
+        wall, c1, after = time.monotonic() - t0, _cpu(run), run.stats()
     finally:
         p.portal.close()
     chunks = after["chunks"] - before["chunks"]
@@ -87,16 +87,11 @@ def per_request(run: KeraRun, replication: int, requests: int) -> dict:
         for _ in range(200):  # warm: connections, vlog, segment, replica files
             p.send(stream[0], value)
             p.flush()
-        brokers, backups = run.pids("broker"), run.pids("backup")
-        before = run.stats()
-        c0 = (own_cpu(), [proc_cpu(x) for x in brokers], [proc_cpu(x) for x in backups])
-        t0 = time.monotonic()
+        before, c0, t0 = run.stats(), _cpu(run), time.monotonic()
         for _ in range(requests):
             p.send(stream[0], value)
             p.flush()
-        wall = time.monotonic() - t0
-        c1 = (own_cpu(), [proc_cpu(x) for x in brokers], [proc_cpu(x) for x in backups])
-        after = run.stats()
+        wall, c1, after = time.monotonic() - t0, _cpu(run), run.stats()
     finally:
         p.portal.close()
     run.delete(stream)

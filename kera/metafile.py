@@ -33,11 +33,16 @@ def save_packed(path: str, body: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def fsync_path(path: str) -> None:
+    """Make a file's written bytes, or a directory's entries, durable (through any descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dfd)
+        os.fsync(fd)
     finally:
-        os.close(dfd)
+        os.close(fd)
 
 
 def load(path: str, default=None):

@@ -151,14 +151,6 @@ def _pack_snapshot(gen: int, state: dict) -> bytes:
     return b"".join(out)
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class MetaLog:
     """The state, its log and snapshots in ``directory``; ``run`` is the writer task.
 
@@ -207,7 +199,7 @@ class MetaLog:
             state = metafile.load(legacy)
             self._write_snapshot(1, state)
             os.remove(legacy)
-            _fsync_dir(self.dir)
+            metafile.fsync_path(self.dir)
             log.info("metadata of %s moved into a log at %s", legacy, self.dir)
             files = self._files()
         elif legacy and os.path.exists(legacy):   # moved already; a crash came before its removal
@@ -235,7 +227,7 @@ class MetaLog:
         path = self._path(self.gen, "log")
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._log_bytes = os.fstat(self._fd).st_size
-        _fsync_dir(self.dir)
+        metafile.fsync_path(self.dir)
         return state
 
     def _replay(self, state: dict, gen: int, last: bool) -> None:
@@ -277,7 +269,7 @@ class MetaLog:
             for g in gens:
                 if g < gen:
                     os.remove(self._path(g, kind))
-        _fsync_dir(self.dir)
+        metafile.fsync_path(self.dir)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -358,7 +350,7 @@ class MetaLog:
         """Start the next log; the snapshot of the same generation is written meanwhile."""
         gen = self.gen + 1
         fd = os.open(self._path(gen, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        _fsync_dir(self.dir)
+        metafile.fsync_path(self.dir)
         os.close(self._fd)
         self._fd, self.gen, self._log_bytes = fd, gen, 0
 

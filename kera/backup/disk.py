@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import chunk as chunkfmt
 from ..errors import ChecksumError, ProtocolError
+from ..metafile import fsync_path
 from . import segment_file
 
 log = logging.getLogger("kera.backup")
@@ -77,7 +78,7 @@ def write_round(jobs, segdir: str, dir_sync: bool, probe: bool):
     extra = None
     try:
         if dir_sync:
-            segment_file.fsync_dir(segdir)
+            fsync_path(segdir)
         if probe:  # the disk failed earlier and nothing is pending: can we write again?
             p = os.path.join(segdir, f".probe-{uuid.uuid4().hex}")
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -98,14 +99,14 @@ def sync_round(paths: list[str], segdir: str, dir_sync: bool):
     results = []
     for path in paths:
         try:
-            segment_file.fsync_file(path)
+            fsync_path(path)
             results.append(None)
         except OSError as e:
             results.append(e)
     extra = None
     if dir_sync:
         try:
-            segment_file.fsync_dir(segdir)
+            fsync_path(segdir)
         except OSError as e:
             extra = e
     return results, extra

@@ -24,7 +24,7 @@ import msgpack
 import trio
 
 from ..errors import KeraError, Unavailable
-from .segment_file import fsync_dir
+from ..metafile import fsync_path
 
 log = logging.getLogger("kera.backup")
 
@@ -57,7 +57,7 @@ def save_id(directory: str, bid: int, node: str | None) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(directory)
+    fsync_path(directory)
 
 
 class LetGo:

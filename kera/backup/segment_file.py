@@ -51,6 +51,7 @@ import xxhash
 from .. import iov
 from ..chunk import HEADER_SIZE, parse_header
 from ..errors import BackupError, ChecksumError, ProtocolError
+from ..metafile import fsync_path
 
 FILE_MAGIC = b"KSEG"
 FILE_VERSION = 1
@@ -262,23 +263,6 @@ def load(path: str, repair: bool = True) -> Loaded:
         return Loaded(path, header, scan, size, cut)
 
 
-def fsync_file(path: str) -> None:
-    """Make what was written to the file so far durable (through any descriptor)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def create(path: str, broker: int, vlog: int, vseg: int, epoch: int, fsync: bool = False) -> None:
     """Create a new segment file holding only its header (never overwrites one)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -298,7 +282,7 @@ def create(path: str, broker: int, vlog: int, vseg: int, epoch: int, fsync: bool
         if fd >= 0:
             os.close(fd)
     if fsync:
-        fsync_dir(os.path.dirname(path) or ".")
+        fsync_path(os.path.dirname(path) or ".")
 
 
 def write(path: str, offset: int, parts, trailer: bytes | None = None, fsync: bool = False) -> int:

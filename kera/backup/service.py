@@ -400,10 +400,7 @@ class BackupService(ReadBack, Release, Service):
             if rep.dropped:
                 continue
             if err is not None:
-                msg = f"fsync of {os.path.basename(rep.path)} failed: {err}"
-                if store.flush_failed(rep, msg):
-                    log.error("replica %s: %s", rep.key, msg)
-                    self.counters["write_errors"] += 1
+                self._disk_failed(rep, f"fsync of {os.path.basename(rep.path)} failed: {err}")
                 continue
             store.sync_done(rep, upto, trailer)
             self.counters["fsyncs"] += 1
@@ -452,6 +449,12 @@ class BackupService(ReadBack, Release, Service):
         return (jobs, [(j.replica.path, j.start, j.parts, j.trailer, j.sync) for j in jobs],
                 self.segdir, dir_sync, probe)
 
+    def _disk_failed(self, rep: Replica, msg: str) -> None:
+        """A write or fsync of ``rep``'s file failed: reported to its next replicates, logged once."""
+        if self.store.flush_failed(rep, msg):
+            log.error("replica %s: %s", rep.key, msg)
+            self.counters["write_errors"] += 1
+
     def _round_outcome(self, work: tuple, results: list, extra: OSError | None) -> None:
         """What a write round's outcome changes: replicas written or failed, the disk's state."""
         store = self.store
@@ -462,10 +465,7 @@ class BackupService(ReadBack, Release, Service):
             if rep.dropped:
                 continue
             if err is not None:
-                msg = f"writing {os.path.basename(rep.path)} failed: {err}"
-                if store.flush_failed(rep, msg):
-                    log.error("replica %s: %s", rep.key, msg)
-                    self.counters["write_errors"] += 1
+                self._disk_failed(rep, f"writing {os.path.basename(rep.path)} failed: {err}")
                 continue
             ok = True
             if rep.error:
