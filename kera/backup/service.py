@@ -6,7 +6,8 @@ has for this backup, each at an explicit byte offset so a resend is
 recognised); the backup verifies every chunk's checksums (one call
 per chunk, never per record), keeps the payload in memory as it came, and a
 flusher task writes new bytes to segment files (``segment_file``) every
-``--flush-interval`` and fsyncs every ``--fsync-interval``. With
+``--flush-interval``; a syncer task fsyncs what was written every
+``--fsync-interval``, beside the writes (not under the io lock). With
 ``--fsync always`` a replicate is answered only once its bytes are written
 and fsynced (group commit: one write + fsync per file per round, for every
 replicate waiting; a replicate's entries wait for one round together). With
@@ -360,19 +361,17 @@ class BackupService(ReadBack, Release, Service):
     # -- flushing --------------------------------------------------------------
 
     async def _flusher(self) -> None:
-        next_fsync = trio.current_time() + self.fsync_interval
+        """A write round every --flush-interval, or at once when a replicate waits for one
+        (with --fsync always each round fsyncs what it wrote)."""
         while True:
             with trio.move_on_after(self.flush_interval):
                 await self._kick.wait()
             self._kick = trio.Event()
             done, self._round_done = self._round_done, trio.Event()
-            now = trio.current_time()
             try:
                 await self._flush_round(self.always)
             finally:
                 done.set()
-            if self.always and now >= next_fsync:
-                next_fsync = now + self.fsync_interval
 
     async def _syncer(self) -> None:
         """--fsync periodic / write: every --fsync-interval, a sync round beside the flusher."""
