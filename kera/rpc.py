@@ -96,6 +96,70 @@ async def _take(lock: trio.Semaphore) -> None:
         await lock.acquire()
 
 
+class FrameWriter:
+    """A connection's sending side: frames go straight to the socket, one at a time under one
+    send lock (a Semaphore, not a Lock: a write begun by one task may be finished by another).
+    ``now`` writes a frame from anywhere on the loop (an answer settled by whoever, a posted
+    request) without a task when nobody else is sending and the socket takes it; a frame it
+    begins but the socket does not take whole is finished by a task of ``nursery``.
+    ``broken(why)`` is told when such a write fails."""
+
+    __slots__ = ("sock", "lock", "nursery", "broken", "finishing")
+
+    def __init__(self, sock, nursery: trio.Nursery, broken):
+        self.sock = sock
+        self.lock = trio.Semaphore(1)
+        self.nursery = nursery
+        self.broken = broken
+        self.finishing = None   # the tag ``now`` was given for the frame a task is finishing
+
+    @property
+    def busy(self) -> bool:
+        return self.lock.value == 0
+
+    def now(self, data: bytes | list, tag=None) -> bool:
+        """Write one frame if nobody is sending: True once it is written, or begun and left
+        to a task (``finishing`` is ``tag`` until it ends); False if someone else is sending
+        or the write failed (``broken`` was told)."""
+        try:
+            self.lock.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        vs = _views(data)
+        try:
+            i = _write(self.sock, vs, 0)
+        except trio.BrokenResourceError as e:
+            self.lock.release()
+            self.broken(f"send failed: {e}")
+            return False
+        if i == len(vs):
+            self.lock.release()
+        else:
+            self.finishing = tag
+            self.nursery.start_soon(self._rest, vs, i)
+        return True
+
+    async def _rest(self, vs: list, i: int) -> None:
+        try:
+            await _send_rest(self.sock, vs, i)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+            self.broken(f"send failed: {e}")
+        except BaseException as e:
+            self.broken(f"send interrupted ({type(e).__name__})")
+            raise
+        finally:
+            self.finishing = None
+            self.lock.release()
+
+    async def send(self, data: bytes | list) -> None:
+        """Send one frame, in turn."""
+        await _take(self.lock)
+        try:
+            await _send_rest(self.sock, _views(data), 0)
+        finally:
+            self.lock.release()
+
+
 class Later:
     """A handler's answer given later, by whoever settles it (``done``), with no task waiting
     for it: the connection writes the answer from there (at once when its socket takes it)."""
@@ -171,28 +235,13 @@ class Service:
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
         decoder = frame.FrameDecoder(self.max_frame)
-        send_lock = trio.Semaphore(1)  # not a Lock: a write begun by one task may end in another
         slots = trio.Semaphore(MAX_INFLIGHT)
         live = True
 
-        async def send(data: bytes | list) -> None:
-            await _take(send_lock)
-            try:
-                await send_frame(stream, data)
-            finally:
-                send_lock.release()
-
-        async def send_rest(vs: list, i: int) -> None:
-            try:
-                await _send_rest(stream.socket, vs, i)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            finally:
-                send_lock.release()
-
         def answer(rid: int, result) -> None:
             """A ``Later``'s answer, from whoever settled it: written at once if the socket is
-            free and takes it, else by a task of this connection."""
+            free and takes it, else by a task of this connection (a failed write: the reader
+            sees the connection end)."""
             slots.release()
             if not live:
                 return
@@ -202,20 +251,8 @@ class Service:
                 out = _result_frame(rid, result)
             except Exception as e:
                 out = _error_frame(rid, e)
-            try:
-                send_lock.acquire_nowait()
-            except trio.WouldBlock:
-                nursery.start_soon(send, out)  # after the frame being written
-                return
-            vs = _views(out)
-            try:
-                i = _write(stream.socket, vs, 0)
-            except trio.BrokenResourceError:
-                i = len(vs)  # the reader sees the connection end
-            if i < len(vs):
-                nursery.start_soon(send_rest, vs, i)
-            else:
-                send_lock.release()
+            if not writer.now(out):
+                nursery.start_soon(writer.send, out)  # after the frame being written
 
         async def finish(rid: int, coro) -> None:
             try:
@@ -223,7 +260,7 @@ class Service:
                     out = _result_frame(rid, await coro)
                 except (KeraError, Exception) as e:
                     out = _error_frame(rid, e)
-                await send(out)
+                await writer.send(out)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
             finally:
@@ -231,6 +268,7 @@ class Service:
 
         try:
             async with trio.open_nursery() as nursery:
+                writer = FrameWriter(stream.socket, nursery, lambda why: None)
                 try:
                     while True:
                         data = await stream.receive_some(RECV_SIZE)
@@ -259,11 +297,11 @@ class Service:
                             except Exception as e:
                                 out = _error_frame(f.request_id, e)
                             slots.release()
-                            await send(out)
+                            await writer.send(out)
                 except ProtocolError as e:
                     # garbage: say why (best effort), then drop this connection only
                     with trio.move_on_after(1):
-                        await send(_error_frame(0, e))
+                        await writer.send(_error_frame(0, e))
                 finally:
                     live = False
                     nursery.cancel_scope.cancel()
@@ -300,12 +338,11 @@ class Connection:
     def __init__(self, addr: str, stream: trio.SocketStream, max_frame: int, nursery: trio.Nursery):
         self.addr = addr
         self.stream = stream
-        self.nursery = nursery   # the pool's: where a posted frame's rest is written
         self.decoder = frame.FrameDecoder(max_frame)
         self.pending: dict[int, list] = {}
         self.next_id = 1
-        self.send_lock = trio.Semaphore(1)  # not a Lock: a write ``post`` begins, a task may end
-        self.writing: int | None = None     # the posted request whose frame a task is finishing
+        # a posted frame's rest is finished by a task of the pool's nursery
+        self.writer = FrameWriter(stream.socket, nursery, self._tear)
         self.closed = False
         self.error: Exception | None = None
 
@@ -363,42 +400,19 @@ class Connection:
         goes to ``done`` from the reader. A frame the socket does not take whole is finished
         by a task. Returns the request's id (``forget`` it on a timeout), or None: nothing
         was sent."""
-        if self.closed or self.send_lock.value == 0:
+        if self.closed or self.writer.busy:
             return None
         rid, data = self._request(method, meta, b"", parts)
-        self.send_lock.acquire_nowait()
-        vs = _views(data)
-        try:
-            i = _write(self.stream.socket, vs, 0)
-        except trio.BrokenResourceError as e:
-            self.send_lock.release()
-            self._tear(f"send of {method} failed: {e}")
-            return None
+        if not self.writer.now(data, rid):
+            return None   # the send failed: the connection is torn
         self.pending[rid] = _Posted(self, done).slot
-        if i == len(vs):
-            self.send_lock.release()
-        else:
-            self.writing = rid
-            self.nursery.start_soon(self._write_rest, vs, i)
         return rid
-
-    async def _write_rest(self, vs: list, i: int) -> None:
-        try:
-            await _send_rest(self.stream.socket, vs, i)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            self._tear(f"send failed: {e}")
-        except BaseException as e:
-            self._tear(f"send interrupted ({type(e).__name__})")
-            raise
-        finally:
-            self.writing = None
-            self.send_lock.release()
 
     def forget(self, rid: int) -> None:
         """A posted request given up on (timed out): its answer is dropped when it comes; if
         its frame is still being written, the connection is closed (nothing may follow it)."""
         self.pending.pop(rid, None)
-        if self.writing == rid:
+        if self.writer.finishing == rid:
             self._tear("a request timed out while being sent")
 
     async def call(self, method: str, meta: dict | None = None, payload=b"", *,
@@ -411,7 +425,7 @@ class Connection:
         self.pending[rid] = slot
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):
-                await _take(self.send_lock)
+                await _take(self.writer.lock)
                 try:
                     if self.closed:
                         raise Unavailable(str(self.error))
@@ -422,7 +436,7 @@ class Connection:
                         self._tear(f"send of {method} interrupted ({type(e).__name__})")
                         raise
                 finally:
-                    self.send_lock.release()
+                    self.writer.lock.release()
                 await slot[0].wait()
         except trio.TooSlowError:
             self.pending.pop(rid, None)

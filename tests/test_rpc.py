@@ -204,7 +204,7 @@ async def test_posted_frame_given_up_while_being_written_closes_the_connection(s
             got = []
             svc.set_reading(False)
             rid = conn.post("big", {}, got.append, parts=[b"\x07" * (8 << 20)])
-            assert rid is not None and conn.writing == rid
+            assert rid is not None and conn.writer.finishing == rid
             conn.forget(rid)
             assert conn.closed
             svc.set_reading(True)
@@ -303,7 +303,7 @@ async def test_cancel_while_waiting_to_send_keeps_the_connection(server):
             held, done = trio.Event(), trio.Event()
 
             async def other_sender():
-                async with conn.send_lock:
+                async with conn.writer.lock:
                     held.set()
                     await done.wait()
 
