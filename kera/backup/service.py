@@ -4,19 +4,10 @@ A broker replicates each virtual segment of its virtual logs to R-1 backups
 with ``replicate`` (one RPC carries the new chunks of every copy the broker
 has for this backup, each at an explicit byte offset so a resend is
 recognised); the backup verifies every chunk's checksums (one call
-per chunk, never per record), keeps the payload in memory as it came, and a
-flusher task writes new bytes to segment files (``segment_file``) every
-``--flush-interval``; a syncer task fsyncs what was written every
-``--fsync-interval``, beside the writes (not under the io lock). With
-``--fsync always`` a replicate is answered only once its bytes are written
-and fsynced (group commit: one write + fsync per file per round, for every
-replicate waiting; a replicate's entries wait for one round together). With
-``--fsync write`` (the default) a replicate is answered once its bytes are
-written; while little is waiting to be written (``WRITE_NOW_BYTES``) and no
-file work is under way, the replicate writes the round itself, on the event
-loop, and is answered at once: a few kilobytes into the page cache cost less
-than a thread hop, the flusher's wake-up and a task for the answer.
-Segments are read back (``read``) only for recovery.
+per chunk, never per record), keeps the payload in memory as it came, and
+answers once the bytes are where ``--fsync`` wants them: in memory
+(``periodic``), written to the segment file (``write``, the default) or
+written and fsynced (``always``); ``flushing`` says how they get there.
 
 Failures are never silent: a write error is remembered on its replica and
 reported to the next replicate (periodic mode) or to the waiting one (always
@@ -24,10 +15,11 @@ mode); while the disk is failing no new segment is accepted; ``--max-bytes``
 is checked before data is accepted, so a full disk refuses data up front.
 
 What is accepted, written, read or dropped is decided by ``store.BackupStore``
-(sans-IO, tested alone); this module runs the file work it asks for in
-threads (``disk``), the flusher, the durability waits and the replicate RPCs.
-Reading replicas back is joined in from ``readback``, deleting released ones
-(trims, claims, let-go) from ``release``.
+(sans-IO, tested alone); this module takes the replicate RPCs and runs their
+durability waits. Writing and fsyncing (the flusher, the syncer, a small round
+written on the spot) is joined in from ``flushing``, reading replicas back
+from ``readback``, deleting released ones (trims, claims, let-go) from
+``release``.
 
 Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 ``kera backup ...`` calls ``main(argv)``). When listening it prints one line
@@ -53,18 +45,18 @@ from ..rpc import Service, open_pool
 from . import disk, segment_file
 from .claims import Claims
 from .fields import U63, uint, vseg_key
+from .flushing import Flushing
 from .membership import load_id, run_membership
 from .readback import ReadBack
 from .release import CLAIMS_FILE, FLOORS_FILE, Release
 from .replica import Replica
-from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, FlushJob, scan_payload
+from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, scan_payload
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
 from .store import MAX_SEGMENT_BYTES as MAX_SEGMENT_BYTES
 
 log = logging.getLogger("kera.backup")
 
 SEGMENTS_DIR = "segments"
-WRITE_NOW_BYTES = 64 << 10  # unwritten bytes a replicate writes itself (--fsync write)
 
 
 def _stable(payload) -> memoryview:
@@ -97,7 +89,7 @@ def _scans(mv: memoryview, starts: list[int], sizes: list[int]) -> list:
     return out
 
 
-class BackupService(ReadBack, Release, Service):
+class BackupService(Flushing, ReadBack, Release, Service):
     def __init__(self, directory: str, *, fsync: str = "periodic", flush_interval: float = 0.05,
                  fsync_interval: float = 1.0, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
                  coordinator: str | None = None, node: str | None = None):
@@ -357,131 +349,6 @@ class BackupService(ReadBack, Release, Service):
     def _forget(self, rep: Replica) -> None:
         if self.store.forget(rep) and self._kick is not None:
             self._kick.set()  # wake durability waiters so they see it
-
-    # -- flushing --------------------------------------------------------------
-
-    async def _flusher(self) -> None:
-        """A write round every --flush-interval, or at once when a replicate waits for one
-        (with --fsync always each round fsyncs what it wrote)."""
-        while True:
-            with trio.move_on_after(self.flush_interval):
-                await self._kick.wait()
-            self._kick = trio.Event()
-            done, self._round_done = self._round_done, trio.Event()
-            try:
-                await self._flush_round(self.always)
-            finally:
-                done.set()
-
-    async def _syncer(self) -> None:
-        """--fsync periodic / write: every --fsync-interval, a sync round beside the flusher."""
-        while True:
-            await trio.sleep(self.fsync_interval)
-            self._syncing = True
-            try:
-                await self._sync_round()
-            finally:
-                self._syncing = False
-
-    async def _sync_round(self) -> None:
-        """Fsync what earlier rounds wrote, in a task of its own and without the io lock, so
-        write rounds (and the replicates waiting on them) go on meanwhile: an fsync after a
-        large write takes tens of milliseconds, which every answer would otherwise wait."""
-        due = self.store.sync_due()
-        dir_sync = self._dir_dirty
-        if not (due or dir_sync):
-            return
-        self._dir_dirty = False
-        results, extra = await trio.to_thread.run_sync(
-            disk.sync_round, [rep.path for rep, _, _ in due], self.segdir, dir_sync)
-        store = self.store
-        for (rep, upto, trailer), err in zip(due, results, strict=True):
-            if rep.dropped:
-                continue
-            if err is not None:
-                self._disk_failed(rep, f"fsync of {os.path.basename(rep.path)} failed: {err}")
-                continue
-            store.sync_done(rep, upto, trailer)
-            self.counters["fsyncs"] += 1
-        if extra is not None:
-            self._dir_dirty = True
-            log.error("segment directory: %s", extra)
-            store.disk_error = f"segment directory: {extra}"
-        store.relieve_memory()
-
-    async def _flush_round(self, fsync: bool) -> None:
-        """Write what the store says is due (new bytes, trailers), fsync if asked, in a thread;
-        report back."""
-        async with self._io:
-            work = self._round_work(fsync)
-            if work is None:
-                return
-            done = await trio.to_thread.run_sync(disk.write_round, *work[1:])
-        self._round_outcome(work, *done)
-
-    def _write_now(self) -> bool:
-        """A write round (no fsync) right here, if little is due and no file work is under way
-        (a round in a thread, a file created, read or deleted); False if not done."""
-        if self.store.unflushed > WRITE_NOW_BYTES or self._syncing:
-            return False   # (a write beside an fsync may block: not on the event loop)
-        try:
-            self._io.acquire_nowait()
-        except trio.WouldBlock:
-            return False
-        try:
-            work = self._round_work(False)
-            if work is not None:
-                self._round_outcome(work, *disk.write_round(*work[1:]))
-        finally:
-            self._io.release()
-        return True
-
-    def _round_work(self, fsync: bool) -> tuple | None:
-        """What is due (under the io lock): its jobs, then ``disk.write_round``'s arguments;
-        None if nothing."""
-        store = self.store
-        jobs: list[FlushJob] = store.flush_jobs(fsync)
-        dir_sync = fsync and self._dir_dirty
-        probe = store.disk_error is not None and not jobs
-        if not (jobs or dir_sync or probe):
-            return None
-        return (jobs, [(j.replica.path, j.start, j.parts, j.trailer, j.sync) for j in jobs],
-                self.segdir, dir_sync, probe)
-
-    def _disk_failed(self, rep: Replica, msg: str) -> None:
-        """A write or fsync of ``rep``'s file failed: reported to its next replicates, logged once."""
-        if self.store.flush_failed(rep, msg):
-            log.error("replica %s: %s", rep.key, msg)
-            self.counters["write_errors"] += 1
-
-    def _round_outcome(self, work: tuple, results: list, extra: OSError | None) -> None:
-        """What a write round's outcome changes: replicas written or failed, the disk's state."""
-        store = self.store
-        jobs, _, _, dir_sync, probe = work
-        ok = False
-        for job, err in zip(jobs, results, strict=True):
-            rep = job.replica
-            if rep.dropped:
-                continue
-            if err is not None:
-                self._disk_failed(rep, f"writing {os.path.basename(rep.path)} failed: {err}")
-                continue
-            ok = True
-            if rep.error:
-                log.info("replica %s: written again after failure", rep.key)
-            store.flush_done(job)
-            self.counters["bytes_flushed"] += job.upto - job.start
-            self.counters["fsyncs"] += job.sync
-        if extra is not None:
-            if dir_sync or store.disk_error is None:
-                log.error("segment directory: %s", extra)
-            store.disk_error = f"segment directory: {extra}"
-        else:
-            if dir_sync:
-                self._dir_dirty = False
-            if ok or probe:
-                store.disk_error = None
-        store.relieve_memory()
 
     # -- list ------------------------------------------------------------------
 
