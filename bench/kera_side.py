@@ -280,15 +280,16 @@ class KeraRun:
             return [("c", k, consume_worker, (coord, groups[k], share[k] + wshare[k], timeout_s),
                      {"skip": wshare[k], "touch": touch}) for k in range(consumers)], sum(share)
 
+        settled: dict = {}   # how long the machine took to quiet down before the clock started
         if sequential:
-            outs = run_stage(ctx, jobs, timeout_s + 60)
+            outs = run_stage(ctx, jobs, timeout_s + 60, settled)
             counts = [outs[("p", j)]["sent"] for j in range(producers)]
             readers, expected = cjobs(counts)
             if readers:
                 outs.update(run_stage(ctx, readers, timeout_s + 60))
         else:
             readers, expected = cjobs(counts)
-            outs = run_stage(ctx, jobs + readers, timeout_s + 60)
+            outs = run_stage(ctx, jobs + readers, timeout_s + 60, settled)
         chunk_rps = None
         if sequential and chunk_read and readers:
             again = run_stage(ctx, [(kind, k, fn, args, {**kw, "touch": False})
@@ -308,6 +309,7 @@ class KeraRun:
             out["expected"] = expected
         out["chunks_per_rpc"] = round(out["chunks"] / out["rpcs"], 1) if out["rpcs"] else None
         out["cpu_s"] = {k: round(v, 2) for k, v in cpu.items()}
+        out["quiet"] = settled
         out["cpu_us_per_record"] = {k: round(v / sum(counts) * 1e6, 2) for k, v in cpu.items()}
         if chunk_rps is not None:
             out["consume_rps_chunks"] = chunk_rps

@@ -679,13 +679,14 @@ def run_peer(
                 for k in range(consumers)
             ]
 
+        settled: dict = {}   # how long the machine took to quiet down before the clock started
         if sequential:
-            outs = run_stage(ctx, pjobs, timeout_s + 60)
+            outs = run_stage(ctx, pjobs, timeout_s + 60, settled)
             readers = cjobs([outs[("p", j)]["sent"] for j in range(producers)])
             if readers:
                 outs.update(run_stage(ctx, readers, timeout_s + 60))
         else:
-            outs = run_stage(ctx, pjobs + cjobs(p_counts), timeout_s + 60)
+            outs = run_stage(ctx, pjobs + cjobs(p_counts), timeout_s + 60, settled)
         stored = sum(high_watermarks(bootstrap, topics).values()) - n_warm
 
     pouts = [outs[("p", j)] for j in range(producers)]
@@ -694,7 +695,8 @@ def run_peer(
     if count == "sampled" and stored != produced:
         raise RuntimeError(f"producers counted {produced} records but the broker holds {stored}")
     result.update(summarize(pouts, couts, min(o["t_start"] for o in couts) if sequential and couts else None))
-    result.update(stored=stored, produce_errors=sum(o["errors"] + o["undelivered"] for o in pouts))
+    result.update(stored=stored, produce_errors=sum(o["errors"] + o["undelivered"] for o in pouts),
+                  quiet=settled)
     if couts:
         result["consume_timed_out"] = any(o["timed_out"] for o in couts)
     return result

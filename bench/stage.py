@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import queue as queue_mod
+import threading
 import time
 import traceback
 
 TIME_CHECK = 512            # records sent between two clock readings of a timed run
 WARM_SECONDS_RATE = 10_000  # warm-up records per second of a timed run (not timed, not counted)
+QUIET_BUSY, QUIET_MAX_S = 0.15, 3.0  # the clock starts once the machine is this idle (or after this long)
 
 
 def _proc_main(results, kind: str, idx: int, fn, args: tuple, kwargs: dict) -> None:
@@ -31,11 +33,53 @@ def percentile(sorted_vals: list[float], q: float) -> float | None:
     return sorted_vals[i]
 
 
-def run_stage(ctx, jobs: list, timeout_s: float) -> dict:
+def _busy(window: float = 0.1) -> float:
+    """The machine's busy fraction (all CPUs) over ``window`` seconds, from /proc/stat."""
+    def sample():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]   # total, idle + iowait
+    t0, i0 = sample()
+    time.sleep(window)
+    t1, i1 = sample()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def quiet(max_s: float = QUIET_MAX_S, busy: float = QUIET_BUSY) -> dict:
+    """Wait until the machine is nearly idle (the last run's leftovers: a deleted stream's
+    files, a stopped broker, flushes), at most ``max_s``: every timed phase starts from the
+    same state. Returns how long it waited and how busy the machine was then."""
+    t0 = time.monotonic()
+    b = _busy()
+    while b > busy and time.monotonic() - t0 < max_s:
+        b = _busy()
+    return {"waited_s": round(time.monotonic() - t0, 2), "busy": round(b, 3)}
+
+
+def _start_when_quiet(barrier, workers: int, timeout_s: float, out: dict) -> None:
+    """Once every worker waits at the barrier (set up, warmed up), wait for a quiet machine,
+    then release them all: the clock starts."""
+    deadline = time.monotonic() + timeout_s
+    while barrier.n_waiting < workers and not barrier.broken and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if barrier.broken:
+        return   # a worker failed: it is reported by run_stage
+    out.update(quiet())
+    try:
+        barrier.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except threading.BrokenBarrierError:
+        pass   # a worker failed: it is reported by run_stage
+
+
+def run_stage(ctx, jobs: list, timeout_s: float, settled: dict | None = None) -> dict:
     """Run [(kind, idx, fn, args, kwargs)] in spawned processes that meet at one
-    barrier; return {(kind, idx): result}.  Raises if any worker fails."""
+    barrier, released once the machine is quiet (``quiet``; what it waited is put in
+    ``settled``); return {(kind, idx): result}.  Raises if any worker fails."""
     results = ctx.Queue()
-    barrier = ctx.Barrier(len(jobs))
+    barrier = ctx.Barrier(len(jobs) + 1)
+    starter = threading.Thread(target=_start_when_quiet, args=(barrier, len(jobs), timeout_s,
+                                                             settled if settled is not None else {}),
+                               daemon=True)
     procs = [
         ctx.Process(
             target=_proc_main,
@@ -46,6 +90,7 @@ def run_stage(ctx, jobs: list, timeout_s: float) -> dict:
     ]
     for pr in procs:
         pr.start()
+    starter.start()
     outs: dict = {}
     errors = []
     reported: set = set()
@@ -81,6 +126,9 @@ def run_stage(ctx, jobs: list, timeout_s: float) -> dict:
             else:
                 outs[(kind, idx)] = out
     finally:
+        if starter.is_alive():
+            barrier.abort()
+        starter.join()
         for pr in procs:
             pr.join(timeout=5)
             if pr.is_alive():

@@ -22,7 +22,10 @@ after each run, and first warms up with one unreported run of each kera cell
 (its first runs pay for memory and files that later runs reuse; without it the
 third repeat came out 16-27% faster than the first); the peer gets a fresh
 broker per run. Phases: producer alone,
-then consumer alone; ``--concurrent`` adds runs with both at once.
+then consumer alone; ``--concurrent`` adds runs with both at once. A phase's
+clock starts once its workers are set up and warmed up and the machine is
+quiet (``stage.quiet``: the last run's leftovers done, what it waited is in
+each run's ``quiet``).
 
 The ``acceptance`` block (the targets) is computed from the same runs:
 kera R=3 / peer at 512 and 2,048 streams (>= 3x, >= 4x), kera R=3 at 2,048
@@ -72,7 +75,7 @@ def _run_peer(streams: int, n: int, seconds: float, concurrent: bool) -> dict:
     out = run_peer(streams, n, SIZE, 1, 1, linger_ms=CFG["linger.ms"], batch_size=CFG["chunk.size"],
                    count="sampled", sequential=not concurrent, touch=True, seconds=seconds)
     return {key: out.get(key) for key in ("produced", "produce_rps", "consumed", "consume_rps",
-                                          "produce_p50_ms", "produce_p99_ms", "create_topics_s")}
+                                          "produce_p50_ms", "produce_p99_ms", "create_topics_s", "quiet")}
 
 
 def _stat(values: list) -> dict | None:
