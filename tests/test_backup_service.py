@@ -132,9 +132,9 @@ async def replicate(pool, addr, vseg, offset, payload=b"", close=False, broker=1
     return r["length"]
 
 
-async def send_all(pool, addr, vseg, chunks, per_rpc=3, **kw):
-    """Replicate chunks in several RPCs; returns the replica's length."""
-    off = 0
+async def send_all(pool, addr, vseg, chunks, per_rpc=3, offset0=0, **kw):
+    """Replicate chunks in several RPCs (from ``offset0``); returns the replica's length."""
+    off = offset0
     for i in range(0, len(chunks), per_rpc):
         got = await replicate(pool, addr, vseg, off, b"".join(chunks[i:i + per_rpc]), **kw)
         assert got == off + sum(map(len, chunks[i:i + per_rpc]))
@@ -826,3 +826,38 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
                         {"vsegs": [[0, 1]]}, {"broker": 1, "vsegs": [[0, -1]]}, {"broker": 1, "vsegs": [[0, 1]] * 257}):
                 with pytest.raises(InvalidArgument):
                     await pool.call(bk.addr, "index", bad)
+
+
+async def test_read_chunks_takes_each_chunk_where_it_is(backups):
+    """``read_chunks`` of an evicted segment whose chunks lie below the memory base (in the
+    file only), in written bytes still in memory and in bytes not written yet (periodic mode:
+    in memory only) serves each from where it is, in the order asked; none is read from a
+    file that does not hold it."""
+    old, new = chunks_for(6), chunks_for(2, seq0=6)
+    a1, a2 = sum(map(len, old[:3])), sum(map(len, old[3:]))
+    # memory is released (once written and fsynced) only over --max-memory, which bounds the
+    # bytes not yet written: the old chunks go in two flush rounds, the first three released
+    bk = backups(args=["--fsync", "periodic", "--flush-interval", "1", "--fsync-interval", "0.05",
+                       "--max-memory", str(a1 + a2 - 1)])
+    every = old + new
+    starts = [sum(map(len, every[:i])) for i in range(len(every))]
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            await send_all(pool, bk.addr, 0, old[:3])
+            await until(lambda: _memory_is(pool, bk.addr, a1, unflushed=0), "the first chunks written", 10)
+            await send_all(pool, bk.addr, 0, old[3:], offset0=a1)
+            await until(lambda: _memory_is(pool, bk.addr, a2, unflushed=0),
+                        "all written, the first chunks' memory released", 10)
+            await send_all(pool, bk.addr, 0, new, offset0=a1 + a2)
+            assert (await stats(pool, bk.addr))["unflushed_bytes"] == sum(map(len, new))
+            order = [6, 0, 7, 4]
+            meta, parts = await pool.call(bk.addr, "read_chunks", {
+                "broker": 1, "vlog": 0, "vseg": 0, "ranges": [[starts[i], len(every[i])] for i in order]})
+            data = b"".join(bytes(p) for p in (parts if isinstance(parts, list) else [parts]))
+            assert meta["chunks"] == 4 and data == b"".join(every[i] for i in order)
+            assert (await stats(pool, bk.addr))["unflushed_bytes"] == sum(map(len, new)), "read before the flush"
+
+
+async def _memory_is(pool, addr, n, unflushed):
+    st = await stats(pool, addr)
+    return st["memory_bytes"] == n and st["unflushed_bytes"] == unflushed

@@ -36,8 +36,9 @@ class ReadBack:
     """``BackupService``'s read RPCs (its state: store, counters, the I/O lock, pool)."""
 
     def rpc_read_chunks(self, meta: dict, payload):
-        """Chunks of one replica by [offset, size] (a broker reading back an evicted segment):
-        each verified again when it comes from the file; a corrupt one is never served."""
+        """Chunks of one replica by [offset, size] (a broker reading back an evicted segment),
+        in the order asked: each from memory when it is there, else from the file and verified
+        again; a corrupt one is never served."""
         rep = self.store.get(vseg_key(meta))
         ranges = self.store.chunk_ranges(rep, meta.get("ranges"))
         self.counters["tiered_reads"] += 1
@@ -48,21 +49,32 @@ class ReadBack:
         return self._read_chunks_file(rep, ranges)
 
     async def _read_chunks_file(self, rep: Replica, ranges):
+        """Some of ``ranges`` are below the memory base: those are read from the file, the
+        others taken from memory first (the views stay valid if a sync round frees the memory
+        meanwhile; bytes above the base may not be in the file yet)."""
+        base = rep.mem_base
+        mem = {off: rep.memory_parts(off, off + size) for off, size in ranges if off >= base}
+        below = [(off, size) for off, size in ranges if off < base]
+
         def work():
             out = []
-            for off, size in ranges:
+            for off, size in below:
                 data, bad = disk.read_verified(rep.path, off, off + size, [off], [off + size])
                 if bad is not None:
                     return out, bad
                 out.append(data)
             return out, None
 
-        parts, bad = await self._read_replica(rep, work)
+        got, bad = await self._read_replica(rep, work)
         if bad is not None:
             off, size, reason = self._corrupt(rep, bad)
             raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
-        self.counters["tiered_bytes"] += sum(len(p) for p in parts)
-        return {"chunks": len(parts)}, parts
+        read = dict(zip((off for off, _ in below), got, strict=True))
+        parts = []
+        for off, _ in ranges:
+            parts.extend(mem[off] if off in mem else [read[off]])
+        self.counters["tiered_bytes"] += sum(size for _, size in ranges)
+        return {"chunks": len(ranges)}, parts
 
     async def rpc_index(self, meta: dict, payload):
         """Closed, intact replicas' chunks without their bodies (a recovery re-pointing evicted
