@@ -33,16 +33,32 @@ def percentile(sorted_vals: list[float], q: float) -> float | None:
     return sorted_vals[i]
 
 
+def _cpu_ticks() -> list[int]:
+    """The machine's CPU time so far, all CPUs, by kind (/proc/stat: user, nice, system,
+    idle, iowait, irq, softirq, steal, ...)."""
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+
+
 def _busy(window: float = 0.1) -> float:
-    """The machine's busy fraction (all CPUs) over ``window`` seconds, from /proc/stat."""
-    def sample():
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]   # total, idle + iowait
-    t0, i0 = sample()
+    """The machine's busy fraction (all CPUs) over ``window`` seconds."""
+    a = _cpu_ticks()
     time.sleep(window)
-    t1, i1 = sample()
-    return 1 - (i1 - i0) / max(1, t1 - t0)
+    b = _cpu_ticks()
+    return 1 - (b[3] + b[4] - a[3] - a[4]) / max(1, sum(b) - sum(a))
+
+
+def _probe_ms() -> float:
+    """A fixed piece of pure-Python work, best of three, in milliseconds: how fast the
+    machine runs this process now (a slower run beside a slow probe is the machine's)."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        x = 0
+        for i in range(200_000):
+            x += i & 7
+        best = min(best, time.perf_counter() - t)
+    return round(best * 1000, 2)
 
 
 def quiet(max_s: float = QUIET_MAX_S, busy: float = QUIET_BUSY) -> dict:
@@ -53,7 +69,7 @@ def quiet(max_s: float = QUIET_MAX_S, busy: float = QUIET_BUSY) -> dict:
     b = _busy()
     while b > busy and time.monotonic() - t0 < max_s:
         b = _busy()
-    return {"waited_s": round(time.monotonic() - t0, 2), "busy": round(b, 3)}
+    return {"waited_s": round(time.monotonic() - t0, 2), "busy": round(b, 3), "probe_ms": _probe_ms()}
 
 
 def _start_when_quiet(barrier, workers: int, timeout_s: float, out: dict) -> None:
@@ -65,6 +81,7 @@ def _start_when_quiet(barrier, workers: int, timeout_s: float, out: dict) -> Non
     if barrier.broken:
         return   # a worker failed: it is reported by run_stage
     out.update(quiet())
+    out["_ticks"] = _cpu_ticks()
     try:
         barrier.wait(timeout=max(1.0, deadline - time.monotonic()))
     except threading.BrokenBarrierError:
@@ -74,7 +91,8 @@ def _start_when_quiet(barrier, workers: int, timeout_s: float, out: dict) -> Non
 def run_stage(ctx, jobs: list, timeout_s: float, settled: dict | None = None) -> dict:
     """Run [(kind, idx, fn, args, kwargs)] in spawned processes that meet at one
     barrier, released once the machine is quiet (``quiet``; what it waited is put in
-    ``settled``); return {(kind, idx): result}.  Raises if any worker fails."""
+    ``settled``, with ``steal``: the share of the machine's CPU time the hypervisor gave
+    others while the stage ran); return {(kind, idx): result}.  Raises if any worker fails."""
     results = ctx.Queue()
     barrier = ctx.Barrier(len(jobs) + 1)
     starter = threading.Thread(target=_start_when_quiet, args=(barrier, len(jobs), timeout_s,
@@ -136,6 +154,9 @@ def run_stage(ctx, jobs: list, timeout_s: float, settled: dict | None = None) ->
                 pr.join()
     if errors:
         raise RuntimeError("bench worker failed:\n" + "\n".join(errors))
+    if settled is not None and "_ticks" in settled:
+        a, b = settled.pop("_ticks"), _cpu_ticks()
+        settled["steal"] = round((b[7] - a[7]) / max(1, sum(b) - sum(a)), 4)
     return outs
 
 
