@@ -231,6 +231,12 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
 
         ep = broker["epoch"]
         assert await code(broker["addr"], "assign", {"epoch": ep, "streams": "x"}) == "invalid_argument"
+        # a stream map that lacks a key or has one of the wrong type: refused before any is assigned
+        partial = {k: v for k, v in s.items() if k not in ("groups", "addrs")}
+        assert await code(broker["addr"], "assign", {"epoch": ep, "streams": [[s, [0]], [partial, [0]]]}) \
+            == "invalid_argument"
+        assert await code(broker["addr"], "configure", {"epoch": ep, "stream": {**s, "id": "1"}}) \
+            == "invalid_argument"
         assert await code(broker["addr"], "assign", {"epoch": ep, "stream": s, "streamlets": [0],
                                                      "backups": [{"id": 1}]}) == "invalid_argument"
         assert await code(broker["addr"], "assign", {"epoch": ep + 1000, "stream": s,

@@ -19,6 +19,7 @@ from kera.broker.segment import Segment
 from kera.broker.streamlet import Streamlet
 from kera.errors import KeraError
 
+from .conftest import stream_meta
 from .workload import read_to_end
 
 KEYS, ROUNDS = 1000, 100
@@ -97,10 +98,8 @@ def test_a_pass_keeps_the_latest_per_key_and_positions():
 def test_retention_expires_only_streams_whose_policy_says_delete():
     """compact alone keeps every key's latest record whatever retention says (Kafka's
     meaning); compact,delete and delete expire by retention.bytes / retention.ms."""
-    shape = {"id": 1, "streamlets": 1, "groups": 1, "segment_size": 1 << 20, "group_segments": 8,
-             "retention_bytes": 100, "retention_ms": 1}
     for policy, kept in (("compact", True), ("compact,delete", False), ("delete", False)):
-        sl = Streamlet({**shape, "cleanup_policy": policy}, 0)
+        sl = Streamlet(stream_meta(retention_bytes=100, retention_ms=1, cleanup_policy=policy), 0)
         assert ((sl.retention_bytes, sl.retention_ms) == (-1, -1)) is kept, policy
 
 

@@ -19,6 +19,7 @@ from kera.broker.streamlet import Streamlet
 from kera.errors import FrameTooLarge, InvalidArgument, LimitExceeded, RecordTooLarge
 from kera.rpc import open_pool
 
+from .conftest import stream_meta
 from .workload import stream_values
 
 # -- one module --------------------------------------------------------------------------
@@ -101,14 +102,14 @@ def test_chunks_over_max_records_are_refused():
 
 
 def test_streamlet_refuses_chunks_over_its_segment_or_max_chunk():
-    small = Streamlet({"id": 1, "groups": 1, "segment_size": 8192, "group_segments": 2}, 0)
+    small = Streamlet(stream_meta(segment_size=8192, group_segments=2), 0)
     ok = chunk.build(1, 0, 1, 0, [b"v" * (chunk.record_room(8192) - 16)])
     assert len(ok) == 8192
     small.append(ok, 1)
     with pytest.raises(RecordTooLarge) as e:
         small.append(chunk.build(1, 0, 1, 1, [b"v" * 8192]), 1)
     assert e.value.limit == "segment_size" and e.value.bound == 8192
-    big = Streamlet({"id": 2, "groups": 1, "segment_size": 64 << 20, "group_segments": 2}, 0)
+    big = Streamlet(stream_meta(id=2, segment_size=64 << 20, group_segments=2), 0)
     with pytest.raises(RecordTooLarge) as e:
         big.append(bytes(limits.MAX_CHUNK + 8), 1)
     assert e.value.limit == "MAX_CHUNK" and e.value.bound == limits.MAX_CHUNK

@@ -22,12 +22,12 @@ from kera.broker.streamlet import Streamlet
 from kera.errors import OutOfOrderSequence
 from kera.rpc import open_pool
 
+from .conftest import stream_meta
 from .workload import stream_values
 
 
 def streamlet(segment_size: int = 4096, group_segments: int = 1) -> Streamlet:
-    return Streamlet({"id": 1, "groups": 1, "segment_size": segment_size,
-                      "group_segments": group_segments}, 0)
+    return Streamlet(stream_meta(segment_size=segment_size, group_segments=group_segments), 0)
 
 
 def offer(sl: Streamlet, seq: int, vlog="v", flags: int = 0, size: int = 8) -> str:
