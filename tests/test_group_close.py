@@ -129,23 +129,23 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
             s = await a.create_stream("closing", streamlets=1, replication=3, segment_size=SEGMENT,
                                       group_segments=GROUP_SEGMENTS)
         await produce(c.coordinator, "closing", n, step=100)
-        owner = s["addrs"][0]
-        rows = await _index_rows(c, owner, s["id"])
+        owner = s.addrs[0]
+        rows = await _index_rows(c, owner, s.id)
         closed = _check_close_rows(rows)
         assert await _adopt_closed_last_segment(c, owner, rows) == 1
 
         async with open_pool() as pool:  # broker-only flags are refused, typed; the rest is served
             r, _ = await pool.call(owner, "stats", {})
             before = r["chunks"]
-            good = chunk.build(s["id"], 0, 99, 0, list(values(0, n, 1, SIZE)))
-            bad = [chunk.build(s["id"], 0, 98, 0, [b"x" * 8], flags=f)
+            good = chunk.build(s.id, 0, 99, 0, list(values(0, n, 1, SIZE)))
+            bad = [chunk.build(s.id, 0, 98, 0, [b"x" * 8], flags=f)
                    for f in (chunk.INDEX, chunk.CLOSE, chunk.COMPACTED, chunk.CLOSE | chunk.SEQ_RESET)]
             r, _ = await pool.call(owner, "produce", {"positions": True}, parts=[bad[0], good, *bad[1:]])
             assert sorted(r["errors"]) == [[i, InvalidArgument.code] for i in (0, 2, 3, 4)], r
             assert [p[0] for p in r["placed"]] == [1], r
             with pytest.raises(InvalidArgument):
                 await pool.call(owner, "append_if", {"expect": [0, 0]},
-                                parts=[chunk.build(s["id"], 0, 97, 0, [b"v"], keys=[b"k"], flags=chunk.CLOSE)])
+                                parts=[chunk.build(s.id, 0, 97, 0, [b"v"], keys=[b"k"], flags=chunk.CLOSE)])
             r, _ = await pool.call(owner, "stats", {})
             assert r["chunks"] == before + 1, "a refused chunk was stored"
 
@@ -167,9 +167,9 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
 
             await wait_for(all_read, "every record after the recovery", timeout=60, every=0)
         async with open_admin(c.coordinator) as a:
-            new_owner = (await a.describe_stream("closing"))["addrs"][0]
+            new_owner = (await a.describe_stream("closing")).addrs[0]
         # the replayed closes were appended again to the new owner's vlogs, as they stood
-        again = _check_close_rows(await _index_rows(c, new_owner, s["id"]))
+        again = _check_close_rows(await _index_rows(c, new_owner, s.id))
         return rec, closed, got, after, again
 
     rec, closed, got, after, again = trio.run(main)

@@ -157,7 +157,7 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
             with pytest.raises(LimitExceeded) as e:
                 await a.create_stream("refused", **bad)
             assert e.value.limit == limit and limit in str(e.value)
-        assert sorted(s["name"] for s in await a.list_streams()) == ["big", "other", "small"]
+        assert sorted(s.name for s in await a.list_streams()) == ["big", "other", "small"]
     record = b"x" * 40_000_000
     with trio.fail_after(60):
         async with open_producer(coord, **{"request.size": 1 << 40, "chunk.size": 1 << 40}) as p:
@@ -187,10 +187,10 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
 
         # a producer that does not check: the broker refuses those chunks only, typed
         async with open_pool() as pool:
-            parts = [chunk.build(small["id"], 0, 9999, 0, [b"z" * (70 << 10)]),
-                     chunk.build(small["id"], 0, 9998, 0, [b"fits"]),
-                     oversized_chunk(big["id"], 0, 9997, 0, limits.MAX_CHUNK + 4096)]
-            r, _ = await pool.call(big["addrs"][0], "produce", {"producer": 0}, parts=parts, timeout=30)
+            parts = [chunk.build(small.id, 0, 9999, 0, [b"z" * (70 << 10)]),
+                     chunk.build(small.id, 0, 9998, 0, [b"fits"]),
+                     oversized_chunk(big.id, 0, 9997, 0, limits.MAX_CHUNK + 4096)]
+            r, _ = await pool.call(big.addrs[0], "produce", {"producer": 0}, parts=parts, timeout=30)
             assert r["errors"] == [[0, "record_too_large"], [2, "record_too_large"]]
         assert await stream_values(coord, "small", 5) == [b"y" * (room - 16), b"s0", b"s1", b"s2", b"fits"]
         assert await stream_values(coord, "big", 2) == [b"before", b"after"]
