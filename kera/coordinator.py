@@ -243,6 +243,11 @@ class Coordinator(Membership, Service):
         d["addrs"] = addrs
         return d
 
+    def _now(self, s: StreamMeta) -> StreamMeta:
+        """``s`` as it is now (altered or moved since it was read), unless it was deleted."""
+        now = self.streams.get(s.name)
+        return now if now is not None and now.id == s.id else s
+
     def _stream(self, name) -> StreamMeta:
         s = self.streams.get(name) if isinstance(name, str) else None
         if s is None:
@@ -371,7 +376,7 @@ class Coordinator(Membership, Service):
         groups are closed."""
         backups = self._live("backup")
         for part in _batches(entries):
-            streams = [[s.to_wire(), sl] for s, sl in part]
+            streams = [[self._now(s).to_wire(), sl] for s, sl in part]
             await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": streams, "recovering": recovering,
                                                     "seal": seal, "backups": backups}, timeout=10)
 
@@ -484,8 +489,9 @@ class Coordinator(Membership, Service):
                                   "delete_retention_ms and/or segment_ms")
         for key, v in changes.items():
             self.log.set(("streams", s.name, key), v)
-        s = self.streams[s.name] = s.altered(changes)
+        altered = self.streams[s.name] = s.altered(changes)
         await self.commit()
+        s = self._now(altered)   # moved meanwhile: its owners now
 
         async def one(bid, epoch):
             m = self.live_broker(bid, epoch)
