@@ -178,7 +178,7 @@ def test_positions_offsets_admission_and_planning():
     parts = P.plan(rs, meta, partition_bytes=1 << 30, min_partitions=4, max_partitions=64)
     loads = [sum(r.nbytes for r in p) for p in parts]
     assert len(parts) == 4 and max(loads) - min(loads) <= 3500
-    big = {"big": {"id": 1, "streamlets": 1, "segment_size": 1000, "group_segments": 8}}
+    big = {"big": stream_meta(name="big", segment_size=1000)}
     rs = P.ranges(Offsets({"big": 1}), Offsets({"big": 1}, {("big", 0): (0, {0: P.pack(7, 900)})}), big)
     parts = P.plan(rs, big, partition_bytes=2000, min_partitions=1, max_partitions=64)
     assert len(parts) == 4
