@@ -235,7 +235,7 @@ class Coordinator(Membership, Service):
     # -- streams -----------------------------------------------------------
     def _describe(self, s: StreamMeta) -> dict:
         """A stream with the address of each streamlet's owner (None while it is recovered)."""
-        d = s.to_wire()
+        d = dict(self._wire(s))
         addrs = []
         for b, e in s.owners:
             m = self.live_broker(b, e)
@@ -247,6 +247,12 @@ class Coordinator(Membership, Service):
         """``s`` as it is now (altered or moved since it was read), unless it was deleted."""
         now = self.streams.get(s.name)
         return now if now is not None and now.id == s.id else s
+
+    def _wire(self, s: StreamMeta) -> dict:
+        """``s``'s map as it is now: the one the store holds (its changes keep it in step with
+        ``self.streams``; sent as it is, not built again), or ``s.to_wire()`` once deleted."""
+        now = self.streams.get(s.name)
+        return self.meta["streams"][s.name] if now is not None and now.id == s.id else s.to_wire()
 
     def _stream(self, name) -> StreamMeta:
         s = self.streams.get(name) if isinstance(name, str) else None
@@ -338,9 +344,10 @@ class Coordinator(Membership, Service):
                                 bound=limits.MAX_BATCH_STREAMLETS, size=total)
         created = []
         now = time.time()
+        loads = self.loads()
         for name, cfg in checked.items():
             sid = self._take("next_stream_id")
-            owners = tuple((m.id, m.epoch) for m in self.spread(cfg["streamlets"], salt=sid))
+            owners = tuple([(m.id, m.epoch) for m in self.spread(cfg["streamlets"], sid, loads)])
             s = self.streams[name] = StreamMeta(name=name, id=sid, **cfg, owners=owners, created=now)
             self.log.set(("streams", name), s.to_wire())
             self.holdings.add(s)
@@ -356,13 +363,18 @@ class Coordinator(Membership, Service):
                      created[-1].id, total)
         return created
 
-    def spread(self, n: int, salt: int = 0) -> list[Member]:
-        """n owners among live brokers, each time the least loaded (streamlets its
-        incarnation owns)."""
+    def loads(self) -> tuple[list[Member], dict[int, int]]:
+        """The live brokers and the streamlets each one's incarnation owns."""
         brokers = sorted((m for m in self.members["broker"].values() if m.alive), key=lambda m: m.id)
         if not brokers:
             raise NotEnoughBackups("no live broker")
-        load = {m.id: self.holdings.count((m.id, m.epoch)) for m in brokers}
+        return brokers, {m.id: self.holdings.count((m.id, m.epoch)) for m in brokers}
+
+    def spread(self, n: int, salt: int = 0, loads: tuple | None = None) -> list[Member]:
+        """n owners among live brokers, each time the least loaded (streamlets its
+        incarnation owns). ``loads``: those of ``loads()``, counted on by each call (a batch of
+        creates takes them once, not once per stream)."""
+        brokers, load = loads or self.loads()
         out = []
         for _i in range(n):
             m = min(brokers, key=lambda m: (load[m.id], (m.id + salt) % len(brokers)))
@@ -376,7 +388,7 @@ class Coordinator(Membership, Service):
         groups are closed."""
         backups = self._live("backup")
         for part in _batches(entries):
-            streams = [[self._now(s).to_wire(), sl] for s, sl in part]
+            streams = [[self._wire(s), sl] for s, sl in part]
             await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": streams, "recovering": recovering,
                                                     "seal": seal, "backups": backups}, timeout=10)
 
@@ -497,7 +509,7 @@ class Coordinator(Membership, Service):
             m = self.live_broker(bid, epoch)
             if m is not None:
                 try:
-                    await self.pool.call(m.addr, "configure", {"epoch": m.epoch, "stream": s.to_wire()}, timeout=10)
+                    await self.pool.call(m.addr, "configure", {"epoch": m.epoch, "stream": self._wire(s)}, timeout=10)
                 except KeraError as e:  # it gets the stream again with its next assign
                     log.warning("configure on broker %d failed: %s", bid, e)
 

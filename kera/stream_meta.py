@@ -108,14 +108,18 @@ class StreamMeta:
                 and type(rb) is int and type(rm) is int and (dr is None or type(dr) is int)
                 and (sm is None or type(sm) is int) and (vlogs is None or type(vlogs) is str)
                 and type(policy) is str and (type(created) is float or type(created) is int)
-                and type(owners) is list
-                and all(type(o) is list and len(o) == 2 and type(o[0]) is int and type(o[1]) is int
-                        for o in owners)):
+                and type(owners) is list):
+            raise _refusal(d)
+        try:
+            owned = tuple([(b, e) for b, e in owners if type(b) is int and type(e) is int])
+        except (TypeError, ValueError):
+            owned = ()
+        if len(owned) != len(owners):
             raise _refusal(d)
         extra = None if d.keys() <= cls.WIRE_KEYS else {k: v for k, v in d.items() if k not in cls.WIRE_KEYS}
         return cls(name=d["name"], id=d["id"], streamlets=d["streamlets"], groups=d["groups"],
                    replication=d["replication"], segment_size=d["segment_size"],
-                   group_segments=d["group_segments"], owners=tuple(map(tuple, owners)), vlogs=vlogs,
+                   group_segments=d["group_segments"], owners=owned, vlogs=vlogs,
                    retention_bytes=rb, retention_ms=rm, cleanup_policy=policy,
                    delete_retention_ms=dr, segment_ms=sm, created=created, extra=extra,
                    **cls._more_from_wire(d))
