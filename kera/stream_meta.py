@@ -49,7 +49,7 @@ def _refusal(d) -> InvalidArgument:
     return InvalidArgument("stream metadata: owners must be a list of [broker, epoch]")
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
+@dataclasses.dataclass(slots=True)
 class StreamMeta:
     """Never changed in place: ``with_owner`` and ``altered`` make the changed copy that
     replaces it. Not ``frozen``: a frozen dataclass is built about four times slower (each
@@ -117,17 +117,15 @@ class StreamMeta:
         if len(owned) != len(owners):
             raise _refusal(d)
         extra = None if d.keys() <= cls.WIRE_KEYS else {k: v for k, v in d.items() if k not in cls.WIRE_KEYS}
-        return cls(name=d["name"], id=d["id"], streamlets=d["streamlets"], groups=d["groups"],
-                   replication=d["replication"], segment_size=d["segment_size"],
-                   group_segments=d["group_segments"], owners=owned, vlogs=vlogs,
-                   retention_bytes=rb, retention_ms=rm, cleanup_policy=policy,
-                   delete_retention_ms=dr, segment_ms=sm, created=created, extra=extra,
-                   **cls._more_from_wire(d))
+        # positional: a third of the cost of naming 16 arguments
+        return cls(d["name"], d["id"], d["streamlets"], d["groups"], d["replication"], d["segment_size"],
+                   d["group_segments"], owned, vlogs, rb, rm, policy, dr, sm, created, extra,
+                   *cls._more_from_wire(d))
 
     @classmethod
-    def _more_from_wire(cls, d: dict) -> dict:
-        """A subclass's own fields from ``d``."""
-        return {}
+    def _more_from_wire(cls, d: dict) -> tuple:
+        """A subclass's own fields from ``d``, in their order."""
+        return ()
 
     def to_wire(self) -> dict:
         """The map as the coordinator has always written it (owners as lists, which the

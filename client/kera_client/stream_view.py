@@ -15,18 +15,18 @@ from kera.errors import InvalidArgument
 from kera.stream_meta import StreamMeta
 
 
-@dataclasses.dataclass(slots=True, kw_only=True)
+@dataclasses.dataclass(slots=True)
 class StreamView(StreamMeta):
     addrs: tuple[str | None, ...] = ()   # streamlet i is served at addrs[i]; None: being recovered
 
     @classmethod
-    def _more_from_wire(cls, d: dict) -> dict:
+    def _more_from_wire(cls, d: dict) -> tuple:
         addrs = d.get("addrs")
         if not isinstance(addrs, list) or len(addrs) != d["streamlets"] or \
                 not all(a is None or isinstance(a, str) for a in addrs):
             raise InvalidArgument("stream metadata: addrs must be a list of an address (or None) "
                                   "per streamlet")
-        return {"addrs": tuple(addrs)}
+        return (tuple(addrs),)
 
     def to_wire(self) -> dict:
         d = StreamMeta.to_wire(self)
