@@ -182,6 +182,7 @@ class Coordinator(Membership, Service):
                         "version: those groups start afresh", len(self.meta["positions"] or {}))
             store.delete(("positions",))
         self._creating = trio.Lock()   # an internal stream, on first use
+        self._deleting: dict[int, list] = {}   # stream id -> owners to unassign, moved by set_owner
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.started = time.monotonic()
         self.ready = self.expect_nodes == 0
@@ -222,6 +223,8 @@ class Coordinator(Membership, Service):
         """Streamlet ``i`` of ``s`` is now ``m``'s (durable once ``commit`` returns)."""
         now = self.streams.get(s.name)
         if now is None or now.id != s.id:   # deleted (or re-created) meanwhile: nothing to keep
+            if s.id in self._deleting:      # (a delete still committing unassigns it from m too)
+                self._deleting[s.id][i] = (m.id, m.epoch)
             return
         self.holdings.move(s.name, i, now.owners[i], (m.id, m.epoch))
         self.streams[s.name] = now.with_owner(i, (m.id, m.epoch))
@@ -251,8 +254,8 @@ class Coordinator(Membership, Service):
     def _wire(self, s: StreamMeta) -> dict:
         """``s``'s map as it is now: the one the store holds (its changes keep it in step with
         ``self.streams``; sent as it is, not built again), or ``s.to_wire()`` once deleted."""
-        now = self.streams.get(s.name)
-        return self.meta["streams"][s.name] if now is not None and now.id == s.id else s.to_wire()
+        now = self._now(s)
+        return self.meta["streams"][s.name] if self.streams.get(s.name) is now else s.to_wire()
 
     def _stream(self, name) -> StreamMeta:
         s = self.streams.get(name) if isinstance(name, str) else None
@@ -474,7 +477,11 @@ class Coordinator(Membership, Service):
         del self.streams[s.name]
         self.holdings.remove(s)
         self.names.discard(s.name)
-        await self.commit()
+        owners = self._deleting[s.id] = list(s.owners)
+        try:
+            await self.commit()
+        finally:
+            del self._deleting[s.id]
 
         async def one(bid, epoch):
             m = self.live_broker(bid, epoch)
@@ -485,7 +492,7 @@ class Coordinator(Membership, Service):
                     log.warning("unassign on broker %d failed: %s", bid, e)
 
         async with trio.open_nursery() as n:
-            for bid, epoch in set(s.owners):
+            for bid, epoch in set(owners):
                 n.start_soon(one, bid, epoch)
         return {"deleted": s.name}
 
