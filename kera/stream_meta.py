@@ -96,19 +96,22 @@ class StreamMeta:
         """The typed view of a map from the wire or the metadata store; ``InvalidArgument``
         naming the key if it lacks one or a value has the wrong type. Checked in one
         expression (a broker reads thousands in one assign); ``_refusal`` says what is wrong."""
-        if type(d) is not dict or not d.keys() >= _REQUIRED:
-            raise _refusal(d)
-        get, owners = d.get, d["owners"]
+        try:
+            name, sid, streamlets, groups, replication, size, gsegs, owners = (
+                d["name"], d["id"], d["streamlets"], d["groups"], d["replication"],
+                d["segment_size"], d["group_segments"], d["owners"])
+        except (KeyError, TypeError):
+            raise _refusal(d) from None
+        get = d.get
         rb, rm, dr, sm = get("retention_bytes", -1), get("retention_ms", -1), \
             get("delete_retention_ms"), get("segment_ms")
         vlogs, policy, created = get("vlogs"), get("cleanup_policy", "delete"), get("created", 0.0)
-        if not (type(d["name"]) is str and type(d["id"]) is int and type(d["streamlets"]) is int
-                and type(d["groups"]) is int and type(d["replication"]) is int
-                and type(d["segment_size"]) is int and type(d["group_segments"]) is int
-                and type(rb) is int and type(rm) is int and (dr is None or type(dr) is int)
-                and (sm is None or type(sm) is int) and (vlogs is None or type(vlogs) is str)
-                and type(policy) is str and (type(created) is float or type(created) is int)
-                and type(owners) is list):
+        if not (type(d) is dict and type(name) is str and type(sid) is int and type(streamlets) is int
+                and type(groups) is int and type(replication) is int and type(size) is int
+                and type(gsegs) is int and type(rb) is int and type(rm) is int
+                and (dr is None or type(dr) is int) and (sm is None or type(sm) is int)
+                and (vlogs is None or type(vlogs) is str) and type(policy) is str
+                and (type(created) is float or type(created) is int) and type(owners) is list):
             raise _refusal(d)
         try:
             owned = tuple([(b, e) for b, e in owners if type(b) is int and type(e) is int])
@@ -118,9 +121,8 @@ class StreamMeta:
             raise _refusal(d)
         extra = None if d.keys() <= cls.WIRE_KEYS else {k: v for k, v in d.items() if k not in cls.WIRE_KEYS}
         # positional: a third of the cost of naming 16 arguments
-        return cls(d["name"], d["id"], d["streamlets"], d["groups"], d["replication"], d["segment_size"],
-                   d["group_segments"], owned, vlogs, rb, rm, policy, dr, sm, created, extra,
-                   *cls._more_from_wire(d))
+        return cls(name, sid, streamlets, groups, replication, size, gsegs, owned, vlogs, rb, rm, policy,
+                   dr, sm, created, extra, *cls._more_from_wire(d))
 
     @classmethod
     def _more_from_wire(cls, d: dict) -> tuple:
