@@ -24,6 +24,7 @@ from kera import index_chunk
 from kera.broker.adopted import Claims
 from kera.broker.replicator import ReplicationHub
 from kera.broker.service import BrokerService
+from kera.stream_meta import StreamMeta
 from kera.vlog import VlogMapping
 
 
@@ -57,8 +58,8 @@ def owner(data_dir: str) -> BrokerService:
     svc.lease_until = float("inf")
     svc.claims = Claims(None, lambda: (1, 1), lambda b: "")
     svc.hub = ReplicationHub(None, lambda: (1, 1), lambda b: "", 5.0)   # never run
-    svc._assign({"id": 1, "name": "big", "streamlets": 1, "groups": 1, "replication": 3,
-                 "segment_size": 256 << 10, "group_segments": 1 << 20}, [0], True, False)
+    svc._assign(StreamMeta(name="big", id=1, streamlets=1, groups=1, replication=3, segment_size=256 << 10,
+                           group_segments=1 << 20, owners=((1, 1),)), [0], True, False)
     return svc
 
 

@@ -31,7 +31,7 @@ from kera_client.admin import default_coordinator
 
 def create_streams(coord: str, names: list[str], streamlets: int) -> None:
     with Admin(coord) as a:
-        existing = {s["name"] for s in a.list_streams(None)}
+        existing = {s.name for s in a.list_streams(None)}
         for n in names:
             if n not in existing:
                 a.create_stream(n, streamlets=streamlets)

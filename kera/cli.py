@@ -52,8 +52,8 @@ def cmd_stream(args) -> None:
                          **_compaction(args)}
                 if len(args.name) == 1 and args.count is None:
                     s = await a.create_stream(args.name[0], **shape)
-                    print(f"created stream {s['name']}: {s['streamlets']} streamlets, {s['groups']} active "
-                          f"groups, replication {s['replication']}")
+                    print(f"created stream {s.name}: {s.streamlets} streamlets, {s.groups} active "
+                          f"groups, replication {s.replication}")
                     return
                 if args.count is None:
                     names = args.name
@@ -65,9 +65,9 @@ def cmd_stream(args) -> None:
                 print(f"created {len(created)} streams ({span}) in {time.monotonic() - t0:.2f} s")
             elif args.action == "list":
                 async for s in a.iter_streams(args.pattern or args.pattern_opt):
-                    print(f"{s['name']}\t{s['streamlets']} streamlets\tR={s['replication']}")
+                    print(f"{s.name}\t{s.streamlets} streamlets\tR={s.replication}")
             elif args.action == "describe":
-                print(json.dumps(await a.describe_stream(args.name), indent=2))
+                print(json.dumps((await a.describe_stream(args.name)).to_wire(), indent=2))
             elif args.action == "alter":
                 if args.retention_bytes is None and args.retention_ms is None and not _compaction(args):
                     print("error: give --retention-bytes, --retention-ms, --cleanup-policy, "
@@ -75,9 +75,8 @@ def cmd_stream(args) -> None:
                     sys.exit(2)
                 s = await a.alter_stream(args.name, args.retention_bytes, args.retention_ms,
                                          **_compaction(args))
-                print(f"altered stream {s['name']}: retention.bytes={s.get('retention_bytes', -1)} "
-                      f"retention.ms={s.get('retention_ms', -1)} "
-                      f"cleanup.policy={s.get('cleanup_policy', 'delete')}")
+                print(f"altered stream {s.name}: retention.bytes={s.retention_bytes} "
+                      f"retention.ms={s.retention_ms} cleanup.policy={s.cleanup_policy}")
             elif args.action == "delete":
                 await a.delete_stream(args.name)
                 print(f"deleted stream {args.name}")

@@ -40,6 +40,7 @@ from .names import check_stream_name, is_internal
 from .recovered import Recovered
 from .recovery import RecoveryManager
 from .rpc import Pool, Service
+from .stream_meta import StreamMeta
 
 log = logging.getLogger("kera.coordinator")
 
@@ -172,13 +173,16 @@ class Coordinator(Membership, Service):
         """Lead with ``store``'s state: membership starts empty, servers (re)register."""
         self.log = store
         self.meta = store.state   # changed only through self.log
-        self.holdings = Holdings(self.meta["streams"].values())   # incarnation -> streamlets
-        self.names = NameIndex(n for n in self.meta["streams"] if not is_internal(n))  # listed, in order
+        # the typed view of meta["streams"], kept in step with it (the store keeps wire maps)
+        self.streams = {n: StreamMeta.from_wire(d) for n, d in self.meta["streams"].items()}
+        self.holdings = Holdings(self.streams.values())   # incarnation -> streamlets
+        self.names = NameIndex(n for n in self.streams if not is_internal(n))  # listed, in order
         if "positions" in self.meta:   # group positions of an older version: they start afresh
             log.warning("dropping the positions of %d consumer groups committed by an older "
                         "version: those groups start afresh", len(self.meta["positions"] or {}))
             store.delete(("positions",))
         self._creating = trio.Lock()   # an internal stream, on first use
+        self._deleting: dict[int, list] = {}   # stream id -> owners to unassign, moved by set_owner
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
         self.started = time.monotonic()
         self.ready = self.expect_nodes == 0
@@ -215,13 +219,16 @@ class Coordinator(Membership, Service):
         if self.meta["fences"].get(k, 0) < epoch:
             self.log.set(("fences", k), epoch)
 
-    def set_owner(self, s: dict, i: int, m: Member) -> None:
+    def set_owner(self, s: StreamMeta, i: int, m: Member) -> None:
         """Streamlet ``i`` of ``s`` is now ``m``'s (durable once ``commit`` returns)."""
-        if self.meta["streams"].get(s["name"]) is not s:   # deleted meanwhile: nothing to keep
-            s["owners"][i] = [m.id, m.epoch]
+        now = self.streams.get(s.name)
+        if now is None or now.id != s.id:   # deleted (or re-created) meanwhile: nothing to keep
+            if s.id in self._deleting:      # (a delete still committing unassigns it from m too)
+                self._deleting[s.id][i] = (m.id, m.epoch)
             return
-        self.holdings.move(s["name"], i, tuple(s["owners"][i]), (m.id, m.epoch))
-        self.log.set(("streams", s["name"], "owners", i), [m.id, m.epoch])
+        self.holdings.move(s.name, i, now.owners[i], (m.id, m.epoch))
+        self.streams[s.name] = now.with_owner(i, (m.id, m.epoch))
+        self.log.set(("streams", s.name, "owners", i), [m.id, m.epoch])
 
     def _take(self, counter: str) -> int:
         v = self.meta[counter]
@@ -229,23 +236,34 @@ class Coordinator(Membership, Service):
         return v
 
     # -- streams -----------------------------------------------------------
-    def _describe(self, s: dict) -> dict:
+    def _describe(self, s: StreamMeta) -> dict:
         """A stream with the address of each streamlet's owner (None while it is recovered)."""
-        d = dict(s)
+        d = dict(self._wire(s))
         addrs = []
-        for b, e in s["owners"]:
+        for b, e in s.owners:
             m = self.live_broker(b, e)
             addrs.append(m.addr if m is not None else None)
         d["addrs"] = addrs
         return d
 
-    def _stream(self, name) -> dict:
-        s = self.meta["streams"].get(name) if isinstance(name, str) else None
+    def _now(self, s: StreamMeta) -> StreamMeta:
+        """``s`` as it is now (altered or moved since it was read), unless it was deleted."""
+        now = self.streams.get(s.name)
+        return now if now is not None and now.id == s.id else s
+
+    def _wire(self, s: StreamMeta) -> dict:
+        """``s``'s map as it is now: the one the store holds (its changes keep it in step with
+        ``self.streams``; sent as it is, not built again), or ``s.to_wire()`` once deleted."""
+        now = self._now(s)
+        return self.meta["streams"][s.name] if self.streams.get(s.name) is now else s.to_wire()
+
+    def _stream(self, name) -> StreamMeta:
+        s = self.streams.get(name) if isinstance(name, str) else None
         if s is None:
             raise UnknownStream(f"no stream named {name!r}")
         return s
 
-    def _user_stream(self, name) -> dict:
+    def _user_stream(self, name) -> StreamMeta:
         """A stream a user may change: internal ones are kera's."""
         s = self._stream(name)
         if is_internal(name):
@@ -263,7 +281,7 @@ class Coordinator(Membership, Service):
         specs = meta.get("streams")
         if not isinstance(specs, list) or not specs:
             raise InvalidArgument("create_streams needs a non-empty list of streams")
-        return {"ids": [s["id"] for s in await self._create(specs)]}
+        return {"ids": [s.id for s in await self._create(specs)]}
 
     def _config(self, spec, nodes: int, internal: bool = False) -> tuple[str, dict]:
         """One spec's name and shape, defaults filled in; refused if invalid, taken or too large.
@@ -271,7 +289,7 @@ class Coordinator(Membership, Service):
         if not isinstance(spec, dict):
             raise InvalidArgument("a stream spec must be a map")
         name = spec["name"] if internal else check_stream_name(spec.get("name"))
-        if name in self.meta["streams"]:
+        if name in self.streams:
             raise StreamExists(f"stream {name!r} exists")
         cfg = {}
         for key, default in DEFAULTS.items():
@@ -294,7 +312,7 @@ class Coordinator(Membership, Service):
                 f"replication {cfg['replication']} needs {cfg['replication']} nodes, {nodes} alive")
         return name, cfg
 
-    async def _create(self, specs: list, internal: bool = False) -> list[dict]:
+    async def _create(self, specs: list, internal: bool = False) -> list[StreamMeta]:
         """Create all of ``specs`` or none of them, with one commit and one assign per broker.
 
         Every spec is checked before anything is recorded, with no await in between, so
@@ -329,11 +347,12 @@ class Coordinator(Membership, Service):
                                 bound=limits.MAX_BATCH_STREAMLETS, size=total)
         created = []
         now = time.time()
+        loads = self.loads()
         for name, cfg in checked.items():
             sid = self._take("next_stream_id")
-            owners = [[m.id, m.epoch] for m in self.spread(cfg["streamlets"], salt=sid)]
-            s = {"name": name, "id": sid, **cfg, "owners": owners, "created": now}
-            self.log.set(("streams", name), s)
+            owners = tuple([(m.id, m.epoch) for m in self.spread(cfg["streamlets"], sid, loads)])
+            s = self.streams[name] = StreamMeta(name=name, id=sid, **cfg, owners=owners, created=now)
+            self.log.set(("streams", name), s.to_wire())
             self.holdings.add(s)
             if not internal:
                 self.names.add(name)
@@ -341,19 +360,24 @@ class Coordinator(Membership, Service):
         await self.commit()
         await self._assign(created)
         if len(created) == 1:
-            log.info("created stream %s (id %d, %d streamlets)", created[0]["name"], created[0]["id"], total)
+            log.info("created stream %s (id %d, %d streamlets)", created[0].name, created[0].id, total)
         else:
-            log.info("created %d streams (ids %d-%d, %d streamlets)", len(created), created[0]["id"],
-                     created[-1]["id"], total)
+            log.info("created %d streams (ids %d-%d, %d streamlets)", len(created), created[0].id,
+                     created[-1].id, total)
         return created
 
-    def spread(self, n: int, salt: int = 0) -> list[Member]:
-        """n owners among live brokers, each time the least loaded (streamlets its
-        incarnation owns)."""
+    def loads(self) -> tuple[list[Member], dict[int, int]]:
+        """The live brokers and the streamlets each one's incarnation owns."""
         brokers = sorted((m for m in self.members["broker"].values() if m.alive), key=lambda m: m.id)
         if not brokers:
             raise NotEnoughBackups("no live broker")
-        load = {m.id: self.holdings.count((m.id, m.epoch)) for m in brokers}
+        return brokers, {m.id: self.holdings.count((m.id, m.epoch)) for m in brokers}
+
+    def spread(self, n: int, salt: int = 0, loads: tuple | None = None) -> list[Member]:
+        """n owners among live brokers, each time the least loaded (streamlets its
+        incarnation owns). ``loads``: those of ``loads()``, counted on by each call (a batch of
+        creates takes them once, not once per stream)."""
+        brokers, load = loads or self.loads()
         out = []
         for _i in range(n):
             m = min(brokers, key=lambda m: (load[m.id], (m.id + salt) % len(brokers)))
@@ -362,21 +386,22 @@ class Coordinator(Membership, Service):
         return out
 
     async def assign(self, m: Member, entries: list, recovering: bool = False, seal: bool = False) -> None:
-        """Tell ``m`` it owns ``entries`` ([[stream, [streamlet, ...]], ...]), in as few requests
-        as a frame allows. ``seal``: the recovery of these streamlets lost data; their groups
-        are closed."""
+        """Tell ``m`` it owns ``entries`` ([[StreamMeta, [streamlet, ...]], ...]), in as few
+        requests as a frame allows. ``seal``: the recovery of these streamlets lost data; their
+        groups are closed."""
         backups = self._live("backup")
         for part in _batches(entries):
-            await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": part, "recovering": recovering,
+            streams = [[self._wire(s), sl] for s, sl in part]
+            await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": streams, "recovering": recovering,
                                                     "seal": seal, "backups": backups}, timeout=10)
 
-    async def _assign(self, streams: list[dict]) -> None:
+    async def _assign(self, streams: list[StreamMeta]) -> None:
         """Tell each owner broker about its streamlets of ``streams``: one request per broker,
         all in parallel."""
         by_broker: dict[tuple, list] = {}
         for s in streams:
             mine: dict[tuple, list[int]] = {}
-            for i, (b, e) in enumerate(s["owners"]):
+            for i, (b, e) in enumerate(s.owners):
                 mine.setdefault((b, e), []).append(i)
             for key, sl in mine.items():
                 by_broker.setdefault(key, []).append([s, sl])
@@ -412,14 +437,16 @@ class Coordinator(Membership, Service):
                                 limit="MAX_LIST_PAGE", bound=limits.MAX_LIST_PAGE, size=limit)
         out: list[dict] = []
         streamlets = scanned = 0
+        last = None   # the name of out[-1]
         for name, match in self.names.scan(pattern, after):
             if match:
-                s = self.meta["streams"][name]
+                s = self.streams[name]
                 if out and (len(out) == limit
-                            or streamlets + s["streamlets"] > limits.MAX_LIST_PAGE_STREAMLETS):
-                    return {"streams": out, "next": out[-1]["name"]}
+                            or streamlets + s.streamlets > limits.MAX_LIST_PAGE_STREAMLETS):
+                    return {"streams": out, "next": last}
                 out.append(self._describe(s))
-                streamlets += s["streamlets"]
+                streamlets += s.streamlets
+                last = name
             scanned += 1
             if scanned == limits.MAX_LIST_SCAN:
                 return {"streams": out, "next": name}
@@ -436,33 +463,38 @@ class Coordinator(Membership, Service):
             raise InvalidArgument("metadata: pattern must be a string")
         out, missing = [], []
         for n in names:
-            s = self.meta["streams"].get(n)
+            s = self.streams.get(n)
             (out.append(self._describe(s)) if s else missing.append(n))
         if pattern:
             given = set(names)
-            out += [self._describe(self.meta["streams"][n]) for n, match in self.names.scan(pattern)
+            out += [self._describe(self.streams[n]) for n, match in self.names.scan(pattern)
                     if match and n not in given]
         return {"streams": out, "missing": missing}
 
     async def rpc_delete_stream(self, meta, payload):
         s = self._user_stream(meta.get("name"))
-        self.log.delete(("streams", s["name"]))
+        self.log.delete(("streams", s.name))
+        del self.streams[s.name]
         self.holdings.remove(s)
-        self.names.discard(s["name"])
-        await self.commit()
+        self.names.discard(s.name)
+        owners = self._deleting[s.id] = list(s.owners)
+        try:
+            await self.commit()
+        finally:
+            del self._deleting[s.id]
 
         async def one(bid, epoch):
             m = self.live_broker(bid, epoch)
             if m is not None:
                 try:
-                    await self.pool.call(m.addr, "unassign", {"stream_id": s["id"]}, timeout=10)
+                    await self.pool.call(m.addr, "unassign", {"stream_id": s.id}, timeout=10)
                 except KeraError as e:
                     log.warning("unassign on broker %d failed: %s", bid, e)
 
         async with trio.open_nursery() as n:
-            for bid, epoch in {tuple(o) for o in s["owners"]}:
+            for bid, epoch in set(owners):
                 n.start_soon(one, bid, epoch)
-        return {"deleted": s["name"]}
+        return {"deleted": s.name}
 
     async def rpc_alter_stream(self, meta, payload):
         """Change a stream's retention (``retention_bytes`` / ``retention_ms``) or compaction
@@ -470,26 +502,28 @@ class Coordinator(Membership, Service):
         persisted, then pushed to the brokers owning its streamlets, which apply it at their
         next pass. Refused as a whole if any value is invalid."""
         s = self._user_stream(meta.get("name"))
-        changes = {**_retention(meta), **_cleanup_policy(meta, s["groups"])}
+        changes = {**_retention(meta), **_cleanup_policy(meta, s.groups)}
         if not changes:
             raise InvalidArgument("alter_stream needs retention_bytes, retention_ms, cleanup_policy, "
                                   "delete_retention_ms and/or segment_ms")
         for key, v in changes.items():
-            self.log.set(("streams", s["name"], key), v)
+            self.log.set(("streams", s.name, key), v)
+        altered = self.streams[s.name] = s.altered(changes)
         await self.commit()
+        s = self._now(altered)   # moved meanwhile: its owners now
 
         async def one(bid, epoch):
             m = self.live_broker(bid, epoch)
             if m is not None:
                 try:
-                    await self.pool.call(m.addr, "configure", {"epoch": m.epoch, "stream": s}, timeout=10)
+                    await self.pool.call(m.addr, "configure", {"epoch": m.epoch, "stream": self._wire(s)}, timeout=10)
                 except KeraError as e:  # it gets the stream again with its next assign
                     log.warning("configure on broker %d failed: %s", bid, e)
 
         async with trio.open_nursery() as n:
-            for bid, epoch in {tuple(o) for o in s["owners"]}:
+            for bid, epoch in set(s.owners):
                 n.start_soon(one, bid, epoch)
-        log.info("stream %s: %s", s["name"], changes)
+        log.info("stream %s: %s", s.name, changes)
         return {"stream": self._describe(s)}
 
     async def rpc_producer_id(self, meta, payload):
@@ -502,7 +536,7 @@ class Coordinator(Membership, Service):
         """The internal stream consumer groups commit their positions to, created on first
         use (``kera.group_positions``): the coordinator never sees a commit."""
         async with self._creating:
-            s = self.meta["streams"].get(group_positions.NAME)
+            s = self.streams.get(group_positions.NAME)
             if s is None:
                 s, = await self._create([{"name": group_positions.NAME, **group_positions.SHAPE}],
                                         internal=True)
@@ -522,7 +556,7 @@ class Coordinator(Membership, Service):
                 standbys = await self.election.standbys()
         # streams by count only: their list is list_streams' job (it may be long)
         return {"brokers": members("broker"), "backups": members("backup"),
-                "streams": len(self.meta["streams"]), "recoveries": self.recovery.describe(),
+                "streams": len(self.streams), "recoveries": self.recovery.describe(),
                 "recovered": self.recovered.describe(),
                 "coordinators": {"leader": self.addr, "standbys": standbys, "store": self.metadata,
                                  "terms": self.terms}}
@@ -562,7 +596,7 @@ class Coordinator(Membership, Service):
                 continue
             self._begin_term(store)
             log.info("coordinator %s leads (term %d): %d streams", self.addr, self.terms,
-                     len(self.meta["streams"]))
+                     len(self.streams))
             try:
                 await self._lead(self.election.hold)
             except* NotLeader:

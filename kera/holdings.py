@@ -10,26 +10,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+from .stream_meta import StreamMeta
+
 Incarnation = tuple[int, int]       # (broker id, epoch)
 StreamletRef = tuple[str, int]      # (stream name, index)
 
 
 class Holdings:
-    def __init__(self, streams: Iterable[dict] = ()):
+    def __init__(self, streams: Iterable[StreamMeta] = ()):
         self._by: dict[Incarnation, dict[StreamletRef, None]] = {}   # insertion-ordered sets
         for s in streams:
             self.add(s)
 
-    def add(self, s: dict) -> None:
+    def add(self, s: StreamMeta) -> None:
         """Every streamlet of ``s`` under its recorded owner."""
-        for i, (b, e) in enumerate(s["owners"]):
-            self._by.setdefault((b, e), {})[(s["name"], i)] = None
+        for i, (b, e) in enumerate(s.owners):
+            self._by.setdefault((b, e), {})[(s.name, i)] = None
 
-    def remove(self, s: dict) -> None:
-        for i, (b, e) in enumerate(s["owners"]):
+    def remove(self, s: StreamMeta) -> None:
+        for i, (b, e) in enumerate(s.owners):
             held = self._by.get((b, e))
             if held is not None:
-                held.pop((s["name"], i), None)
+                held.pop((s.name, i), None)
                 if not held:
                     del self._by[(b, e)]
 

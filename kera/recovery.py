@@ -199,7 +199,7 @@ class RecoveryManager:
                 for b in backups:  # a backup that does not answer gets the fence when it registers
                     n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
         # 2. new owners, in recovering state
-        known = coord.meta["streams"]   # those deleted meanwhile are left out
+        known = coord.streams   # those deleted meanwhile are left out
         streams = {n: known[n] for n, _ in rec.streamlets if n in known}
         sls = [(n, i) for n, i in rec.streamlets if n in streams]
         targets = coord.spread(len(sls), salt=rec.broker)
@@ -260,7 +260,7 @@ class RecoveryManager:
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
             replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
-        routes = [[streams[n]["id"], i, m.addr, m.epoch] for (n, i), m in plan.items()]
+        routes = [[streams[n].id, i, m.addr, m.epoch] for (n, i), m in plan.items()]
         rec.vlogs = len(replay_plan.vlogs)
         rec.total = replay_plan.total_bytes
         replay_from: list = []
@@ -269,9 +269,8 @@ class RecoveryManager:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
             replay_from, settle = await repoint(self.coord.pool, rec, replay_plan, addrs, {
-                (streams[n]["id"], i): m for (n, i), m in plan.items()}, replayed={
-                (streams[n]["id"], i) for (n, i) in plan
-                if "compact" in streams[n].get("cleanup_policy", "delete")})
+                (streams[n].id, i): m for (n, i), m in plan.items()}, replayed={
+                (streams[n].id, i) for (n, i) in plan if streams[n].compacted})
 
         async def replay_vlog(vlog: int) -> None:
             while isinstance(step := replay_plan.next_step(vlog), Step):
@@ -354,7 +353,7 @@ class RecoveryManager:
 
     async def _unassign(self, m, entries: list) -> None:
         try:
-            await self._call(m.addr, "unassign", {"streams": [[s["id"], idx] for s, idx in entries]})
+            await self._call(m.addr, "unassign", {"streams": [[s.id, idx] for s, idx in entries]})
         except KeraError as e:
             log.info("unassign after a failed recovery: %s", e)
 

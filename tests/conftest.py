@@ -7,12 +7,23 @@ import socket
 import pytest
 
 from kera.cluster import LocalCluster
+from kera.stream_meta import StreamMeta
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stream_meta(**fields) -> StreamMeta:
+    """A stream's metadata for a broker part run in the test process: one streamlet on
+    broker 1, ``fields`` override."""
+    shape = {"name": "s", "id": 1, "streamlets": 1, "groups": 1, "replication": 1,
+             "segment_size": 1 << 20, "group_segments": 8}
+    shape.update(fields)
+    shape.setdefault("owners", ((1, 1),) * shape["streamlets"])
+    return StreamMeta(**shape)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from kera.coordinator import Coordinator
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
 from kera.rpc import open_pool
 
-from .conftest import free_port
+from .conftest import free_port, stream_meta
 from .damage import flip_bits
 
 pytestmark = pytest.mark.timeout(60)
@@ -751,7 +751,7 @@ async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owne
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             await nursery.start(coord.log.run)
-            coord.log.set(("streams", "s"), {"name": "s", "id": 1, "streamlets": 1, "owners": [[7, 1]]})
+            coord.log.set(("streams", "s"), stream_meta(owners=((7, 1),)).to_wire())
             coord.recovered.add(7, 1, [])
             coord.recovered.add(8, 1, [])
             assert coord.recovered.shown == 0

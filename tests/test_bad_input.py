@@ -10,6 +10,7 @@ import struct
 import pytest
 import trio
 from kera_client import ProduceError, open_admin, open_consumer, open_producer
+from kera_client.stream_view import StreamView
 
 from kera import chunk, frame
 from kera.errors import (
@@ -74,7 +75,7 @@ async def stored(coord) -> tuple[int, int, int]:
     return chunks, nbytes, n
 
 
-async def setup_good(coord) -> dict:
+async def setup_good(coord) -> StreamView:
     async with open_admin(coord) as a:
         s = await a.create_stream("good", streamlets=2, replication=2)
     async with open_producer(coord) as p:
@@ -86,7 +87,7 @@ async def setup_good(coord) -> dict:
 async def test_garbage_frames_are_refused_and_servers_keep_serving(cluster):
     coord = cluster.coordinator
     s = await setup_good(coord)
-    broker = s["addrs"][0]
+    broker = s.addrs[0]
     before = await stored(coord)
     assert before[2] == GOOD
     good = frame.encode(frame.REQUEST, 7, {"m": "list_streams"})
@@ -114,9 +115,9 @@ async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
     coord = cluster.coordinator
     s = await setup_good(coord)
     before = await stored(coord)
-    broker = s["addrs"][0]
+    broker = s.addrs[0]
     async with open_pool() as pool:
-        good = chunk.build(s["id"], 0, 999, 0, [b"x" * 50] * 3)
+        good = chunk.build(s.id, 0, 999, 0, [b"x" * 50] * 3)
         bad = bytearray(good)
         bad[-9] ^= 0x10  # a bit in the body: the body checksum no longer matches
         with pytest.raises(ChecksumError):
@@ -129,8 +130,8 @@ async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
                                chunk.build(424242, 0, 999, 0, [b"x"]), timeout=5)
         assert r["errors"] == [[0, "not_owner"]]
         # a pull for a streamlet this broker does not own: a typed error for that streamlet
-        other = 1 if s["addrs"][1] != broker else None
-        foreign = [[s["id"], other, 0, {}]] if other is not None else [[s["id"], 5, 0, {}]]
+        other = 1 if s.addrs[1] != broker else None
+        foreign = [[s.id, other, 0, {}]] if other is not None else [[s.id, 5, 0, {}]]
         r, _ = await pool.call(broker, "pull", {"streamlets": foreign + [[777, 0, 0, {}]]}, timeout=5)
         assert [e[2] for e in r["errors"]] == ["not_owner", "not_owner"] and r["entries"] == []
         # malformed pull requests
@@ -162,7 +163,7 @@ async def test_invalid_stream_names(cluster):
                 await a.create_stream(name)
         assert await a.list_streams() == []
         await a.create_stream("fine-name_1.0")
-        assert [s["name"] for s in await a.list_streams()] == ["fine-name_1.0"]
+        assert [s.name for s in await a.list_streams()] == ["fine-name_1.0"]
 
 
 async def test_invalid_stream_arguments(cluster):
@@ -191,7 +192,7 @@ async def test_many_garbage_connections_at_once(cluster):
             for i in range(50):
                 n.start_soon(junk, i)
     async with open_admin(coord) as a:
-        assert [s["name"] for s in await a.list_streams()] == ["good"]
+        assert [s.name for s in await a.list_streams()] == ["good"]
 
 
 async def test_memory_budget_refuses_with_a_typed_error(make_cluster):
@@ -207,7 +208,7 @@ async def test_memory_budget_refuses_with_a_typed_error(make_cluster):
     acked = p.acked
     assert 0 < acked < 5000
     async with open_pool() as pool:
-        st, _ = await pool.call(s["addrs"][0], "stats", {}, timeout=5)
+        st, _ = await pool.call(s.addrs[0], "stats", {}, timeout=5)
     assert st["memory"] <= st["memory_limit"] == 256 << 10
     async with open_consumer(["full"], coord) as c:
         assert len(await read_values(c, acked)) == acked
@@ -221,7 +222,7 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
     before = await stored(coord)
     async with open_admin(coord) as a:
         st = await a.status()
-    broker = next(b for b in st["brokers"] if b["addr"] == s["addrs"][0])
+    broker = next(b for b in st["brokers"] if b["addr"] == s.addrs[0])
     backup = next(b for b in st["backups"] if b["alive"])
     async with open_pool() as pool:
         async def code(addr, method, meta, payload=b""):
@@ -231,13 +232,20 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
 
         ep = broker["epoch"]
         assert await code(broker["addr"], "assign", {"epoch": ep, "streams": "x"}) == "invalid_argument"
-        assert await code(broker["addr"], "assign", {"epoch": ep, "stream": s, "streamlets": [0],
+        # a stream map that lacks a key or has one of the wrong type: refused before any is assigned
+        wire = s.to_wire()
+        partial = {k: v for k, v in wire.items() if k != "groups"}
+        assert await code(broker["addr"], "assign", {"epoch": ep, "streams": [[wire, [0]], [partial, [0]]]}) \
+            == "invalid_argument"
+        assert await code(broker["addr"], "configure", {"epoch": ep, "stream": {**wire, "id": "1"}}) \
+            == "invalid_argument"
+        assert await code(broker["addr"], "assign", {"epoch": ep, "stream": wire, "streamlets": [0],
                                                      "backups": [{"id": 1}]}) == "invalid_argument"
-        assert await code(broker["addr"], "assign", {"epoch": ep + 1000, "stream": s,
+        assert await code(broker["addr"], "assign", {"epoch": ep + 1000, "stream": wire,
                                                      "streamlets": [0]}) == "fenced"
         # a replayed chunk for a streamlet that is not being recovered here
         assert await code(broker["addr"], "recover", {"epoch": ep},
-                          chunk.build(s["id"], 0, 999, 0, [b"x"])) == "not_owner"
+                          chunk.build(s.id, 0, 999, 0, [b"x"])) == "not_owner"
         # a replicate past a copy's end says the copy's length; one of garbage bytes is refused
         key = {"broker": 4242, "epoch": 1, "vlog": 1 << 32, "vseg": 0}
         with pytest.raises(KeraError) as e:

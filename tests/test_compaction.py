@@ -19,6 +19,7 @@ from kera.broker.segment import Segment
 from kera.broker.streamlet import Streamlet
 from kera.errors import KeraError
 
+from .conftest import stream_meta
 from .workload import read_to_end
 
 KEYS, ROUNDS = 1000, 100
@@ -97,10 +98,8 @@ def test_a_pass_keeps_the_latest_per_key_and_positions():
 def test_retention_expires_only_streams_whose_policy_says_delete():
     """compact alone keeps every key's latest record whatever retention says (Kafka's
     meaning); compact,delete and delete expire by retention.bytes / retention.ms."""
-    shape = {"id": 1, "streamlets": 1, "groups": 1, "segment_size": 1 << 20, "group_segments": 8,
-             "retention_bytes": 100, "retention_ms": 1}
     for policy, kept in (("compact", True), ("compact,delete", False), ("delete", False)):
-        sl = Streamlet({**shape, "cleanup_policy": policy}, 0)
+        sl = Streamlet(stream_meta(retention_bytes=100, retention_ms=1, cleanup_policy=policy), 0)
         assert ((sl.retention_bytes, sl.retention_ms) == (-1, -1)) is kept, policy
 
 
@@ -193,7 +192,7 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
     async with open_admin(coord) as adm:
         s = await adm.create_stream("c", replication=3, segment_size=64 << 10, group_segments=4,
                                     cleanup_policy="compact", segment_ms=500)
-        assert (s["cleanup_policy"], s["segment_ms"]) == ("compact", 500)
+        assert (s.cleanup_policy, s.segment_ms) == ("compact", 500)
         for bad in ({"cleanup_policy": "shrink"}, {"cleanup.policy": 3}, {"delete_retention_ms": -5},
                     {"segment.ms": "soon"}, {"cleanup_policy": "compact", "groups": 2}):
             with pytest.raises(KeraError) as e:
@@ -204,8 +203,8 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
         await adm.create_stream("q", groups=2)
         with pytest.raises(KeraError, match="groups=1"):
             await adm.alter_stream("q", cleanup_policy="compact")
-        assert (await adm.describe_stream("q"))["cleanup_policy"] == "delete"
-        assert (await adm.describe_stream("c"))["cleanup_policy"] == "compact"
+        assert (await adm.describe_stream("q")).cleanup_policy == "delete"
+        assert (await adm.describe_stream("c")).cleanup_policy == "compact"
 
     with trio.fail_after(120):
         seen: dict = {}
@@ -251,7 +250,7 @@ async def test_compacted_stream_keeps_latest_values_through_readers_and_a_broker
     # kill -9 the owner: recovery replays the originals; they hold every latest value, and
     # the new owner compacts them again
     async with open_admin(coord) as adm:
-        owner = (await adm.describe_stream("c"))["addrs"][0]
+        owner = (await adm.describe_stream("c")).addrs[0]
     cluster.kill(next(n for n, a in cluster.addrs.items() if a == owner))
     with trio.fail_after(120):
         while True:

@@ -24,6 +24,7 @@ from kera.broker.streamlet import Streamlet
 from kera.errors import InvalidArgument
 from kera.rpc import open_pool
 
+from .conftest import stream_meta
 from .test_retention import SIZE, counters, produce, read_all, wait_for, wait_recovered
 from .workload import values
 
@@ -91,14 +92,14 @@ async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
     async with open_pool() as pool:
         r, _ = await pool.call(owner, "vsegs", {})
         copies = next(v[4] for v in r["vsegs"] if (v[0], v[1]) == (vlog, vseg))
-        s = {"id": 1 << 40, "name": "adopted", "streamlets": 1, "groups": 1, "replication": 3,
-             "segment_size": SEGMENT, "group_segments": GROUP_SEGMENTS}
+        s = stream_meta(id=1 << 40, name="adopted", replication=3, segment_size=SEGMENT,
+                        group_segments=GROUP_SEGMENTS)
         e = {"epoch": other["epoch"]}
         backups = [{k: b[k] for k in ("id", "addr", "node", "epoch")} for b in st["backups"]]
-        await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0], "recovering": True,
+        await pool.call(other["addr"], "assign", {**e, "stream": s.to_wire(), "streamlets": [0], "recovering": True,
                                                   "backups": backups})
         def run(n: int) -> index_chunk.SegmentIndex:
-            return index_chunk.SegmentIndex(s["id"], 0, 0, 0, src, vlog, np.array([[size, vseg, voff, 5, 0]] * n, "<u8"),
+            return index_chunk.SegmentIndex(s.id, 0, 0, 0, src, vlog, np.array([[size, vseg, voff, 5, 0]] * n, "<u8"),
                                             {vseg: copies}, [1] * n)
 
         r, _ = await pool.call(other["addr"], "adopt", e, parts=[index_chunk.build(run(2))])
@@ -108,9 +109,9 @@ async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
         r, _ = await pool.call(other["addr"], "adopt", e, parts=[data])
         assert r["adopted"] == 3   # the run's segments, held or adopted now
         assert (await pool.call(other["addr"], "stats", {}))[0]["chunks"] == before + 1  # one more
-        await pool.call(other["addr"], "assign", {**e, "stream": s, "streamlets": [0]})
+        await pool.call(other["addr"], "assign", {**e, "stream": s.to_wire(), "streamlets": [0]})
         r, _ = await pool.call(other["addr"], "produce", {"positions": True},
-                               parts=[chunk.build(s["id"], 0, 5, 1, [b"x" * 8])])
+                               parts=[chunk.build(s.id, 0, 5, 1, [b"x" * 8])])
         assert not r["errors"], r
         return r["placed"][0][1]
 
@@ -128,23 +129,23 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
             s = await a.create_stream("closing", streamlets=1, replication=3, segment_size=SEGMENT,
                                       group_segments=GROUP_SEGMENTS)
         await produce(c.coordinator, "closing", n, step=100)
-        owner = s["addrs"][0]
-        rows = await _index_rows(c, owner, s["id"])
+        owner = s.addrs[0]
+        rows = await _index_rows(c, owner, s.id)
         closed = _check_close_rows(rows)
         assert await _adopt_closed_last_segment(c, owner, rows) == 1
 
         async with open_pool() as pool:  # broker-only flags are refused, typed; the rest is served
             r, _ = await pool.call(owner, "stats", {})
             before = r["chunks"]
-            good = chunk.build(s["id"], 0, 99, 0, list(values(0, n, 1, SIZE)))
-            bad = [chunk.build(s["id"], 0, 98, 0, [b"x" * 8], flags=f)
+            good = chunk.build(s.id, 0, 99, 0, list(values(0, n, 1, SIZE)))
+            bad = [chunk.build(s.id, 0, 98, 0, [b"x" * 8], flags=f)
                    for f in (chunk.INDEX, chunk.CLOSE, chunk.COMPACTED, chunk.CLOSE | chunk.SEQ_RESET)]
             r, _ = await pool.call(owner, "produce", {"positions": True}, parts=[bad[0], good, *bad[1:]])
             assert sorted(r["errors"]) == [[i, InvalidArgument.code] for i in (0, 2, 3, 4)], r
             assert [p[0] for p in r["placed"]] == [1], r
             with pytest.raises(InvalidArgument):
                 await pool.call(owner, "append_if", {"expect": [0, 0]},
-                                parts=[chunk.build(s["id"], 0, 97, 0, [b"v"], keys=[b"k"], flags=chunk.CLOSE)])
+                                parts=[chunk.build(s.id, 0, 97, 0, [b"v"], keys=[b"k"], flags=chunk.CLOSE)])
             r, _ = await pool.call(owner, "stats", {})
             assert r["chunks"] == before + 1, "a refused chunk was stored"
 
@@ -166,9 +167,9 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
 
             await wait_for(all_read, "every record after the recovery", timeout=60, every=0)
         async with open_admin(c.coordinator) as a:
-            new_owner = (await a.describe_stream("closing"))["addrs"][0]
+            new_owner = (await a.describe_stream("closing")).addrs[0]
         # the replayed closes were appended again to the new owner's vlogs, as they stood
-        again = _check_close_rows(await _index_rows(c, new_owner, s["id"]))
+        again = _check_close_rows(await _index_rows(c, new_owner, s.id))
         return rec, closed, got, after, again
 
     rec, closed, got, after, again = trio.run(main)
@@ -186,8 +187,7 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
 def test_replayed_close_keeps_a_group_closed_without_a_successor():
     """The chunk that did not fit may be lost with its broker: the close chunk alone keeps
     the group closed, so a smaller chunk that would fit goes to a new group."""
-    stream = {"id": 1, "groups": 1, "segment_size": 1024, "group_segments": 1}
-    sl = Streamlet(stream, 0)
+    sl = Streamlet(stream_meta(segment_size=1024, group_segments=1), 0)
     sl.recovering = True
     c = bytearray(chunk.build(1, 0, 5, 0, [b"x" * 600]))
     chunk.place(c, 0, 0, 0, 0)

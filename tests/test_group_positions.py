@@ -62,8 +62,8 @@ async def test_positions_survive_a_broker_kill_and_a_whole_cluster_restart(make_
             assert await c.committed() == c.position()
         async with open_admin(coord) as a:
             ps = await a.describe_stream(gp.NAME)
-        assert ps["replication"] == 3 and ps["cleanup_policy"] == "compact"
-        owner = ps["addrs"][gp.streamlet_of("G", ps["streamlets"])]
+        assert ps.replication == 3 and ps.cleanup_policy == "compact"
+        owner = ps.addrs[gp.streamlet_of("G", ps.streamlets)]
         cluster.kill(next(n for n, a in cluster.addrs.items() if a == owner))   # the group's streamlet
 
         await send_and_flush(coord, ["p"], producer=1, n=50)
@@ -95,22 +95,22 @@ async def test_the_positions_stream_is_reserved_and_bad_input_is_refused(make_cl
             await c.commit()   # creates the internal stream
             for bad in ("", "x" * 250, 7):
                 with pytest.raises(InvalidArgument):
-                    await c._positions().commit(bad, c.position(), {"s": c.streams["s"]["id"]})
+                    await c._positions().commit(bad, c.position(), {"s": c.streams["s"].id})
         async with open_admin(coord) as a:
-            assert [s["name"] for s in await a.list_streams()] == ["s"]   # not listed, not a pattern's
+            assert [s.name for s in await a.list_streams()] == ["s"]   # not listed, not a pattern's
             assert [s["name"] for s in (await a.call("metadata", pattern="*"))["streams"]] == ["s"]
             for call in (lambda: a.delete_stream(gp.NAME), lambda: a.alter_stream(gp.NAME, 10, None),
                          lambda: a.create_stream(gp.NAME)):
                 with pytest.raises(InvalidName):
                     await call()
-            assert (await a.describe_stream(gp.NAME))["streamlets"] == gp.SHAPE["streamlets"]
+            assert (await a.describe_stream(gp.NAME)).streamlets == gp.SHAPE["streamlets"]
             for policy in ("compact", "delete", "compact,delete"):
                 s = await a.create_stream(f"c-{policy.replace(',', '-')}", replication=1,
                                           **{"cleanup.policy": policy})
-                assert s["cleanup_policy"] == policy
+                assert s.cleanup_policy == policy
             with pytest.raises(InvalidArgument):
                 await a.create_stream("c-bad", replication=1, cleanup_policy="shrink")
-            assert "c-bad" not in {s["name"] for s in await a.list_streams()}
+            assert "c-bad" not in {s.name for s in await a.list_streams()}
         async with open_consumer(["s"], coord, group="G") as c:   # the coordinator served on
             assert await c.committed() == c.position()
 

@@ -109,7 +109,7 @@ async def test_leader_killed_during_ingest(make_cluster):
           f"{ingest.sent * len(STREAMS)} records")
     async with open_admin(cluster.coordinator) as a:   # metadata changes work on the new leader
         await a.create_stream("after", streamlets=1, replication=3)
-        assert {s["name"] for s in await a.list_streams()} >= {*STREAMS, "after"}
+        assert {s.name for s in await a.list_streams()} >= {*STREAMS, "after"}
 
 
 async def test_etcd_killed_and_restarted(make_cluster):
@@ -148,7 +148,7 @@ async def test_metadata_survives_leader_changes(make_cluster):
         for _ in range(2):
             cluster.kill(await leader_name(cluster))
         async with open_admin(coord) as a:
-            assert [s["name"] for s in await a.list_streams()] == ["kept"]
+            assert [s.name for s in await a.list_streams()] == ["kept"]
         async with open_producer(coord) as p:
             await p.send_many("kept", values(2, 100, 50))
             await p.flush()

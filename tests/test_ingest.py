@@ -18,7 +18,7 @@ async def test_million_records_256_streams_4_producers(make_cluster):
     async with open_admin(coord) as a:
         for s in streams:
             await a.create_stream(s, streamlets=1)
-        owners = {(await a.describe_stream(s))["owners"][0][0] for s in streams[:12]}
+        owners = {(await a.describe_stream(s)).owners[0][0] for s in streams[:12]}
         assert len(owners) == 3, "streams are spread over the brokers"
     producers, per_pair = 4, 1_000_000 // (4 * 256) + 1
     with trio.fail_after(240):

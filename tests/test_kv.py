@@ -89,7 +89,7 @@ async def test_map_operations_versions_and_a_second_client(make_cluster):
             assert await b.items() == [(b"color", 1, b"again"), (b"size", 1, b"L")]
         async with open_admin(coord) as adm:
             s = await adm.describe_stream("m")
-            assert s["streamlets"] == 1 and s["groups"] == 1
+            assert s.streamlets == 1 and s.groups == 1
 
 
 async def test_bad_conditional_appends_are_refused_and_store_nothing(make_cluster):
@@ -100,7 +100,7 @@ async def test_bad_conditional_appends_are_refused_and_store_nothing(make_cluste
         async with open_kv("m", cluster.coordinator) as m:
             await m.put("k", "v")
             addr, s = m.log._owner()
-            sid = s["id"]
+            sid = s.id
             r, _ = await m.pool.call(addr, "tail", {"stream_id": sid, "streamlet": 0}, timeout=5)
             token = r["token"]
             one = chunk.build(sid, 0, 999, 0, [b"x"], [b"k"])
@@ -132,7 +132,7 @@ async def test_map_survives_a_broker_kill_without_losing_or_resurrecting(make_cl
                 await m.put(f"k{i}", f"v{i}")
             for i in range(10):
                 await m.delete(f"k{i}")
-            owner = m.reader.streams["m"]["addrs"][0]
+            owner = m.reader.streams["m"].addrs[0]
         name = next(n for n, a in cluster.addrs.items() if a == owner)
         cluster.kill(name)
         async with open_kv("m", coord) as m:
@@ -172,7 +172,7 @@ async def test_concurrent_clients_through_a_broker_kill_and_a_pause_are_lineariz
     killed and another broker paused. Every history is checked: it must be linearizable."""
     cluster = make_cluster(3)
     async with open_kv("lin", cluster.coordinator) as m:
-        owner = m.reader.streams["lin"]["addrs"][0]
+        owner = m.reader.streams["lin"].addrs[0]
     procs, outs = run_workers(cluster, "lin", 30, 8, tmp_path)
     victim = next(n for n, a in cluster.addrs.items() if a == owner)
     paused = next(n for n in ("node1-broker", "node2-broker", "node3-broker") if n != victim)
@@ -213,7 +213,7 @@ async def test_map_on_a_compacted_stream_stays_small_and_an_idle_client_rereads(
         async with open_kv("m", coord) as a, open_kv("m", coord) as idle:
             async with open_admin(coord) as adm:
                 s = await adm.describe_stream("m")
-                assert s["cleanup_policy"] == "compact"
+                assert s.cleanup_policy == "compact"
                 await adm.alter_stream("m", segment_ms=300, delete_retention_ms=300)
             for i in range(50):
                 for k in ("x", "y", "z"):

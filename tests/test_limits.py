@@ -19,6 +19,7 @@ from kera.broker.streamlet import Streamlet
 from kera.errors import FrameTooLarge, InvalidArgument, LimitExceeded, RecordTooLarge
 from kera.rpc import open_pool
 
+from .conftest import stream_meta
 from .workload import stream_values
 
 # -- one module --------------------------------------------------------------------------
@@ -101,14 +102,14 @@ def test_chunks_over_max_records_are_refused():
 
 
 def test_streamlet_refuses_chunks_over_its_segment_or_max_chunk():
-    small = Streamlet({"id": 1, "groups": 1, "segment_size": 8192, "group_segments": 2}, 0)
+    small = Streamlet(stream_meta(segment_size=8192, group_segments=2), 0)
     ok = chunk.build(1, 0, 1, 0, [b"v" * (chunk.record_room(8192) - 16)])
     assert len(ok) == 8192
     small.append(ok, 1)
     with pytest.raises(RecordTooLarge) as e:
         small.append(chunk.build(1, 0, 1, 1, [b"v" * 8192]), 1)
     assert e.value.limit == "segment_size" and e.value.bound == 8192
-    big = Streamlet({"id": 2, "groups": 1, "segment_size": 64 << 20, "group_segments": 2}, 0)
+    big = Streamlet(stream_meta(id=2, segment_size=64 << 20, group_segments=2), 0)
     with pytest.raises(RecordTooLarge) as e:
         big.append(bytes(limits.MAX_CHUNK + 8), 1)
     assert e.value.limit == "MAX_CHUNK" and e.value.bound == limits.MAX_CHUNK
@@ -156,7 +157,7 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
             with pytest.raises(LimitExceeded) as e:
                 await a.create_stream("refused", **bad)
             assert e.value.limit == limit and limit in str(e.value)
-        assert sorted(s["name"] for s in await a.list_streams()) == ["big", "other", "small"]
+        assert sorted(s.name for s in await a.list_streams()) == ["big", "other", "small"]
     record = b"x" * 40_000_000
     with trio.fail_after(60):
         async with open_producer(coord, **{"request.size": 1 << 40, "chunk.size": 1 << 40}) as p:
@@ -186,10 +187,10 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
 
         # a producer that does not check: the broker refuses those chunks only, typed
         async with open_pool() as pool:
-            parts = [chunk.build(small["id"], 0, 9999, 0, [b"z" * (70 << 10)]),
-                     chunk.build(small["id"], 0, 9998, 0, [b"fits"]),
-                     oversized_chunk(big["id"], 0, 9997, 0, limits.MAX_CHUNK + 4096)]
-            r, _ = await pool.call(big["addrs"][0], "produce", {"producer": 0}, parts=parts, timeout=30)
+            parts = [chunk.build(small.id, 0, 9999, 0, [b"z" * (70 << 10)]),
+                     chunk.build(small.id, 0, 9998, 0, [b"fits"]),
+                     oversized_chunk(big.id, 0, 9997, 0, limits.MAX_CHUNK + 4096)]
+            r, _ = await pool.call(big.addrs[0], "produce", {"producer": 0}, parts=parts, timeout=30)
             assert r["errors"] == [[0, "record_too_large"], [2, "record_too_large"]]
         assert await stream_values(coord, "small", 5) == [b"y" * (room - 16), b"s0", b"s1", b"s2", b"fits"]
         assert await stream_values(coord, "big", 2) == [b"before", b"after"]

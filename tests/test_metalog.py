@@ -255,7 +255,7 @@ async def _create(coord, names):
 
 async def _listed(coord) -> set:
     async with open_admin(coord) as a:
-        return {s["name"] for s in await a.list_streams()}
+        return {s.name for s in await a.list_streams()}
 
 
 @pytest.mark.parametrize("tail", [b"", b"KML1\x10\x00\x00\x00torn"])

@@ -8,9 +8,11 @@ from kera.broker.memory import MemoryBudget
 from kera.broker.streamlet import Streamlet
 from kera.errors import BrokerFull, DataLoss, KeraError, from_wire
 
+from .conftest import stream_meta
+
 pytestmark = pytest.mark.timeout(30)
 
-STREAM = {"id": 5, "groups": 2, "segment_size": 4096, "group_segments": 4}
+STREAM = stream_meta(id=5, streamlets=2, groups=2, segment_size=4096, group_segments=4)
 
 
 def test_place_in_order_then_duplicates_skipped():

@@ -22,12 +22,12 @@ from kera.broker.streamlet import Streamlet
 from kera.errors import OutOfOrderSequence
 from kera.rpc import open_pool
 
+from .conftest import stream_meta
 from .workload import stream_values
 
 
 def streamlet(segment_size: int = 4096, group_segments: int = 1) -> Streamlet:
-    return Streamlet({"id": 1, "groups": 1, "segment_size": segment_size,
-                      "group_segments": group_segments}, 0)
+    return Streamlet(stream_meta(segment_size=segment_size, group_segments=group_segments), 0)
 
 
 def offer(sl: Streamlet, seq: int, vlog="v", flags: int = 0, size: int = 8) -> str:
@@ -106,7 +106,7 @@ async def test_broker_takes_a_reset_and_never_stores_a_late_copy(make_cluster):
     coord = cluster.coordinator
     async with open_admin(coord) as a:
         s = await a.create_stream("rs", replication=1)
-    sid, broker = s["id"], s["addrs"][0]
+    sid, broker = s.id, s.addrs[0]
 
     def c(seq, flags=0):
         return chunk.build(sid, 0, 4242, seq, [b"seq%d" % seq], flags=flags)
@@ -143,7 +143,7 @@ async def test_producer_resyncs_after_a_delivery_timeout(make_cluster):
                 async with open_producer(coord, **opts) as p:
                     await p.send("rs", b"v0")
                     await p.flush()
-                    k = (p.streams["rs"]["id"], 0)
+                    k = (p.streams["rs"].id, 0)
                     cluster.kill("node1-broker", signal.SIGSTOP)
                     stopped = True
                     await p.send("rs", b"v1")                   # in a request the broker does not read yet
@@ -183,7 +183,7 @@ async def test_a_lingering_chunk_grows_while_its_streamlet_is_in_a_request(make_
             async with open_producer(coord, **{"chunk.size": 16384, "linger.ms": 1}) as p:
                 await p.send("lg", b"v0")
                 await p.flush()
-                k = (p.streams["lg"]["id"], 0)
+                k = (p.streams["lg"].id, 0)
                 cluster.kill("node1-broker", signal.SIGSTOP)
                 stopped = True
                 await p.send("lg", b"v1")

@@ -64,7 +64,7 @@ async def test_restarted_broker_is_fenced_and_serves_nothing_stale(make_cluster)
     async with open_admin(coord) as a:
         before = {s: await a.describe_stream(s) for s in streams}
     victim_addr = cluster.addrs["node3-broker"]
-    lost = [(d["id"], i) for d in before.values() for i, addr in enumerate(d["addrs"]) if addr == victim_addr]
+    lost = [(d.id, i) for d in before.values() for i, addr in enumerate(d.addrs) if addr == victim_addr]
     assert lost
     producers, per_pair = 3, 300
     with trio.fail_after(240):
@@ -79,10 +79,10 @@ async def test_restarted_broker_is_fenced_and_serves_nothing_stale(make_cluster)
                                    timeout=5)
         # it serves only what was recovered onto it, after the hand-over
         async with open_admin(coord) as a:
-            after = {d["id"]: d for d in [await a.describe_stream(s) for s in streams]}
+            after = {d.id: d for d in [await a.describe_stream(s) for s in streams]}
         served = {(e[0], e[1]) for e in r["entries"]}
         for sid, i in served:
-            assert after[sid]["addrs"][i] == new_addr, "served a streamlet it does not own"
+            assert after[sid].addrs[i] == new_addr, "served a streamlet it does not own"
         for _sid, _i, code in r["errors"]:
             assert code in ("not_owner", "recovering")
         ledger = await consume_all(coord, streams, producers * per_pair * len(streams))

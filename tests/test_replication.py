@@ -81,7 +81,7 @@ async def test_paused_backup_holds_acks_and_reads(make_cluster):
         async with open_producer(coord) as p:
             await p.send_many("paused", values(0, 0, 1000))
             await p.flush()
-        victim = await a_backup_holding(coord, s["addrs"][0])
+        victim = await a_backup_holding(coord, s.addrs[0])
         cluster.kill(victim, signal.SIGSTOP)
         try:
             async with open_consumer(["paused"], coord) as c:
@@ -94,7 +94,7 @@ async def test_paused_backup_holds_acks_and_reads(make_cluster):
                     # wait until the broker holds the new chunks, not yet replicated
                     async with open_pool() as pool:
                         while True:
-                            r, _ = await pool.call(s["addrs"][0], "stats", {}, timeout=5)
+                            r, _ = await pool.call(s.addrs[0], "stats", {}, timeout=5)
                             if sum(v["lag"] for v in r["vlogs"]) > 0:
                                 break
                             await trio.sleep(0.05)
@@ -218,7 +218,7 @@ async def test_one_replicate_rpc_per_backup_per_round_for_all_vlogs(make_cluster
             after = await broker_counts(coord)
         async with open_pool() as pool:
             holders = {}
-            for addr in set(s["addrs"]):
+            for addr in set(s.addrs):
                 v, _ = await pool.call(addr, "vsegs", {}, timeout=5)
                 holders[v["broker"]] = {b for row in v["vsegs"] for b in row[4]}
     for b, (req, rpcs, msgs) in after.items():

@@ -179,10 +179,10 @@ def test_retention_ms_and_delete_free_broker_memory_and_backup_files(make_cluste
         full_rss, full_disk = rss(broker_pid), disk_bytes(c)
         async with open_admin(c.coordinator) as a:
             s = await a.alter_stream("keep", retention_ms=500)
-            assert s["retention_ms"] == 500
+            assert s.retention_ms == 500
             with pytest.raises(InvalidArgument):
                 await a.alter_stream("keep", retention_ms=-5)
-            assert (await a.describe_stream("keep"))["retention_ms"] == 500  # nothing changed
+            assert (await a.describe_stream("keep")).retention_ms == 500  # nothing changed
 
         async def keep_expired():
             b = await memory()
@@ -279,7 +279,7 @@ def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_c
             return any(b["evictions"] and b["streams"] for b in stats)
 
         await wait_for(evicted, "the owner to evict part of the stream")
-        victim = next(name for name, addr in c.addrs.items() if addr == s["addrs"][0])
+        victim = next(name for name, addr in c.addrs.items() if addr == s.addrs[0])
         c.kill(victim)
         t0 = time.monotonic()
 
@@ -304,10 +304,10 @@ async def wait_recovered(c, s: dict, timeout: float) -> dict:
     async def recovered():
         async with open_admin(c.coordinator) as a:
             st = await a.status()
-            d = await a.describe_stream(s["name"])
-        victim_id = next(b["id"] for b in st["brokers"] if b["addr"] == s["addrs"][0])
+            d = await a.describe_stream(s.name)
+        victim_id = next(b["id"] for b in st["brokers"] if b["addr"] == s.addrs[0])
         done = [r for r in st["recoveries"] if r["state"] == "done" and r["broker"] == victim_id]
-        return done[0] if done and d["addrs"][0] not in (None, s["addrs"][0]) else None
+        return done[0] if done and d.addrs[0] not in (None, s.addrs[0]) else None
 
     return await wait_for(recovered, "the recovery of the killed broker", timeout=timeout)
 
@@ -321,7 +321,7 @@ async def _lose_owner_of_history(c, history: int, budget: int) -> tuple[dict, di
         s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
                                   group_segments=32, retention_bytes=n * SIZE)
     await produce(c.coordinator, "big", n, step=2000)
-    victim = next(name for name, addr in c.addrs.items() if addr == s["addrs"][0])
+    victim = next(name for name, addr in c.addrs.items() if addr == s.addrs[0])
 
     async def held():
         async with open_admin(c.coordinator) as a:
@@ -331,7 +331,7 @@ async def _lose_owner_of_history(c, history: int, budget: int) -> tuple[dict, di
 
     await wait_for(held, "the owner to evict all but its budget")
     async with open_admin(c.coordinator) as a:
-        dead = next(b["id"] for b in (await a.status())["brokers"] if b["addr"] == s["addrs"][0])
+        dead = next(b["id"] for b in (await a.status())["brokers"] if b["addr"] == s.addrs[0])
     c.kill(victim)
     return s, await wait_recovered(c, s, timeout=60), dead
 
@@ -413,7 +413,7 @@ def test_new_owner_killed_too_readopts_from_its_index_chunks(make_cluster, secon
                     return False
 
             await wait_for(back, "the brokers to rejoin the restarted coordinator")
-        c.kill(next(name for name, addr in c.addrs.items() if addr == s["addrs"][0]))
+        c.kill(next(name for name, addr in c.addrs.items() if addr == s.addrs[0]))
         second = await wait_recovered(c, s, timeout=60)
         got = await read_all(c.coordinator, ["big"], idle=2.0)
         return first, second, got["big"]
@@ -447,13 +447,13 @@ def test_retention_frees_adopted_segments_and_the_dead_brokers_files(make_cluste
         kept = len(files_of(dead))
         async with open_admin(c.coordinator) as a:
             d = await a.describe_stream("big")
-            owner = next(b for b in (await a.status())["brokers"] if b["addr"] == d["addrs"][0])
+            owner = next(b for b in (await a.status())["brokers"] if b["addr"] == d.addrs[0])
         async with open_pool() as pool:  # bad adoptions are refused, typed, and change nothing
             with pytest.raises(ProtocolError):
                 await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]}, parts=[b"\x00" * 96])
             with pytest.raises(NotOwner):  # a serving streamlet adopts nothing
                 await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]},
-                                parts=[chunk.build(s["id"], 0, 1, 0, [b"x" * 8], flags=chunk.INDEX)])
+                                parts=[chunk.build(s.id, 0, 1, 0, [b"x" * 8], flags=chunk.INDEX)])
             with pytest.raises(Fenced):  # nor does another incarnation's settle
                 await pool.call(owner["addr"], "settle", {"epoch": owner["epoch"] + 1})
             await pool.call(owner["addr"], "settle", {"epoch": owner["epoch"]})  # all settled
@@ -497,8 +497,8 @@ def test_backup_down_when_a_recovery_ends_lets_go_when_back(make_cluster, coordi
         s, _, a_id = await _lose_owner_of_history(c, history, budget)
         async with open_admin(c.coordinator) as adm:
             s = await adm.describe_stream("big")
-        b_node = node_of[s["addrs"][0]]
-        b_id = next(b["id"] for b in (await status())["brokers"] if b["addr"] == s["addrs"][0])
+        b_node = node_of[s.addrs[0]]
+        b_id = next(b["id"] for b in (await status())["brokers"] if b["addr"] == s.addrs[0])
         x = next(n for n in ("node1", "node2", "node3")   # neither A's node (dead) nor B's
                  if n != b_node and c.procs[f"{n}-broker"].poll() is None)
         x_dir = os.path.join(c.data, f"{x}-backup")
@@ -514,7 +514,7 @@ def test_backup_down_when_a_recovery_ends_lets_go_when_back(make_cluster, coordi
 
         assert files_of(a_id) and await claimed_on_x() > 0, "B claimed none of A's files on X"
         c.kill(f"{x}-backup")
-        c.kill(next(name for name, addr in c.addrs.items() if addr == s["addrs"][0]))
+        c.kill(next(name for name, addr in c.addrs.items() if addr == s.addrs[0]))
         rec = await wait_recovered(c, s, timeout=60)
         held = (len(files_of(a_id)), len(files_of(b_id)))
         assert sum(held), "X held nothing of A or B when it went down"

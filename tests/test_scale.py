@@ -26,8 +26,8 @@ async def first_unserved(coord) -> str | None:
     (a listing stops at the first such stream: cheap while recovery is still going on)."""
     async with open_admin(coord) as a:
         async for s in a.iter_streams():
-            if not all(s["addrs"]):
-                return s["name"]
+            if not all(s.addrs):
+                return s.name
     return None
 
 
@@ -70,8 +70,8 @@ async def test_100k_streams_survive_a_whole_cluster_restart(make_cluster):
         print(f"\n{STREAMS} streams: restart to serving {time.monotonic() - t0:.1f} s")
         async with open_admin(coord) as a:
             listed = await a.list_streams()
-            assert [s["name"] for s in listed] == names
-            assert all(s["streamlets"] == 1 and s["replication"] == 3 for s in listed)
+            assert [s.name for s in listed] == names
+            assert all(s.streamlets == 1 and s.replication == 3 for s in listed)
         async with open_consumer(data, coord, group="g") as c:
             assert await c.committed() == committed
         # the group goes on where it committed: producer 1's records, none of producer 0's again
@@ -86,10 +86,10 @@ async def test_listing_pages_with_patterns(make_cluster):
     with trio.fail_after(60):
         await create(coord, names, replication=1)
         async with open_admin(coord) as a:
-            assert [s["name"] for s in await a.list_streams()] == names
-            assert [s["name"] for s in await a.list_streams("q-*")] == ["q-1", "q-2"]
-            assert [s["name"] for s in await a.list_streams("*-1")] == ["q-1"]
-            assert [s["name"] async for s in a.iter_streams("p-*", page=100)] == names[:-2]
+            assert [s.name for s in await a.list_streams()] == names
+            assert [s.name for s in await a.list_streams("q-*")] == ["q-1", "q-2"]
+            assert [s.name for s in await a.list_streams("*-1")] == ["q-1"]
+            assert [s.name async for s in a.iter_streams("p-*", page=100)] == names[:-2]
             # a page: in order, from just after `after`, `next` where the following one starts
             r = await a.call("list_streams", pattern="p-*", after="p-00009", limit=5)
             assert [s["name"] for s in r["streams"]] == names[10:15] and r["next"] == "p-00014"

@@ -32,6 +32,8 @@ from kera_client.spark.io import align, latest, metadata, read_ranges  # noqa: E
 from kera import chunk as chunkfmt  # noqa: E402
 from kera.cluster import LocalCluster  # noqa: E402
 
+from .conftest import stream_meta  # noqa: E402
+
 
 def _wait(pred, timeout: float, what: str, step: float = 0.1):
     """Poll ``pred`` until it is true; fail after ``timeout`` seconds."""
@@ -146,9 +148,8 @@ def test_positions_offsets_admission_and_planning():
     assert Offsets.from_json(j).rebased({"a": 1, "b": 3}).positions == {}
 
     # admission: 100 streams x 1 streamlet, 1 group of 3.5 segments of 1000 bytes
-    meta = {f"s{i}": {"id": i, "streamlets": 1, "segment_size": 1000, "group_segments": 8}
-            for i in range(100)}
-    start = Offsets({n: m["id"] for n, m in meta.items()}, {})
+    meta = {f"s{i}": stream_meta(name=f"s{i}", id=i, segment_size=1000) for i in range(100)}
+    start = Offsets({n: m.id for n, m in meta.items()}, {})
     top = Offsets(start.streams, {(n, 0): (0, {0: P.pack(3, 500)}) for n in meta})
     assert P.estimate_bytes(start, top, meta) == 100 * 3500
     assert P.admit(start, top, meta, float("inf")) == (top, [])
@@ -177,7 +178,7 @@ def test_positions_offsets_admission_and_planning():
     parts = P.plan(rs, meta, partition_bytes=1 << 30, min_partitions=4, max_partitions=64)
     loads = [sum(r.nbytes for r in p) for p in parts]
     assert len(parts) == 4 and max(loads) - min(loads) <= 3500
-    big = {"big": {"id": 1, "streamlets": 1, "segment_size": 1000, "group_segments": 8}}
+    big = {"big": stream_meta(name="big", segment_size=1000)}
     rs = P.ranges(Offsets({"big": 1}), Offsets({"big": 1}, {("big", 0): (0, {0: P.pack(7, 900)})}), big)
     parts = P.plan(rs, big, partition_bytes=2000, min_partitions=1, max_partitions=64)
     assert len(parts) == 4
@@ -201,7 +202,7 @@ def test_read_stops_exactly_at_end_positions(cluster):
     meta = metadata(coord, ["cut-a"])
     end = latest(meta)
     start = Offsets(end.streams, {})
-    addrs = {n: s["addrs"] for n, s in meta.items()}
+    addrs = {n: s.addrs for n, s in meta.items()}
 
     def read(a, b):
         wires = [r.to_wire() for r in P.ranges(a, b, meta)]

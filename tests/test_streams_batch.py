@@ -37,13 +37,13 @@ async def test_two_thousand_streams_in_one_call_then_a_record_each_way(make_clus
             assert [c["name"] for c in created] == names
             assert len({c["id"] for c in created}) == 2000
             listed = await a.list_streams("b*")
-            assert [s["name"] for s in listed] == names
-            assert all(s["replication"] == 2 and all(s["addrs"]) for s in listed)
+            assert [s.name for s in listed] == names
+            assert all(s.replication == 2 and all(s.addrs) for s in listed)
             # both brokers got a share
-            assert len({s["addrs"][0] for s in listed}) == 2
+            assert len({s.addrs[0] for s in listed}) == 2
             mixed = await a.create_streams(["m1", {"name": "m2", "streamlets": 3}])
             assert [c["name"] for c in mixed] == ["m1", "m2"]
-            assert (await a.describe_stream("m2"))["streamlets"] == 3
+            assert (await a.describe_stream("m2")).streamlets == 3
         async with open_producer(cluster.coordinator) as p:
             for n in ("b00000", "b01999", "m2"):
                 await p.send(n, n.encode())
@@ -74,7 +74,7 @@ async def test_a_bad_entry_refuses_the_whole_batch_and_is_named(make_cluster):
                     await a.create_streams(batch)
                 assert e.value.index == index and e.value.stream == name
                 assert f"streams[{index}]" in str(e.value)
-                assert [s["name"] for s in await a.list_streams()] == ["taken"]
+                assert [s.name for s in await a.list_streams()] == ["taken"]
             # over the batch bounds: refused as a whole, typed, naming the limit
             with pytest.raises(LimitExceeded) as e:
                 await a.call("create_streams", streams=[{"name": f"x{i}"}
@@ -84,7 +84,7 @@ async def test_a_bad_entry_refuses_the_whole_batch_and_is_named(make_cluster):
                 await a.call("create_streams", streams=[{"name": f"y{i}", "streamlets": limits.MAX_STREAMLETS}
                                                         for i in range(17)])
             assert e.value.limit == "MAX_BATCH_STREAMLETS"
-            assert [s["name"] for s in await a.list_streams()] == ["taken"]
+            assert [s.name for s in await a.list_streams()] == ["taken"]
             # the client splits what is over the bounds into several requests
             created = await a.create_streams([f"z{i:05d}" for i in range(limits.MAX_BATCH_STREAMS + 5)],
                                              streamlets=1)

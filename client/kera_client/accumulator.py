@@ -30,6 +30,7 @@ from kera.limits import MAX_CHUNK
 
 from .delivery import Pending
 from .partitioner import RoundRobin, key_streamlet
+from .stream_view import StreamView
 
 
 class Outgoing:
@@ -141,29 +142,29 @@ class Accumulator:
     def _wake_now(self) -> None:
         self._wake.set()  # the event current when this runs, not when it was scheduled
 
-    def _too_large(self, s: dict, n: int, what: str) -> RecordTooLarge:
-        seg = s["segment_size"]
+    def _too_large(self, s: StreamView, n: int, what: str) -> RecordTooLarge:
+        seg = s.segment_size
         bound = min(MAX_CHUNK, seg)
         size = chunkfmt.chunk_size(1, n - 16)
         return RecordTooLarge(
             f"{what} of {n - 16} bytes (key and value) needs a chunk of {size} bytes; stream "
-            f"{s['name']!r} takes chunks of at most {bound} bytes (the smaller of MAX_CHUNK, {MAX_CHUNK}, "
+            f"{s.name!r} takes chunks of at most {bound} bytes (the smaller of MAX_CHUNK, {MAX_CHUNK}, "
             f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
             bound=bound, size=size)
 
-    def _batch(self, s: dict, key) -> Outgoing:
+    def _batch(self, s: StreamView, key) -> Outgoing:
         if key is None or not self.by_key:
-            b = self.sticky.get(s["id"])
+            b = self.sticky.get(s.id)
             if b is None:
-                n = s["streamlets"]
-                b = self._open(s, self.rr.streamlet(s["id"], n) if n > 1 else 0, n)
+                n = s.streamlets
+                b = self._open(s, self.rr.streamlet(s.id, n) if n > 1 else 0, n)
         else:
-            b = self.batches.get((s["id"], key_streamlet(key, s["streamlets"])))
+            b = self.batches.get((s.id, key_streamlet(key, s.streamlets)))
             if b is None:
-                b = self._open(s, key_streamlet(key, s["streamlets"]), 0)
+                b = self._open(s, key_streamlet(key, s.streamlets), 0)
         return b
 
-    def _append(self, s: dict, value: bytes, key, timestamp, cb=None) -> None:
+    def _append(self, s: StreamView, value: bytes, key, timestamp, cb=None) -> None:
         """Add one record to its streamlet's open chunk (caller holds the lock).
 
         The hot path of ``send``: a few attribute and dict operations, no
@@ -177,13 +178,13 @@ class Accumulator:
         if timestamp is not None and type(timestamp) is not int:
             raise TypeError(f"a record's timestamp is int milliseconds, not {type(timestamp).__name__}")
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
-        room = self.room[s["id"]]
+        room = self.room[s.id]
         if n > room:
             if cb is None:
                 raise self._too_large(s, n, "record")
-            self.delivery.refused(s["name"], key, value, cb, self._too_large(s, n, "record"))
+            self.delivery.refused(s.name, key, value, cb, self._too_large(s, n, "record"))
             return
-        b = self.sticky.get(s["id"]) if key is None or not self.by_key else None
+        b = self.sticky.get(s.id) if key is None or not self.by_key else None
         if b is None:
             b = self._batch(s, key)
         if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
@@ -212,16 +213,16 @@ class Accumulator:
             if not self._woken:
                 self._notify()
 
-    def _open(self, s: dict, streamlet: int, sticky: int) -> Outgoing:
+    def _open(self, s: StreamView, streamlet: int, sticky: int) -> Outgoing:
         now = time.monotonic()
-        k = (s["id"], streamlet)
+        k = (s.id, streamlet)
         old = self.batches.get(k)
         if old is not None:  # a keyed chunk open where round-robin put a keyless record: it leaves
             self._seal(old)  # first (replaced, it would be sealed by nothing and lost)
             self._notify()
         b = self.batches[k] = Outgoing(k, now, now + self.linger, sticky)
         if sticky:
-            self.sticky[s["id"]] = b
+            self.sticky[s.id] = b
         self.linger_q.append(b)  # open chunks, oldest deadline first
         if len(self.linger_q) == 1:
             self._notify()

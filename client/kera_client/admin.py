@@ -11,6 +11,7 @@ from kera.errors import KeraError
 from kera.rpc import open_pool
 
 from .portal import Synced
+from .stream_view import StreamView
 
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
 
@@ -38,10 +39,10 @@ class AsyncAdmin:
         return r
 
     async def create_stream(self, name: str, streamlets: int | None = None, groups: int | None = None,
-                            replication: int | None = None, vlogs: str | None = None, **extra) -> dict:
+                            replication: int | None = None, vlogs: str | None = None, **extra) -> StreamView:
         r = await self.call("create_stream", name=name, streamlets=streamlets, groups=groups,
                             replication=replication, vlogs=vlogs, **extra)
-        return r["stream"]
+        return StreamView.from_wire(r["stream"])
 
     async def create_streams(self, streams: list, **defaults) -> list[dict]:
         """Many streams, each a name or a spec like ``create_stream``'s arguments
@@ -80,14 +81,14 @@ class AsyncAdmin:
         return out
 
     async def alter_stream(self, name: str, retention_bytes: int | None = None,
-                           retention_ms: int | None = None, **settings) -> dict:
+                           retention_ms: int | None = None, **settings) -> StreamView:
         """Change a stream's retention (Kafka's retention.bytes / retention.ms; -1 unbounded)
         or compaction (``cleanup_policy``, ``delete_retention_ms``, ``segment_ms``)."""
         extra = {k: v for k, v in (("retention_bytes", retention_bytes),
                                    ("retention_ms", retention_ms), *settings.items()) if v is not None}
-        return (await self.call("alter_stream", name=name, **extra))["stream"]
+        return StreamView.from_wire((await self.call("alter_stream", name=name, **extra))["stream"])
 
-    async def list_streams(self, pattern: str | None = None) -> list[dict]:
+    async def list_streams(self, pattern: str | None = None) -> list[StreamView]:
         """Every stream matching ``pattern`` (fnmatch; all if None), in name order."""
         return [s async for s in self.iter_streams(pattern)]
 
@@ -98,13 +99,13 @@ class AsyncAdmin:
         while True:
             r = await self.call("list_streams", pattern=pattern, after=after, limit=page)
             for s in r["streams"]:
-                yield s
+                yield StreamView.from_wire(s)
             after = r.get("next")
             if after is None:
                 return
 
-    async def describe_stream(self, name: str) -> dict:
-        return (await self.call("describe_stream", name=name))["stream"]
+    async def describe_stream(self, name: str) -> StreamView:
+        return StreamView.from_wire((await self.call("describe_stream", name=name))["stream"])
 
     async def delete_stream(self, name: str) -> None:
         await self.call("delete_stream", name=name)

@@ -92,7 +92,7 @@ class Columnar:
         size = np.diff(voff) + 16
         if koff is not None:
             size += np.diff(koff)
-        room = self.room[s["id"]]
+        room = self.room[s.id]
         big = int(np.argmax(size))
         if int(size[big]) > room:  # refused before any of them leaves
             raise self._too_large(s, int(size[big]), f"record {big} of {n}")
@@ -122,10 +122,10 @@ class Columnar:
             while self.buffered >= self.buffer_memory:
                 await self._progress.wait()
             with self.lock:
-                sl = streamlet if streamlet is not None else self.rr.streamlet(s["id"], s["streamlets"])
+                sl = streamlet if streamlet is not None else self.rr.streamlet(s.id, s.streamlets)
                 if streamlet is None:
-                    self.rr.sealed(s["id"], s["streamlets"])
-                k = (s["id"], sl)
+                    self.rr.sealed(s.id, s.streamlets)
+                k = (s.id, sl)
                 seq = self.seq.get(k, 0)
                 data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, ts[a:b], ko,
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])

@@ -34,6 +34,7 @@ from kera.rpc import open_pool, unwrapped
 
 from .admin import default_coordinator, suspect
 from .portal import Synced
+from .stream_view import StreamView
 
 Record = namedtuple("Record", "stream streamlet key value timestamp")
 
@@ -108,8 +109,8 @@ class AsyncConsumer:
         self._committer = positions
         self.max_bytes = max_bytes
         self.max_wait_ms = max_wait_ms
-        self.streams: dict[str, dict] = {}
-        self.by_id: dict[int, dict] = {}
+        self.streams: dict[str, StreamView] = {}
+        self.by_id: dict[int, StreamView] = {}
         self.positions: dict[tuple, dict] = {}  # (name, streamlet) -> position
         self.records_read = 0
         self._meta_at = 0.0
@@ -122,11 +123,12 @@ class AsyncConsumer:
         if r.get("missing"):
             raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
         new = []
-        for s in r["streams"]:
-            if s["name"] not in self.streams:
+        for d in r["streams"]:
+            s = StreamView.from_wire(d)
+            if s.name not in self.streams:
                 new.append(s)
-            self.streams[s["name"]] = s
-            self.by_id[s["id"]] = s
+            self.streams[s.name] = s
+            self.by_id[s.id] = s
         if new:
             await self._init_positions(new)
 
@@ -134,31 +136,31 @@ class AsyncConsumer:
         saved = await self.committed() if self.group else {}
         latest = []
         for s in streams:
-            for i in (range(s["streamlets"]) if self.only is None else self.only):
-                key = f"{s['name']}/{i}"
-                if isinstance(self.start, dict) and (s["name"], i) in self.start:
-                    self.positions[(s["name"], i)] = _copy(self.start[(s["name"], i)])
+            for i in (range(s.streamlets) if self.only is None else self.only):
+                key = f"{s.name}/{i}"
+                if isinstance(self.start, dict) and (s.name, i) in self.start:
+                    self.positions[(s.name, i)] = _copy(self.start[(s.name, i)])
                 elif key in saved:
                     p = saved[key]
-                    self.positions[(s["name"], i)] = {"low": p["low"],
+                    self.positions[(s.name, i)] = {"low": p["low"],
                                                       "groups": {int(g): v for g, v in p["groups"].items()}}
                     for g, (pos, k) in (p.get("skip") or {}).items():
-                        self._skips[(s["name"], i, int(g))] = (pos, k)
+                        self._skips[(s.name, i, int(g))] = (pos, k)
                 elif self.start == "latest":
                     latest.append((s, i))
                 else:
-                    self.positions[(s["name"], i)] = {"low": 0, "groups": {}}
+                    self.positions[(s.name, i)] = {"low": 0, "groups": {}}
         if latest:
             by_addr: dict[str, list] = {}
             for s, i in latest:
-                if s["addrs"][i] is None:  # being recovered: its end is not known yet
-                    raise Unavailable(f"stream {s['name']} streamlet {i} has no live owner; "
+                if s.addrs[i] is None:  # being recovered: its end is not known yet
+                    raise Unavailable(f"stream {s.name} streamlet {i} has no live owner; "
                                       f"its latest position is not known yet")
-                by_addr.setdefault(s["addrs"][i], []).append([s["id"], i])
+                by_addr.setdefault(s.addrs[i], []).append([s.id, i])
             for addr, sls in by_addr.items():
                 r, _ = await self.pool.call(addr, "offsets", {"streamlets": sls}, timeout=30)
                 for sid, i, low, pos in r["offsets"]:
-                    self.positions[(self.by_id[sid]["name"], i)] = {"low": low, "groups": dict(pos)}
+                    self.positions[(self.by_id[sid].name, i)] = {"low": low, "groups": dict(pos)}
 
     def position(self) -> dict:
         """Current positions, JSON-friendly: ``{"stream/streamlet": {"low", "groups"}}``, with
@@ -202,11 +204,11 @@ class AsyncConsumer:
     async def commit(self) -> None:
         """Store the current positions as the group's; returns once they are durable."""
         await self._positions().commit(self.group, self.position(),
-                                       {n: s["id"] for n, s in self.streams.items()})
+                                       {n: s.id for n, s in self.streams.items()})
 
     async def committed(self) -> dict:
         """The group's last committed positions of this consumer's streams (``position``'s shape)."""
-        return await self._positions().fetch(self.group, {n: s["id"] for n, s in self.streams.items()})
+        return await self._positions().fetch(self.group, {n: s.id for n, s in self.streams.items()})
 
     async def poll_chunks(self, timeout: float = 1.0) -> list[Chunk]:
         """Chunks after the current positions, from every broker at once (zero-copy views)."""
@@ -218,11 +220,11 @@ class AsyncConsumer:
             stale = [False]  # some streamlet has no live owner, or a broker refused: ask again
             for (name, i), p in self.positions.items():
                 s = self.streams[name]
-                addr = s["addrs"][i]
+                addr = s.addrs[i]
                 if addr is None:
                     stale[0] = True
                 else:
-                    by_addr.setdefault(addr, []).append([s["id"], i, p["low"], p["groups"]])
+                    by_addr.setdefault(addr, []).append([s.id, i, p["low"], p["groups"]])
             out: list[Chunk] = []
             wait = max(0, int((deadline - trio.current_time()) * 1000))
             async with trio.open_nursery() as n:
@@ -264,16 +266,16 @@ class AsyncConsumer:
         s = self.by_id.get(sid)
         if s is None:
             return
-        p = self.positions[(s["name"], i)]
+        p = self.positions[(s.name, i)]
         if self.auto_offset_reset == "none":
-            self._out_of_range = OutOfRange(f"stream {s['name']} streamlet {i}: position {p} is "
+            self._out_of_range = OutOfRange(f"stream {s.name} streamlet {i}: position {p} is "
                                             f"before the retained data")
             return
         self.resets += 1
         if self.auto_offset_reset == "latest":
-            r, _ = await self.pool.call(s["addrs"][i], "offsets", {"streamlets": [[sid, i]]}, timeout=30)
+            r, _ = await self.pool.call(s.addrs[i], "offsets", {"streamlets": [[sid, i]]}, timeout=30)
             for _, _, low, pos in r["offsets"]:
-                self.positions[(s["name"], i)] = {"low": low, "groups": dict(pos)}
+                self.positions[(s.name, i)] = {"low": low, "groups": dict(pos)}
             return
         held = {int(g): v for g, v in starts["groups"].items()}
         for g, v in list(p["groups"].items()):
@@ -292,7 +294,7 @@ class AsyncConsumer:
             if s is None:
                 at += n
                 continue
-            p = self.positions[(s["name"], i)]
+            p = self.positions[(s.name, i)]
             if n:
                 buf = payload[at:at + n]
                 at += n
@@ -302,12 +304,12 @@ class AsyncConsumer:
                     pos = pack(h.segment, h.offset)
                     view = chunkfmt.ChunkView(buf, o, h)
                     skip = 0
-                    sk = self._skips.get((s["name"], i, gid))
+                    sk = self._skips.get((s.name, i, gid))
                     if sk is not None and sk[0] == pos:
                         skip = chunkfmt.skip_in(view, sk[1])
-                        del self._skips[(s["name"], i, gid)]
+                        del self._skips[(s.name, i, gid)]
                     if skip < h.record_count:
-                        out.append(Chunk(s["name"], i, gid, pos, view, skip))
+                        out.append(Chunk(s.name, i, gid, pos, view, skip))
                     self.records_read += h.record_count - skip
             p["groups"][gid] = nxt
             _compact(p)

@@ -18,6 +18,7 @@ from kera import group_positions as gp
 from kera.coordinator_link import CoordinatorLink
 from kera.limits import MAX_CHUNK
 
+from .stream_view import StreamView
 from .streamlet_log import StreamletLog
 
 
@@ -46,7 +47,7 @@ class GroupPositions:
 
     def __init__(self, pool, coordinator, timeout: float = 30.0):
         self.pool, self.coordinator, self.timeout = pool, coordinator, timeout
-        self.stream: dict | None = None
+        self.stream: StreamView | None = None
         self.streamlets: dict[int, _Streamlet] = {}
         self._opening = trio.Lock()
 
@@ -56,8 +57,8 @@ class GroupPositions:
             if self.stream is None:
                 r, _ = await CoordinatorLink(self.pool, self.coordinator).call(
                     "positions_stream", {}, timeout=self.timeout)
-                self.stream = r["stream"]
-            i = gp.streamlet_of(group, self.stream["streamlets"])
+                self.stream = StreamView.from_wire(r["stream"])
+            i = gp.streamlet_of(group, self.stream.streamlets)
             sl = self.streamlets.get(i)
             if sl is None:
                 log = StreamletLog(self.pool, self.coordinator, gp.NAME, i, self.timeout)
@@ -87,7 +88,7 @@ class GroupPositions:
 
     async def _append(self, log: StreamletLog, keys: list[bytes], values: list[bytes]) -> None:
         """In chunks that fit the stream (one, unless the records are very many)."""
-        room = chunkfmt.record_room(min(MAX_CHUNK, self.stream["segment_size"]))
+        room = chunkfmt.record_room(min(MAX_CHUNK, self.stream.segment_size))
         start, size = 0, 0
         for j, (k, v) in enumerate(zip(keys, values, strict=True)):
             n = 16 + len(k) + len(v)

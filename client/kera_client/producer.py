@@ -53,6 +53,7 @@ from .delivery import Deliveries
 from .portal import Portal
 from .producer_config import DEFAULTS, producer_config
 from .sender import RETRIABLE, ProduceError, Sender
+from .stream_view import StreamView
 
 __all__ = ["DEFAULTS", "RETRIABLE", "AsyncProducer", "ProduceError", "Producer", "open_producer"]
 
@@ -66,8 +67,8 @@ class AsyncProducer(Accumulator, Columnar, Sender):
         self.coordinator = CoordinatorLink(pool, coordinator)
         self.cfg = cfg
         self.producer_id = 0
-        self.streams: dict[str, dict] = {}
-        self.by_id: dict[int, dict] = {}
+        self.streams: dict[str, StreamView] = {}
+        self.by_id: dict[int, StreamView] = {}
         self.room: dict[int, int] = {}         # stream id -> record bytes one chunk holds
         # shared by the accumulating side (any thread) and the sender (the loop), under lock
         self.ready: dict[tuple, deque] = {}    # streamlet -> sealed chunks, in sequence order
@@ -86,10 +87,11 @@ class AsyncProducer(Accumulator, Columnar, Sender):
         r, _ = await self.coordinator.call("metadata", {"names": list(names)},
                                     timeout=self.request_timeout)
         with self.lock:
-            for s in r["streams"]:
-                self.streams[s["name"]] = s
-                self.by_id[s["id"]] = s
-                self.room[s["id"]] = chunkfmt.record_room(min(MAX_CHUNK, s["segment_size"]))
+            for d in r["streams"]:
+                s = StreamView.from_wire(d)
+                self.streams[s.name] = s
+                self.by_id[s.id] = s
+                self.room[s.id] = chunkfmt.record_room(min(MAX_CHUNK, s.segment_size))
         if r.get("missing"):
             e = UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
             e.missing = r["missing"]
@@ -99,7 +101,7 @@ class AsyncProducer(Accumulator, Columnar, Sender):
         """Fetch where many streams live in one call (else each first send asks alone)."""
         await self._load([n for n in names if n not in self.streams])
 
-    async def stream(self, name: str) -> dict:
+    async def stream(self, name: str) -> StreamView:
         s = self.streams.get(name)
         if s is None:
             await self._load([name])

@@ -85,10 +85,10 @@ class Sender:
                     next_retry = min(next_retry, t)
                     continue
                 s = self.by_id.get(k[0])
-                addr = s["addrs"][k[1]] if s is not None else None
+                addr = s.addrs[k[1]] if s is not None else None
                 if addr is None:
                     if s is not None:
-                        self.stale.add(s["name"])
+                        self.stale.add(s.name)
                     while q and now - q[0].created > self.delivery_timeout:  # no owner for too long
                         self._give_up([q.popleft()], TIMEOUT)
                     self.retry_at[k] = now + 0.05
@@ -166,7 +166,7 @@ class Sender:
         with self.lock:
             for k in list(self.ready):
                 s = self.by_id.get(k[0])
-                if s is not None and s["name"] in names and k not in self.inflight_keys:
+                if s is not None and s.name in names and k not in self.inflight_keys:
                     self._give_up(list(self.ready.pop(k)), UnknownStream.code)
             for name in names:
                 self.streams.pop(name, None)
@@ -208,7 +208,7 @@ class Sender:
                     charged += c.charged
                     latency(now - c.created)
                     if c.reports is not None:
-                        self.delivery.settle(c, self.by_id[c.key[0]]["name"], None, where.get(i))
+                        self.delivery.settle(c, self.by_id[c.key[0]].name, None, where.get(i))
                 elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
                     if c.data is not None and len(c.data) != c.size:
                         c.data, c.start = bytes(c.chunk()), 0   # keep its bytes, not its request's
@@ -224,7 +224,7 @@ class Sender:
                 self.retry_at[k] = now + 0.1
                 s = self.by_id.get(k[0])
                 if s is not None:
-                    self.stale.add(s["name"])
+                    self.stale.add(s.name)
             self.space.notify_all()
         self.delivery.hand()
         self._progress.set()
@@ -242,7 +242,7 @@ class Sender:
             if c.seq > gaps.get(c.key, -1):
                 gaps[c.key] = c.seq
             if c.reports is not None:
-                self.delivery.settle(c, self.by_id[c.key[0]]["name"], why)
+                self.delivery.settle(c, self.by_id[c.key[0]].name, why)
             else:
                 self.delivery.failed_silently(c, why)
         self.space.notify_all()

@@ -63,7 +63,7 @@ class StreamletLog:
 
     def _owner(self) -> tuple[str | None, dict]:
         s = self.reader.streams[self.name]
-        return s["addrs"][self.streamlet], s
+        return s.addrs[self.streamlet], s
 
     async def sync(self, fold) -> list:
         """Read to the durable end as of now, ``fold(chunk)`` for each new chunk; returns the
@@ -74,7 +74,7 @@ class StreamletLog:
             try:
                 if addr is None:
                     raise Unavailable(f"stream {self.name} streamlet {self.streamlet} has no live owner yet")
-                r, _ = await self.pool.call(addr, "tail", {"stream_id": s["id"], "streamlet": self.streamlet},
+                r, _ = await self.pool.call(addr, "tail", {"stream_id": s.id, "streamlet": self.streamlet},
                                             timeout=max(0.1, deadline - trio.current_time()))
                 break
             except KeraError as e:
@@ -110,7 +110,7 @@ class StreamletLog:
             r, _ = await self.reader.coordinator.call("producer_id", {}, timeout=self.timeout)
             self.producer_id = r["id"]
         addr, s = self._owner()
-        data = chunkfmt.build(s["id"], self.streamlet, self.producer_id, self.sequence, values, keys,
+        data = chunkfmt.build(s.id, self.streamlet, self.producer_id, self.sequence, values, keys,
                               flags=chunkfmt.SEQ_RESET if self._unsure else 0)
         try:
             while True:

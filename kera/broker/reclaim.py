@@ -81,9 +81,9 @@ class Reclaim:
             evicted = sum(s.head for g in sl.groups.values() for s in g.segments[g.start:] if s.evicted)
             e = out.get(sid)
             if e is None:
-                s = self.streams.get(sid) or {}
-                e = out[sid] = {"name": s.get("name"), "retention_bytes": s.get("retention_bytes", -1),
-                                "retention_ms": s.get("retention_ms", -1),
+                s = self.streams.get(sid)
+                e = out[sid] = {"name": s and s.name, "retention_bytes": s.retention_bytes if s else -1,
+                                "retention_ms": s.retention_ms if s else -1,
                                 "retained": 0, "evicted": 0, "freed": 0, "starts": {}}
             e["retained"] += held
             e["evicted"] += evicted

@@ -33,6 +33,7 @@ from ..errors import (
     Unavailable,
 )
 from ..rpc import Later, Pool, Service
+from ..stream_meta import StreamMeta
 from ..vlog import BackupSet, VirtualLog, VlogMapping
 from .adopted import Claims
 from .compactor import Compactor
@@ -71,7 +72,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.broker_id: int | None = ident.get("id")
         self.epoch = 0
         self.addr = ""
-        self.streams: dict[int, dict] = {}
+        self.streams: dict[int, StreamMeta] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
         self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
         self.vlogs: dict[tuple, Replicator] = {}
@@ -103,7 +104,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             raise Unavailable(f"backup {backup_id} is not alive")
         return b["addr"]
 
-    def vlog_for(self, stream: dict, streamlet: int, g) -> Replicator:
+    def vlog_for(self, stream: StreamMeta, streamlet: int, g) -> Replicator:
         """The group's virtual log (chosen on its first chunk, then cached on it)."""
         if g.vlog is not None:
             return g.vlog
@@ -112,7 +113,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         if v is None:
             # ids unique across incarnations: a restarted broker never mixes with its old replicas
             vid = (self.epoch << 32) | len(self.vlogs)
-            vlog = VirtualLog(vid, stream["replication"], self.vseg_size, self.backup_set,
+            vlog = VirtualLog(vid, stream.replication, self.vseg_size, self.backup_set,
                               self.replicate_timeout)
             v = self.vlogs[key] = Replicator(vlog, self.hub, self.notify_durable,
                                              lambda: [(b, m["addr"]) for b, m in self.backups.items()])
@@ -135,9 +136,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         if entries is None:
             entries = [[meta.get("stream"), meta.get("streamlets")]]
         if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 2 and isinstance(e[0], dict) and isinstance(e[1], list)
-                for e in entries):
+                isinstance(e, list) and len(e) == 2 and isinstance(e[1], list) for e in entries):
             raise InvalidArgument("assign needs a stream and streamlets")
+        entries = [(StreamMeta.from_wire(s), streamlets) for s, streamlets in entries]
         recovering = meta.get("recovering") is True
         seal = meta.get("seal") is True
         backups = meta.get("backups")
@@ -153,14 +154,14 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.notify_durable()  # pulls waiting on these streamlets look again
         return {}
 
-    def _assign(self, s: dict, streamlets: list, recovering: bool, seal: bool) -> None:
-        self.streams[s["id"]] = s
+    def _assign(self, s: StreamMeta, streamlets: list, recovering: bool, seal: bool) -> None:
+        self.streams[s.id] = s
         for i in streamlets:
-            sl = self.streamlets.get((s["id"], i))
+            sl = self.streamlets.get((s.id, i))
             if sl is not None:
                 sl.configure(s)
             if sl is None:
-                sl = self.streamlets[(s["id"], i)] = Streamlet(s, i, self.memory)
+                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory)
                 sl.on_close = self._close_group
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
@@ -168,19 +169,17 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 self._free(sl.expired(time.time(), settled_only=False))
                 if seal:
                     log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
-                              s.get("name"), i)
+                              s.name, i)
                     sl.seal()
 
     def rpc_configure(self, meta, payload):
         """A stream's changed configuration (retention): applied by the next reclaim pass."""
         self._check_epoch(meta)
-        s = meta.get("stream")
-        if not isinstance(s, dict) or not isinstance(s.get("id"), int):
-            raise InvalidArgument("configure needs a stream")
-        if s["id"] in self.streams:
-            self.streams[s["id"]] = s
+        s = StreamMeta.from_wire(meta.get("stream"))
+        if s.id in self.streams:
+            self.streams[s.id] = s
             for (sid, _), sl in self.streamlets.items():
-                if sid == s["id"]:
+                if sid == s.id:
                     sl.configure(s)
         return {}
 
@@ -208,7 +207,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             s = self.streams.get(sid)
             if s is None:
                 continue
-            every = range(s.get("streamlets", 0))
+            every = range(s.streamlets)
             for i in every if only is None else only:
                 sl = self.streamlets.pop((sid, i), None)
                 if sl is not None:

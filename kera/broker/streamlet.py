@@ -18,6 +18,7 @@ from collections import deque
 from ..errors import DataLoss, OutOfOrderSequence, OutOfRange, RecordTooLarge
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
+from ..stream_meta import StreamMeta
 from .group import Group
 from .segment import Segment
 
@@ -48,12 +49,12 @@ class ProducerState:
 
 
 class Streamlet:
-    def __init__(self, stream: dict, index: int, memory=None):
-        self.stream_id = stream["id"]
+    def __init__(self, stream: StreamMeta, index: int, memory=None):
+        self.stream_id = stream.id
         self.index = index
-        self.q = stream["groups"]
-        self.segment_size = stream["segment_size"]
-        self.max_segments = stream["group_segments"]
+        self.q = stream.groups
+        self.segment_size = stream.segment_size
+        self.max_segments = stream.group_segments
         self.groups: dict[int, Group] = {}
         self.active: list[Group | None] = [None] * self.q
         self.next_group = 0
@@ -74,21 +75,19 @@ class Streamlet:
         self.on_close = None     # called with (streamlet, group, producer) when a full group closes
         self.configure(stream)
 
-    def configure(self, stream: dict) -> None:
+    def configure(self, stream: StreamMeta) -> None:
         """Retention (Kafka's meaning, -1 unbounded): ``retention_bytes`` is the stream's total,
         shared by its streamlets; ``retention_ms`` the age of a segment's last chunk."""
-        rb = stream.get("retention_bytes", -1)
-        rb = -1 if rb is None else rb
-        self.retention_bytes = -1 if rb < 0 else -(-rb // max(1, stream.get("streamlets", 1)))
-        rm = stream.get("retention_ms", -1)
-        self.retention_ms = -1 if rm is None else rm
+        rb = stream.retention_bytes
+        self.retention_bytes = -1 if rb < 0 else -(-rb // max(1, stream.streamlets))
+        self.retention_ms = stream.retention_ms
         # key compaction (Kafka's cleanup.policy, delete.retention.ms, segment.ms): see compactor
-        policy = stream.get("cleanup_policy") or "delete"
-        self.compact = "compact" in policy
-        if "delete" not in policy:  # compact alone: a key's latest record is never expired
+        self.compact = stream.compacted
+        if "delete" not in stream.cleanup_policy:  # compact alone: a key's latest record is never expired
             self.retention_bytes = self.retention_ms = -1
-        self.delete_retention_ms = stream.get("delete_retention_ms", DELETE_RETENTION_MS)
-        self.segment_ms = stream.get("segment_ms", SEGMENT_MS)
+        self.delete_retention_ms = (DELETE_RETENTION_MS if stream.delete_retention_ms is None
+                                    else stream.delete_retention_ms)
+        self.segment_ms = SEGMENT_MS if stream.segment_ms is None else stream.segment_ms
         self.tombstone_due = None  # wall time (s) the oldest tombstone kept by compaction expires
 
     @property

@@ -13,6 +13,8 @@ durable part is a prefix.
 
 from __future__ import annotations
 
+from ..stream_meta import StreamMeta
+
 POLICIES = ("shared", "per-stream", "per-group")
 
 
@@ -28,13 +30,13 @@ class VlogMapping:
         # broker caches a group's vlog on the group, so each group asks once)
         self.turn = 0
 
-    def key(self, stream: dict, streamlet: int, group: int) -> tuple:
-        policy = stream.get("vlogs") or self.policy
-        r = stream["replication"]
+    def key(self, stream: StreamMeta, streamlet: int, group: int) -> tuple:
+        policy = stream.vlogs or self.policy
+        r = stream.replication
         if policy == "per-group":
-            return (r, "g", stream["id"], streamlet, group)
+            return (r, "g", stream.id, streamlet, group)
         if policy == "per-stream":
-            return (r, "s", stream["id"])
+            return (r, "s", stream.id)
         i = self.turn % self.vlogs
         self.turn += 1
         return (r, "v", i)

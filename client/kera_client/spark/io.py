@@ -27,6 +27,7 @@ from kera.rpc import open_pool
 
 from ..portal import Portal
 from ..positions import GroupPositions
+from ..stream_view import StreamView
 from .arrow import ChunkBatch
 from .positions import DONE, Offsets, compact, order, pack, unpack
 
@@ -92,12 +93,12 @@ class Runtime:
 # -- driver side: which streams, and where they end --------------------------------------
 
 def metadata(coordinator: str, names=(), pattern: str | None = None, strict: bool = True) -> dict:
-    """``{name: description}`` of the named streams and those matching ``pattern``."""
+    """``{name: StreamView}`` of the named streams and those matching ``pattern``."""
     rt = Runtime.get()
     r, _ = rt.call(coordinator, "metadata", {"names": list(names), "pattern": pattern})
     if r.get("missing") and strict:
         raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
-    return {s["name"]: s for s in r["streams"]}
+    return {s.name: s for s in map(StreamView.from_wire, r["streams"])}
 
 
 def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0) -> Offsets:
@@ -111,16 +112,16 @@ def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0) -> Off
     and past ``wait`` seconds it fails rather than answer incompletely.
     """
     rt = Runtime.get()
-    out = Offsets({n: s["id"] for n, s in meta.items()}, {})
-    missing = {(n, i) for n, s in meta.items() for i in range(s["streamlets"])}
+    out = Offsets({n: s.id for n, s in meta.items()}, {})
+    missing = {(n, i) for n, s in meta.items() for i in range(s.streamlets)}
     deadline = time.monotonic() + wait
     while True:
         by_addr: dict[str, list] = {}
         for n, i in missing:
-            addr = meta[n]["addrs"][i]
+            addr = meta[n].addrs[i]
             if addr is not None:
-                by_addr.setdefault(addr, []).append([meta[n]["id"], i])
-        by_id = {s["id"]: s["name"] for s in meta.values()}
+                by_addr.setdefault(addr, []).append([meta[n].id, i])
+        by_id = {s.id: s.name for s in meta.values()}
         for r in rt.run(_offsets_all, rt.pool, by_addr).values():
             for sid, i, low, groups in r["offsets"]:
                 name = by_id.get(sid)
@@ -139,7 +140,7 @@ def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0) -> Off
             log.warning("metadata refresh failed: %s", e)
             continue
         for n in {n for n, _ in missing}:
-            if n not in fresh or fresh[n]["id"] != meta[n]["id"]:
+            if n not in fresh or fresh[n].id != meta[n].id:
                 raise RuntimeError(f"kera: stream {n} was deleted while being planned")
             meta[n] = fresh[n]
 
@@ -176,7 +177,7 @@ def align(meta: dict, cuts: list) -> dict[tuple, int | None]:
     async def one(c, limit):
         key = (c.stream, c.streamlet, c.group)
         s = meta.get(c.stream)
-        addr = s["addrs"][c.streamlet] if s else None
+        addr = s.addrs[c.streamlet] if s else None
         seg, off = unpack(c.target)
         if addr is None or off == 0:
             out[key] = c.target if off == 0 else None
@@ -184,7 +185,7 @@ def align(meta: dict, cuts: list) -> dict[tuple, int | None]:
         async with limit:
             try:
                 r, _ = await rt.pool.call(addr, "pull", {
-                    "streamlets": [[s["id"], c.streamlet, c.group, {c.group: pack(seg, off - 1)}]],
+                    "streamlets": [[s.id, c.streamlet, c.group, {c.group: pack(seg, off - 1)}]],
                     "max_bytes": 1, "max_wait_ms": 0}, timeout=RPC_TIMEOUT)
             except KeraError as e:
                 log.info("aligning a cut on %s failed: %s", addr, e)
@@ -192,7 +193,7 @@ def align(meta: dict, cuts: list) -> dict[tuple, int | None]:
                 return
         got = None
         for sid, i, gid, eseg, eoff, n, nxt in r["entries"]:
-            if (sid, i, gid) != (s["id"], c.streamlet, c.group):
+            if (sid, i, gid) != (s.id, c.streamlet, c.group):
                 continue
             if n and (eseg, eoff) == (seg, off - 1):
                 got = nxt                      # the end of the chunk holding target - 1
@@ -332,12 +333,12 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
         for name in stale_streams:
             s = meta.get(name)
             sid = next((i for i, n in names.items() if n == name), None)
-            if s is None or s["id"] != sid:
+            if s is None or s.id != sid:
                 log.warning("stream %s was deleted while being read: its records are skipped", name)
                 for key in [k for k in queues if k[0] == sid]:
                     del queues[key]
             else:
-                addrs[name] = list(s["addrs"])
+                addrs[name] = list(s.addrs)
 
     def plan_pull():
         """The next round: one request per broker, built here (the loop thread owns the ranges)."""

@@ -199,14 +199,14 @@ def ranges(start: Offsets, end: Offsets, meta: dict[str, dict]) -> list[Streamle
     out = []
     for name in sorted(end.streams):
         m = meta.get(name)
-        if m is None or m["id"] != end.streams[name]:
+        if m is None or m.id != end.streams[name]:
             continue
-        for i in range(m["streamlets"]):
+        for i in range(m.streamlets):
             w = work(start.get(name, i), end.get(name, i))
             if w:
-                gs = [GroupRange(g, s, e, span_bytes(s, e, m["segment_size"], m["group_segments"]))
+                gs = [GroupRange(g, s, e, span_bytes(s, e, m.segment_size, m.group_segments))
                       for g, (s, e) in sorted(w.items())]
-                out.append(StreamletRange(name, m["id"], i, gs))
+                out.append(StreamletRange(name, m.id, i, gs))
     return out
 
 
@@ -280,9 +280,9 @@ def admit(start: Offsets, latest: Offsets, meta: dict[str, dict], budget: float,
                 got[g.group] = g.end
                 room -= g.nbytes
                 continue
-            target = advance(g.start, max(1, room), meta[r.stream]["segment_size"])
+            target = advance(g.start, max(1, room), meta[r.stream].segment_size)
             if order(target) >= order(g.end) or \
-                    (g.end == DONE and unpack(target)[0] >= meta[r.stream]["group_segments"]):
+                    (g.end == DONE and unpack(target)[0] >= meta[r.stream].group_segments):
                 got[g.group] = g.end
             else:
                 got[g.group] = target
@@ -333,7 +333,7 @@ def split(r: StreamletRange, target: int, meta: dict) -> list[StreamletRange]:
         bounds = [g.start, *cut_points(g.start, g.end), g.end]
         acc_from, acc = bounds[0], 0
         for a, b in zip(bounds, bounds[1:], strict=False):
-            acc += span_bytes(a, b, m["segment_size"], m["group_segments"])
+            acc += span_bytes(a, b, m.segment_size, m.group_segments)
             if acc >= target or b == bounds[-1]:
                 pieces.append(GroupRange(g.group, acc_from, b, acc))
                 acc_from, acc = b, 0

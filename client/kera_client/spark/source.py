@@ -85,7 +85,7 @@ class ReadOptions:
 
     def offsets(self, spec: str, meta: dict, what: str) -> Offsets:
         """'earliest', 'latest' or JSON offsets, for the streams in ``meta``."""
-        ids = {n: s["id"] for n, s in meta.items()}
+        ids = {n: s.id for n, s in meta.items()}
         if spec.strip().lower() == "earliest":
             return Offsets(ids, {})
         if spec.strip().lower() == "latest":
@@ -118,7 +118,7 @@ def _partitions(o: ReadOptions, start: Offsets, end: Offsets, meta: dict) -> lis
     parts = positions.plan(rs, meta, o.partition_bytes, o.min_partitions, o.max_partitions)
     out = []
     for p in parts:
-        addrs = {r.stream: meta[r.stream]["addrs"] for r in p}
+        addrs = {r.stream: meta[r.stream].addrs for r in p}
         out.append(KeraPartition(o.coordinator, [r.to_wire() for r in p], addrs, o.pull_bytes,
                                  o.timeout, o.stats_file))
     return out
@@ -176,8 +176,8 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def _latest(self, start: Offsets) -> Offsets:
         if self.target is not None:
-            meta = {n: s for n, s in self.o.metadata().items() if self.target.streams.get(n) == s["id"]}
-            top = Offsets({n: s["id"] for n, s in meta.items()},
+            meta = {n: s for n, s in self.o.metadata().items() if self.target.streams.get(n) == s.id}
+            top = Offsets({n: s.id for n, s in meta.items()},
                           {k: v for k, v in self.target.positions.items() if k[0] in meta})
         else:
             meta = self.o.metadata()   # new streams matching the pattern join here
@@ -207,7 +207,7 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ``avgRecordBytes`` overrides the first."""
         if self.sizes is None or self.turn - self.sampled_at >= 100:
             rs = positions.ranges(start, top, self.meta)[:16]
-            got = io.sample_sizes([r.to_wire() for r in rs], {n: s["addrs"] for n, s in self.meta.items()})
+            got = io.sample_sizes([r.to_wire() for r in rs], {n: s.addrs for n, s in self.meta.items()})
             if got:
                 self.sizes, self.sampled_at = got, self.turn
         rec, chunk = self.sizes or (DEFAULT_RECORD_BYTES, DEFAULT_CHUNK_BYTES)
@@ -239,7 +239,7 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     # -- reading -------------------------------------------------------------------------
     def partitions(self, start: dict, end: dict):
         s, e = Offsets.from_json(start), Offsets.from_json(end)
-        meta = self.meta if all(self.meta.get(n, {}).get("id") == i for n, i in e.streams.items()) \
+        meta = self.meta if all(n in self.meta and self.meta[n].id == i for n, i in e.streams.items()) \
             else io.metadata(self.o.coordinator, sorted(e.streams), strict=False)
         return _partitions(self.o, s, e, meta)
 
@@ -403,7 +403,7 @@ def _prepare_stream(o: WriteOptions) -> None:
                                 replication=o.replication)
             except StreamExists:
                 pass
-        o.streamlet_count = a.describe_stream(o.stream)["streamlets"]  # fails clearly if missing
+        o.streamlet_count = a.describe_stream(o.stream).streamlets  # fails clearly if missing
 
 
 # -- the data source ------------------------------------------------------------------

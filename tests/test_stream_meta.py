@@ -1,0 +1,95 @@
+"""A stream's typed metadata: the maps of older versions load, unknown keys round-trip,
+malformed maps are refused with a typed error, and a coordinator loads a data dir whose
+log holds streams and owner and retention changes as the dict-based code wrote them."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import trio
+
+from kera.coordinator import INITIAL, Coordinator
+from kera.errors import InvalidArgument
+from kera.metalog import MetaLog
+from kera.stream_meta import StreamMeta
+
+# a stream as the coordinator has always written it (create_stream with defaults)
+WRITTEN = {"name": "orders", "id": 7, "streamlets": 2, "groups": 1, "replication": 3,
+           "segment_size": 1 << 20, "group_segments": 8, "vlogs": None, "retention_bytes": -1,
+           "retention_ms": -1, "cleanup_policy": "delete", "owners": [[1, 1], [2, 1]],
+           "created": 1763990000.25}
+# older still: written before retention and compaction existed
+OLDEST = {"name": "old", "id": 3, "streamlets": 1, "groups": 2, "replication": 1,
+          "segment_size": 1 << 16, "group_segments": 4, "vlogs": "per-stream",
+          "owners": [[1, 1]], "created": 1.0}
+
+
+def test_a_stream_written_before_loads_and_packs_to_the_same_bytes():
+    s = StreamMeta.from_wire(WRITTEN)
+    assert (s.name, s.id, s.streamlets, s.owners) == ("orders", 7, 2, ((1, 1), (2, 1)))
+    assert not s.compacted and s.delete_retention_ms is None and s.extra is None
+    assert msgpack.packb(s.to_wire()) == msgpack.packb(WRITTEN)
+    old = StreamMeta.from_wire(OLDEST)
+    assert (old.retention_bytes, old.retention_ms, old.cleanup_policy) == (-1, -1, "delete")
+    assert old.vlogs == "per-stream" and old.groups == 2
+
+
+def test_settings_and_unknown_keys_round_trip():
+    """A newer writer's keys are kept and written back: see the module's docstring."""
+    d = {**WRITTEN, "cleanup_policy": "compact", "delete_retention_ms": 5, "segment_ms": 9,
+         "tier": {"bucket": "b"}, "quota": 3}
+    s = StreamMeta.from_wire(d)
+    assert s.compacted and (s.delete_retention_ms, s.segment_ms) == (5, 9)
+    assert dict(s.extra) == {"tier": {"bucket": "b"}, "quota": 3}
+    assert s.to_wire() == d
+    moved = s.with_owner(1, (4, 2)).altered({"retention_ms": 60_000})
+    assert moved.owners == ((1, 1), (4, 2)) and moved.retention_ms == 60_000
+    assert s.owners == ((1, 1), (2, 1)) and s.retention_ms == -1   # a copy: s is unchanged
+    assert moved.extra == s.extra
+
+
+@pytest.mark.parametrize("bad, says", [
+    ([1, 2], "must be a map"),
+    ({k: v for k, v in WRITTEN.items() if k != "groups"}, "lacks 'groups'"),
+    ({**WRITTEN, "id": "7"}, "id must be an integer"),
+    ({**WRITTEN, "streamlets": True}, "streamlets must be an integer"),
+    ({**WRITTEN, "name": 5}, "name must be a string"),
+    ({**WRITTEN, "owners": [[1]]}, "owners"),
+    ({**WRITTEN, "owners": [["a", 1]]}, "owners"),
+    ({**WRITTEN, "owners": 3}, "owners"),
+    ({**WRITTEN, "retention_ms": 1.5}, "retention_ms must be an integer"),
+    ({**WRITTEN, "cleanup_policy": 1}, "cleanup_policy"),
+])
+def test_a_malformed_map_is_refused_naming_what_is_wrong(bad, says):
+    with pytest.raises(InvalidArgument, match=says):
+        StreamMeta.from_wire(bad)
+
+
+async def test_a_coordinator_loads_streams_and_changes_written_as_dicts(tmp_path):
+    """The metadata log as the dict-based coordinator wrote it: a whole stream, then an
+    owner moved and a retention altered by key path, then a deleted stream."""
+    d = str(tmp_path / "coordinator")
+    log = MetaLog(d, INITIAL)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(log.run)
+            log.set(("streams", "orders"), dict(WRITTEN, owners=[[1, 1], [2, 1]]))
+            log.set(("streams", "old"), dict(OLDEST, owners=[[1, 1]]))
+            log.set(("streams", "orders", "owners", 1), [3, 4])
+            log.set(("streams", "orders", "retention_ms"), 60_000)
+            log.set(("streams", "gone"), dict(OLDEST, name="gone", id=4, owners=[[1, 1]]))
+            log.delete(("streams", "gone"))
+            await log.commit()
+            n.cancel_scope.cancel()
+    log.close()
+    coord = Coordinator(d)
+    try:
+        assert sorted(coord.streams) == ["old", "orders"]
+        s = coord.streams["orders"]
+        assert s.owners == ((1, 1), (3, 4)) and s.retention_ms == 60_000 and s.id == 7
+        assert coord.holdings.count((3, 4)) == 1 and coord.holdings.count((1, 1)) == 2
+        assert coord.streams["old"].groups == 2
+        assert coord.meta["streams"]["orders"] == {**WRITTEN, "owners": [[1, 1], [3, 4]],
+                                                   "retention_ms": 60_000}
+    finally:
+        coord.log.close()
