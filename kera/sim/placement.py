@@ -1,0 +1,182 @@
+"""Where the simulated broker puts chunks: streamlets, groups, segments, and which vlog.
+
+The broker's rules on chunk ids instead of bytes: producer ``p`` appends to
+active group ``p % Q`` of a streamlet (``Streamlet.append``); a group opens
+a segment when the last one has no room and closes when its last allowed one
+has none, its close chunk (``group_close``) going to its vlog before the
+chunk that did not fit, which opens the next group; a group's vlog is chosen
+once, by the broker's own ``VlogMapping``. The memory bound is the real
+``MemoryBudget``: a segment is charged when opened, noted filled when it
+takes no more chunks, and evicted by the budget's rule with the broker's own
+``Segment.replicated`` (its vsegs closed and done on all copies), which
+freezes those vsegs in the real ``VirtualLog``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from .. import chunk
+from ..broker.memory import MemoryBudget
+from ..broker.segment import Segment as BrokerSegment
+from ..errors import BrokerFull
+from ..vlog import VirtualLog
+from ..vlog.mapping import VlogMapping
+
+STREAM = 1
+CLOSE_SIZE = len(chunk.build(STREAM, 0, 0, 0, [b""], timestamps=0, flags=chunk.CLOSE))
+
+
+class Chunk:
+    """A chunk as its header places it (a close chunk has no segment: ``seg`` None) and
+    where its vlog put it (vseg, byte offset there)."""
+
+    __slots__ = ("cid", "vlog", "durable", "acked_at", "seg", "streamlet", "group", "segment",
+                 "offset", "size", "producer", "sequence", "flags", "vseg", "voff")
+
+    def __init__(self, cid: int, vlog: int, seg, streamlet: int, group: int, segment: int,
+                 offset: int, size: int, producer: int, sequence: int, flags: int = 0):
+        self.cid, self.vlog, self.seg = cid, vlog, seg
+        self.streamlet, self.group, self.segment, self.offset, self.size = \
+            streamlet, group, segment, offset, size
+        self.producer, self.sequence, self.flags = producer, sequence, flags
+        self.durable = 0        # a close chunk's: moved by the vlog (a chunk's is its segment's)
+        self.acked_at = None    # time the vlog's durable head passed it
+        self.vseg = self.voff = -1
+
+    def cid_at(self, offset: int) -> int:
+        """A close chunk is referenced by the vlog as itself."""
+        return self.cid
+
+    def is_durable(self) -> bool:
+        """The vlog moved its durable head: its segment's (or, a close chunk, its own)."""
+        if self.seg is None:
+            return self.durable >= self.size
+        return self.seg.durable >= self.offset + self.size
+
+
+class Segment:
+    """A broker segment holding chunk ids; eviction drops ``buf`` as the broker drops bytes."""
+
+    __slots__ = ("id", "capacity", "head", "durable", "chunks", "at", "vlog", "vsegs", "buf",
+                 "evicted", "filled")
+    replicated = BrokerSegment.replicated  # the broker's own rule for what may be evicted
+
+    def __init__(self, id: int, capacity: int):
+        self.id, self.capacity = id, capacity
+        self.head = self.durable = 0
+        self.chunks: list[Chunk] = []
+        self.at: dict[int, int] = {}   # offset -> chunk id
+        self.vlog = None               # has ``.log``: the VirtualLog, as a broker Replicator
+        self.vsegs: list = []          # the distinct vsegs holding its chunks, in order
+        self.buf = True
+        self.evicted = self.filled = False
+
+    def room(self) -> int:
+        return self.capacity - self.head
+
+    def cid_at(self, offset: int) -> int | None:
+        """The chunk id at ``offset``; None once evicted (its bytes left memory)."""
+        return self.at[offset] if self.buf is not None else None
+
+    def drop_buffer(self) -> None:
+        self.buf = None
+
+
+class Group:
+    __slots__ = ("id", "segments", "closed", "vlog", "close")
+
+    def __init__(self, id: int):
+        self.id = id
+        self.segments: list[Segment] = []
+        self.closed = False
+        self.vlog: VirtualLog | None = None
+        self.close: Chunk | None = None   # its close chunk, once full
+
+
+class Streamlet:
+    __slots__ = ("index", "active", "groups", "sequences")
+
+    def __init__(self, index: int, q: int):
+        self.index = index
+        self.active: list[Group | None] = [None] * q
+        self.groups: list[Group] = []
+        self.sequences: dict[int, int] = {}   # producer -> its last sequence here
+
+
+class Placement:
+    """One stream's streamlets on the simulated broker, over its vlogs."""
+
+    def __init__(self, rng, vlogs: list[VirtualLog], replication: int):
+        self.vlogs = vlogs
+        self.q = rng.choice((1, 2))
+        self.max_segments = rng.choice((2, 3, 4))
+        self.segment_size = rng.choice((400, 1000, 3000))
+        self.streamlets = [Streamlet(i, self.q) for i in range(rng.choice((1, 2, 3)))]
+        self.producers = rng.choice((1, 3, 5))
+        self.mapping = VlogMapping("shared", len(vlogs))
+        self.stream = {"id": STREAM, "replication": replication}
+        self.replicators = {v.id: SimpleNamespace(log=v) for v in vlogs}
+        # no limit, or room for the segments of a few vsegs' worth of chunks per vlog: below
+        # about one, a budget spent on segments waiting in idle vlogs' open vsegs refuses every
+        # new segment (nothing closes those vsegs)
+        room = rng.choice((0, 2, 4)) * vlogs[0].capacity * len(vlogs)
+        self.memory = MemoryBudget(room and room + 2 * self.segment_size * len(self.streamlets) * self.q)
+        self.chunks: list[Chunk] = []
+        self.by_vlog: dict[int, list[Chunk]] = {v.id: [] for v in vlogs}
+        self.refused = 0   # chunks refused (BrokerFull)
+
+    def append(self, sl: Streamlet, producer: int, size: int) -> VirtualLog | None:
+        """Append one chunk of ``producer`` to ``sl``; the vlog it went to (None: refused)."""
+        slot = producer % self.q
+        g = sl.active[slot]
+        while True:
+            if g is None or g.closed:
+                g = sl.active[slot] = Group(len(sl.groups))
+                sl.groups.append(g)
+            seg = g.segments[-1] if g.segments else None
+            if seg is not None and seg.room() >= size and not seg.filled:
+                break
+            if len(g.segments) >= self.max_segments:   # full: closed, its close chunk first
+                g.closed = True
+                self._filled(seg)
+                g.close = self._reference(g, None, Chunk(
+                    len(self.chunks), g.vlog.id, None, sl.index, g.id, seg.id, seg.head, CLOSE_SIZE,
+                    producer, 0, chunk.CLOSE))
+                continue
+            if seg is not None:
+                self._filled(seg)
+            try:
+                self.memory.reserve(self.segment_size)
+            except BrokerFull:
+                self.refused += 1
+                return None
+            seg = Segment(len(g.segments), self.segment_size)
+            g.segments.append(seg)
+            break
+        if g.vlog is None:
+            g.vlog = self.vlogs[self.mapping.key(self.stream, sl.index, g.id)[2]]
+        seq = sl.sequences[producer] = sl.sequences.get(producer, 0) + 1
+        c = Chunk(len(self.chunks), g.vlog.id, seg, sl.index, g.id, seg.id, seg.head, size, producer, seq)
+        seg.at[seg.head] = c.cid
+        seg.head += size
+        seg.chunks.append(c)
+        seg.vlog = self.replicators[g.vlog.id]
+        self._reference(g, seg, c)
+        return g.vlog
+
+    def _reference(self, g: Group, seg: Segment | None, c: Chunk) -> Chunk:
+        v = g.vlog
+        v.append(seg if seg is not None else c, c.offset if seg is not None else 0, c.size, 0)
+        vs = v.vsegs[-1]
+        c.vseg, c.voff = vs.id, vs.ends[-1] - c.size
+        if seg is not None and (not seg.vsegs or seg.vsegs[-1] is not vs):
+            seg.vsegs.append(vs)
+        self.chunks.append(c)
+        self.by_vlog[v.id].append(c)
+        return c
+
+    def _filled(self, seg: Segment) -> None:
+        if not seg.filled:
+            seg.filled = True
+            self.memory.filled(seg)
