@@ -76,7 +76,7 @@ def test_a_hole_in_a_group_left_empty_by_a_full_broker_is_still_data_loss():
 
 
 def test_a_segment_noted_filled_takes_no_more_chunks_after_the_budget_refused_the_next():
-    """Found by the simulator (seed 31 of ``python -m kera.sim``, before the fix): a chunk
+    """Found by the simulator (``python -m kera.sim --seed 776`` before the fix): a chunk
     that did not fit noted its segment filled (so the budget may evict it), the budget
     refused the next segment, and a smaller chunk then landed in the filled segment, into
     its dropped buffer once evicted."""

@@ -13,7 +13,7 @@ import pytest
 
 from kera import chunk
 from kera import repoint_plan as cols
-from kera.sim import Violation, World, adoption, run_seeds
+from kera.sim import Violation, World, adoption, placement, run_seeds
 from kera.vlog import VirtualLog
 
 CI_SEEDS = range(300)
@@ -98,3 +98,11 @@ def test_catches_a_last_segment_adopted_without_its_close_chunk(monkeypatch):
     monkeypatch.setattr(adoption, "plan_repoint", forged_closes)
     seed, why = first_failing(range(300))
     assert "adopted as closed" in why or "lost" in why or "not its chunks" in why, why
+
+
+def test_catches_a_filled_segment_taking_another_chunk(monkeypatch):
+    """The broker's ``Group.append`` before its fix: a segment noted filled, the next one
+    refused by the budget, took a smaller chunk, into its dropped buffer once evicted."""
+    monkeypatch.setattr(placement.Segment, "filled_at", property(lambda seg: 0.0, lambda seg, v: None))
+    seed, why = first_failing(range(770, 780))
+    assert seed == 776 and "evicted segment" in why, why

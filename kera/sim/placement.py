@@ -1,11 +1,12 @@
 """Where the simulated broker puts chunks: streamlets, groups, segments, and which vlog.
 
 The broker's rules on chunk ids instead of bytes: producer ``p`` appends to
-active group ``p % Q`` of a streamlet (``Streamlet.append``); a group opens
-a segment when the last one has no room and closes when its last allowed one
-has none, its close chunk (``group_close``) going to its vlog before the
-chunk that did not fit, which opens the next group; a group's vlog is chosen
-once, by the broker's own ``VlogMapping``. The memory bound is the real
+active group ``p % Q`` of a streamlet (``Streamlet.append``); the broker's
+own ``Group.append`` opens a segment when the last one has no room and
+closes the group when its last allowed one has none, its close chunk
+(``group_close``) then going to its vlog before the chunk that did not fit,
+which opens the next group; a group's vlog is chosen once, by the broker's
+own ``VlogMapping``. The memory bound is the real
 ``MemoryBudget``: a segment is charged when opened, noted filled when it
 takes no more chunks, and evicted by the budget's rule with the broker's own
 ``Segment.replicated`` (its vsegs closed and done on all copies), which
@@ -17,6 +18,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from .. import chunk
+from ..broker.group import Group as BrokerGroup
 from ..broker.memory import MemoryBudget
 from ..broker.segment import Segment as BrokerSegment
 from ..errors import BrokerFull
@@ -34,15 +36,18 @@ class Chunk:
     __slots__ = ("cid", "vlog", "durable", "acked_at", "seg", "streamlet", "group", "segment",
                  "offset", "size", "producer", "sequence", "flags", "vseg", "voff")
 
-    def __init__(self, cid: int, vlog: int, seg, streamlet: int, group: int, segment: int,
+    def __init__(self, vlog: int, seg, streamlet: int, group: int, segment: int,
                  offset: int, size: int, producer: int, sequence: int, flags: int = 0):
-        self.cid, self.vlog, self.seg = cid, vlog, seg
+        self.cid, self.vlog, self.seg = -1, vlog, seg
         self.streamlet, self.group, self.segment, self.offset, self.size = \
             streamlet, group, segment, offset, size
         self.producer, self.sequence, self.flags = producer, sequence, flags
         self.durable = 0        # a close chunk's: moved by the vlog (a chunk's is its segment's)
         self.acked_at = None    # time the vlog's durable head passed it
         self.vseg = self.voff = -1
+
+    def __len__(self) -> int:
+        return self.size
 
     def cid_at(self, offset: int) -> int:
         """A close chunk is referenced by the vlog as itself."""
@@ -59,39 +64,52 @@ class Segment:
     """A broker segment holding chunk ids; eviction drops ``buf`` as the broker drops bytes."""
 
     __slots__ = ("id", "capacity", "head", "durable", "chunks", "at", "vlog", "vsegs", "buf",
-                 "evicted", "filled")
+                 "evicted", "filled_at")
     replicated = BrokerSegment.replicated  # the broker's own rule for what may be evicted
 
     def __init__(self, id: int, capacity: int):
         self.id, self.capacity = id, capacity
         self.head = self.durable = 0
         self.chunks: list[Chunk] = []
-        self.at: dict[int, int] = {}   # offset -> chunk id
+        self.at: dict[int, Chunk] = {}   # offset -> chunk
         self.vlog = None               # has ``.log``: the VirtualLog, as a broker Replicator
         self.vsegs: list = []          # the distinct vsegs holding its chunks, in order
         self.buf = True
-        self.evicted = self.filled = False
+        self.evicted = False
+        self.filled_at = 0.0   # > 0 once noted filled (takes no more chunks)
 
     def room(self) -> int:
         return self.capacity - self.head
 
+    def append(self, c: Chunk) -> int:
+        off = c.offset = self.head
+        c.seg, c.segment = self, self.id
+        self.head += c.size
+        self.at[off] = c
+        self.chunks.append(c)
+        return off
+
     def cid_at(self, offset: int) -> int | None:
         """The chunk id at ``offset``; None once evicted (its bytes left memory)."""
-        return self.at[offset] if self.buf is not None else None
+        return self.at[offset].cid if self.buf is not None else None
 
     def drop_buffer(self) -> None:
         self.buf = None
 
 
-class Group:
-    __slots__ = ("id", "segments", "closed", "vlog", "close")
+class Group(BrokerGroup):
+    """The broker's group (its ``append`` decides), holding the simulator's segments."""
 
-    def __init__(self, id: int):
-        self.id = id
-        self.segments: list[Segment] = []
-        self.closed = False
-        self.vlog: VirtualLog | None = None
+    def __init__(self, id: int, slot: int, placement: Placement):
+        super().__init__(id, slot, placement.segment_size, placement.max_segments, placement.memory)
+        self.on_filled = placement.filled
         self.close: Chunk | None = None   # its close chunk, once full
+
+    def _segment(self) -> Segment:
+        self.memory.reserve(self.segment_size)
+        seg = Segment(len(self.segments), self.segment_size)
+        self.segments.append(seg)
+        return seg
 
 
 class Streamlet:
@@ -130,43 +148,33 @@ class Placement:
         """Append one chunk of ``producer`` to ``sl``; the vlog it went to (None: refused)."""
         slot = producer % self.q
         g = sl.active[slot]
+        c = Chunk(0, None, sl.index, 0, 0, 0, size, producer, 0)
         while True:
             if g is None or g.closed:
-                g = sl.active[slot] = Group(len(sl.groups))
+                g = sl.active[slot] = Group(len(sl.groups), slot, self)
                 sl.groups.append(g)
-            seg = g.segments[-1] if g.segments else None
-            if seg is not None and seg.room() >= size and not seg.filled:
-                break
-            if len(g.segments) >= self.max_segments:   # full: closed, its close chunk first
-                g.closed = True
-                self._filled(seg)
-                g.close = self._reference(g, None, Chunk(
-                    len(self.chunks), g.vlog.id, None, sl.index, g.id, seg.id, seg.head, CLOSE_SIZE,
-                    producer, 0, chunk.CLOSE))
-                continue
-            if seg is not None:
-                self._filled(seg)
             try:
-                self.memory.reserve(self.segment_size)
+                placed = g.append(c)
             except BrokerFull:
                 self.refused += 1
                 return None
-            seg = Segment(len(g.segments), self.segment_size)
-            g.segments.append(seg)
-            break
+            if placed is not None:
+                break
+            seg = g.segments[-1]   # full and closed: its close chunk goes first
+            g.close = self._reference(g, None, Chunk(g.vlog.id, None, sl.index, g.id, seg.id, seg.head,
+                                                     CLOSE_SIZE, producer, 0, chunk.CLOSE))
         if g.vlog is None:
             g.vlog = self.vlogs[self.mapping.key(self.stream, sl.index, g.id)[2]]
-        seq = sl.sequences[producer] = sl.sequences.get(producer, 0) + 1
-        c = Chunk(len(self.chunks), g.vlog.id, seg, sl.index, g.id, seg.id, seg.head, size, producer, seq)
-        seg.at[seg.head] = c.cid
-        seg.head += size
-        seg.chunks.append(c)
+        seg = c.seg
+        c.vlog, c.group = g.vlog.id, g.id
+        c.sequence = sl.sequences[producer] = sl.sequences.get(producer, 0) + 1
         seg.vlog = self.replicators[g.vlog.id]
         self._reference(g, seg, c)
         return g.vlog
 
     def _reference(self, g: Group, seg: Segment | None, c: Chunk) -> Chunk:
         v = g.vlog
+        c.cid = len(self.chunks)
         v.append(seg if seg is not None else c, c.offset if seg is not None else 0, c.size, 0)
         vs = v.vsegs[-1]
         c.vseg, c.voff = vs.id, vs.ends[-1] - c.size
@@ -176,7 +184,8 @@ class Placement:
         self.by_vlog[v.id].append(c)
         return c
 
-    def _filled(self, seg: Segment) -> None:
-        if not seg.filled:
-            seg.filled = True
+    def filled(self, g: Group, seg: Segment) -> None:
+        """``Group.on_filled``: the segment takes no more chunks (``Streamlet._on_filled``)."""
+        if not seg.filled_at:
+            seg.filled_at = 1.0
             self.memory.filled(seg)
