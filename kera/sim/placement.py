@@ -61,7 +61,9 @@ class Chunk:
 
 
 class Segment:
-    """A broker segment holding chunk ids; eviction drops ``buf`` as the broker drops bytes."""
+    """A broker segment holding chunks, not bytes: the vlog references it (segment, offset,
+    length) as the broker's and moves its ``durable``; eviction drops ``buf`` as the broker
+    drops the bytes, after which a replicate could not be built from it."""
 
     __slots__ = ("id", "capacity", "head", "durable", "chunks", "at", "vlog", "vsegs", "buf",
                  "evicted", "filled_at")

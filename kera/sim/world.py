@@ -125,8 +125,9 @@ class Backup:
 
     def index(self, vlog: int, vseg: int, rows_of) -> np.ndarray | None:
         """The index rows of a closed, intact copy; None when the backup refuses it, as the real
-        ``index`` does: missing, not closed, known corrupt, or a header found rotten when the
-        copy was reloaded from its file (kept rows are not checked again; then marked)."""
+        ``index`` does: missing, not closed, known corrupt, or a header found rotten (then
+        marked corrupt) when the copy was reloaded from its file; rows kept since the close
+        are not checked again, so rot in a copy never reloaded is found only when read."""
         rep = self.replicas.get((BROKER, vlog, vseg))
         if rep is None or not rep.closed or rep.known_bad:
             return None
