@@ -137,9 +137,9 @@ class Placement:
         self.mapping = VlogMapping("shared", len(vlogs))
         self.stream = {"id": STREAM, "replication": replication}
         self.replicators = {v.id: SimpleNamespace(log=v) for v in vlogs}
-        # no limit, or room for the segments of a few vsegs' worth of chunks per vlog: below
-        # about one, a budget spent on segments waiting in idle vlogs' open vsegs refuses every
-        # new segment (nothing closes those vsegs)
+        # no limit, or room for a few vsegs' worth of chunks per vlog and two segments per active
+        # group: smaller budgets are mostly spent on filled segments waiting in idle vlogs' open
+        # vsegs, which refuse every new segment (nothing closes those vsegs; docs/retention.md)
         room = rng.choice((0, 2, 4)) * vlogs[0].capacity * len(vlogs)
         self.memory = MemoryBudget(room and room + 2 * self.segment_size * len(self.streamlets) * self.q)
         self.chunks: list[Chunk] = []
