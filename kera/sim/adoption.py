@@ -55,6 +55,9 @@ def check(world, rp: Repoint, whole: dict, got: dict[int, list[int]]) -> None:
     adopted: dict[int, object] = {}    # chunk id -> its Adopted segment
     closed = set()                      # (streamlet, group) known closed by an adopted segment
     placed: dict[tuple[int, int], list] = {}   # (streamlet, group) -> chunks in the new owner's order
+    order = [(a.streamlet, a.group, a.segment) for a in rp.adopted]
+    if order != sorted(set(order)):
+        fail(f"adopted segments out of (streamlet, group, segment) order or twice: {order[:8]}")
     for a in rp.adopted:
         key = (a.streamlet, a.group)
         g = groups[key]
