@@ -198,16 +198,19 @@ class RecoveryPlan:
     # -- re-pointing (settled history stays on the backups) ----------------------------
     def settled(self, vlog: int) -> list[tuple[int, list[int]]]:
         """The vlog's settled prefix from its floor: (vseg, backups holding it whole), for
-        vsegs that are closed on some copy with no corrupt region, up to the first that is
-        not. Only chunks in it may be re-pointed: a whole intact copy lists every chunk of
-        the vseg, so no chunk of a re-pointed segment can be missing from the index."""
+        vsegs of which every copy listed is closed, of full length and with no corrupt
+        region, up to the first that is not. Only chunks in it may be re-pointed: a whole
+        intact copy lists every chunk of the vseg, so no chunk of a re-pointed segment can be
+        missing from the index; and an adopted segment names only these copies, so a vseg
+        with another copy (shorter, open, or corrupt elsewhere) is replayed, which reads
+        each chunk from any copy holding it intact, rather than lose that copy."""
         v = self._vlog(vlog)
         out, s = [], v.vseg
         while (copies := v.vsegs.get(s)) is not None:
             end = _length(copies)
             whole = [c.backup for c in copies if c.final and not c.regions and c.length == end
                      and not c.failed]
-            if not whole:
+            if not whole or len(whole) < sum(not c.failed for c in copies):
                 break
             out.append((s, sorted(whole)))
             s += 1

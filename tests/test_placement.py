@@ -75,3 +75,18 @@ def test_a_hole_in_a_group_left_empty_by_a_full_broker_is_still_data_loss():
     with pytest.raises(DataLoss):
         sl.place(b"c" * 10, 7, 0, 0, 300)
     assert 0 in sl.groups and sl.next_group == 1
+
+
+def test_a_segment_noted_filled_takes_no_more_chunks_after_the_budget_refused_the_next():
+    """Found by the simulator (``python -m kera.sim --seed 776`` before the fix): a chunk
+    that did not fit noted its segment filled (so the budget may evict it), the budget
+    refused the next segment, and a smaller chunk then landed in the filled segment, into
+    its dropped buffer once evicted."""
+    sl = Streamlet(STREAM, 1, MemoryBudget(4096))
+    g, seg, _ = sl.append(b"a" * 3000, 7)
+    with pytest.raises(BrokerFull):
+        sl.append(b"b" * 2000, 7)
+    assert seg.filled_at and seg in sl.memory.resident
+    with pytest.raises(BrokerFull):
+        sl.append(b"c" * 500, 7)
+    assert seg.head == 3000 and len(g.segments) == 1

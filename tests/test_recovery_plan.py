@@ -322,3 +322,17 @@ def test_plan_replays_every_intact_chunk_once_in_order(sc):
             assert out.failed == {b for (vv, b) in failed_once
                                   if vv == v and copies[(vv, b)][0] > i}
             assert out.lost[0].offset == out.offset
+
+
+def test_a_vseg_is_settled_only_when_every_copy_listed_is_whole():
+    """Found by the simulator (seed 506 of ``python -m kera.sim``, before the fix): R=3, one
+    copy closed and whole, the other one chunk short (the broker died before it got the last
+    chunk and the close). Settling the vseg named only the whole copy, whose early chunk had
+    rotted unseen: the adopted, acknowledged chunk was readable nowhere, while the replay reads
+    it from the shorter copy. A vseg with a copy shorter, open or known corrupt is replayed."""
+    short = {1: [seg(0, 1000, closed=True), seg(1, 800, closed=True)], 2: [seg(0, 900), seg(1, 800, closed=True)]}
+    assert plan_of(short).settled(VLOG) == []
+    damaged = {1: [seg(0, 1000, closed=True)], 2: [seg(0, 1000, closed=True, corrupt=[(100, 100)])]}
+    assert plan_of(damaged).settled(VLOG) == []
+    whole = {1: [seg(0, 1000, closed=True), seg(1, 800)], 2: [seg(0, 1000, closed=True)], 3: []}
+    assert plan_of(whole).settled(VLOG) == [(0, [1, 2])]

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from kera.sim import Violation, World, run_seeds
+from kera import chunk
+from kera import repoint_plan as cols
+from kera.sim import Violation, World, adoption, placement, run_seeds
 from kera.vlog import VirtualLog
 
 CI_SEEDS = range(300)
@@ -19,6 +22,19 @@ CI_SEEDS = range(300)
 def test_fixed_seeds_run_clean():
     r = run_seeds(CI_SEEDS)
     assert r["seeds"] == len(CI_SEEDS) and r["chunks"] > 0
+    # recovery re-pointed settled history in most runs, groups' last segments by their close
+    # chunks included, and left whole vsegs unread; the budget evicted segments
+    assert r["seeds_adopting"] > len(CI_SEEDS) // 2, r
+    assert min(r["adopted_closed"], r["skipped_vsegs"], r["evictions"]) > 0, r
+
+
+@pytest.mark.parametrize("seed, what", [
+    (13, "adopted_closed"),   # closed groups' last segments adopted, many vsegs skipped, evictions
+    (617, "index_refused"),   # a copy whose rotten header its index found on reload, refused
+    (506, "chunks"),          # one copy whole, one short: replayed, not adopted (was a loss)
+])
+def test_repointing_seeds_run_clean(seed, what):
+    assert World(seed).run().get(what, 0) > 0
 
 
 def test_a_seed_replays_exactly():
@@ -60,3 +76,33 @@ def test_catches_r1_without_a_disk_copy(monkeypatch):
     monkeypatch.setattr(VirtualLog, "__init__", no_copy_for_r1)
     seed, why = first_failing(range(300))
     assert "no progress" in why or "lost" in why, why
+
+
+def test_catches_a_last_segment_adopted_without_its_close_chunk(monkeypatch):
+    """A group's last listed segment taken as complete without its close chunk: the broker
+    went on appending to it (or to the group) in vsegs past the settled prefix."""
+    plan = adoption.plan_repoint
+
+    def forged_closes(rows, settled, replayed=frozenset()):
+        # every group's last segment in the rows gets a close chunk at its head
+        last = {}
+        for r in rows[rows[:, cols.FLAGS] & chunk.CLOSE == 0].tolist():
+            key = (r[cols.STREAM], r[cols.STREAMLET], r[cols.GROUP])
+            if key not in last or (r[cols.SEGMENT], r[cols.OFFSET]) > (last[key][cols.SEGMENT], last[key][cols.OFFSET]):
+                last[key] = r
+        forged = [[*r[:cols.OFFSET], r[cols.OFFSET] + r[cols.SIZE], *r[cols.OFFSET + 1:cols.FLAGS],
+                   chunk.CLOSE, r[cols.LAST]] for r in last.values()]
+        return plan(np.concatenate([rows, np.array(forged, np.uint64).reshape(-1, cols.COLUMNS)]),
+                    settled, replayed)
+
+    monkeypatch.setattr(adoption, "plan_repoint", forged_closes)
+    seed, why = first_failing(range(300))
+    assert "adopted as closed" in why or "lost" in why or "not its chunks" in why, why
+
+
+def test_catches_a_filled_segment_taking_another_chunk(monkeypatch):
+    """The broker's ``Group.append`` before its fix: a segment noted filled, the next one
+    refused by the budget, took a smaller chunk, into its dropped buffer once evicted."""
+    monkeypatch.setattr(placement.Segment, "filled_at", property(lambda seg: 0.0, lambda seg, v: None))
+    seed, why = first_failing(range(770, 780))
+    assert seed == 776 and "evicted segment" in why, why

@@ -38,10 +38,12 @@ class Group:
             self.on_filled(self, seg)
 
     def append(self, chunk) -> tuple[Segment, int] | None:
-        """Append one chunk; None if the group is full (it is then closed)."""
+        """Append one chunk; None if the group is full (it is then closed). A segment noted
+        filled takes no more chunks, even one that fits, when the budget refused the next
+        segment: the budget may evict it from then on."""
         n = len(chunk)
         seg = self.segments[-1] if self.segments else None
-        if seg is None or seg.room() < n:
+        if seg is None or seg.room() < n or seg.filled_at:
             if len(self.segments) >= self.max_segments:
                 self.closed = True
                 self._filled(seg)

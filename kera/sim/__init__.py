@@ -1,17 +1,23 @@
 """Deterministic simulation of the replication and recovery core (``python -m kera.sim``)."""
 
+from collections import Counter
+
 from .world import Violation, World
 
 __all__ = ["Violation", "World", "run_seeds"]
 
+REPOINTED = ("adopted_segments", "adopted_closed", "adopted_chunks", "adopted_unacked", "skipped_vsegs",
+             "index_refused", "evictions", "refused")
+
 
 def run_seeds(seeds) -> dict:
-    """Run every seed; the first violation is raised (its message replays the seed)."""
-    chunks = steps = 0
-    n = 0
+    """Run every seed; the first violation is raised (its message replays the seed). Returns
+    the totals: seeds, chunks, steps, what recovery re-pointed (``REPOINTED``) and how many
+    seeds adopted a segment."""
+    out = Counter()
     for seed in seeds:
         r = World(seed).run()
-        chunks += r["chunks"]
-        steps += r["steps"]
-        n += 1
-    return {"seeds": n, "chunks": chunks, "steps": steps}
+        out.update({k: r.get(k, 0) for k in ("chunks", "steps", *REPOINTED)})
+        out["seeds"] += 1
+        out["seeds_adopting"] += r.get("adopted_segments", 0) > 0
+    return dict(out)

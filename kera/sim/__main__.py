@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 
+from . import REPOINTED
 from .world import Violation, World
 
 
@@ -20,7 +22,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)
     t0 = time.perf_counter()
-    n = chunks = 0
+    n, sums = 0, Counter()
     for seed in seeds:
         try:
             r = World(seed).run()
@@ -29,9 +31,15 @@ def main(argv=None) -> int:
             print(f"replay: python -m kera.sim --seed {seed}", file=sys.stderr)
             return 1
         n += 1
-        chunks += r["chunks"]
+        sums.update({k: r.get(k, 0) for k in ("chunks", *REPOINTED)})
+        sums["seeds_adopting"] += r.get("adopted_segments", 0) > 0
     dt = time.perf_counter() - t0
-    print(f"{n} seeds clean, {chunks} chunks, {dt:.1f} s, {n / dt:.0f} seeds/s")
+    print(f"{n} seeds clean, {sums['chunks']} chunks, {dt:.1f} s, {n / dt:.0f} seeds/s")
+    print(f"re-pointed: {sums['seeds_adopting']} seeds adopted {sums['adopted_segments']} segments "
+          f"({sums['adopted_closed']} closed by their close chunk, {sums['adopted_chunks']} chunks, "
+          f"{sums['adopted_unacked']} not acknowledged yet), {sums['skipped_vsegs']} vsegs not replayed, "
+          f"{sums['index_refused']} copies refused by index; {sums['evictions']} segments evicted, "
+          f"{sums['refused']} chunks refused (budget)")
     return 0
 
 
