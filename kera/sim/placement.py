@@ -22,6 +22,7 @@ from ..broker.group import Group as BrokerGroup
 from ..broker.memory import MemoryBudget
 from ..broker.segment import Segment as BrokerSegment
 from ..errors import BrokerFull
+from ..stream_meta import StreamMeta
 from ..vlog import VirtualLog
 from ..vlog.mapping import VlogMapping
 
@@ -135,7 +136,10 @@ class Placement:
         self.streamlets = [Streamlet(i, self.q) for i in range(rng.choice((1, 2, 3)))]
         self.producers = rng.choice((1, 3, 5))
         self.mapping = VlogMapping("shared", len(vlogs))
-        self.stream = {"id": STREAM, "replication": replication}
+        self.stream = StreamMeta(name="sim", id=STREAM, streamlets=len(self.streamlets), groups=self.q,
+                                 replication=replication, segment_size=self.segment_size,
+                                 group_segments=self.max_segments,
+                                 owners=((1, 1),) * len(self.streamlets))
         self.replicators = {v.id: SimpleNamespace(log=v) for v in vlogs}
         # no limit, or room for a few vsegs' worth of chunks per vlog and two segments per active
         # group: smaller budgets are mostly spent on filled segments waiting in idle vlogs' open
