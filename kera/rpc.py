@@ -118,9 +118,9 @@ class FrameWriter:
         return self.lock.value == 0
 
     def now(self, data: bytes | list, tag=None) -> bool:
-        """Write one frame if nobody is sending: True once it is written, or begun and left
-        to a task (``finishing`` is ``tag`` until it ends); False if someone else is sending
-        or the write failed (``broken`` was told)."""
+        """Write one frame if nobody is sending: False if someone else is; True once it is
+        written, begun and left to a task (``finishing`` is ``tag`` until it ends), or failed
+        (``broken`` was told: the connection is done, nothing is left to send)."""
         try:
             self.lock.acquire_nowait()
         except trio.WouldBlock:
@@ -131,7 +131,7 @@ class FrameWriter:
         except trio.BrokenResourceError as e:
             self.lock.release()
             self.broken(f"send failed: {e}")
-            return False
+            return True
         if i == len(vs):
             self.lock.release()
         else:
@@ -403,7 +403,8 @@ class Connection:
         if self.closed or self.writer.busy:
             return None
         rid, data = self._request(method, meta, b"", parts)
-        if not self.writer.now(data, rid):
+        self.writer.now(data, rid)   # not busy (checked above): written, begun, or failed
+        if self.closed:
             return None   # the send failed: the connection is torn
         self.pending[rid] = _Posted(self, done).slot
         return rid

@@ -29,6 +29,7 @@ _INTS = ("id", "streamlets", "groups", "replication", "segment_size", "group_seg
 _REQUIRED = frozenset(("name", "owners", *_INTS))
 _OPTIONAL = {"retention_bytes": (int,), "retention_ms": (int,), "delete_retention_ms": (int,),
              "segment_ms": (int,), "vlogs": (str,), "cleanup_policy": (str,), "created": (float, int)}
+_NULLABLE = frozenset(("vlogs", "delete_retention_ms", "segment_ms"))   # None: the broker's default
 
 
 def _refusal(d) -> InvalidArgument:
@@ -43,7 +44,7 @@ def _refusal(d) -> InvalidArgument:
         if type(d[k]) is not int:
             return InvalidArgument(f"stream metadata: {k} must be an integer, not {d[k]!r}")
     for k, types in _OPTIONAL.items():
-        if d.get(k) is not None and type(d[k]) not in types:
+        if k in d and not (d[k] is None and k in _NULLABLE) and type(d[k]) not in types:
             what = "an integer" if types[0] is int else "a string" if types[0] is str else "a number"
             return InvalidArgument(f"stream metadata: {k} must be {what}, not {d[k]!r}")
     return InvalidArgument("stream metadata: owners must be a list of [broker, epoch]")
@@ -87,7 +88,8 @@ class StreamMeta:
         return dataclasses.replace(self, owners=tuple(owners))
 
     def altered(self, changes: Mapping[str, Any]) -> StreamMeta:
-        """This stream with the settings of ``changes`` (field names, values checked)."""
+        """This stream with the settings of ``changes`` (field names; the values are the
+        coordinator's, checked there)."""
         return dataclasses.replace(self, **changes)
 
     # -- the boundary -------------------------------------------------------------------

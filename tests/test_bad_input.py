@@ -232,11 +232,15 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
 
         ep = broker["epoch"]
         assert await code(broker["addr"], "assign", {"epoch": ep, "streams": "x"}) == "invalid_argument"
-        # a stream map that lacks a key or has one of the wrong type: refused before any is assigned
+        # a stream map that lacks a key or has one of the wrong type: refused before any is
+        # assigned (the good entry before it names a stream this broker does not hold)
         wire = s.to_wire()
+        fresh = {**wire, "id": wire["id"] + 10_000, "name": "not-assigned"}
         partial = {k: v for k, v in wire.items() if k != "groups"}
-        assert await code(broker["addr"], "assign", {"epoch": ep, "streams": [[wire, [0]], [partial, [0]]]}) \
+        assert await code(broker["addr"], "assign", {"epoch": ep, "streams": [[fresh, [0]], [partial, [0]]]}) \
             == "invalid_argument"
+        held, _ = await pool.call(broker["addr"], "stats", {"streams": True}, timeout=5)
+        assert wire["id"] in held["streams"] and fresh["id"] not in held["streams"]
         assert await code(broker["addr"], "configure", {"epoch": ep, "stream": {**wire, "id": "1"}}) \
             == "invalid_argument"
         assert await code(broker["addr"], "assign", {"epoch": ep, "stream": wire, "streamlets": [0],

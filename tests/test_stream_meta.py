@@ -59,6 +59,8 @@ def test_settings_and_unknown_keys_round_trip():
     ({**WRITTEN, "owners": 3}, "owners"),
     ({**WRITTEN, "retention_ms": 1.5}, "retention_ms must be an integer"),
     ({**WRITTEN, "cleanup_policy": 1}, "cleanup_policy"),
+    ({**WRITTEN, "retention_bytes": None}, "retention_bytes must be an integer, not None"),
+    ({**WRITTEN, "cleanup_policy": None}, "cleanup_policy must be a string, not None"),
 ])
 def test_a_malformed_map_is_refused_naming_what_is_wrong(bad, says):
     with pytest.raises(InvalidArgument, match=says):
