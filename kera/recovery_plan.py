@@ -35,6 +35,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from .vlog import vlog_epoch
+
 END = "end"          # the copy has nothing more (its length)
 CORRUPT = "corrupt"  # the next chunk of the copy failed verification
 FAILED = "failed"    # the backup or its copy failed (error, timeout, gone)
@@ -161,14 +163,14 @@ class RecoveryPlan:
         one that no backup listed has lost everything, rather than never existed.
         ``floors``: per vlog, the vsegs below it were released (retention), not lost."""
         self.broker, self.epoch = broker, epoch
-        floors = {v: f for v, f in (floors or {}).items() if v >> 32 == epoch and f > 0}
-        self._vlogs: dict[int, _Vlog] = {v: _Vlog(v, {}) for v in expected if v >> 32 == epoch}
+        floors = {v: f for v, f in (floors or {}).items() if vlog_epoch(v) == epoch and f > 0}
+        self._vlogs: dict[int, _Vlog] = {v: _Vlog(v, {}) for v in expected if vlog_epoch(v) == epoch}
         for v, f in floors.items():
             self._vlogs.setdefault(v, _Vlog(v, {})).vseg = f
             self._vlogs[v].floor = f
         for backup, segments in sorted(listings.items()):
             for sg in segments:
-                if sg["broker"] != broker or sg["vlog"] >> 32 != epoch:
+                if sg["broker"] != broker or vlog_epoch(sg["vlog"]) != epoch:
                     continue
                 if int(sg["vseg"]) < floors.get(sg["vlog"], 0):
                     continue  # released: its file is on its way out

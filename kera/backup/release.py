@@ -15,6 +15,7 @@ import trio
 
 from .. import metafile
 from ..errors import BackupError, Fenced, InvalidArgument
+from ..vlog import vlog_epoch
 from . import disk
 from .fields import U63, uint
 from .replica import Replica
@@ -145,9 +146,9 @@ class Release:
         covered = {(b, e): dict(map(tuple, c)) for b, e, c in incarnations}
         if not covered:
             return {"dropped": 0, "claimed": 0, "bytes": 0}
-        mine = [k for k in self.store.replicas if (k[0], k[1] >> 32) in covered]  # vlog ids carry the epoch
-        keys = [k for k in mine if k[2] <= covered[(k[0], k[1] >> 32)].get(k[1], -1)]
-        outside = {(k[0], k[1] >> 32) for k in set(mine) - set(keys)}
+        mine = [k for k in self.store.replicas if (k[0], vlog_epoch(k[1])) in covered]
+        keys = [k for k in mine if k[2] <= covered[(k[0], vlog_epoch(k[1]))].get(k[1], -1)]
+        outside = {(k[0], vlog_epoch(k[1])) for k in set(mine) - set(keys)}
         if outside:
             log.warning("files of recovered incarnations %s lie past what their recovery replayed: "
                         "kept, with their claims", sorted(outside))

@@ -34,7 +34,7 @@ from ..errors import (
 )
 from ..rpc import Later, Pool, Service
 from ..stream_meta import StreamMeta
-from ..vlog import BackupSet, VirtualLog, VlogMapping
+from ..vlog import BackupSet, VirtualLog, VlogMapping, vlog_id
 from .adopted import Claims
 from .compactor import Compactor
 from .group_close import close_chunk
@@ -112,7 +112,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         v = self.vlogs.get(key)
         if v is None:
             # ids unique across incarnations: a restarted broker never mixes with its old replicas
-            vid = (self.epoch << 32) | len(self.vlogs)
+            vid = vlog_id(self.epoch, len(self.vlogs))
             vlog = VirtualLog(vid, stream.replication, self.vseg_size, self.backup_set,
                               self.replicate_timeout)
             v = self.vlogs[key] = Replicator(vlog, self.hub, self.notify_durable,

@@ -33,7 +33,7 @@ from .. import repoint_plan as cols
 from ..backup.store import NEW, BackupStore
 from ..errors import KeraError
 from ..recovery_plan import CORRUPT, END, Done, RecoveryPlan, Step
-from ..vlog import BackupSet, VirtualLog
+from ..vlog import BackupSet, VirtualLog, vlog_id
 from . import adoption
 from .placement import STREAM as STREAM_ID
 from .placement import Chunk, Placement
@@ -181,7 +181,7 @@ class World:
             self.backups[1].node = "n0"
         self.set = BackupSet("n0", random.Random(seed ^ 0x5EED))
         self._membership()
-        self.vlogs = [VirtualLog((EPOCH << 32) | i, self.replication, r.choice((1000, 4000, 20000)),
+        self.vlogs = [VirtualLog(vlog_id(EPOCH, i), self.replication, r.choice((1000, 4000, 20000)),
                                  self.set, RPC_TIMEOUT, batch=r.choice((100, 400, 2000)))
                       for i in range(r.choice((1, 2, 3)))]
         self.placement = Placement(r, self.vlogs, self.replication)

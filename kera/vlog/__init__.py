@@ -2,7 +2,7 @@
 
 from .mapping import POLICIES, VlogMapping
 from .placement import BackupSet
-from .virtual_log import VirtualLog
+from .virtual_log import VirtualLog, vlog_epoch, vlog_id
 from .virtual_segment import VirtualSegment
 
-__all__ = ["POLICIES", "BackupSet", "VirtualLog", "VirtualSegment", "VlogMapping"]
+__all__ = ["POLICIES", "BackupSet", "VirtualLog", "VirtualSegment", "VlogMapping", "vlog_epoch", "vlog_id"]

@@ -38,6 +38,17 @@ from ..limits import REPLICATE_BATCH
 from .placement import BackupSet
 from .virtual_segment import Copy, VirtualSegment
 
+
+def vlog_id(epoch: int, index: int) -> int:
+    """The id of a broker incarnation's ``index``-th vlog: the epoch in the high 32 bits, so
+    an incarnation's vlogs (and the backups' copies of them) are told from its predecessors'."""
+    return (epoch << 32) | index
+
+
+def vlog_epoch(vlog: int) -> int:
+    """The epoch of the incarnation that made vlog ``vlog``."""
+    return vlog >> 32
+
 MAX_FAILS = 5
 BACKOFF_MIN = 0.02
 BACKOFF_MAX = 1.0
