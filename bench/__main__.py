@@ -90,7 +90,7 @@ def exp_streams(args) -> dict:
 
 def exp_metadata(args) -> dict:
     from .metadata import run
-    return run(args)
+    return run(args, say)
 
 
 def table(res: dict) -> str:

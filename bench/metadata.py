@@ -155,23 +155,21 @@ def peer_side(marks: list[int], fanout: int) -> dict:
             "fanout_s": round(fan_s, 3), "consumed": c["records"], "consume_s": round(consume_s, 3)}
 
 
-def run(args) -> dict:
-    from . import __main__ as m
-
+def run(args, say) -> dict:
     marks = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
     fanout = 5_000 if args.quick else 10_000
     rows = []
     for store, coordinators in (("embedded", 1), ("etcd", 3)):
-        m.say(f"metadata: kera ({store} store), {args.nodes} nodes, up to {marks[-1]} streams, R=3")
+        say(f"metadata: kera ({store} store), {args.nodes} nodes, up to {marks[-1]} streams, R=3")
         with KeraRun(args.nodes, coordinators=coordinators) as k:
             out = trio.run(kera_side, k, marks, fanout)
         rows.append({"system": f"kera R=3 ({store})", **out})
-        m.say(f"   {out}")
+        say(f"   {out}")
     peer_marks = [1_000, 10_000]
-    m.say(f"metadata: peer, topics up to {peer_marks[-1]}")
+    say(f"metadata: peer, topics up to {peer_marks[-1]}")
     out = peer_side(peer_marks, fanout)
     rows.append({"system": "peer (no replication)", **out})
-    m.say(f"   {out}")
+    say(f"   {out}")
     for r in rows:   # flat figures for the table: the rate at each mark, the overall one
         for c in r["create"]:
             r[f"create_per_s@{c['streams']}"] = c["per_s"]
