@@ -13,6 +13,7 @@ import pytest
 
 from kera import chunk
 from kera import repoint_plan as cols
+from kera.broker import memory
 from kera.sim import Violation, World, adoption, placement, run_seeds
 from kera.vlog import VirtualLog
 
@@ -23,9 +24,10 @@ def test_fixed_seeds_run_clean():
     r = run_seeds(CI_SEEDS)
     assert r["seeds"] == len(CI_SEEDS) and r["chunks"] > 0
     # recovery re-pointed settled history in most runs, groups' last segments by their close
-    # chunks included, and left whole vsegs unread; the budget evicted segments
+    # chunks included, and left whole vsegs unread; the budget evicted segments, closing idle
+    # vlogs' open vsegs for it
     assert r["seeds_adopting"] > len(CI_SEEDS) // 2, r
-    assert min(r["adopted_closed"], r["skipped_vsegs"], r["evictions"]) > 0, r
+    assert min(r["adopted_closed"], r["skipped_vsegs"], r["evictions"], r["budget_closes"]) > 0, r
 
 
 @pytest.mark.parametrize("seed, what", [
@@ -106,3 +108,12 @@ def test_catches_a_filled_segment_taking_another_chunk(monkeypatch):
     monkeypatch.setattr(placement.Segment, "filled_at", property(lambda seg: 0.0, lambda seg, v: None))
     seed, why = first_failing(range(770, 780))
     assert seed == 776 and "evicted segment" in why, why
+
+
+def test_catches_a_budget_spent_on_segments_waiting_in_idle_vlogs(monkeypatch):
+    """The broker's ``MemoryBudget.relieve`` before its fix: it never closed the open vsegs
+    that filled segments waited in, so a small budget spent on them refused every new
+    segment for good, with every chunk durable."""
+    monkeypatch.setattr(memory, "close_waiting", lambda seg: False)
+    seed, why = first_failing(range(55, 65))
+    assert seed == 59 and "refuses a new segment" in why, why

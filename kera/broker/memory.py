@@ -12,6 +12,15 @@ served from a backup's copy (``kera.broker.tiered``). Eviction takes the
 oldest filled segments first. A new segment is refused (``BrokerFull``) only
 when the budget is spent and nothing in memory can be evicted, i.e. all of it
 still waits for replication.
+
+A filled segment whose last chunks sit in a vlog's *open* vseg never settles
+while that vlog takes no more chunks, and a small budget can be spent on such
+segments alone. So the background pass, still above the low-water mark after
+evicting, closes the open vsegs the oldest filled segments wait in (once their
+chunks are durable), as many as that excess needs: they settle, and a later
+pass or allocation evicts them. No more are closed: a busy vlog's vseg closes
+when full, and closing it early only makes small vsegs. Everything here is
+decisions on the vlogs' state (no I/O): the caller pokes the vlogs it names.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import os
 from collections import OrderedDict
 
 from ..errors import BrokerFull
+from .segment import close_waiting, never_settles
 
 LOW_WATER = 0.85   # the background pass evicts down to this fraction of the budget
 SLACK = 1 / 32     # an eviction on the allocation path frees this much of the budget more
@@ -77,11 +87,23 @@ class MemoryBudget:
             self.evicted_bytes += seg.head
         return freed
 
-    def relieve(self) -> int:
-        """The background pass: down to the low-water mark, so allocations rarely wait on it."""
+    def relieve(self) -> list:
+        """The background pass: evict down to the low-water mark, so allocations rarely wait
+        on it; what is still above it and waits in open vsegs gets them closed. Returns the
+        vlogs (their replicators) whose open vseg was closed, for the caller to poke."""
         if not self.limit or self.used <= self.limit * LOW_WATER:
-            return 0
-        return self.evict(self.used - int(self.limit * LOW_WATER))
+            return []
+        need = self.used - int(self.limit * LOW_WATER) - self.evict(self.used - int(self.limit * LOW_WATER))
+        closed = []
+        for seg in self.resident:  # oldest first
+            if need <= 0:
+                break
+            if never_settles(seg):  # never evictable: closing vsegs for its sake frees nothing
+                continue
+            need -= seg.capacity  # settles: by itself, or once the open vseg it waits in closes
+            if close_waiting(seg):
+                closed.append(seg.vlog)
+        return closed
 
     def free(self, seg) -> None:
         """``seg`` is gone for good (retention, deletion): its memory, if it still has any."""

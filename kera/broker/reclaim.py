@@ -2,7 +2,8 @@
 
 A background pass (``_reclaim_once``) applies retention (whole segments freed),
 releases the vsegs nothing live references (their backups delete the files) and
-evicts replicated segments down to the memory budget's low-water mark; claims on
+evicts replicated segments down to the memory budget's low-water mark (closing
+the open vsegs that keep the oldest filled ones from settling); claims on
 foreign vsegs (adopted segments) are released by a loop of their own.
 """
 
@@ -45,7 +46,8 @@ class Reclaim:
 
     def _reclaim_once(self) -> None:
         """One pass: retention frees whole expired segments, vsegs nothing live references are
-        released (their backups are told), memory is brought down to the low-water mark."""
+        released (their backups are told), memory is brought down to the low-water mark (the
+        vlogs whose open vseg the budget closed are poked, so the close reaches the copies)."""
         now = time.time()
         for sl in self.streamlets.values():
             if sl.filled and not sl.recovering and (sl.retention_bytes >= 0 or sl.retention_ms >= 0):
@@ -57,7 +59,8 @@ class Reclaim:
         for v in self.vlogs.values():
             if v.log.advance_floor() or v.log.floor > v.trimmed:
                 v.poke()
-        self.memory.relieve()
+        for v in self.memory.relieve():
+            v.poke()
 
     async def _reclaimer(self) -> None:
         while True:

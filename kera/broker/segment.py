@@ -165,6 +165,15 @@ class VlogChunk:
 
 def close_waiting(seg: Segment) -> bool:
     """Close the open vseg of an idle vlog that ``seg``'s chunks wait in (so they settle);
-    True if one was closed (the caller pokes the vlog)."""
+    True if one was closed (the caller pokes the vlog). Not while chunks of that vseg are
+    still on their way to its copies (a busy vlog, or backups failing): a later call tries
+    again. The open vseg is its vlog's newest, so it is the last one ``seg`` touched."""
     v = seg.vlog
-    return v is not None and v.log.open is not None and v.log.open in seg.vsegs and v.log.close_open()
+    return v is not None and bool(seg.vsegs) and seg.vsegs[-1] is v.log.open and v.log.close_open()
+
+
+def never_settles(seg: Segment) -> bool:
+    """A vseg holding ``seg``'s chunks is frozen (it gets no new copy) and not settled on the
+    copies it has: ``seg`` is never ``replicated``, so never evicted."""
+    v = seg.vlog
+    return v is not None and any(vs.frozen and not v.log.done(vs) for vs in seg.vsegs)

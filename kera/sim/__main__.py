@@ -39,7 +39,8 @@ def main(argv=None) -> int:
           f"({sums['adopted_closed']} closed by their close chunk, {sums['adopted_chunks']} chunks, "
           f"{sums['adopted_unacked']} not acknowledged yet), {sums['skipped_vsegs']} vsegs not replayed, "
           f"{sums['index_refused']} copies refused by index; {sums['evictions']} segments evicted, "
-          f"{sums['refused']} chunks refused (budget)")
+          f"{sums['refused']} chunks refused (budget), {sums['budget_closes']} idle vlogs' open vsegs "
+          f"closed for it")
     return 0
 
 

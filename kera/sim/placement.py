@@ -10,7 +10,9 @@ own ``VlogMapping``. The memory bound is the real
 ``MemoryBudget``: a segment is charged when opened, noted filled when it
 takes no more chunks, and evicted by the budget's rule with the broker's own
 ``Segment.replicated`` (its vsegs closed and done on all copies), which
-freezes those vsegs in the real ``VirtualLog``.
+freezes those vsegs in the real ``VirtualLog``; its background pass
+(``MemoryBudget.relieve``) also closes the open vsegs the oldest filled
+segments wait in, as on the broker.
 """
 
 from __future__ import annotations
@@ -142,8 +144,8 @@ class Placement:
                                  owners=((1, 1),) * len(self.streamlets))
         self.replicators = {v.id: SimpleNamespace(log=v) for v in vlogs}
         # no limit, or room for a few vsegs' worth of chunks per vlog and two segments per active
-        # group: smaller budgets are mostly spent on filled segments waiting in idle vlogs' open
-        # vsegs, which refuse every new segment (nothing closes those vsegs; docs/retention.md)
+        # group: much of it is spent on filled segments waiting in idle vlogs' open vsegs, which
+        # the budget's pass closes (``World._reclaim``) so they settle and are evicted
         room = rng.choice((0, 2, 4)) * vlogs[0].capacity * len(vlogs)
         self.memory = MemoryBudget(room and room + 2 * self.segment_size * len(self.streamlets) * self.q)
         self.chunks: list[Chunk] = []
@@ -189,6 +191,15 @@ class Placement:
         self.chunks.append(c)
         self.by_vlog[v.id].append(c)
         return c
+
+    def takes_segment(self) -> bool:
+        """Whether the budget would take a new segment now (evicting what it may)."""
+        try:
+            self.memory.reserve(self.segment_size)
+        except BrokerFull:
+            return False
+        self.memory.release(self.segment_size)
+        return True
 
     def filled(self, g: Group, seg: Segment) -> None:
         """``Group.on_filled``: the segment takes no more chunks (``Streamlet._on_filled``)."""

@@ -12,7 +12,8 @@ restarts, full disks, bit flips and torn tails of their files) and the
 failure detector.
 
 A run has three phases: ingest under faults, heal (faults stop; every
-appended chunk must become durable: progress), then the broker dies, its
+appended chunk must become durable: progress; and the memory budget must
+take a new segment again, its filled segments settling and evicted), then the broker dies, its
 settled history is re-pointed and the rest of its vlogs replayed from the
 backups (every acknowledged chunk must come back exactly once, adopted or
 replayed, in order). Invariants are checked after every step; the first one
@@ -40,6 +41,7 @@ from .placement import Chunk, Placement
 
 BROKER, EPOCH = 1, 1
 DEAD_AFTER = 2.0   # the failure detector's delay
+RECLAIM_INTERVAL = 0.25  # the broker's reclaim pass (``kera.broker.reclaim``)
 RPC_TIMEOUT = 1.0  # the vlog's replicate timeout (and each message's)
 
 
@@ -310,8 +312,18 @@ class World:
         for v in self.vlogs:
             if v in touched:
                 self._poll(v)
-        p.memory.relieve()
         self.at(self.now + self.rng.expovariate(50), self._produce, until)
+
+    def _reclaim(self) -> None:
+        """The broker's reclaim pass, as often: the budget evicts, and closes the open vsegs
+        the oldest filled segments wait in while memory stays above its low-water mark."""
+        if self.broker_dead:
+            return
+        closed = self.placement.memory.relieve()
+        self.stats["budget_closes"] += len(closed)
+        for r in closed:
+            self._poll(r.log)
+        self.at(self.now + RECLAIM_INTERVAL, self._reclaim)
 
     def _check_durable(self, v: VirtualLog) -> None:
         """Acks: every chunk below the durable head is on ``need`` backups, intact, right now."""
@@ -431,6 +443,7 @@ class World:
     def run(self) -> dict:
         ingest = self.rng.choice((2.0, 5.0, 10.0))
         self.at(0.0, self._produce, ingest)
+        self.at(RECLAIM_INTERVAL, self._reclaim)
         if self.fault_rate:
             self.at(self.rng.uniform(0, 1), self._fault, ingest)
         if self.rng.random() < 0.4:
@@ -450,6 +463,12 @@ class World:
         stuck = [(v.id, v.durable, v.appended) for v in self.vlogs if v.durable != v.appended]
         if stuck:
             self.fail(f"no progress after faults healed: vlogs (id, durable, appended) {stuck}")
+        # and the memory budget takes a new segment again: what it holds settles and is evicted
+        p = self.placement
+        self.run_until(self.now + 30.0, p.takes_segment)
+        if not p.takes_segment():
+            self.fail(f"every chunk durable, yet the memory budget refuses a new segment: "
+                      f"{p.memory.used} of {p.memory.limit} bytes used")
         self._recover()
         return self._result()
 
