@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import os
 import queue as queue_mod
 import threading
 import time
@@ -12,10 +10,6 @@ import traceback
 TIME_CHECK = 512            # records sent between two clock readings of a timed run
 WARM_SECONDS_RATE = 10_000  # warm-up records per second of a timed run (not timed, not counted)
 QUIET_BUSY, QUIET_MAX_S = 0.15, 3.0  # the clock starts once the machine is this idle (or after this long)
-# ... and once every CPU runs the probe within this factor of the fastest probe seen (or after
-# this long): this machine's speed swings by 1.7x for tens of seconds at a time, whatever runs
-SPEED_SLACK, SPEED_MAX_S = 1.25, 30.0
-_fastest = [math.inf]   # the fastest probe of this process, ms
 
 
 def _proc_main(results, kind: str, idx: int, fn, args: tuple, kwargs: dict) -> None:
@@ -54,52 +48,28 @@ def _busy(window: float = 0.1) -> float:
     return 1 - (b[3] + b[4] - a[3] - a[4]) / max(1, sum(b) - sum(a))
 
 
-def _probe_once() -> float:
-    """A fixed piece of pure-Python work, best of three, in milliseconds."""
-    best = math.inf
+def _probe_ms() -> float:
+    """A fixed piece of pure-Python work, best of three, in milliseconds: how fast the
+    machine runs this process now (a slower run beside a slow probe is the machine's)."""
+    best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
         x = 0
         for i in range(200_000):
             x += i & 7
         best = min(best, time.perf_counter() - t)
-    return best * 1000
-
-
-def _probe_ms() -> float:
-    """How fast the machine runs Python now: the probe on each CPU in turn (this thread
-    pinned to it), the slowest of them, in milliseconds."""
-    mine = os.sched_getaffinity(0)
-    worst = 0.0
-    try:
-        for cpu in sorted(mine):
-            os.sched_setaffinity(0, {cpu})
-            worst = max(worst, _probe_once())
-    finally:
-        os.sched_setaffinity(0, mine)
-    return round(worst, 2)
+    return round(best * 1000, 2)
 
 
 def quiet(max_s: float = QUIET_MAX_S, busy: float = QUIET_BUSY) -> dict:
     """Wait until the machine is nearly idle (the last run's leftovers: a deleted stream's
-    files, a stopped broker, flushes), at most ``max_s``, then until it runs at its usual
-    speed (every CPU within ``SPEED_SLACK`` of the fastest probe seen; at most
-    ``SPEED_MAX_S``): every timed phase starts from the same state, whichever system it
-    measures. Returns how long it waited, how busy the machine was, the probe, and whether
-    the machine was at speed when the clock started."""
+    files, a stopped broker, flushes), at most ``max_s``: every timed phase starts from the
+    same state. Returns how long it waited and how busy the machine was then."""
     t0 = time.monotonic()
     b = _busy()
     while b > busy and time.monotonic() - t0 < max_s:
         b = _busy()
-    p = _probe_ms()
-    _fastest[0] = min(_fastest[0], p)
-    t1 = time.monotonic()
-    while p > _fastest[0] * SPEED_SLACK and time.monotonic() - t1 < SPEED_MAX_S:
-        time.sleep(0.2)
-        p = _probe_ms()
-        _fastest[0] = min(_fastest[0], p)
-    return {"waited_s": round(time.monotonic() - t0, 2), "busy": round(b, 3), "probe_ms": p,
-            "at_speed": p <= _fastest[0] * SPEED_SLACK}
+    return {"waited_s": round(time.monotonic() - t0, 2), "busy": round(b, 3), "probe_ms": _probe_ms()}
 
 
 def _start_when_quiet(barrier, workers: int, timeout_s: float, out: dict) -> None:

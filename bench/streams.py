@@ -24,12 +24,8 @@ third repeat came out 16-27% faster than the first); the peer gets a fresh
 broker per run. Phases: producer alone,
 then consumer alone; ``--concurrent`` adds runs with both at once. A phase's
 clock starts once its workers are set up and warmed up and the machine is
-quiet and at its usual speed (``stage.quiet``: the last run's leftovers done;
-this machine's speed swings by 1.7x for tens of seconds at a time, so a
-phase waits, up to 30 s, until every CPU runs a fixed piece of Python within
-25% of the fastest time seen); what it waited and the probe are in each run's
-``quiet``, and ``phases_at_speed`` in the acceptance block counts the phases
-that began at speed.
+quiet (``stage.quiet``: the last run's leftovers done, what it waited is in
+each run's ``quiet``).
 
 The ``acceptance`` block (the targets) is computed from the same runs:
 kera R=3 / peer at 512 and 2,048 streams (>= 3x, >= 4x), kera R=3 at 2,048
@@ -119,11 +115,6 @@ def acceptance(cells: list[dict], runs: list[dict], repeats: int) -> dict:
     out[f"r3_repeat{last + 1}_vs_repeat1"] = {
         "cells": drift, "pass": all(d["pass"] for d in drift.values()) if drift else None,
         "failing_streams": [int(s) for s, d in drift.items() if not d["pass"]]}
-    # not a target: how many timed phases began with the machine at its usual speed (stage.quiet)
-    quiet = [r.get("quiet") or {} for r in runs if r["phase"] == "sequential"]
-    out["phases_at_speed"] = {"runs": len(quiet), "at_speed": sum(bool(q.get("at_speed")) for q in quiet),
-                              "probe_ms": [min((q["probe_ms"] for q in quiet if "probe_ms" in q), default=None),
-                                           max((q["probe_ms"] for q in quiet if "probe_ms" in q), default=None)]}
     return out
 
 
@@ -190,10 +181,7 @@ def table(res: dict) -> str:
         lines.append("")
     lines.append("targets, from these runs:")
     for name, a in res["acceptance"].items():
-        if name == "phases_at_speed":
-            lines.append(f"  (phases begun with the machine at speed: {a['at_speed']} of {a['runs']}; "
-                         f"probe {a['probe_ms'][0]}-{a['probe_ms'][1]} ms)")
-        elif "cells" in a:
+        if "cells" in a:
             each = ", ".join(f"{s} streams {d['value']}" for s, d in a["cells"].items())
             verdict = {True: "pass", False: f"FAIL at {a['failing_streams']} streams", None: "n/a"}[a["pass"]]
             lines.append(f"  {name} (kera R=3, within 10%): {each}: {verdict}")
