@@ -856,6 +856,19 @@ async def test_read_chunks_takes_each_chunk_where_it_is(backups):
             data = b"".join(bytes(p) for p in (parts if isinstance(parts, list) else [parts]))
             assert meta["chunks"] == 4 and data == b"".join(every[i] for i in order)
             assert (await stats(pool, bk.addr))["unflushed_bytes"] == sum(map(len, new)), "read before the flush"
+            # bad ranges: refused with a typed error, nothing marked corrupt, the good read still served
+            def kept(seg):   # what a refused read must not change (a flush round may run meanwhile)
+                return seg["length"], seg["chunks"], seg["corrupt"]
+
+            listed = kept((await segments(pool, bk.addr))[(1, 0, 0)])
+            for bad in ("x", [], [[starts[1]]], [[starts[1] + 1, len(every[1])]],
+                        [[starts[1], len(every[1]) + 1]], [[-1, 5]], [[starts[0], len(every[0])], ["a", 1]]):
+                with pytest.raises(InvalidArgument):
+                    await pool.call(bk.addr, "read_chunks", {"broker": 1, "vlog": 0, "vseg": 0, "ranges": bad})
+            assert kept((await segments(pool, bk.addr))[(1, 0, 0)]) == listed
+            _, again = await pool.call(bk.addr, "read_chunks", {
+                "broker": 1, "vlog": 0, "vseg": 0, "ranges": [[starts[i], len(every[i])] for i in order]})
+            assert b"".join(bytes(p) for p in (again if isinstance(again, list) else [again])) == data
 
 
 async def _memory_is(pool, addr, n, unflushed):

@@ -21,7 +21,7 @@ from kera.vlog import VirtualLog
 from .test_vlog_core import ack_all, backups
 from .workload import decode, values
 
-pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
+pytestmark = pytest.mark.timeout(120)
 
 KiB = 1 << 10
 SEGMENT = 32 * KiB

@@ -143,7 +143,7 @@ class AsyncConsumer:
                 elif key in saved:
                     p = saved[key]
                     self.positions[(s.name, i)] = {"low": p["low"],
-                                                      "groups": {int(g): v for g, v in p["groups"].items()}}
+                                                   "groups": {int(g): v for g, v in p["groups"].items()}}
                     for g, (pos, k) in (p.get("skip") or {}).items():
                         self._skips[(s.name, i, int(g))] = (pos, k)
                 elif self.start == "latest":

@@ -93,7 +93,8 @@ class MemoryBudget:
         vlogs (their replicators) whose open vseg was closed, for the caller to poke."""
         if not self.limit or self.used <= self.limit * LOW_WATER:
             return []
-        need = self.used - int(self.limit * LOW_WATER) - self.evict(self.used - int(self.limit * LOW_WATER))
+        excess = self.used - int(self.limit * LOW_WATER)
+        need = excess - self.evict(excess)
         closed = []
         for seg in self.resident:  # oldest first
             if need <= 0:

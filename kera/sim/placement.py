@@ -68,9 +68,10 @@ class Segment:
     length) as the broker's and moves its ``durable``; eviction drops ``buf`` as the broker
     drops the bytes, after which a replicate could not be built from it."""
 
-    __slots__ = ("id", "capacity", "head", "durable", "chunks", "at", "vlog", "vsegs", "buf",
-                 "evicted", "filled_at")
+    __slots__ = ("id", "capacity", "head", "durable", "chunks", "at", "vlog", "vsegs", "vseg_ids",
+                 "vseg_offs", "buf", "evicted", "filled_at")
     replicated = BrokerSegment.replicated  # the broker's own rule for what may be evicted
+    noted = BrokerSegment.noted            # ... and its own record of the vsegs holding its chunks
 
     def __init__(self, id: int, capacity: int):
         self.id, self.capacity = id, capacity
@@ -79,6 +80,8 @@ class Segment:
         self.at: dict[int, Chunk] = {}   # offset -> chunk
         self.vlog = None               # has ``.log``: the VirtualLog, as a broker Replicator
         self.vsegs: list = []          # the distinct vsegs holding its chunks, in order
+        self.vseg_ids: list[int] = []  # per chunk: its vseg and offset there (``noted``)
+        self.vseg_offs: list[int] = []
         self.buf = True
         self.evicted = False
         self.filled_at = 0.0   # > 0 once noted filled (takes no more chunks)
@@ -176,7 +179,6 @@ class Placement:
         seg = c.seg
         c.vlog, c.group = g.vlog.id, g.id
         c.sequence = sl.sequences[producer] = sl.sequences.get(producer, 0) + 1
-        seg.vlog = self.replicators[g.vlog.id]
         self._reference(g, seg, c)
         return g.vlog
 
@@ -186,8 +188,8 @@ class Placement:
         v.append(seg if seg is not None else c, c.offset if seg is not None else 0, c.size, 0)
         vs = v.vsegs[-1]
         c.vseg, c.voff = vs.id, vs.ends[-1] - c.size
-        if seg is not None and (not seg.vsegs or seg.vsegs[-1] is not vs):
-            seg.vsegs.append(vs)
+        if seg is not None:
+            seg.noted(self.replicators[v.id], vs, c.voff)
         self.chunks.append(c)
         self.by_vlog[v.id].append(c)
         return c
