@@ -152,6 +152,7 @@ class _Vlog:
     failed_steps: int = 0
     floor: int = 0     # the vsegs below were released by the broker
     skip: set[int] = field(default_factory=set)  # settled vsegs whose chunks are all re-pointed
+    prefix: tuple | None = None   # (vseg, its settled prefix from there), before any step
 
 
 class RecoveryPlan:
@@ -207,6 +208,8 @@ class RecoveryPlan:
         with another copy (shorter, open, or corrupt elsewhere) is replayed, which reads
         each chunk from any copy holding it intact, rather than lose that copy."""
         v = self._vlog(vlog)
+        if v.prefix is not None and v.prefix[0] == v.vseg and not v.steps:   # no copy changed since
+            return list(v.prefix[1])
         out, s = [], v.vseg
         while (copies := v.vsegs.get(s)) is not None:
             end = _length(copies)
@@ -216,7 +219,9 @@ class RecoveryPlan:
                 break
             out.append((s, sorted(whole)))
             s += 1
-        return out
+        if not v.steps:
+            v.prefix = (v.vseg, out)
+        return list(out)
 
     def skip(self, vlog: int, vsegs: Iterable[int]) -> None:
         """Do not replay these vsegs (all in the settled prefix, not started yet)."""

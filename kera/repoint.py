@@ -11,9 +11,12 @@ consecutive re-pointed segments (``adopt``, ``kera.index_chunk``) and builds
 them evicted, naming the copies;
 the plan is told which settled vsegs need no replay at all, and the backups
 skip the re-pointed segments' chunks in the vsegs that are replayed. The
-replay starts once the segments are built: what makes an adoption safe
-(its index chunks durable, its files claimed: an fsync on each backup)
-is waited for beside it (``settle``), before the hand-over.
+replay starts once the segments of the groups it continues are built; the
+groups whose adoption reaches their end (``Repoint.ended``: nothing of them
+is replayed) are adopted beside it, so the time to serve does not grow with
+the closed history. What makes an adoption safe (its index chunks durable,
+its files claimed: an fsync on each backup) is waited for beside the replay
+too (``settle``), before the hand-over.
 
 What keeps the adopted chunks readable: the copies named are closed and
 whole; the dead incarnation writes and trims no more (fenced); the new owner
@@ -27,7 +30,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from functools import partial
 
 import numpy as np
 import trio
@@ -180,19 +182,12 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
         rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64),
                           owners, cut)
         rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
-        per_owner: dict[int, list] = {}
-        indexed = segments = 0   # bytes and segments of the index chunks passed on as they stand
+        ended = rp.ended()
+        first, later = [], []   # runs adopted before the replay, and beside it
         for run in _runs(rp.adopted):
             a = run[0]
-            if a.indexed:
-                r = a.rows[0].tolist()
-                data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
-                heads = index_chunk.parse(data).heads
-                indexed += sum(heads)
-                segments += len(heads) - 1
-            else:
-                data = _index_chunk(rec.broker, run, whole)
-            per_owner.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
+            (later if (a.stream, a.streamlet, a.group) in ended else first).append(run)
+        per_owner = _requests(rec, first, indexes, whole, owners)
         members = {m.id: m for m in owners.values()}
 
     async def adopt(m, mine: list[bytes]) -> None:
@@ -211,21 +206,30 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 n.start_soon(adopt, members[mid], mine)
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
-    rec.adopted_segments = len(rp.adopted) + segments
-    rec.adopted_bytes = rp.bytes + indexed
-    log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies, %d vsegs "
-             "not replayed, index in %.3f s, adopted in %.3f s", rec.broker, rec.epoch, rec.adopted_segments,
-             rec.adopted_bytes, sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"])
+    rec.adopted_segments += len(rp.adopted)
+    rec.adopted_bytes += rp.bytes
 
     async def settle() -> None:
-        """Beside the replay: each owner's adoptions made durable and their files claimed;
-        ``rec.settle_seconds``: how long it took."""
+        """Beside the replay: the groups that end in their adoption adopted (the replay sends
+        none of their chunks, see ``Repoint.ended``), then each owner's adoptions made durable
+        and their files claimed; ``rec.settle_seconds``: how long it took."""
         t = time.monotonic()
+        await trio.lowlevel.checkpoint()   # the replay's first requests go out before these are built
+        rest = _requests(rec, later, indexes, whole, owners)
+
+        async def one(m) -> None:
+            await adopt(m, rest.get(m.id, []))
+            await pool.call(m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT)
+
         async with trio.open_nursery() as n:
-            for mid in per_owner:
-                m = members[mid]
-                n.start_soon(partial(pool.call, m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT))
+            for mid in per_owner.keys() | rest.keys():
+                n.start_soon(one, members[mid])
         rec.settle_seconds = time.monotonic() - t
+        log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies (%d beside "
+                 "the replay), %d vsegs not replayed, index in %.3f s, adopted in %.3f s, settled in "
+                 "%.3f s", rec.broker, rec.epoch, rec.adopted_segments, rec.adopted_bytes, len(later),
+                 sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"],
+                 rec.settle_seconds)
 
     return [[*k, s] for k, s in rp.replay_from.items()], settle
 
@@ -244,6 +248,24 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarra
     return rows if keep.all() else rows[keep]
 
 
+def _requests(rec, runs: list, indexes: dict, whole: dict, owners: dict) -> dict[int, list[bytes]]:
+    """The index chunks of ``runs`` per owner id; the dead broker's own index chunks pass as
+    they stand (their segments counted in ``rec``'s adopted figures here)."""
+    out: dict[int, list[bytes]] = {}
+    for run in runs:
+        a = run[0]
+        if a.indexed:
+            r = a.rows[0].tolist()
+            data = indexes[(r[VLOG], r[VSEG], r[VOFF])]
+            heads = index_chunk.parse(data).heads
+            rec.adopted_bytes += sum(heads)
+            rec.adopted_segments += len(heads) - 1
+        else:
+            data = _index_chunk(rec.broker, run, whole)
+        out.setdefault(owners[(a.stream, a.streamlet)].id, []).append(data)
+    return out
+
+
 def _runs(adopted: list[Adopted]):
     """The plan's re-pointed segments as runs, each one index chunk: a group's consecutive
     segments of records (up to ``index_chunk.MAX_ROWS`` rows), or one index chunk of the dead
@@ -251,7 +273,7 @@ def _runs(adopted: list[Adopted]):
     run: list[Adopted] = []
     rows = 0
     for a in adopted:
-        n = len(a.rows)
+        n = a.count
         if run and (a.indexed or a.segment != run[-1].segment + 1 or a.group != run[-1].group
                     or (a.stream, a.streamlet) != (run[-1].stream, run[-1].streamlet)
                     or rows + n > index_chunk.MAX_ROWS):
@@ -277,4 +299,4 @@ def _index_chunk(broker: int, run: list[Adopted], whole: dict) -> bytes:
     a = run[0]
     return index_chunk.build(index_chunk.SegmentIndex(
         a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
-        {v: list(whole[vlog][v]) for v in vsegs}, [len(x.rows) for x in run]), closed=run[-1].closed)
+        {v: list(whole[vlog][v]) for v in vsegs}, [x.count for x in run]), closed=run[-1].closed)

@@ -79,6 +79,7 @@ def test_a_closed_groups_last_segment_is_repointed_when_its_close_chunk_names_it
     assert [(a.segment, a.closed, a.indexed) for a in rp.adopted] == [(2, False, False), (3, True, False)]
     assert rp.replay_from == {(7, 0, 0): 4} and rp.bytes == 280
     assert rp.skip == {1: {1}}   # vseg 2 holds group 1's chunk, replayed (its segment is the last)
+    assert rp.ended() == {(7, 0, 0)}   # adopted to its end: built beside the replay
 
 
 def test_a_close_chunk_naming_another_offset_or_segment_or_none_adopts_no_last_segment():
@@ -86,7 +87,7 @@ def test_a_close_chunk_naming_another_offset_or_segment_or_none_adopts_no_last_s
     for marker in ([], close_row(2, 0, 3, 50, 0), close_row(2, 0, 4, 80, 0), close_row(2, 1, 3, 80, 0)):
         rp = plan(seg + marker, {1: [1, 2]})
         assert [(a.segment, a.closed) for a in rp.adopted] == [(2, False)]
-        assert rp.replay_from == {(7, 0, 0): 3}
+        assert rp.replay_from == {(7, 0, 0): 3} and rp.ended() == set()   # adopted before the replay
         # a close chunk whose segment is replayed keeps its vseg replayed: the new owner learns it
         assert rp.skip == ({1: {2}} if not marker else {})
 
@@ -117,6 +118,9 @@ def test_the_dead_brokers_closed_index_chunk_is_repointed_as_it_stands():
     rp = plan(rows_of(0, 2, 5, [300], flags=chunk.INDEX | chunk.CLOSE), {1: [0]})
     assert [(a.segment, a.indexed, a.closed) for a in rp.adopted] == [(5, True, False)]
     assert rp.replay_from == {(7, 0, 2): 6} and rp.skip == {1: {0}}
+    assert rp.ended() == {(7, 0, 2)}   # its index chunk closes the group
+    # an index chunk not flagged CLOSE: the group goes on in the replay
+    assert plan(rows_of(0, 2, 5, [300], flags=chunk.INDEX), {1: [0]}).ended() == set()
 
 
 def test_a_closed_last_segment_with_a_gap_or_in_a_replayed_streamlet_is_not_adopted():

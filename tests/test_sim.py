@@ -27,7 +27,8 @@ def test_fixed_seeds_run_clean():
     # chunks included, and left whole vsegs unread; the budget evicted segments, closing idle
     # vlogs' open vsegs for it
     assert r["seeds_adopting"] > len(CI_SEEDS) // 2, r
-    assert min(r["adopted_closed"], r["skipped_vsegs"], r["evictions"], r["budget_closes"]) > 0, r
+    assert min(r["adopted_closed"], r["skipped_vsegs"], r["evictions"], r["budget_closes"],
+               r["adopted_beside"]) > 0, r
 
 
 @pytest.mark.parametrize("seed, what", [
@@ -117,3 +118,12 @@ def test_catches_a_budget_spent_on_segments_waiting_in_idle_vlogs(monkeypatch):
     monkeypatch.setattr(memory, "close_waiting", lambda seg: False)
     seed, why = first_failing(range(55, 65))
     assert seed == 59 and "refuses a new segment" in why, why
+
+
+def test_catches_a_group_adopted_beside_the_replay_that_the_replay_continues(monkeypatch):
+    """Every adopted group taken as ended (``Repoint.ended``), so adopted beside the replay:
+    the replay sends chunks of groups whose adoption does not reach their end."""
+    from kera.repoint_plan import Repoint
+    monkeypatch.setattr(Repoint, "ended", lambda rp: {(a.stream, a.streamlet, a.group) for a in rp.adopted})
+    seed, why = first_failing(range(100))
+    assert "adopted beside the replay" in why, why

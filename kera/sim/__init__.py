@@ -7,7 +7,7 @@ from .world import Violation, World
 __all__ = ["Violation", "World", "run_seeds"]
 
 REPOINTED = ("adopted_segments", "adopted_closed", "adopted_chunks", "adopted_unacked", "skipped_vsegs",
-             "index_refused", "evictions", "refused", "budget_closes")
+             "index_refused", "evictions", "refused", "budget_closes", "adopted_beside")
 
 
 def run_seeds(seeds) -> dict:

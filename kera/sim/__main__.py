@@ -37,7 +37,8 @@ def main(argv=None) -> int:
     print(f"{n} seeds clean, {sums['chunks']} chunks, {dt:.1f} s, {n / dt:.0f} seeds/s")
     print(f"re-pointed: {sums['seeds_adopting']} seeds adopted {sums['adopted_segments']} segments "
           f"({sums['adopted_closed']} closed by their close chunk, {sums['adopted_chunks']} chunks, "
-          f"{sums['adopted_unacked']} not acknowledged yet), {sums['skipped_vsegs']} vsegs not replayed, "
+          f"{sums['adopted_unacked']} not acknowledged yet; {sums['adopted_beside']} groups adopted beside the "
+          f"replay), {sums['skipped_vsegs']} vsegs not replayed, "
           f"{sums['index_refused']} copies refused by index; {sums['evictions']} segments evicted, "
           f"{sums['refused']} chunks refused (budget), {sums['budget_closes']} idle vlogs' open vsegs "
           f"closed for it")

@@ -7,7 +7,8 @@ refuses (not closed, known corrupt, or rot found reading a reloaded file's
 headers); the prefix ends at a vseg no copy indexes. The real
 ``plan_repoint`` decides, ``RecoveryPlan.skip`` drops the vsegs it names and
 the replay leaves out chunks below ``replay_from``. ``check`` holds what the
-new owners end with to the invariants (see ``World._recover``).
+new owners end with to the invariants (see ``World._recover``), among them
+that the replay sends no chunk of a group adopted beside it (``Repoint.ended``).
 """
 
 from __future__ import annotations
@@ -88,8 +89,17 @@ def check(world, rp: Repoint, whole: dict, got: dict[int, list[int]]) -> None:
     world.stats["adopted_segments"] += len(rp.adopted)
     world.stats["adopted_chunks"] += len(adopted)
     world.stats["skipped_vsegs"] += sum(len(s) for s in rp.skip.values())
+    # the groups whose adoption reaches their end are adopted beside the replay: it must
+    # send none of their chunks, or one could be placed before the segments ahead of it
+    ended = {(sl, g) for _, sl, g in rp.ended()}
+    world.stats["adopted_beside"] += len(ended)
     for v in world.vlogs:
         have = got.get(v.id, [])
+        late = [cid for cid in have if (chunks[cid].streamlet, chunks[cid].group) in ended]
+        if late:
+            c = chunks[late[0]]
+            fail(f"vlog {v.id}: chunk {c.cid} of group {(c.streamlet, c.group)} replayed, but the "
+                 f"group's adoption reaches its end (adopted beside the replay)")
         mine = world.by_vlog[v.id]
         back = set(have)
         if len(back) != len(have):
