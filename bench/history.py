@@ -9,7 +9,8 @@ new owner serves. Runs alternate 1x (24 MiB) and 4x (96 MiB) histories, each
 with up to 4 MiB more drawn at random: what is replayed is the dead broker's
 unsettled tail (its vlogs' open vsegs), whose size depends on where the
 history ends in them, and the extra spreads it over the runs instead of
-fixing it per history size. Reports per history the median time to serve,
+fixing it per history size. The kill comes once the ingest's leftovers are
+written (``sync``) and the machine is quiet (``bench.stage.quiet``). Reports per history the median time to serve,
 the replay's share of it and the rest (planning, re-pointing, adopting,
 handing over), with the bytes replayed and the segments re-pointed.
 Writes bench/results/history.json.
@@ -31,6 +32,8 @@ from kera_client import open_admin, open_producer
 
 from kera.cluster import LocalCluster
 from kera.recovery import PHASES
+
+from .stage import quiet
 
 MiB = 1 << 20
 SIZE = 100
@@ -70,6 +73,10 @@ async def one_run(c: LocalCluster, history: int) -> dict:
         return mine and mine[0]["evicted_bytes"] >= history - 3 * BUDGET
 
     await _until(held, "the owner to evict all but its budget", 60)
+    # the ingest's leftovers (dirty pages of the backups' files, flushes) are not the recovery's:
+    # the kill comes once they are written and the machine is quiet, whatever the history
+    await trio.to_thread.run_sync(os.sync)
+    settled = await trio.to_thread.run_sync(quiet)
     async with open_admin(c.coordinator) as a:
         victim_id = next(b["id"] for b in (await a.status())["brokers"] if b["addr"] == s.addrs[0])
     c.kill(next(name for name, addr in c.addrs.items() if addr == s.addrs[0]))
@@ -81,7 +88,7 @@ async def one_run(c: LocalCluster, history: int) -> dict:
         done = [r for r in st["recoveries"] if r["state"] == "done" and r["broker"] == victim_id]
         return done[0] if done and d.addrs[0] not in (None, s.addrs[0]) else None
 
-    return await _until(recovered, "the recovery", 60)
+    return {**await _until(recovered, "the recovery", 60), "quiet": settled}
 
 
 def summary(runs: list[dict]) -> dict:
@@ -118,7 +125,7 @@ def main(argv=None) -> None:
                    "replay_ms": round(r["replay_seconds"] * 1e3, 1),
                    "rest_ms": round((r["serve_seconds"] - r["replay_seconds"]) * 1e3, 1),
                    "replayed_mib": round(r["bytes"] / MiB, 2), "adopted_segments": r["adopted_segments"],
-                   "settle_ms": round(r["settle_seconds"] * 1e3, 1),
+                   "settle_ms": round(r["settle_seconds"] * 1e3, 1), "quiet": r["quiet"],
                    "phases_ms": {p: round(r[f"{p}_seconds"] * 1e3, 2) for p in PHASES}}
             out[name].append(row)
             print(f"run {i + 1} {name}: {row['history_mib']} MiB history, serving after {row['serve_ms']} ms "
