@@ -214,8 +214,11 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
         none of their chunks, see ``Repoint.ended``), then each owner's adoptions made durable
         and their files claimed; ``rec.settle_seconds``: how long it took."""
         t = time.monotonic()
-        await trio.lowlevel.checkpoint()   # the replay's first requests go out before these are built
-        rest = _requests(rec, later, indexes, whole, owners)
+        rest: dict[int, list[bytes]] = {}
+        for run in later:   # a run at a time: the replay's requests go out between them
+            await trio.lowlevel.checkpoint()
+            for mid, data in _requests(rec, [run], indexes, whole, owners).items():
+                rest.setdefault(mid, []).extend(data)
 
         async def one(m) -> None:
             await adopt(m, rest.get(m.id, []))
@@ -225,8 +228,8 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
             for mid in per_owner.keys() | rest.keys():
                 n.start_soon(one, members[mid])
         rec.settle_seconds = time.monotonic() - t
-        log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies (%d beside "
-                 "the replay), %d vsegs not replayed, index in %.3f s, adopted in %.3f s, settled in "
+        log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies (%d runs "
+                 "beside the replay), %d vsegs not replayed, index in %.3f s, adopted in %.3f s, settled in "
                  "%.3f s", rec.broker, rec.epoch, rec.adopted_segments, rec.adopted_bytes, len(later),
                  sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"],
                  rec.settle_seconds)
