@@ -276,7 +276,7 @@ def _runs(adopted: list[Adopted]):
     run: list[Adopted] = []
     rows = 0
     for a in adopted:
-        n = a.count
+        n = len(a.rows)
         if run and (a.indexed or a.segment != run[-1].segment + 1 or a.group != run[-1].group
                     or (a.stream, a.streamlet) != (run[-1].stream, run[-1].streamlet)
                     or rows + n > index_chunk.MAX_ROWS):
@@ -302,4 +302,4 @@ def _index_chunk(broker: int, run: list[Adopted], whole: dict) -> bytes:
     a = run[0]
     return index_chunk.build(index_chunk.SegmentIndex(
         a.stream, a.streamlet, a.group, a.segment, broker, vlog, rows,
-        {v: list(whole[vlog][v]) for v in vsegs}, [x.count for x in run]), closed=run[-1].closed)
+        {v: list(whole[vlog][v]) for v in vsegs}, [len(x.rows) for x in run]), closed=run[-1].closed)

@@ -37,7 +37,6 @@ array operations: Python loops run per segment or group, never per chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 
@@ -51,26 +50,20 @@ COLUMNS = 13        # VOFF..FLAGS are the backup's answer; VLOG, VSEG the vseg i
 # LAST the last segment the row covers: SEGMENT, or an index chunk's run's last (``kera.repoint``)
 
 
-class Adopted(NamedTuple):
+@dataclass(slots=True)
+class Adopted:
     """A re-pointed segment: its chunks' rows in order, all in settled vsegs of one vlog (or
     one index chunk of the dead broker's own adoption of it, covering ``segment`` up to its
-    row's ``LAST``). A plain tuple over the plan's rows: a plan makes one per segment."""
+    row's ``LAST``)."""
 
     stream: int
     streamlet: int
     group: int
     segment: int
-    table: np.ndarray     # the plan's rows, sorted; this segment's are ``rows``
-    at: int               # its first row there
-    count: int            # its rows (1 for an index chunk)
+    rows: np.ndarray      # (n, COLUMNS) u64
     closed: bool = False  # its group's last segment, proved complete by the group's close chunk
     indexed: bool = False  # one index chunk of the dead broker's own
     head: int = 0         # its last chunk's end (a segment of records)
-
-    @property
-    def rows(self) -> np.ndarray:
-        """(count, COLUMNS) u64: its chunks' rows, in offset order."""
-        return self.table[self.at:self.at + self.count]
 
 
 @dataclass(slots=True)
@@ -134,42 +127,37 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         whole = (rows[first, OFFSET] == 0) & (np.add.reduceat(gap, first) == 0)
         head = end[first + count - 1]
         groups = np.flatnonzero(new[first, 1])
-        ends = np.append(groups[1:], len(first))
-        seg, last = rows[first, SEGMENT], rows[first, LAST]
-        indexed = index[first]
-        # per segment: whether it may be re-pointed by itself (an index chunk's run as it stands,
-        # or a whole segment of records, not too many chunks, proved complete if its group's
-        # last), and whether it follows the one before (an index chunk's run covers up to LAST)
-        is_last = np.zeros(len(first), bool)
-        is_last[ends - 1] = True
-        closed = np.zeros(len(first), bool)
-        for k in (ends - 1)[~indexed[ends - 1]].tolist():   # per group: its close chunk names its head
-            r = rows[first[k]]
-            marks = closes.get((int(r[STREAM]), int(r[STREAMLET]), int(r[GROUP])))
-            closed[k] = marks is not None and (int(seg[k]), int(head[k])) in marks
-        good = indexed | (whole & (count <= MAX_ROWS) & (~is_last | closed))
-        good[1:] &= new[first[1:], 1] | (seg[1:] == np.maximum(last[:-1], seg[:-1]) + np.uint64(1))
-        # a group's first segment that began in released vsegs is dropped, the next one first
-        dropped = np.zeros(len(first), bool)
-        dropped[groups] = rows[first[groups], OFFSET] != 0
-        good |= dropped
-        stop = np.minimum.reduceat(np.where(good, len(first), np.arange(len(first))), groups)
-        stop = np.minimum(stop, ends)                      # each group's first segment not taken
-        begin = groups + dropped[groups]
         taken = np.zeros(len(first), bool)
-        replayed_groups = [(sid, sl) in replayed for sid, sl in rows[first[groups]][:, [STREAM, STREAMLET]].tolist()]
-        for g0, j, k, skip in zip(groups.tolist(), begin.tolist(), stop.tolist(), replayed_groups, strict=True):
-            if k <= j or skip:
+        ids = rows[first][:, [STREAM, STREAMLET, GROUP, SEGMENT]].tolist()
+        lasts = rows[first, LAST].tolist()
+        starts, counts, heads = first.tolist(), count.tolist(), head.tolist()
+        whole, indexed = whole.tolist(), index[first].tolist()
+        for g0, g1 in zip(groups.tolist(), [*groups[1:].tolist(), len(first)], strict=True):
+            sid, sl, gid, s0 = ids[g0]
+            if (sid, sl) in replayed:
                 continue
-            taken[g0:k] = True
-            sid, sl, gid = (int(x) for x in rows[first[j], [STREAM, STREAMLET, GROUP]])
-            out.replay_from[(sid, sl, gid)] = int(max(last[k - 1], seg[k - 1])) + 1
-            at = first[j:k].tolist()
-            out.adopted += [
-                Adopted(sid, sl, gid, s, rows, i, 1, indexed=True) if x else
-                Adopted(sid, sl, gid, s, rows, i, n, c, head=h)
-                for i, n, s, x, c, h in zip(at, count[j:k].tolist(), seg[j:k].tolist(), indexed[j:k].tolist(),
-                                            closed[j:k].tolist(), head[j:k].tolist(), strict=True)]
+            j = g0 + int(rows[starts[g0], OFFSET] != 0)  # began in released vsegs: dropped
+            prev = s0 if j > g0 else s0 - 1
+            marks = closes.get((sid, sl, gid), ())
+            adopted = []
+            for k in range(j, g1):
+                s, at = ids[k][3], starts[k]
+                if s != prev + 1:
+                    break
+                if indexed[k]:  # a run of the dead broker's own adoptions, as it stands
+                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1], indexed=True))
+                    prev = max(lasts[k], s)
+                    continue
+                # a segment of records: whole, not too many chunks, and proved complete
+                closed = k == g1 - 1 and (s, heads[k]) in marks
+                if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
+                    break
+                adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed, head=heads[k]))
+                prev = s
+            if adopted:
+                out.adopted += adopted
+                out.replay_from[(sid, sl, gid)] = prev + 1
+                taken[g0:j + len(adopted)] = True
     # a settled vseg is skipped when every chunk in it is taken; a close chunk counts only while
     # its segment is replayed (else the new owner would not learn its group closed)
     left = rows[~np.repeat(taken, count if n else 0)]

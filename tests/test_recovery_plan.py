@@ -336,3 +336,15 @@ def test_a_vseg_is_settled_only_when_every_copy_listed_is_whole():
     assert plan_of(damaged).settled(VLOG) == []
     whole = {1: [seg(0, 1000, closed=True), seg(1, 800)], 2: [seg(0, 1000, closed=True)], 3: []}
     assert plan_of(whole).settled(VLOG) == [(0, [1, 2])]
+
+
+def test_the_settled_prefix_follows_its_copies_once_a_step_changed_them():
+    """``settled`` is computed once before a vlog's first step; a step that finds a copy
+    failing changes it, and the next call says so (no answer kept from before)."""
+    plan = plan_of({1: [seg(0, 1000, closed=True)], 2: [seg(0, 1000, closed=True)]})
+    assert plan.settled(VLOG) == [(0, [1, 2])]
+    assert plan.settled(VLOG) == [(0, [1, 2])]   # the same answer, twice
+    s = plan.next_step(VLOG)
+    plan.step_done(VLOG, 0, s.backup, 0, FAILED)
+    other = 2 if s.backup == 1 else 1
+    assert plan.settled(VLOG) == [(0, [other])]   # the failed copy is named no more
