@@ -34,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import trio
 
-from . import chunk, index_chunk
+from . import chunk, failpoints, index_chunk
 from .errors import KeraError
 from .recovery_plan import RecoveryPlan
 from .repoint_plan import (
@@ -221,7 +221,9 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 rest.setdefault(mid, []).extend(data)
 
         async def one(m) -> None:
-            await adopt(m, rest.get(m.id, []))
+            if m.id in rest:
+                await adopt(m, rest[m.id])
+                await failpoints.hit("recovery.beside_adopted", m.addr)
             await pool.call(m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT)
 
         async with trio.open_nursery() as n:

@@ -299,13 +299,15 @@ def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_c
           f"to the hand-over seen); {len(arr)} retained records read back")
 
 
-async def wait_recovered(c, s: dict, timeout: float) -> dict:
-    """The done recovery of the broker that owned streamlet 0 of ``s``, once a new owner serves it."""
+async def wait_recovered(c, s: dict, timeout: float, dead: int | None = None) -> dict:
+    """The done recovery of the broker that owned streamlet 0 of ``s`` (id ``dead``, looked up
+    by address if not given), once a new owner serves it."""
     async def recovered():
         async with open_admin(c.coordinator) as a:
             st = await a.status()
             d = await a.describe_stream(s.name)
-        victim_id = next(b["id"] for b in st["brokers"] if b["addr"] == s.addrs[0])
+        victim_id = dead if dead is not None else next(
+            b["id"] for b in st["brokers"] if b["addr"] == s.addrs[0])
         done = [r for r in st["recoveries"] if r["state"] == "done" and r["broker"] == victim_id]
         return done[0] if done and d.addrs[0] not in (None, s.addrs[0]) else None
 
@@ -316,10 +318,16 @@ async def _lose_owner_of_history(c, history: int, budget: int) -> tuple[dict, di
     """Stream "big" retaining ``history`` bytes, written until its owner evicted all but its
     budget; the owner is killed with -9. Returns the stream as it was, the recovery, and the
     dead broker's id."""
+    s, dead = await _kill_owner_of_history(c, history, budget)
+    return s, await wait_recovered(c, s, timeout=60), dead
+
+
+async def _kill_owner_of_history(c, history: int, budget: int, group_segments: int = 32) -> tuple[dict, int]:
+    """``_lose_owner_of_history`` up to the kill: the stream as it was, the dead broker's id."""
     n = history // SIZE
     async with open_admin(c.coordinator) as a:
         s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
-                                  group_segments=32, retention_bytes=n * SIZE)
+                                  group_segments=group_segments, retention_bytes=n * SIZE)
     await produce(c.coordinator, "big", n, step=2000)
     victim = next(name for name, addr in c.addrs.items() if addr == s.addrs[0])
 
@@ -333,7 +341,7 @@ async def _lose_owner_of_history(c, history: int, budget: int) -> tuple[dict, di
     async with open_admin(c.coordinator) as a:
         dead = next(b["id"] for b in (await a.status())["brokers"] if b["addr"] == s.addrs[0])
     c.kill(victim)
-    return s, await wait_recovered(c, s, timeout=60), dead
+    return s, dead
 
 
 def _history_cluster(make_cluster, budget: int):
@@ -403,16 +411,7 @@ def test_new_owner_killed_too_readopts_from_its_index_chunks(make_cluster, secon
         if second_by == "replay":
             c.specs["coordinator"] = [*c.specs["coordinator"], "--no-repoint-evicted"]
             c.restart("coordinator")
-
-            async def back():
-                try:
-                    async with open_admin(c.coordinator) as a:
-                        st = await a.status()
-                    return sum(b["alive"] for b in st["brokers"]) == 2 and sum(b["alive"] for b in st["backups"]) == 3
-                except Unavailable:
-                    return False
-
-            await wait_for(back, "the brokers to rejoin the restarted coordinator")
+            await _rejoined(c, brokers=2, backups=3)
         c.kill(next(name for name, addr in c.addrs.items() if addr == s.addrs[0]))
         second = await wait_recovered(c, s, timeout=60)
         got = await read_all(c.coordinator, ["big"], idle=2.0)
@@ -429,6 +428,72 @@ def test_new_owner_killed_too_readopts_from_its_index_chunks(make_cluster, secon
     print(f"\nfirst recovery: {first['adopted_segments']} segments adopted in {first['seconds']} s; "
           f"second: {second['adopted_segments']} adopted again, {second['bytes'] / MiB:.1f} MiB "
           f"replayed, in {second['seconds']} s; {len(arr)} records read back")
+
+
+@pytest.mark.parametrize("fault", ["error", "new_owner_killed", "coordinator_killed"])
+def test_adoption_beside_the_replay_cut_short_is_planned_again(make_cluster, monkeypatch, tmp_path, fault):
+    """The closed groups of a dead broker's history are adopted beside the replay; the
+    recovery is cut short right after the new owner adopted them, before it made them
+    durable and claimed their files (``settle``), by a failpoint there (``kera.failpoints``):
+    the attempt fails, the new owner is killed with -9, or the coordinator is. The recovery
+    is planned again from the start, and every retained acknowledged record reads back
+    exactly once, in order."""
+    budget, history = 8 * MiB, 24 * MiB
+    gate = str(tmp_path / "beside_adopted")
+    monkeypatch.setenv("KERA_FAILPOINTS", "recovery.beside_adopted=" + (
+        "error" if fault == "error" else f"pause({gate})"))
+    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)],
+                     port=free_port())
+    monkeypatch.delenv("KERA_FAILPOINTS")   # processes started from here on run without it
+
+    async def main():
+        # groups of 2 MiB: most of them closed, so adopted beside the replay
+        s, dead = await _kill_owner_of_history(c, history, budget, group_segments=8)
+        if fault != "error":
+            await wait_for(lambda: _exists(gate), "the recovery to reach the failpoint", timeout=60)
+            with open(gate) as f:
+                owner = f.read()
+            if fault == "new_owner_killed":
+                c.kill(next(name for name, addr in c.addrs.items() if addr == owner))
+                os.remove(gate)
+            else:
+                c.kill("coordinator")
+                os.remove(gate)
+                c.restart("coordinator")
+                await _rejoined(c, brokers=2, backups=3)
+        rec = await wait_recovered(c, s, timeout=60, dead=dead)
+        async with open_admin(c.coordinator) as a:
+            tries = [r for r in (await a.status())["recoveries"] if r["broker"] == dead]
+        got = await read_all(c.coordinator, ["big"], idle=2.0)
+        return rec, tries, got["big"]
+
+    rec, tries, arr = trio.run(main)
+    assert not rec["lost"] and rec["adopted_segments"] > 0, rec
+    if fault != "coordinator_killed":  # the restarted coordinator knows only its own attempts
+        failed = [r for r in tries if r["state"] == "failed"]
+        assert failed, tries
+        if fault == "error":
+            assert "failpoint recovery.beside_adopted" in failed[0]["error"], failed
+    _check_suffix(arr, history // SIZE, history // SIZE * SIZE)
+    print(f"\n{fault}: {len(tries)} attempts; the last adopted {rec['adopted_segments']} segments, "
+          f"replayed {rec['bytes'] / MiB:.1f} MiB; {len(arr)} records read back")
+
+
+async def _exists(path: str) -> bool:
+    return os.path.exists(path)
+
+
+async def _rejoined(c, brokers: int, backups: int) -> None:
+    """Wait until that many brokers and backups are alive again for a restarted coordinator."""
+    async def back():
+        try:
+            async with open_admin(c.coordinator) as a:
+                st = await a.status()
+        except Unavailable:
+            return False
+        return sum(b["alive"] for b in st["brokers"]) == brokers and sum(b["alive"] for b in st["backups"]) == backups
+
+    await wait_for(back, "the brokers and backups to rejoin the restarted coordinator")
 
 
 def test_retention_frees_adopted_segments_and_the_dead_brokers_files(make_cluster):
