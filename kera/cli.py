@@ -258,6 +258,11 @@ def cmd_status(args) -> None:
         if rep:
             print(f"  replicate rpcs={rep['rpcs']} vseg copies={rep['entries']} "
                   f"({rep['bytes'] / mib:.1f} MiB)")
+        rb = own.get("rebuild") or {}
+        if rb.get("rebuilt") or rb.get("under_replicated") or rb.get("without_copy"):
+            print(f"  frozen vsegs: copies made again={rb['rebuilt']} ({rb['rebuilt_bytes'] / mib:.1f} MiB) "
+                  f"short of copies={rb['under_replicated']}"
+                  + (f" NO WHOLE COPY LEFT={rb['without_copy']}" if rb["without_copy"] else ""))
         for v in s.get("vlogs", []):
             per = v["durable"] / v["messages"] if v["messages"] else 0.0
             print(f"  vlog {v['vlog']} R={v['replication']}: chunks={v['appended']} "

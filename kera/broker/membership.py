@@ -84,6 +84,8 @@ class Membership:
             log.warning("backup %d gone or restarted: its copies are made again", b)
         for v in self.vlogs.values():
             v.poke()
+        if self.rebuilder is not None:
+            self.rebuilder.poke()
 
     def _reset(self) -> None:
         """Forget everything: a fenced incarnation's streamlets now live elsewhere."""

@@ -41,6 +41,7 @@ from .group_close import close_chunk
 from .membership import HEARTBEAT, Membership
 from .memory import MemoryBudget, default_budget
 from .pull import Pulls
+from .rebuild import Rebuilder
 from .reclaim import Reclaim
 from .replicator import ReplicationHub, Replicator
 from .segment import VlogChunk
@@ -82,6 +83,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.pool: Pool | None = None
         self.nursery: trio.Nursery | None = None
         self.hub: ReplicationHub | None = None   # the incarnation's replication (all its vlogs)
+        self.rebuilder: Rebuilder | None = None  # its frozen vsegs' lost copies made again
         self.requests = 0
         self.fenced = False
         self.heartbeat = HEARTBEAT
@@ -383,6 +385,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
                 "replication": self.hub.stats() if self.hub else {},
+                "rebuild": self.rebuilder.stats() if self.rebuilder else {},
                 "compaction": self.compactor.stats()}
 
     def rpc_vsegs(self, meta, payload):
@@ -419,6 +422,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                         self.hub = ReplicationHub(self.pool, lambda: (self.broker_id, self.epoch),
                                                   self.backup_addr, self.replicate_timeout)
                         incarnation.start_soon(self.hub.run)
+                        self.rebuilder = Rebuilder(self.pool, lambda: (self.broker_id, self.epoch),
+                                                   self.backup_addr, self.backup_set,
+                                                   lambda: self.vlogs.values())
+                        incarnation.start_soon(self.rebuilder.run)
                         incarnation.start_soon(self._heartbeats)
                         incarnation.start_soon(self._reclaimer)
                         incarnation.start_soon(self._releaser)
