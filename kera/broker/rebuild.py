@@ -36,7 +36,8 @@ log = logging.getLogger("kera.broker")
 
 PIECE = limits.REPLICATE_RPC   # bytes read from the source and written to the new copy at once
 TIMEOUT = 30.0
-RETRY = 1.0                    # after a failed pass, the next one (sooner if membership changes)
+RETRY = 1.0                    # after a failed pass, the next one (sooner if membership changes),
+MAX_RETRY = 30.0               # doubling while passes keep failing
 
 
 class Rebuilder:
@@ -54,6 +55,8 @@ class Rebuilder:
         self.bytes = 0
         self.failures = 0
         self.short: dict = {}       # vsegs with no whole copy left on a live backup -> (vlog id, vseg id)
+        self.partial: dict = {}     # vseg -> the backup its last copy was cut short on (a prefix)
+        self.delay = RETRY
 
     def poke(self) -> None:
         """Membership changed: some frozen vseg may have lost a copy."""
@@ -92,13 +95,19 @@ class Rebuilder:
                     self.failures += 1
                     log.warning("vlog %d vseg %d: rebuilding a lost copy failed: %s", r.log.id, vs.id, e)
             self.short = {vs: k for vs, k in self.short.items() if not vs.released}
-            if failed:
-                with trio.move_on_after(RETRY):
+            self.partial = {vs: b for vs, b in self.partial.items() if not vs.released}
+            if failed:   # tried again later, backing off while it keeps failing
+                with trio.move_on_after(self.delay):
                     await self.wake.wait()
+                self.delay = min(self.delay * 2, MAX_RETRY)
                 self.wake.set()
+            else:
+                self.delay = RETRY
 
     async def rebuild(self, r, vs) -> None:
-        """Make ``vs`` whole again on as many new backups as its vlog needs."""
+        """Make ``vs`` whole again on as many new backups as its vlog needs. A backup that
+        fails is avoided for a while (as the vlog avoids one); one left with a prefix is
+        continued first."""
         v = r.log
         if vs.released:
             return
@@ -110,9 +119,23 @@ class Rebuilder:
                           "be made until one comes back", v.id, vs.id)
             return
         self.short.pop(vs, None)
+        now = trio.current_time()
+        for b in [b for b, until in vs.avoid.items() if until <= now]:
+            del vs.avoid[b]
         holding = [b for b in vs.copies if self.backups.alive(b)]
-        for t in self.backups.choose(holding, vs.avoid, v.need - len(sources)):
-            await self._copy(r, vs, sources, t)
+        targets = []
+        t = self.partial.get(vs)
+        if t is not None and self.backups.alive(t) and t not in vs.copies and t not in vs.avoid:
+            targets.append(t)
+        targets += self.backups.choose(holding + targets, vs.avoid, v.need - len(sources) - len(targets))
+        for t in targets:
+            self.partial[vs] = t
+            try:
+                await self._copy(r, vs, sources, t)
+            except KeraError:
+                vs.avoid[t] = trio.current_time() + v.timeout
+                raise
+            del self.partial[vs]
             if vs.released:   # nothing live in it any more: the next trim deletes the new file
                 r.trimmed = min(r.trimmed, vs.id)
                 r.poke()
