@@ -45,7 +45,7 @@ async def _index_rows(c, addr: str, stream: int) -> np.ndarray:
     out = []
     async with open_pool() as pool:
         r, _ = await pool.call(addr, "vsegs", {})
-        for vlog, vseg, _, closed, copies, _ in r["vsegs"]:
+        for vlog, vseg, _, closed, copies, _, _ in r["vsegs"]:
             if not closed or not copies:
                 continue
             meta, payload = await pool.call(backups[copies[0]], "index",

@@ -137,7 +137,7 @@ async def assert_r_copies(coord, r: int) -> None:
             if not b["alive"]:
                 continue
             r_, _ = await pool.call(b["addr"], "vsegs", {}, timeout=5)
-            for vlog, vseg, size, _closed, _copies, repl in r_["vsegs"]:
+            for vlog, vseg, size, _closed, _copies, repl, _ in r_["vsegs"]:
                 if size == 0:
                     continue
                 full = [bid for bid, length in held.get((b["id"], vlog, vseg), []) if length == size]

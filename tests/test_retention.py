@@ -26,6 +26,7 @@ from kera.recovery import PHASES
 from kera.rpc import open_pool
 
 from .conftest import free_port
+from .test_replication import backup_listings
 from .workload import values
 
 pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
@@ -483,11 +484,12 @@ def test_adoption_beside_the_replay_cut_short_is_planned_again(make_cluster, mon
 def test_frozen_vsegs_get_lost_copies_back_from_a_survivor(make_cluster):
     """Evicted data's vsegs are frozen (their bytes left broker memory): R=3 keeps two backup
     copies of each. kill -9 the backup holding the most of them: each frozen vseg it held is
-    copied again, from its surviving copy, to another backup (``kera.broker.rebuild``). Then
-    kill -9 the backup that held the other copy of the most of those: without the rebuild
-    they would have no copy left. Every retained record reads back once, in order, from
-    earliest (most of it from the backups), and again after the owner is killed -9 and its
-    streamlet recovered from the two backups left."""
+    copied again, from its surviving copy, to another backup (``kera.broker.rebuild``), as the
+    backups' own listings show (closed, same length and checksum). Then kill -9 the backup
+    that held the other copy of the most of those: without the rebuild they would have no
+    copy left. Every record reads back once, in order, from earliest (most of it from the
+    backups), and again after the owner is killed -9 and its streamlet recovered from the
+    two backups left."""
     budget, history = 8 * MiB, 24 * MiB
     c = make_cluster(4, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)])
     n = history // SIZE
@@ -499,16 +501,21 @@ def test_frozen_vsegs_get_lost_copies_back_from_a_survivor(make_cluster):
         await produce(c.coordinator, "big", n, step=2000)
         owner = s.addrs[0]
 
-        async def broker(what: str, meta=None):
+        async def broker(what: str):
             async with open_pool() as pool:
-                r, _ = await pool.call(owner, what, meta or {})
+                r, _ = await pool.call(owner, what, {})
             return r
 
         async def evicted():
-            return (await broker("stats"))["evicted_bytes"] >= history - 3 * budget
+            return (await broker("stats"))["evicted_bytes"] >= history // 2
 
-        await wait_for(evicted, "the owner to evict all but its budget")
-        closed = {(v, i): set(copies) for v, i, _, done, copies, _ in (await broker("vsegs"))["vsegs"] if done}
+        await wait_for(evicted, "the owner to evict half the history")
+        st = await broker("stats")
+        frozen = {(v, i): set(copies) for v, i, _, done, copies, _, fz in (await broker("vsegs"))["vsegs"]
+                  if done and fz}
+        listed = await backup_listings(c.coordinator)
+        sums = {(sg["vlog"], sg["vseg"]): (sg["length"], sg["checksum"])
+                for segs in listed.values() for sg in segs if sg["broker"] == st["broker"] and sg["closed"]}
         async with open_admin(c.coordinator) as a:
             names = {b["id"]: next(k for k, addr in c.addrs.items() if addr == b["addr"])
                      for b in (await a.status())["backups"]}
@@ -517,42 +524,45 @@ def test_frozen_vsegs_get_lost_copies_back_from_a_survivor(make_cluster):
             held = [b for cs in vsegs for b in cs]
             return max(set(held), key=held.count)
 
-        first = most(closed.values())
-        lost = {k: cs - {first} for k, cs in closed.items() if first in cs}
-        second = most(lost.values())
-        both = [k for k, cs in closed.items() if cs == {first, second}]
-        assert both, "no vseg had both its copies on the two backups killed"
-        rebuilt = 0
+        first = most(frozen.values())
+        second = most(cs - {first} for cs in frozen.values() if first in cs)
+        both = [k for k, cs in frozen.items() if cs == {first, second}]
+        assert both, "no frozen vseg had both its copies on the two backups killed"
+        killed: set[int] = set()
         for b in (first, second):
             c.kill(names[b])
+            killed.add(b)
 
-            async def whole(b=b, rebuilt=rebuilt):
-                st = await broker("stats")
-                vsegs = (await broker("vsegs"))["vsegs"]
-                return st["rebuild"]["under_replicated"] == 0 and st["rebuild"]["rebuilt"] > rebuilt and all(
-                    b not in copies and len(copies) == 2 for v, i, _, done, copies, _ in vsegs
-                    if (v, i) in closed and done) and st
+            async def whole():
+                """Every frozen vseg held closed, at its length and checksum, by two backups
+                alive (their own listings)."""
+                got: dict = {}
+                for bid, segs in (await backup_listings(c.coordinator)).items():
+                    for sg in segs:
+                        k = (sg["vlog"], sg["vseg"])
+                        if bid not in killed and sg["broker"] == st["broker"] and k in frozen \
+                                and sg["closed"] and (sg["length"], sg["checksum"]) == sums[k]:
+                            got.setdefault(k, set()).add(bid)
+                return all(len(got.get(k, ())) >= 2 for k in frozen)
 
-            st = await wait_for(whole, f"the copies backup {b} held to be made again", timeout=60)
-            rebuilt = st["rebuild"]["rebuilt"]
+            await wait_for(whole, f"the frozen copies backup {b} held to be made again", timeout=60)
         got = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
         stats = await broker("stats")
         out = await trio.run_process([sys.executable, "-m", "kera", "status"], capture_stdout=True,
                                      env={**os.environ, "KERA_COORDINATOR": c.coordinator})
         assert f"frozen vsegs: copies made again={stats['rebuild']['rebuilt']} " in out.stdout.decode()
-        async with open_admin(c.coordinator) as a:
-            dead = next(b["id"] for b in (await a.status())["brokers"] if b["addr"] == owner)
         c.kill(next(name for name, addr in c.addrs.items() if addr == owner))
-        rec = await wait_recovered(c, s, timeout=60, dead=dead)
+        rec = await wait_recovered(c, s, timeout=60, dead=st["broker"])
         again = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
-        return len(closed), len(both), stats, got, rec, again
+        return len(frozen), len(both), stats, got, rec, again
 
     vsegs, both, stats, got, rec, again = trio.run(main)
-    _check_suffix(got, n, n * SIZE)
+    assert (got == np.arange(n, dtype=np.uint64)).all(), "not every record, once, in order"
     assert stats["tiered_bytes"] > history / 2, stats
+    assert stats["rebuild"]["rebuilt"] >= 2 * both and stats["rebuild"]["under_replicated"] == 0, stats
     assert not rec["lost"], rec
-    _check_suffix(again, n, n * SIZE)
-    print(f"\n{vsegs} closed vsegs, {both} of them on both backups killed; {stats['rebuild']['rebuilt']} "
+    assert (again == np.arange(n, dtype=np.uint64)).all(), "not every record after the recovery"
+    print(f"\n{vsegs} frozen vsegs, {both} of them on both backups killed; {stats['rebuild']['rebuilt']} "
           f"copies made again ({stats['rebuild']['rebuilt_bytes'] / MiB:.1f} MiB); {len(got)} records read "
           f"back, {stats['tiered_bytes'] / MiB:.1f} MiB of them from backups; after the owner's kill and "
           f"recovery, {len(again)}")

@@ -3,22 +3,27 @@
 A vseg is *frozen* once some of its chunks left broker memory (eviction,
 retention, compaction): the vlog can no longer send its bytes, so a backup
 lost afterwards would leave it one copy short for good, and the next losses
-would take acknowledged records with them. After a membership change the
-rebuilder finds every frozen vseg with fewer whole copies on live backups
-than the vlog needs, picks new backups as for any copy (``BackupSet.choose``)
-and fills each from a surviving copy, piece by piece: ``read`` from the
-source (verified there), checked here against what the vseg recorded when its
-chunks were appended (each chunk's size and body checksum, so a copy can only
-be made of our own bytes), then ``replicate`` to the new backup at the same
-offsets, the last piece with the close. To the new backup it is a copy like
-any other, and a recovery lists and replays it as one. The new copy is
-counted only once the backup acknowledged the close; a copy that failed
-halfway is a prefix of the same bytes, continued from its length next time.
+would take acknowledged records with them. A frozen vseg keeps the copy of
+a backup that left (``VirtualLog.poll``): it may come back with its file.
+After each membership change the rebuilder finds every frozen vseg with
+fewer whole copies on live backups than the vlog needs, picks new backups as
+for any copy (``BackupSet.choose``) and fills each from a surviving copy,
+piece by piece: ``read`` from the source (verified there), checked here
+against what the vseg recorded when its chunks were appended (each chunk's
+offset, size and body checksum, so only our own bytes are copied), then
+``replicate`` to the new backup at the same offsets, the last piece with the
+close. To the new backup it is a copy like any other, and a recovery lists
+and replays it as one. The new copy counts once the backup acknowledged the
+close; a copy cut short is a prefix of the same bytes, continued from its
+length on the same backup when it is tried again.
 
 Pieces are whole chunks of at most ``PIECE`` bytes, one vseg at a time per
-broker: memory and bandwidth are bounded however many vsegs lost a copy.
-Adopted segments' vsegs (a dead incarnation's, ``kera.broker.adopted``) are
-not ours to rebuild: their copies are claimed, not written.
+broker: memory and bandwidth are bounded however many vsegs lost a copy. A
+pass that could not make every copy (a backup failing, none to copy to) is
+tried again, backing off; a target that failed is avoided for the vlog's
+replicate timeout, for every vseg. Adopted segments' vsegs (a dead
+incarnation's, ``kera.broker.adopted``) are not ours to rebuild: their
+copies are claimed, not written.
 """
 
 from __future__ import annotations
@@ -34,10 +39,13 @@ from ..vlog.virtual_segment import Copy
 
 log = logging.getLogger("kera.broker")
 
-PIECE = limits.REPLICATE_RPC   # bytes read from the source and written to the new copy at once
-TIMEOUT = 30.0
-RETRY = 1.0                    # after a failed pass, the next one (sooner if membership changes),
-MAX_RETRY = 30.0               # doubling while passes keep failing
+PIECE = limits.MAX_READ   # bytes read from the source and written to the new copy at once
+RETRY = 1.0               # after a pass that left copies to make, the next one (sooner if
+MAX_RETRY = 30.0          # membership changes), doubling while passes keep falling short
+
+
+class SourceFailed(BackupError):
+    """No surviving copy could give the rest of the vseg: the target is not to blame."""
 
 
 class Rebuilder:
@@ -54,49 +62,57 @@ class Rebuilder:
         self.rebuilt = 0            # copies made again
         self.bytes = 0
         self.failures = 0
-        self.short: dict = {}       # vsegs with no whole copy left on a live backup -> (vlog id, vseg id)
+        self.under = 0              # frozen vsegs short of copies after the last pass
+        self.short: dict = {}       # vsegs with no whole copy on a live backup -> (vlog id, vseg id)
         self.partial: dict = {}     # vseg -> the backup its last copy was cut short on (a prefix)
+        self.avoid: dict[int, float] = {}   # backups whose copy failed -> until when
         self.delay = RETRY
 
     def poke(self) -> None:
-        """Membership changed: some frozen vseg may have lost a copy."""
+        """Membership changed: some frozen vseg may have lost a copy, or got one back."""
         self.wake.set()
 
     def stats(self) -> dict:
+        """Counters as of the last pass (heartbeats ask often: no walk over the vsegs here)."""
         return {"rebuilt": self.rebuilt, "rebuilt_bytes": self.bytes, "rebuild_failures": self.failures,
-                "under_replicated": sum(1 for _ in self.todo()), "without_copy": len(self.short)}
+                "under_replicated": self.under, "without_copy": len(self.short)}
 
     def whole(self, vs) -> list[int]:
         """Backups alive now holding ``vs`` whole and closed."""
         return [b for b, c in vs.copies.items()
                 if c.closed and c.acked == vs.size and self.backups.alive(b)]
 
-    def todo(self):
+    def todo(self) -> list:
         """(replicator, vseg) of every frozen vseg below its vlog's need of whole live copies."""
+        out = []
         for r in self.vlogs():
             v = r.log
             for vs in v.vsegs[v.floor:]:
                 if vs.frozen and vs.closed and not vs.released and vs.size and \
                         len(self.whole(vs)) < v.need:
-                    yield r, vs
+                    out.append((r, vs))
+        return out
 
     async def run(self) -> None:
         while True:
             await self.wake.wait()
             self.wake = trio.Event()
-            failed = False
-            for r, vs in list(self.todo()):
+            now = trio.current_time()
+            self.avoid = {b: t for b, t in self.avoid.items() if t > now}
+            short = False
+            for r, vs in self.todo():
                 try:
-                    await self.rebuild(r, vs)
+                    short |= not await self.rebuild(r, vs)
                 except Fenced:
                     raise
                 except KeraError as e:
-                    failed = True
+                    short = True
                     self.failures += 1
                     log.warning("vlog %d vseg %d: rebuilding a lost copy failed: %s", r.log.id, vs.id, e)
+            self.under = len(self.todo())
             self.short = {vs: k for vs, k in self.short.items() if not vs.released}
             self.partial = {vs: b for vs, b in self.partial.items() if not vs.released}
-            if failed:   # tried again later, backing off while it keeps failing
+            if short:
                 with trio.move_on_after(self.delay):
                     await self.wake.wait()
                 self.delay = min(self.delay * 2, MAX_RETRY)
@@ -104,63 +120,71 @@ class Rebuilder:
             else:
                 self.delay = RETRY
 
-    async def rebuild(self, r, vs) -> None:
-        """Make ``vs`` whole again on as many new backups as its vlog needs. A backup that
-        fails is avoided for a while (as the vlog avoids one); one left with a prefix is
-        continued first."""
+    async def rebuild(self, r, vs) -> bool:
+        """Make ``vs`` whole again on as many new backups as its vlog needs; False if some
+        copies are still to make (no source, no backup to copy to)."""
         v = r.log
         if vs.released:
-            return
+            return True
         sources = self.whole(vs)
         if not sources:
             if vs not in self.short:
                 self.short[vs] = (v.id, vs.id)
                 log.error("vlog %d vseg %d is frozen and no live backup holds it whole: no copy can "
-                          "be made until one comes back", v.id, vs.id)
-            return
+                          "be made unless a backup holding it comes back", v.id, vs.id)
+            return False
         self.short.pop(vs, None)
-        now = trio.current_time()
-        for b in [b for b, until in vs.avoid.items() if until <= now]:
-            del vs.avoid[b]
-        holding = [b for b in vs.copies if self.backups.alive(b)]
+        want = v.need - len(sources)
         targets = []
         t = self.partial.get(vs)
-        if t is not None and self.backups.alive(t) and t not in vs.copies and t not in vs.avoid:
+        if t is not None and self.backups.alive(t) and t not in vs.copies and t not in self.avoid:
             targets.append(t)
-        targets += self.backups.choose(holding + targets, vs.avoid, v.need - len(sources) - len(targets))
+        holding = [b for b in vs.copies if self.backups.alive(b)]
+        if want > len(targets):
+            targets += self.backups.choose(holding + targets, self.avoid, want - len(targets))
         for t in targets:
             self.partial[vs] = t
             try:
-                await self._copy(r, vs, sources, t)
-            except KeraError:
-                vs.avoid[t] = trio.current_time() + v.timeout
+                done = await self._copy(r, vs, sources, t)
+            except (Fenced, SourceFailed):
                 raise
+            except KeraError:   # the target failed: another one next time, for a while
+                self.avoid[t] = trio.current_time() + v.timeout
+                raise
+            if not done:   # released meanwhile: nothing live in it, its files may go
+                await self._trim(r, t)
+                return True
             del self.partial[vs]
-            if vs.released:   # nothing live in it any more: the next trim deletes the new file
-                r.trimmed = min(r.trimmed, vs.id)
-                r.poke()
-                return
+            if not self.backups.alive(t):
+                continue
             c = vs.copies[t] = Copy(t, self.backups.incarnation(t))
             c.acked, c.closed = vs.size, True
             self.rebuilt += 1
             log.info("vlog %d vseg %d: copy made again on backup %d from backup %d (%d bytes)",
                      v.id, vs.id, t, sources[0], vs.size)
+        return len(targets) >= want
 
-    async def _copy(self, r, vs, sources: list[int], target: int) -> None:
+    async def _copy(self, r, vs, sources: list[int], target: int) -> bool:
+        """Write ``vs`` whole and closed to ``target``; False if it was released meanwhile."""
         broker, epoch = self.identity()
         key = {"broker": broker, "vlog": r.log.id, "vseg": vs.id}
+        timeout = r.log.timeout
         off, src = 0, 0
         while True:
-            if not 0 <= src < len(sources):
-                raise BackupError(f"no source could give vseg {vs.id} from offset {off}")
-            data = await self._read(key, sources[src], vs, off)
+            if vs.released:
+                return False
+            if src >= len(sources):
+                raise SourceFailed(f"no copy could give vseg {vs.id} of vlog {r.log.id} from offset {off}")
+            data = await self._read(key, sources[src], vs, off, timeout)
             if data is None:   # this source is corrupt or failing there: the next one
                 src += 1
                 continue
+            if vs.released:
+                return False
             close = off + len(data) == vs.size
             try:
                 a, _ = await self.pool.call(self.addr_of(target), "replicate", {
-                    **key, "epoch": epoch, "offset": off, "close": close}, parts=[data], timeout=TIMEOUT)
+                    **key, "epoch": epoch, "offset": off, "close": close}, parts=[data], timeout=timeout)
             except KeraError as e:
                 length = getattr(e, "length", None)
                 if type(length) is int and length != off and 0 <= length <= vs.size and vs.boundary(length):
@@ -172,22 +196,32 @@ class Rebuilder:
             self.bytes += len(data)
             off += len(data)
             if close:
-                return
+                return True
 
-    async def _read(self, key: dict, source: int, vs, off: int) -> memoryview | None:
+    async def _read(self, key: dict, source: int, vs, off: int, timeout: float) -> memoryview | None:
         """The whole chunks of ``vs`` from ``off`` (at most ``PIECE`` bytes, at least one chunk)
         as ``source`` holds them, checked against the vseg's record; None if it cannot give them."""
         try:
             meta, payload = await self.pool.call(self.addr_of(source), "read", {
-                **key, "offset": off, "max_bytes": PIECE}, timeout=TIMEOUT)
+                **key, "offset": off, "max_bytes": PIECE}, timeout=timeout)
             data = memoryview(b"".join(payload) if isinstance(payload, list) else bytes(payload))
             if not data:
                 raise BackupError(f"read at {off} returned nothing (corrupt at {meta.get('corrupt_at')})")
-            self._check(vs, off, data)
+            self._check(vs, off, data)   # released meanwhile: its record is gone, this fails
             return data
         except (KeraError, ProtocolError) as e:
             log.warning("vseg %d from backup %d at %d: %s", vs.id, source, off, e)
             return None
+
+    async def _trim(self, r, backup: int) -> None:
+        """The vlog's floor to ``backup``, which may hold a file of a vseg released during its
+        copy (else that file waits for the vlog's next trim, as on a backup that was down)."""
+        broker, _ = self.identity()
+        try:
+            await self.pool.call(self.addr_of(backup), "trim", {
+                "broker": broker, "vlog": r.log.id, "floor": r.log.floor}, timeout=r.log.timeout)
+        except KeraError as e:
+            log.info("vlog %d: trim to vseg %d on backup %d failed: %s", r.log.id, r.log.floor, backup, e)
 
     @staticmethod
     def _check(vs, off: int, data: memoryview) -> None:

@@ -389,9 +389,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "compaction": self.compactor.stats()}
 
     def rpc_vsegs(self, meta, payload):
-        """Every virtual segment with its size and the backups holding it (the broker's belief)."""
+        """Every virtual segment: [vlog, id, size, closed, the backups holding it (the broker's
+        belief: a frozen vseg keeps a departed backup's copy), replication, frozen]."""
         return {"broker": self.broker_id, "vsegs": [
-            [v.log.id, vs.id, vs.size, vs.closed, sorted(vs.copies), v.log.replication]
+            [v.log.id, vs.id, vs.size, vs.closed, sorted(vs.copies), v.log.replication, vs.frozen]
             for v in self.vlogs.values() for vs in v.log.vsegs]}
 
     def rpc_stats(self, meta, payload):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import trio
 
 from .. import chunk as chunkfmt
-from ..errors import BackupError, ChecksumError, KeraError, ProtocolError
+from ..errors import BackupError, ChecksumError, KeraError, ProtocolError, Unavailable
 
 log = logging.getLogger("kera.broker")
 
@@ -82,6 +82,10 @@ class TieredReader:
                 break
             try:
                 addr = self.addr_of(backup)
+            except Unavailable as e:   # not alive (a frozen vseg keeps its copy: it may come back)
+                errors.append(f"backup {backup}: {e}")
+                continue
+            try:
                 # an adopted segment's vsegs are a dead incarnation's (ForeignVseg names it)
                 foreign = hasattr(vs, "broker")
                 meta = {"broker": vs.broker if foreign else self.identity(),

@@ -15,7 +15,7 @@ an avoidance ends.
   or failed ``MAX_FAILS`` times in a row, is given up: the vseg gets another
   backup (from offset 0) and avoids that one for ``timeout`` seconds, after
   which it is a candidate again. A backup that left the membership is
-  replaced at once.
+  replaced at once (a frozen vseg's copy is kept, see ``done``).
 - A backup that answers with its copy's length (a resend after a timeout,
   or a copy it kept from before) is taken at that length when it is a chunk
   boundary of ours: copies are prefixes of the same bytes.
@@ -117,7 +117,8 @@ class VirtualLog:
 
     def copies_held(self) -> dict:
         held = self.vsegs[self.floor:]
-        full = sum(1 for vs in held if len(vs.copies) >= self.need
+        alive = self.backups.alive
+        full = sum(1 for vs in held if sum(alive(b) for b in vs.copies) >= self.need
                    and all(c.acked == vs.size for c in vs.copies.values()))
         return {"vsegs": len(held), "fully_replicated": full, "released": self.floor,
                 "held_bytes": sum(vs.size for vs in held)}
@@ -126,8 +127,9 @@ class VirtualLog:
     def done(self, vs: VirtualSegment) -> bool:
         """Closed, durable and settled on its copies: nothing more will be sent for it.
 
-        A frozen vseg (some of its bytes left broker memory) that lost a copy cannot get
-        another one; it is settled on the copies it has left, if any."""
+        A frozen vseg (some of its bytes left broker memory) gets no copy from here (its
+        lost copies are made again from a surviving one, ``kera.broker.rebuild``); it is
+        settled on the copies it has."""
         if not vs.closed or vs.durable < len(vs.refs):
             return False
         if self._done(vs):
@@ -184,7 +186,10 @@ class VirtualLog:
             for vs in self.vsegs[self.floor:]:
                 for b, c in list(vs.copies.items()):
                     if not self.backups.alive(b):
-                        self._drop_copy(vs, b, now, avoid=False)  # gone: replaced at once
+                        if not vs.frozen:  # gone: replaced at once
+                            self._drop_copy(vs, b, now, avoid=False)
+                        # frozen: kept (it may come back with its file); the broker's rebuilder
+                        # makes the copies it needs meanwhile from one that survived
                     elif c.incarnation != self.backups.incarnation(b) and vs.frozen:
                         c.incarnation = self.backups.incarnation(b)  # it reloads its file; reads check
                     elif c.incarnation != self.backups.incarnation(b):

@@ -48,7 +48,7 @@ class VirtualSegment:
         self.durable = 0     # refs whose segments' durable heads were moved (<= confirmed)
         self.sums = array("Q")             # the chunks' body checksums, in order
         self.live = 0        # broker segments with chunks here that are not freed (retention)
-        self.frozen = False  # some of its chunks left broker memory: no copy can be made again
+        self.frozen = False  # some of its chunks left broker memory: the vlog sends it no more
         self.released = False  # below the vlog's floor: nothing live, its files may go
 
     def release(self) -> None:
