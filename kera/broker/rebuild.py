@@ -21,7 +21,7 @@ Pieces are whole chunks of at most ``PIECE`` bytes, one vseg at a time per
 broker: memory and bandwidth are bounded however many vsegs lost a copy. A
 pass that could not make every copy (a backup failing, none to copy to) is
 tried again, backing off; a target that failed is avoided for the vlog's
-replicate timeout, for every vseg. Adopted segments' vsegs (a dead
+replicate timeout, for every vseg (a failing source is asked last). Adopted segments' vsegs (a dead
 incarnation's, ``kera.broker.adopted``) are not ours to rebuild: their
 copies are claimed, not written.
 """
@@ -134,6 +134,7 @@ class Rebuilder:
                           "be made unless a backup holding it comes back", v.id, vs.id)
             return False
         self.short.pop(vs, None)
+        sources.sort(key=lambda b: b in self.avoid)   # one that failed lately is asked last
         want = v.need - len(sources)
         targets = []
         t = self.partial.get(vs)
@@ -210,6 +211,8 @@ class Rebuilder:
             self._check(vs, off, data)   # released meanwhile: its record is gone, this fails
             return data
         except (KeraError, ProtocolError) as e:
+            if not isinstance(e, ChecksumError):   # failing, not this vseg's bytes: asked last a while
+                self.avoid[source] = trio.current_time() + timeout
             log.warning("vseg %d from backup %d at %d: %s", vs.id, source, off, e)
             return None
 
