@@ -21,11 +21,13 @@ import trio
 from kera_client import open_admin, open_consumer, open_producer
 
 from kera import chunk
+from kera.backup.segment_file import FILE_HEADER_SIZE, file_name
 from kera.errors import Fenced, InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
 from kera.recovery import PHASES
 from kera.rpc import open_pool
 
 from .conftest import free_port
+from .damage import flip_bits
 from .test_replication import backup_listings
 from .workload import values
 
@@ -481,6 +483,66 @@ def test_adoption_beside_the_replay_cut_short_is_planned_again(make_cluster, mon
           f"replayed {rec['bytes'] / MiB:.1f} MiB; {len(arr)} records read back")
 
 
+class FrozenHistory:
+    """4 nodes, R=3, an 8 MiB budget: stream "big" with 24 MiB of records, half of it evicted,
+    so most of its owner's closed vsegs are frozen."""
+
+    budget, history = 8 * MiB, 24 * MiB
+    n = history // SIZE
+
+    def __init__(self, make_cluster):
+        self.c = make_cluster(4, broker_args=["--memory", str(self.budget), "--vseg-size", str(1 * MiB)])
+
+    async def start(self) -> None:
+        c = self.c
+        async with open_admin(c.coordinator) as a:
+            self.s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
+                                           group_segments=32)
+        await produce(c.coordinator, "big", self.n, step=2000)
+        self.owner = self.s.addrs[0]
+
+        async def evicted():
+            return (await self.broker("stats"))["evicted_bytes"] >= self.history // 2
+
+        await wait_for(evicted, "the owner to evict half the history")
+        self.id = (await self.broker("stats"))["broker"]
+        # frozen vseg -> the backups holding it, and its (length, checksum) as they list it
+        self.frozen = {(v, i): set(copies) for v, i, _, done, copies, _, fz in
+                       (await self.broker("vsegs"))["vsegs"] if done and fz}
+        self.sums = {(sg["vlog"], sg["vseg"]): (sg["length"], sg["checksum"])
+                     for segs in (await backup_listings(c.coordinator)).values() for sg in segs
+                     if sg["broker"] == self.id and sg["closed"]}
+        async with open_admin(c.coordinator) as a:
+            self.names = {b["id"]: next(k for k, addr in c.addrs.items() if addr == b["addr"])
+                          for b in (await a.status())["backups"]}
+
+    async def broker(self, what: str) -> dict:
+        async with open_pool() as pool:
+            r, _ = await pool.call(self.owner, what, {})
+        return r
+
+    async def holders(self, killed: set) -> dict:
+        """Frozen vseg -> the live backups listing it closed, at its length and checksum."""
+        got: dict = {}
+        for bid, segs in (await backup_listings(self.c.coordinator)).items():
+            for sg in segs:
+                k = (sg["vlog"], sg["vseg"])
+                if bid not in killed and sg["broker"] == self.id and k in self.frozen \
+                        and sg["closed"] and (sg["length"], sg["checksum"]) == self.sums[k]:
+                    got.setdefault(k, set()).add(bid)
+        return got
+
+    async def status(self) -> str:
+        out = await trio.run_process([sys.executable, "-m", "kera", "status"], capture_stdout=True,
+                                     env={**os.environ, "KERA_COORDINATOR": self.c.coordinator})
+        return out.stdout.decode()
+
+
+def _most(vsegs) -> int:
+    held = [b for cs in vsegs for b in cs]
+    return max(set(held), key=held.count)
+
+
 def test_frozen_vsegs_get_lost_copies_back_from_a_survivor(make_cluster):
     """Evicted data's vsegs are frozen (their bytes left broker memory): R=3 keeps two backup
     copies of each. kill -9 the backup holding the most of them: each frozen vseg it held is
@@ -490,75 +552,36 @@ def test_frozen_vsegs_get_lost_copies_back_from_a_survivor(make_cluster):
     copy left. Every record reads back once, in order, from earliest (most of it from the
     backups), and again after the owner is killed -9 and its streamlet recovered from the
     two backups left."""
-    budget, history = 8 * MiB, 24 * MiB
-    c = make_cluster(4, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)])
-    n = history // SIZE
+    h = FrozenHistory(make_cluster)
+    c, n = h.c, h.n
 
     async def main():
-        async with open_admin(c.coordinator) as a:
-            s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
-                                      group_segments=32)
-        await produce(c.coordinator, "big", n, step=2000)
-        owner = s.addrs[0]
-
-        async def broker(what: str):
-            async with open_pool() as pool:
-                r, _ = await pool.call(owner, what, {})
-            return r
-
-        async def evicted():
-            return (await broker("stats"))["evicted_bytes"] >= history // 2
-
-        await wait_for(evicted, "the owner to evict half the history")
-        st = await broker("stats")
-        frozen = {(v, i): set(copies) for v, i, _, done, copies, _, fz in (await broker("vsegs"))["vsegs"]
-                  if done and fz}
-        listed = await backup_listings(c.coordinator)
-        sums = {(sg["vlog"], sg["vseg"]): (sg["length"], sg["checksum"])
-                for segs in listed.values() for sg in segs if sg["broker"] == st["broker"] and sg["closed"]}
-        async with open_admin(c.coordinator) as a:
-            names = {b["id"]: next(k for k, addr in c.addrs.items() if addr == b["addr"])
-                     for b in (await a.status())["backups"]}
-
-        def most(vsegs) -> int:
-            held = [b for cs in vsegs for b in cs]
-            return max(set(held), key=held.count)
-
-        first = most(frozen.values())
-        second = most(cs - {first} for cs in frozen.values() if first in cs)
-        both = [k for k, cs in frozen.items() if cs == {first, second}]
+        await h.start()
+        first = _most(h.frozen.values())
+        second = _most(cs - {first} for cs in h.frozen.values() if first in cs)
+        both = [k for k, cs in h.frozen.items() if cs == {first, second}]
         assert both, "no frozen vseg had both its copies on the two backups killed"
         killed: set[int] = set()
         for b in (first, second):
-            c.kill(names[b])
+            c.kill(h.names[b])
             killed.add(b)
 
-            async def whole():
-                """Every frozen vseg held closed, at its length and checksum, by two backups
-                alive (their own listings)."""
-                got: dict = {}
-                for bid, segs in (await backup_listings(c.coordinator)).items():
-                    for sg in segs:
-                        k = (sg["vlog"], sg["vseg"])
-                        if bid not in killed and sg["broker"] == st["broker"] and k in frozen \
-                                and sg["closed"] and (sg["length"], sg["checksum"]) == sums[k]:
-                            got.setdefault(k, set()).add(bid)
-                return all(len(got.get(k, ())) >= 2 for k in frozen)
+            async def whole(killed=killed):
+                got = await h.holders(killed)
+                return all(len(got.get(k, ())) >= 2 for k in h.frozen)
 
             await wait_for(whole, f"the frozen copies backup {b} held to be made again", timeout=60)
         got = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
-        stats = await broker("stats")
-        out = await trio.run_process([sys.executable, "-m", "kera", "status"], capture_stdout=True,
-                                     env={**os.environ, "KERA_COORDINATOR": c.coordinator})
-        assert f"frozen vsegs: copies made again={stats['rebuild']['rebuilt']} " in out.stdout.decode()
-        c.kill(next(name for name, addr in c.addrs.items() if addr == owner))
-        rec = await wait_recovered(c, s, timeout=60, dead=st["broker"])
+        stats = await h.broker("stats")
+        assert f"frozen vsegs: copies made again={stats['rebuild']['rebuilt']} " in await h.status()
+        c.kill(next(name for name, addr in c.addrs.items() if addr == h.owner))
+        rec = await wait_recovered(c, h.s, timeout=60, dead=h.id)
         again = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
-        return len(frozen), len(both), stats, got, rec, again
+        return len(h.frozen), len(both), stats, got, rec, again
 
     vsegs, both, stats, got, rec, again = trio.run(main)
     assert (got == np.arange(n, dtype=np.uint64)).all(), "not every record, once, in order"
-    assert stats["tiered_bytes"] > history / 2, stats
+    assert stats["tiered_bytes"] > h.history / 2, stats
     assert stats["rebuild"]["rebuilt"] >= 2 * both and stats["rebuild"]["under_replicated"] == 0, stats
     assert not rec["lost"], rec
     assert (again == np.arange(n, dtype=np.uint64)).all(), "not every record after the recovery"
@@ -566,6 +589,45 @@ def test_frozen_vsegs_get_lost_copies_back_from_a_survivor(make_cluster):
           f"copies made again ({stats['rebuild']['rebuilt_bytes'] / MiB:.1f} MiB); {len(got)} records read "
           f"back, {stats['tiered_bytes'] / MiB:.1f} MiB of them from backups; after the owner's kill and "
           f"recovery, {len(again)}")
+
+
+def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
+    """The surviving copy of a frozen vseg has a chunk rotten on disk when the other copy's
+    backup is killed -9: no copy is made of it (the backup's read stops at the bad chunk, a
+    new copy is never closed), the vseg is reported short of copies (broker stats, ``kera
+    status``), the bad chunk is marked on the survivor, and every other frozen vseg the dead
+    backup held is copied again."""
+    h = FrozenHistory(make_cluster)
+    c = h.c
+
+    async def main():
+        await h.start()
+        dead = _most(h.frozen.values())
+        mine = sorted(k for k, cs in h.frozen.items() if dead in cs)
+        bad = mine[len(mine) // 2]
+        (survivor,) = h.frozen[bad] - {dead}
+        path = os.path.join(c.data, h.names[survivor], "segments", file_name(h.id, *bad))
+        size = os.path.getsize(path)
+        flip_bits(path, FILE_HEADER_SIZE + (size - FILE_HEADER_SIZE) // 2, 0x5A)
+        c.kill(h.names[dead])
+
+        async def settled():
+            st = (await h.broker("stats"))["rebuild"]
+            got = await h.holders({dead})
+            return st["rebuild_failures"] > 0 and st["under_replicated"] == 1 and all(
+                len(got.get(k, ())) >= 2 for k in mine if k != bad) and st
+
+        st = await wait_for(settled, "the other frozen vsegs to be copied again", timeout=60)
+        listed = await backup_listings(c.coordinator)
+        copies = [(bid, sg) for bid, segs in listed.items() for sg in segs
+                  if sg["broker"] == h.id and (sg["vlog"], sg["vseg"]) == bad]
+        return st, copies, survivor, await h.status()
+
+    st, copies, survivor, status = trio.run(main)
+    assert all(not sg["closed"] for bid, sg in copies if bid != survivor), copies  # a prefix at most
+    assert [sg["corrupt"] for bid, sg in copies if bid == survivor][0], copies
+    assert "short of copies=1" in status, status
+    print(f"\n{st['rebuilt']} copies made again, {st['rebuild_failures']} failed tries of the corrupt one")
 
 
 async def _exists(path: str) -> bool:
