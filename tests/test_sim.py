@@ -14,6 +14,7 @@ import pytest
 from kera import chunk
 from kera import repoint_plan as cols
 from kera.broker import memory
+from kera.broker.rebuild import Rebuilder
 from kera.sim import Violation, World, adoption, placement, run_seeds
 from kera.vlog import VirtualLog
 
@@ -29,6 +30,8 @@ def test_fixed_seeds_run_clean():
     assert r["seeds_adopting"] > len(CI_SEEDS) // 2, r
     assert min(r["adopted_closed"], r["skipped_vsegs"], r["evictions"], r["budget_closes"],
                r["adopted_beside"]) > 0, r
+    # backups lost for good one after the other, frozen vsegs' copies made again each time
+    assert min(r["lost_for_good"], r["rebuilt"]) > 0, r
 
 
 @pytest.mark.parametrize("seed, what", [
@@ -127,3 +130,12 @@ def test_catches_a_group_adopted_beside_the_replay_that_the_replay_continues(mon
     monkeypatch.setattr(Repoint, "ended", lambda rp: {(a.stream, a.streamlet, a.group) for a in rp.adopted})
     seed, why = first_failing(range(100))
     assert "adopted beside the replay" in why, why
+
+
+def test_catches_a_departed_backups_copy_taken_as_a_source(monkeypatch):
+    """A frozen vseg keeps the copy of a backup that left (it may come back): a rebuilder
+    counting it as whole would never make the copies a loss took."""
+    monkeypatch.setattr(Rebuilder, "whole", lambda self, vs: [
+        b for b, c in vs.copies.items() if c.closed and c.acked == vs.size])
+    seed, why = first_failing(range(300))
+    assert "copies not made again" in why, why

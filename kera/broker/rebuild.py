@@ -136,13 +136,7 @@ class Rebuilder:
         self.short.pop(vs, None)
         sources.sort(key=lambda b: b in self.avoid)   # one that failed lately is asked last
         want = v.need - len(sources)
-        targets = []
-        t = self.partial.get(vs)
-        if t is not None and self.backups.alive(t) and t not in vs.copies and t not in self.avoid:
-            targets.append(t)
-        holding = [b for b in vs.copies if self.backups.alive(b)]
-        if want > len(targets):
-            targets += self.backups.choose(holding + targets, self.avoid, want - len(targets))
+        targets = self.targets(vs, want)
         for t in targets:
             self.partial[vs] = t
             try:
@@ -164,6 +158,18 @@ class Rebuilder:
             log.info("vlog %d vseg %d: copy made again on backup %d from backup %d (%d bytes)",
                      v.id, vs.id, t, sources[0], vs.size)
         return len(targets) >= want
+
+    def targets(self, vs, want: int) -> list[int]:
+        """Up to ``want`` backups to make copies of ``vs`` on: the one its last copy was cut
+        short on first (it holds a prefix), then others as for any copy, none avoided."""
+        out = []
+        t = self.partial.get(vs)
+        if t is not None and self.backups.alive(t) and t not in vs.copies and t not in self.avoid:
+            out.append(t)
+        if want > len(out):
+            holding = [b for b in vs.copies if self.backups.alive(b)]
+            out += self.backups.choose(holding + out, self.avoid, want - len(out))
+        return out
 
     async def _copy(self, r, vs, sources: list[int], target: int) -> bool:
         """Write ``vs`` whole and closed to ``target``; False if it was released meanwhile."""

@@ -41,7 +41,8 @@ def main(argv=None) -> int:
           f"replay), {sums['skipped_vsegs']} vsegs not replayed, "
           f"{sums['index_refused']} copies refused by index; {sums['evictions']} segments evicted, "
           f"{sums['refused']} chunks refused (budget), {sums['budget_closes']} idle vlogs' open vsegs "
-          f"closed for it")
+          f"closed for it; {sums['lost_for_good']} backups lost for good one after the other, "
+          f"{sums['rebuilt']} copies of frozen vsegs made again")
     return 0
 
 

@@ -8,12 +8,15 @@ replay and ``kera.repoint_plan.plan_repoint`` what is re-pointed instead
 the clock (an event heap), the network (delays, drops, duplicates,
 reordering, timeouts), the broker's placement of chunks in streamlets,
 groups and segments, backups (copies kept as chunk ids; pauses, crashes,
-restarts, full disks, bit flips and torn tails of their files) and the
-failure detector.
+restarts, full disks, bit flips and torn tails of their files), the failure
+detector, and the I/O of the broker's rebuilding of frozen vsegs' lost copies
+(``kera.sim.rebuild``, its decisions the broker's own ``Rebuilder``).
 
 A run has three phases: ingest under faults, heal (faults stop; every
 appended chunk must become durable: progress; and the memory budget must
-take a new segment again, its filled segments settling and evicted), then the broker dies, its
+take a new segment again, its filled segments settling and evicted; in half the runs
+without damage, backups are then lost for good one after the other, each once every
+closed vseg is whole again), then the broker dies, its
 settled history is re-pointed and the rest of its vlogs replayed from the
 backups (every acknowledged chunk must come back exactly once, adopted or
 replayed, in order). Invariants are checked after every step; the first one
@@ -38,6 +41,7 @@ from ..vlog import BackupSet, VirtualLog, vlog_id
 from . import adoption
 from .placement import STREAM as STREAM_ID
 from .placement import Chunk, Placement
+from .rebuild import SimRebuild
 
 BROKER, EPOCH = 1, 1
 DEAD_AFTER = 2.0   # the failure detector's delay
@@ -187,6 +191,7 @@ class World:
                                  self.set, RPC_TIMEOUT, batch=r.choice((100, 400, 2000)))
                       for i in range(r.choice((1, 2, 3)))]
         self.placement = Placement(r, self.vlogs, self.replication)
+        self.rebuild = SimRebuild(self, RPC_TIMEOUT, DEAD_AFTER)   # frozen vsegs' lost copies
         self.chunks: list[Chunk] = self.placement.chunks
         self.by_vlog: dict[int, list[Chunk]] = self.placement.by_vlog
         self.stats: Counter = Counter()
@@ -238,6 +243,7 @@ class World:
     def _membership_changed(self) -> None:
         self._membership()
         self.kick()
+        self.rebuild.run()
 
     # -- the broker's replicators -------------------------------------------------------------
     def kick(self) -> None:
@@ -469,6 +475,8 @@ class World:
         if not p.takes_segment():
             self.fail(f"every chunk durable, yet the memory budget refuses a new segment: "
                       f"{p.memory.used} of {p.memory.limit} bytes used")
+        if not self.damaged and self.rebuild.rng.random() < 0.5:
+            self.rebuild.lose()   # backups lost for good, one after the other
         self._recover()
         return self._result()
 
