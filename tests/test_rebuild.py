@@ -43,3 +43,40 @@ def test_anything_else_is_refused(case):
     }[case]
     with pytest.raises((ChecksumError, ProtocolError)):
         Rebuilder._check(vs, off, memoryview(data))
+
+
+def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
+    """After a restart a backup is asked what it reloaded: a frozen copy it lists short, not
+    closed, damaged or not at all is dropped (made again); whole ones and copies of vsegs
+    not frozen are kept."""
+    from types import SimpleNamespace
+
+    from kera.vlog import BackupSet
+    from kera.vlog.virtual_segment import Copy
+
+    backups = BackupSet("n0")
+    backups.set_live({1: ("n1", 1), 2: ("n2", 1)})
+    vsegs = []
+    for i in range(6):
+        vs = _vseg(_chunks())
+        vs.id, vs.frozen = i, i != 5
+        vs.copies = {1: Copy(1, 1), 2: Copy(2, 1)}
+        vsegs.append(vs)
+    log = SimpleNamespace(id=7, vsegs=vsegs, floor=0, need=2)
+    rb = Rebuilder(None, None, None, backups, lambda: [SimpleNamespace(log=log)])
+    assert rb.restarted() == []
+    backups.set_live({1: ("n1", 2), 2: ("n2", 1)})   # backup 1 restarted
+    assert rb.restarted() == [1] and rb.restarted() == []
+    size = vsegs[0].size
+    listed = [{"vlog": 7, "vseg": 0, "length": size, "closed": True, "corrupt": []},
+              {"vlog": 7, "vseg": 1, "length": size - 1, "closed": False, "corrupt": []},
+              {"vlog": 7, "vseg": 2, "length": size, "closed": False, "corrupt": []},
+              {"vlog": 7, "vseg": 3, "length": size, "closed": True, "corrupt": [{"offset": 0}]},
+              {"vlog": 8, "vseg": 4, "length": size, "closed": True, "corrupt": []}]  # another vlog's
+    assert rb.verify(1, listed) == 4
+    assert [1 in vs.copies for vs in vsegs] == [True, False, False, False, False, True]
+    assert all(2 in vs.copies for vs in vsegs)
+    backups.set_live({2: ("n2", 1)})                  # backup 1 left ...
+    assert rb.restarted() == []
+    backups.set_live({1: ("n1", 3), 2: ("n2", 1)})   # ... and came back: asked too
+    assert rb.restarted() == [1]

@@ -38,6 +38,7 @@ def test_fixed_seeds_run_clean():
     (13, "adopted_closed"),   # closed groups' last segments adopted, many vsegs skipped, evictions
     (617, "index_refused"),   # a copy whose rotten header its index found on reload, refused
     (506, "chunks"),          # one copy whole, one short: replayed, not adopted (was a loss)
+    (980, "copies_dropped"),  # a restarted backup's torn frozen copy dropped, made again
 ])
 def test_repointing_seeds_run_clean(seed, what):
     assert World(seed).run().get(what, 0) > 0
@@ -138,4 +139,12 @@ def test_catches_a_departed_backups_copy_taken_as_a_source(monkeypatch):
     monkeypatch.setattr(Rebuilder, "whole", lambda self, vs: [
         b for b, c in vs.copies.items() if c.closed and c.acked == vs.size])
     seed, why = first_failing(range(300))
+    assert "copies not made again" in why, why
+
+
+def test_catches_a_restarted_backups_short_copy_kept(monkeypatch):
+    """A backup restarts with a frozen copy cut short (a torn tail): a rebuilder that did not
+    ask what it reloaded would count that copy whole for good."""
+    monkeypatch.setattr(Rebuilder, "verify", lambda self, backup, segments: 0)
+    seed, why = first_failing([980, 2464])   # such a restart, then backups lost for good
     assert "copies not made again" in why, why

@@ -5,6 +5,10 @@ retention, compaction): the vlog can no longer send its bytes, so a backup
 lost afterwards would leave it one copy short for good, and the next losses
 would take acknowledged records with them. A frozen vseg keeps the copy of
 a backup that left (``VirtualLog.poll``): it may come back with its file.
+A backup that restarted reloaded its copies from its files, which may hold
+less than it acknowledged (a tail not yet on disk under ``--fsync
+periodic``, a torn write): the rebuilder asks it what it holds (``list``) and
+drops each frozen copy it lists short, not closed or damaged (``verify``).
 After each membership change the rebuilder finds every frozen vseg with
 fewer whole copies on live backups than the vlog needs, picks new backups as
 for any copy (``BackupSet.choose``) and fills each from a surviving copy,
@@ -40,6 +44,7 @@ from ..vlog.virtual_segment import Copy
 log = logging.getLogger("kera.broker")
 
 PIECE = limits.MAX_READ   # bytes read from the source and written to the new copy at once
+TIMEOUT = 10.0            # a restarted backup's listing
 RETRY = 1.0               # after a pass that left copies to make, the next one (sooner if
 MAX_RETRY = 30.0          # membership changes), doubling while passes keep falling short
 
@@ -66,6 +71,8 @@ class Rebuilder:
         self.short: dict = {}       # vsegs with no whole copy on a live backup -> (vlog id, vseg id)
         self.partial: dict = {}     # vseg -> the backup its last copy was cut short on (a prefix)
         self.avoid: dict[int, float] = {}   # backups whose copy failed -> until when
+        self.seen: dict[int, int] = {}      # backup -> its incarnation at the last pass
+        self.dropped = 0            # frozen copies a restarted backup no longer held whole
         self.delay = RETRY
 
     def poke(self) -> None:
@@ -75,7 +82,8 @@ class Rebuilder:
     def stats(self) -> dict:
         """Counters as of the last pass (heartbeats ask often: no walk over the vsegs here)."""
         return {"rebuilt": self.rebuilt, "rebuilt_bytes": self.bytes, "rebuild_failures": self.failures,
-                "under_replicated": self.under, "without_copy": len(self.short)}
+                "under_replicated": self.under, "without_copy": len(self.short),
+                "dropped": self.dropped}
 
     def whole(self, vs) -> list[int]:
         """Backups alive now holding ``vs`` whole and closed."""
@@ -93,6 +101,36 @@ class Rebuilder:
                     out.append((r, vs))
         return out
 
+    def restarted(self) -> list[int]:
+        """Backups alive now that restarted since the last pass (a new incarnation): they
+        reloaded our frozen copies from their files, which may hold less than was acknowledged
+        (a tail not yet on disk under ``--fsync periodic``, a torn write)."""
+        now = self.backups.epochs
+        out = [b for b, e in now.items() if self.seen.get(b, e) != e]
+        self.seen.update(now)   # a backup that left is remembered: back, it is asked too
+        return out
+
+    def verify(self, backup: int, segments: list[dict]) -> int:
+        """``backup``'s listing of our replicas after a restart: a frozen copy it lists short,
+        not closed or with a corrupt chunk is no whole copy any more (dropped here, so it is
+        made again, on that backup from its length or elsewhere). Returns how many."""
+        held = {(s.get("vlog"), s.get("vseg")): s for s in segments}
+        dropped = 0
+        for r in self.vlogs():
+            v = r.log
+            for vs in v.vsegs[v.floor:]:
+                if not vs.frozen or backup not in vs.copies:
+                    continue
+                s = held.get((v.id, vs.id))
+                if s is None or not s.get("closed") or s.get("length") != vs.size or s.get("corrupt"):
+                    del vs.copies[backup]
+                    dropped += 1
+        if dropped:
+            log.warning("backup %d restarted holding %d of our frozen copies short or damaged: made again",
+                        backup, dropped)
+        self.dropped += dropped
+        return dropped
+
     async def run(self) -> None:
         while True:
             await self.wake.wait()
@@ -100,6 +138,8 @@ class Rebuilder:
             now = trio.current_time()
             self.avoid = {b: t for b, t in self.avoid.items() if t > now}
             short = False
+            for b in self.restarted():
+                short |= not await self._verify(b)
             for r, vs in self.todo():
                 try:
                     short |= not await self.rebuild(r, vs)
@@ -221,6 +261,20 @@ class Rebuilder:
                 self.avoid[source] = trio.current_time() + timeout
             log.warning("vseg %d from backup %d at %d: %s", vs.id, source, off, e)
             return None
+
+    async def _verify(self, backup: int) -> bool:
+        """Ask a restarted backup what it reloaded (``list``) and ``verify`` it; False if it
+        could not be asked (asked again on the next pass)."""
+        broker, _ = self.identity()
+        try:
+            r, _ = await self.pool.call(self.addr_of(backup), "list", {"broker": broker},
+                                        timeout=TIMEOUT)
+            self.verify(backup, r["segments"])
+            return True
+        except (KeraError, KeyError, TypeError) as e:
+            log.warning("backup %d restarted; its listing failed: %s", backup, e)
+            self.seen[backup] = -1   # taken as restarted again next pass
+            return False
 
     async def _trim(self, r, backup: int) -> None:
         """The vlog's floor to ``backup``, which may hold a file of a vseg released during its

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
 from collections import Counter
@@ -20,6 +21,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first seed")
     ap.add_argument("--seed", type=int, default=None, help="replay this one seed")
     args = ap.parse_args(argv)
+    logging.getLogger("kera").setLevel(logging.ERROR)   # the broker code's warnings: simulated faults
     seeds = [args.seed] if args.seed is not None else range(args.start, args.start + args.seeds)
     t0 = time.perf_counter()
     n, sums = 0, Counter()
@@ -42,7 +44,8 @@ def main(argv=None) -> int:
           f"{sums['index_refused']} copies refused by index; {sums['evictions']} segments evicted, "
           f"{sums['refused']} chunks refused (budget), {sums['budget_closes']} idle vlogs' open vsegs "
           f"closed for it; {sums['lost_for_good']} backups lost for good one after the other, "
-          f"{sums['rebuilt']} copies of frozen vsegs made again")
+          f"{sums['rebuilt']} copies of frozen vsegs made again, {sums['copies_dropped']} dropped as "
+          f"short after a restart")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The broker's rebuilding of frozen vsegs' lost copies, driven in the simulation.
 
 The decisions are the broker's own ``Rebuilder`` (which vsegs are short, which copies are
-sources, which backups get the new copies, which are avoided). What is simulated is its I/O:
+sources, which backups get the new copies, which are avoided, which copies a restarted
+backup no longer holds whole). What is simulated is its I/O:
 a copy is read from its source's chunks up to a corrupt one (then from the next source) and
 written to its target by the ``BackupStore`` rules, from the target's length when it holds a
 prefix already; the answer arrives after a network delay. Invariants: a source never holds
@@ -38,6 +39,9 @@ class SimRebuild:
             return
         rb.avoid = {b: t for b, t in rb.avoid.items() if t > w.now}
         short = False
+        ids = {v.id for v in w.vlogs}
+        for b in rb.restarted():   # what it reloaded, as its ``list`` answers
+            w.stats["copies_dropped"] += rb.verify(b, w.backups[b].listing(ids))
         for r, vs in rb.todo():
             v = r.log
             if (v.id, vs.id) in self.busy:

@@ -15,7 +15,7 @@ detector, and the I/O of the broker's rebuilding of frozen vsegs' lost copies
 A run has three phases: ingest under faults, heal (faults stop; every
 appended chunk must become durable: progress; and the memory budget must
 take a new segment again, its filled segments settling and evicted; in half the runs
-without damage, backups are then lost for good one after the other, each once every
+without rot, backups are then lost for good one after the other, each once every
 closed vseg is whole again), then the broker dies, its
 settled history is re-pointed and the rest of its vlogs replayed from the
 backups (every acknowledged chunk must come back exactly once, adopted or
@@ -203,6 +203,7 @@ class World:
         self.fault_rate = r.choice((0.0, 0.3, 1.0, 2.0))   # faults per simulated second
         self.damage_budget = max(0, self.replication - 2)  # backup copies that may rot or vanish
         self.damaged: set[int] = set()
+        self.rotten = False   # a bit flipped in a file (rot a backup may not know of)
         self.faults_on = True
         self.log: list[str] = []
         self._acked_upto: dict[int, int] = {}  # per vlog: chunks already checked and acknowledged
@@ -392,6 +393,7 @@ class World:
             return
         rep = self.rng.choice(reps)
         if kind == "flip":  # a bit flipped: found on load or when read
+            self.rotten = True
             i = self.rng.randrange(len(rep.chunks))
             rep.bad.add(i)
             if self.rng.random() < 0.5:
@@ -475,7 +477,7 @@ class World:
         if not p.takes_segment():
             self.fail(f"every chunk durable, yet the memory budget refuses a new segment: "
                       f"{p.memory.used} of {p.memory.limit} bytes used")
-        if not self.damaged and self.rebuild.rng.random() < 0.5:
+        if not self.rotten and self.rebuild.rng.random() < 0.5:
             self.rebuild.lose()   # backups lost for good, one after the other
         self._recover()
         return self._result()
