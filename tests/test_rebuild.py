@@ -47,8 +47,8 @@ def test_anything_else_is_refused(case):
 
 def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
     """After a restart a backup is asked what it reloaded: a frozen copy it lists short, not
-    closed, damaged or not at all is dropped (made again); whole ones and copies of vsegs
-    not frozen are kept."""
+    closed, damaged or not at all is no whole copy any more (made again); whole ones and
+    copies of vsegs not frozen are kept."""
     from types import SimpleNamespace
 
     from kera.vlog import BackupSet
@@ -61,6 +61,8 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
         vs = _vseg(_chunks())
         vs.id, vs.frozen = i, i != 5
         vs.copies = {1: Copy(1, 1), 2: Copy(2, 1)}
+        for c in vs.copies.values():
+            c.acked, c.closed = vs.size, True
         vsegs.append(vs)
     log = SimpleNamespace(id=7, vsegs=vsegs, floor=0, need=2)
     rb = Rebuilder(None, None, None, backups, lambda: [SimpleNamespace(log=log)])
@@ -74,8 +76,11 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
               {"vlog": 7, "vseg": 3, "length": size, "closed": True, "corrupt": [{"offset": 0}]},
               {"vlog": 8, "vseg": 4, "length": size, "closed": True, "corrupt": []}]  # another vlog's
     assert rb.verify(1, listed) == 4
-    assert [1 in vs.copies for vs in vsegs] == [True, False, False, False, False, True]
-    assert all(2 in vs.copies for vs in vsegs)
+    # whole: vseg 0, and vseg 5 (not frozen: the vlog itself asks it again); 1-3 kept at the
+    # length listed (reads find their intact chunks there), 4 not listed at all: dropped
+    assert [1 in rb.whole(vs) for vs in vsegs] == [True, False, False, False, False, True]
+    assert [1 in vs.copies for vs in vsegs] == [True, True, True, True, False, True]
+    assert vsegs[1].copies[1].acked == size - 1 and all(2 in rb.whole(vs) for vs in vsegs)
     backups.set_live({2: ("n2", 1)})                  # backup 1 left ...
     assert rb.restarted() == []
     backups.set_live({1: ("n1", 3), 2: ("n2", 1)})   # ... and came back: asked too

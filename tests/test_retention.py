@@ -657,7 +657,7 @@ def test_a_restarted_backup_holding_a_short_frozen_copy_gets_it_made_again(make_
 
     st = trio.run(main)
     assert st["dropped"] >= 1 and st["rebuilt"] >= 1, st
-    print(f"\n{st['dropped']} frozen copies dropped after the restart, {st['rebuilt']} made again")
+    print(f"\n{st['dropped']} frozen copies no longer counted whole after the restart, {st['rebuilt']} made again")
 
 
 async def _exists(path: str) -> bool:

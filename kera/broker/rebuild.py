@@ -8,7 +8,8 @@ a backup that left (``VirtualLog.poll``): it may come back with its file.
 A backup that restarted reloaded its copies from its files, which may hold
 less than it acknowledged (a tail not yet on disk under ``--fsync
 periodic``, a torn write): the rebuilder asks it what it holds (``list``) and
-drops each frozen copy it lists short, not closed or damaged (``verify``).
+no longer counts a frozen copy it lists short, not closed or damaged as whole
+(``verify``).
 After each membership change the rebuilder finds every frozen vseg with
 fewer whole copies on live backups than the vlog needs, picks new backups as
 for any copy (``BackupSet.choose``) and fills each from a surviving copy,
@@ -72,7 +73,7 @@ class Rebuilder:
         self.partial: dict = {}     # vseg -> the backup its last copy was cut short on (a prefix)
         self.avoid: dict[int, float] = {}   # backups whose copy failed -> until when
         self.seen: dict[int, int] = {}      # backup -> its incarnation at the last pass
-        self.dropped = 0            # frozen copies a restarted backup no longer held whole
+        self.dropped = 0            # frozen copies a restarted backup no longer held whole (counted)
         self.delay = RETRY
 
     def poke(self) -> None:
@@ -112,24 +113,32 @@ class Rebuilder:
 
     def verify(self, backup: int, segments: list[dict]) -> int:
         """``backup``'s listing of our replicas after a restart: a frozen copy it lists short,
-        not closed or with a corrupt chunk is no whole copy any more (dropped here, so it is
-        made again, on that backup from its length or elsewhere). Returns how many."""
+        not closed or with a corrupt chunk is no whole copy any more, so it is made again
+        elsewhere. It stays listed at the length it holds (reads still find its intact
+        chunks there); one it does not list at all is dropped. Returns how many."""
         held = {(s.get("vlog"), s.get("vseg")): s for s in segments}
-        dropped = 0
+        changed = 0
         for r in self.vlogs():
             v = r.log
             for vs in v.vsegs[v.floor:]:
-                if not vs.frozen or backup not in vs.copies:
+                c = vs.copies.get(backup) if vs.frozen else None
+                if c is None:
                     continue
                 s = held.get((v.id, vs.id))
-                if s is None or not s.get("closed") or s.get("length") != vs.size or s.get("corrupt"):
+                if s is None:
                     del vs.copies[backup]
-                    dropped += 1
-        if dropped:
-            log.warning("backup %d restarted holding %d of our frozen copies short or damaged: made again",
-                        backup, dropped)
-        self.dropped += dropped
-        return dropped
+                elif not s.get("closed") or s.get("length") != vs.size or s.get("corrupt"):
+                    length = s.get("length")
+                    c.acked = min(length, vs.size) if type(length) is int and length >= 0 else 0
+                    c.closed = False
+                else:
+                    continue
+                changed += 1
+        if changed:
+            log.warning("backup %d restarted holding %d of our frozen copies short or damaged: made "
+                        "again elsewhere", backup, changed)
+        self.dropped += changed
+        return changed
 
     async def run(self) -> None:
         while True:

@@ -129,13 +129,13 @@ class VirtualLog:
 
         A frozen vseg (some of its bytes left broker memory) gets no copy from here (its
         lost copies are made again from a surviving one, ``kera.broker.rebuild``); it is
-        settled on the copies it has."""
+        settled once a copy holds it whole (the others may be short: a backup that
+        restarted with less, or a departed one)."""
         if not vs.closed or vs.durable < len(vs.refs):
             return False
         if self._done(vs):
             return True
-        return vs.frozen and bool(vs.copies) and all(
-            c.acked == vs.size and c.closed for c in vs.copies.values())
+        return vs.frozen and any(c.acked == vs.size and c.closed for c in vs.copies.values())
 
     def close_open(self, durable: bool = True) -> bool:
         """Close the open vseg; the next append opens a new one. ``durable``: only once its
