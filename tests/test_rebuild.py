@@ -66,6 +66,7 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
         vsegs.append(vs)
     log = SimpleNamespace(id=7, vsegs=vsegs, floor=0, need=2)
     rb = Rebuilder(None, None, None, backups, lambda: [SimpleNamespace(log=log)])
+    assert rb.restarted() == [1, 2]   # not seen yet: asked once
     assert rb.restarted() == []
     backups.set_live({1: ("n1", 2), 2: ("n2", 1)})   # backup 1 restarted
     assert rb.restarted() == [1] and rb.restarted() == []
@@ -81,6 +82,8 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
     assert [1 in rb.whole(vs) for vs in vsegs] == [True, False, False, False, False, True]
     assert [1 in vs.copies for vs in vsegs] == [True, True, True, True, False, True]
     assert vsegs[1].copies[1].acked == size - 1 and all(2 in rb.whole(vs) for vs in vsegs)
+    # the new copy goes first where the short one is (continued from its length), not elsewhere
+    assert rb.targets(vsegs[1], 1) == [1] and rb.targets(vsegs[0], 1) == []
     backups.set_live({2: ("n2", 1)})                  # backup 1 left ...
     assert rb.restarted() == []
     backups.set_live({1: ("n1", 3), 2: ("n2", 1)})   # ... and came back: asked too

@@ -91,13 +91,17 @@ class Rebuilder:
         return [b for b, c in vs.copies.items()
                 if c.closed and c.acked == vs.size and self.backups.alive(b)]
 
+    @staticmethod
+    def _whole(vs, c) -> bool:
+        return c.closed and c.acked == vs.size
+
     def todo(self) -> list:
         """(replicator, vseg) of every frozen vseg below its vlog's need of whole live copies."""
         out = []
         for r in self.vlogs():
             v = r.log
             for vs in v.vsegs[v.floor:]:
-                if vs.frozen and vs.closed and not vs.released and vs.size and \
+                if vs.frozen and vs.closed and not vs.released and vs.size and vs.live > 0 and \
                         len(self.whole(vs)) < v.need:
                     out.append((r, vs))
         return out
@@ -107,38 +111,45 @@ class Rebuilder:
         reloaded our frozen copies from their files, which may hold less than was acknowledged
         (a tail not yet on disk under ``--fsync periodic``, a torn write)."""
         now = self.backups.epochs
-        out = [b for b, e in now.items() if self.seen.get(b, e) != e]
+        out = [b for b, e in now.items() if self.seen.get(b) != e]   # unseen too: asked once
         self.seen.update(now)   # a backup that left is remembered: back, it is asked too
         return out
 
-    def verify(self, backup: int, segments: list[dict]) -> int:
-        """``backup``'s listing of our replicas after a restart: a frozen copy it lists short,
-        not closed or with a corrupt chunk is no whole copy any more, so it is made again
-        elsewhere. It stays listed at the length it holds (reads still find its intact
-        chunks there); one it does not list at all is dropped. Returns how many."""
-        held = {(s.get("vlog"), s.get("vseg")): s for s in segments}
-        changed = 0
+    def frozen_on(self, backup: int) -> set:
+        """The frozen vsegs with a copy on ``backup``."""
+        return {vs for r in self.vlogs() for vs in r.log.vsegs[r.log.floor:]
+                if vs.frozen and backup in vs.copies}
+
+    def verify(self, backup: int, segments: list, only: set | None = None) -> int:
+        """``backup``'s listing of our replicas after a restart: a frozen copy (of ``only``,
+        those frozen when it was asked) it lists short, not closed, failing or with a corrupt
+        chunk is no whole copy any more, so it is made again (on that backup, from the length
+        it holds, or elsewhere). It stays at that length (reads still find its intact chunks
+        there); one not listed at all is dropped. Returns how many whole copies were lost."""
+        held = {(s.get("vlog"), s.get("vseg")): s for s in segments if isinstance(s, dict)}
+        lost = 0
         for r in self.vlogs():
             v = r.log
             for vs in v.vsegs[v.floor:]:
-                c = vs.copies.get(backup) if vs.frozen else None
+                c = vs.copies.get(backup) if vs.frozen and (only is None or vs in only) else None
                 if c is None:
                     continue
+                was = self._whole(vs, c)
                 s = held.get((v.id, vs.id))
                 if s is None:
                     del vs.copies[backup]
-                elif not s.get("closed") or s.get("length") != vs.size or s.get("corrupt"):
+                elif not s.get("closed") or s.get("length") != vs.size or s.get("corrupt") or s.get("error"):
                     length = s.get("length")
                     c.acked = min(length, vs.size) if type(length) is int and length >= 0 else 0
                     c.closed = False
                 else:
                     continue
-                changed += 1
-        if changed:
+                lost += was
+        if lost:
             log.warning("backup %d restarted holding %d of our frozen copies short or damaged: made "
-                        "again elsewhere", backup, changed)
-        self.dropped += changed
-        return changed
+                        "again", backup, lost)
+        self.dropped += lost
+        return lost
 
     async def run(self) -> None:
         while True:
@@ -209,15 +220,17 @@ class Rebuilder:
         return len(targets) >= want
 
     def targets(self, vs, want: int) -> list[int]:
-        """Up to ``want`` backups to make copies of ``vs`` on: the one its last copy was cut
-        short on first (it holds a prefix), then others as for any copy, none avoided."""
-        out = []
-        t = self.partial.get(vs)
-        if t is not None and self.backups.alive(t) and t not in vs.copies and t not in self.avoid:
-            out.append(t)
+        """Up to ``want`` backups to make copies of ``vs`` on: first those holding a prefix
+        (its last copy cut short there, or a short copy a restarted backup kept), continued
+        from their length, then others as for any copy; none avoided."""
+        whole = self.whole(vs)
+        out: list[int] = []
+        for t in [self.partial.get(vs), *sorted(vs.copies)]:
+            if t is not None and t not in out and t not in whole and self.backups.alive(t) \
+                    and t not in self.avoid and len(out) < want:
+                out.append(t)
         if want > len(out):
-            holding = [b for b in vs.copies if self.backups.alive(b)]
-            out += self.backups.choose(holding + out, self.avoid, want - len(out))
+            out += self.backups.choose(whole + out, self.avoid, want - len(out))
         return out
 
     async def _copy(self, r, vs, sources: list[int], target: int) -> bool:
@@ -275,12 +288,13 @@ class Rebuilder:
         """Ask a restarted backup what it reloaded (``list``) and ``verify`` it; False if it
         could not be asked (asked again on the next pass)."""
         broker, _ = self.identity()
+        only = self.frozen_on(backup)   # frozen after the listing was made: not judged by it
         try:
             r, _ = await self.pool.call(self.addr_of(backup), "list", {"broker": broker},
                                         timeout=TIMEOUT)
-            self.verify(backup, r["segments"])
+            self.verify(backup, r["segments"], only)
             return True
-        except (KeraError, KeyError, TypeError) as e:
+        except (KeraError, KeyError, TypeError, AttributeError) as e:
             log.warning("backup %d restarted; its listing failed: %s", backup, e)
             self.seen[backup] = -1   # taken as restarted again next pass
             return False

@@ -117,9 +117,7 @@ class VirtualLog:
 
     def copies_held(self) -> dict:
         held = self.vsegs[self.floor:]
-        alive = self.backups.alive
-        full = sum(1 for vs in held if sum(alive(b) for b in vs.copies) >= self.need
-                   and all(c.acked == vs.size for c in vs.copies.values()))
+        full = sum(1 for vs in held if self.whole_copies(vs) >= self.need)
         return {"vsegs": len(held), "fully_replicated": full, "released": self.floor,
                 "held_bytes": sum(vs.size for vs in held)}
 
@@ -129,13 +127,20 @@ class VirtualLog:
 
         A frozen vseg (some of its bytes left broker memory) gets no copy from here (its
         lost copies are made again from a surviving one, ``kera.broker.rebuild``); it is
-        settled once a copy holds it whole (the others may be short: a backup that
-        restarted with less, or a departed one)."""
+        settled while ``need`` live backups hold it whole (it keeps the copies of backups
+        that left, and short ones of backups that restarted with less): until its copies
+        are made again, the segments sharing it stay in memory. The floor passes a frozen
+        vseg once nothing in it is live, whatever its copies."""
         if not vs.closed or vs.durable < len(vs.refs):
             return False
-        if self._done(vs):
-            return True
-        return vs.frozen and any(c.acked == vs.size and c.closed for c in vs.copies.values())
+        if vs.frozen:
+            return self.whole_copies(vs) >= self.need
+        return self._done(vs)
+
+    def whole_copies(self, vs: VirtualSegment) -> int:
+        """Copies on live backups holding ``vs`` whole and closed."""
+        alive = self.backups.alive
+        return sum(1 for b, c in vs.copies.items() if c.closed and c.acked == vs.size and alive(b))
 
     def close_open(self, durable: bool = True) -> bool:
         """Close the open vseg; the next append opens a new one. ``durable``: only once its
@@ -161,7 +166,7 @@ class VirtualLog:
                 break
             if vs is self.open:
                 self.close_open()
-            if not self.done(vs):
+            if not (vs.frozen or self.done(vs)):  # frozen: it was settled; nothing in it is needed
                 break
             self.active.pop(vs.id, None)
             vs.release()
