@@ -117,7 +117,9 @@ class VirtualLog:
 
     def copies_held(self) -> dict:
         held = self.vsegs[self.floor:]
-        full = sum(1 for vs in held if self.whole_copies(vs) >= self.need)
+        alive = self.backups.alive
+        full = sum(1 for vs in held if sum(1 for b, c in vs.copies.items()
+                                           if c.acked == vs.size and alive(b)) >= self.need)
         return {"vsegs": len(held), "fully_replicated": full, "released": self.floor,
                 "held_bytes": sum(vs.size for vs in held)}
 
