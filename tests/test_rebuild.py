@@ -75,7 +75,8 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
               {"vlog": 7, "vseg": 1, "length": size - 1, "closed": False, "corrupt": []},
               {"vlog": 7, "vseg": 2, "length": size, "closed": False, "corrupt": []},
               {"vlog": 7, "vseg": 3, "length": size, "closed": True, "corrupt": [{"offset": 0}]},
-              {"vlog": 8, "vseg": 4, "length": size, "closed": True, "corrupt": []}]  # another vlog's
+              {"vlog": 8, "vseg": 4, "length": size, "closed": True, "corrupt": []},  # another vlog's
+              "not a replica", ["vlog", 7]]   # bad entries: no copy taken from them
     assert rb.verify(1, listed) == 4
     # whole: vseg 0, and vseg 5 (not frozen: the vlog itself asks it again); 1-3 kept at the
     # length listed (reads find their intact chunks there), 4 not listed at all: dropped

@@ -532,6 +532,15 @@ class FrozenHistory:
                     got.setdefault(k, set()).add(bid)
         return got
 
+    def middle_of(self, backup: int) -> tuple[list, tuple[int, int]]:
+        """The frozen vsegs ``backup`` holds a copy of, and the middle one."""
+        mine = sorted(k for k, cs in self.frozen.items() if backup in cs)
+        return mine, mine[len(mine) // 2]
+
+    def file_of(self, backup: int, vseg: tuple[int, int]) -> str:
+        """``backup``'s file of frozen ``vseg`` (vlog, vseg)."""
+        return os.path.join(self.c.data, self.names[backup], "segments", file_name(self.id, *vseg))
+
     async def status(self) -> str:
         out = await trio.run_process([sys.executable, "-m", "kera", "status"], capture_stdout=True,
                                      env={**os.environ, "KERA_COORDINATOR": self.c.coordinator})
@@ -603,10 +612,9 @@ def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
     async def main():
         await h.start()
         dead = _most(h.frozen.values())
-        mine = sorted(k for k, cs in h.frozen.items() if dead in cs)
-        bad = mine[len(mine) // 2]
+        mine, bad = h.middle_of(dead)
         (survivor,) = h.frozen[bad] - {dead}
-        path = os.path.join(c.data, h.names[survivor], "segments", file_name(h.id, *bad))
+        path = h.file_of(survivor, bad)
         size = os.path.getsize(path)
         flip_bits(path, FILE_HEADER_SIZE + (size - FILE_HEADER_SIZE) // 2, 0x5A)
         c.kill(h.names[dead])
@@ -641,10 +649,9 @@ def test_a_restarted_backup_holding_a_short_frozen_copy_gets_it_made_again(make_
     async def main():
         await h.start()
         x = _most(h.frozen.values())
-        mine = sorted(k for k, cs in h.frozen.items() if x in cs)
-        cut = mine[len(mine) // 2]
+        _, cut = h.middle_of(x)
         c.kill(h.names[x])
-        path = os.path.join(c.data, h.names[x], "segments", file_name(h.id, *cut))
+        path = h.file_of(x, cut)
         os.truncate(path, os.path.getsize(path) // 2)
         c.restart(h.names[x])
 

@@ -88,12 +88,7 @@ class Rebuilder:
 
     def whole(self, vs) -> list[int]:
         """Backups alive now holding ``vs`` whole and closed."""
-        return [b for b, c in vs.copies.items()
-                if c.closed and c.acked == vs.size and self.backups.alive(b)]
-
-    @staticmethod
-    def _whole(vs, c) -> bool:
-        return c.closed and c.acked == vs.size
+        return vs.whole_on(self.backups.alive)
 
     def todo(self) -> list:
         """(replicator, vseg) of every frozen vseg below its vlog's need of whole live copies."""
@@ -134,7 +129,7 @@ class Rebuilder:
                 c = vs.copies.get(backup) if vs.frozen and (only is None or vs in only) else None
                 if c is None:
                     continue
-                was = self._whole(vs, c)
+                was = c.closed and c.acked == vs.size
                 s = held.get((v.id, vs.id))
                 if s is None:
                     del vs.copies[backup]

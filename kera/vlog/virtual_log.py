@@ -136,13 +136,8 @@ class VirtualLog:
         if not vs.closed or vs.durable < len(vs.refs):
             return False
         if vs.frozen:
-            return self.whole_copies(vs) >= self.need
+            return len(vs.whole_on(self.backups.alive)) >= self.need
         return self._done(vs)
-
-    def whole_copies(self, vs: VirtualSegment) -> int:
-        """Copies on live backups holding ``vs`` whole and closed."""
-        alive = self.backups.alive
-        return sum(1 for b, c in vs.copies.items() if c.closed and c.acked == vs.size and alive(b))
 
     def close_open(self, durable: bool = True) -> bool:
         """Close the open vseg; the next append opens a new one. ``durable``: only once its

@@ -51,6 +51,10 @@ class VirtualSegment:
         self.frozen = False  # some of its chunks left broker memory: the vlog sends it no more
         self.released = False  # below the vlog's floor: nothing live, its files may go
 
+    def whole_on(self, alive) -> list[int]:
+        """Backups ``alive`` (a predicate) holding this vseg whole and closed."""
+        return [b for b, c in self.copies.items() if c.closed and c.acked == self.size and alive(b)]
+
     def release(self) -> None:
         """Nothing live references it any more: forget the refs (and with them the segments)."""
         self.released = True
