@@ -280,7 +280,8 @@ def cmd_status(args) -> None:
         own = st["backup_stats"].get(b["id"]) or {}
         print(f"backup {b['id']} {b['addr']} node={b['node']} {'alive' if b['alive'] else 'DEAD'} "
               f"disk={own.get('disk_bytes', 0) / mib:.1f} MiB in {own.get('segments', 0)} files "
-              f"reclaimed={own.get('reclaimed_bytes', 0) / mib:.1f} MiB")
+              f"reclaimed={own.get('reclaimed_bytes', 0) / mib:.1f} MiB "
+              f"scrubbed={own.get('scrubbed_bytes', 0) / mib:.1f} MiB corrupt chunks found={own.get('damage', 0)}")
     shown = sorted(per_stream.items(), key=lambda kv: kv[1]["name"] or str(kv[0]))
     for sid, t in shown[:50]:
         starts = " ".join(f"{i}:{g}.{seg}" for i, (g, seg) in sorted(t["starts"].items(), key=lambda x: int(x[0])))

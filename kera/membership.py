@@ -22,7 +22,7 @@ log = logging.getLogger("kera.coordinator")
 
 class Member:
     __slots__ = ("role", "id", "addr", "node", "epoch", "last_seen", "alive", "stats", "holds",
-                 "recovered")
+                 "recovered", "damage")
 
     def __init__(self, role, id, addr, node, epoch):
         self.role, self.id, self.addr, self.node, self.epoch = role, id, addr, node, epoch
@@ -31,10 +31,14 @@ class Member:
         self.stats = {}
         self.holds = []
         self.recovered = None   # a backup: the version of the recovered list it applied
+        self.damage = 0         # a backup: corrupt chunks it found on its disk, this incarnation
 
     def describe(self) -> dict:
-        return {"id": self.id, "addr": self.addr, "node": self.node, "epoch": self.epoch,
-                "alive": self.alive}
+        out = {"id": self.id, "addr": self.addr, "node": self.node, "epoch": self.epoch,
+               "alive": self.alive}
+        if self.role == "backup":   # brokers ask a backup what it holds when this moves
+            out["damage"] = self.damage
+        return out
 
 
 class Membership:
@@ -103,6 +107,8 @@ class Membership:
         if isinstance(meta.get("stats"), dict):
             m.stats = meta["stats"]
         if m.role == "backup":
+            if type(meta.get("damage")) is int:
+                m.damage = meta["damage"]
             return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered"))}
         return {"backups": self._live("backup")}
 

@@ -299,6 +299,45 @@ async def test_corruption_found_when_reading_back_from_file(backups):
             assert seg["chunks"] == 3 and seg["corrupt"][0]["offset"] == starts[1]
 
 
+async def test_the_scrubber_finds_rot_no_one_reads_and_counts_it(backups):
+    """A chunk rots in a file no one reads: the scrubber reads every written chunk back at
+    its rate and finds it, marks it corrupt (listed, never served) and counts it in
+    ``damage`` (what heartbeats carry to the brokers); the other chunks, and the other
+    replica, are served as before, and the next pass finds nothing new."""
+    bk = backups(args=["--fsync", "always", "--scrub-rate", str(64 << 20), "--scrub-every", "0.2"])
+    a, b = chunks_for(6), chunks_for(3, seq0=10)
+    starts = [sum(map(len, a[:i])) for i in range(len(a))]
+    with trio.fail_after(30):
+        async with open_pool() as pool:
+            la = await send_all(pool, bk.addr, 0, a)
+            await replicate(pool, bk.addr, 0, la, close=True)
+            await send_all(pool, bk.addr, 1, b)   # left open: its written part is scrubbed too
+            passes = (await stats(pool, bk.addr))["scrub_passes"]
+            await until(lambda: _passes_past(pool, bk.addr, passes), "a scrub pass", timeout=10)
+            assert (await stats(pool, bk.addr))["damage"] == 0
+            flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[4] + chunk.HEADER_SIZE + 5)
+            await until(lambda: _damage(pool, bk.addr, 1), "the scrubber to find the rotten chunk", timeout=10)
+            seg = (await segments(pool, bk.addr))[(1, 0, 0)]
+            assert [(c["offset"], c["length"]) for c in seg["corrupt"]] == [(starts[4], len(a[4]))]
+            data, corrupt, _ = await read_all(pool, bk.addr, 0)
+            assert data == b"".join(a[:4] + a[5:]) and corrupt == [starts[4]]
+            assert (await read_all(pool, bk.addr, 1))[0] == b"".join(b)
+            st = await stats(pool, bk.addr)
+            await until(lambda: _passes_past(pool, bk.addr, st["scrub_passes"] + 1), "two more passes",
+                        timeout=10)
+            st = await stats(pool, bk.addr)
+            assert st["damage"] == 1 and st["scrubbed_bytes"] > 3 * (la + sum(map(len, b))), st
+    assert "failed verification" in bk.logs()
+
+
+async def _passes_past(pool, addr, n) -> bool:
+    return (await stats(pool, addr))["scrub_passes"] > n
+
+
+async def _damage(pool, addr, n) -> bool:
+    return (await stats(pool, addr))["damage"] >= n
+
+
 async def _memory_zero(pool, addr):
     return (await stats(pool, addr))["memory_bytes"] == 0
 

@@ -65,11 +65,11 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
             c.acked, c.closed = vs.size, True
         vsegs.append(vs)
     log = SimpleNamespace(id=7, vsegs=vsegs, floor=0, need=2)
-    rb = Rebuilder(None, None, None, backups, lambda: [SimpleNamespace(log=log)])
-    assert rb.restarted() == [1, 2]   # not seen yet: asked once
-    assert rb.restarted() == []
+    rb = Rebuilder(None, None, None, backups, lambda: [SimpleNamespace(log=log)], lambda: {})
+    assert rb.changed() == [1, 2]   # not seen yet: asked once
+    assert rb.changed() == []
     backups.set_live({1: ("n1", 2), 2: ("n2", 1)})   # backup 1 restarted
-    assert rb.restarted() == [1] and rb.restarted() == []
+    assert rb.changed() == [1] and rb.changed() == []
     size = vsegs[0].size
     listed = [{"vlog": 7, "vseg": 0, "length": size, "closed": True, "corrupt": []},
               {"vlog": 7, "vseg": 1, "length": size - 1, "closed": False, "corrupt": []},
@@ -85,7 +85,49 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
     assert vsegs[1].copies[1].acked == size - 1 and all(2 in rb.whole(vs) for vs in vsegs)
     # the new copy goes first where the short one is (continued from its length), not elsewhere
     assert rb.targets(vsegs[1], 1) == [1] and rb.targets(vsegs[0], 1) == []
+    # a damaged one is not mended in place (its bytes would be taken as a resend): elsewhere
+    assert rb.targets(vsegs[3], 1) == []
     backups.set_live({2: ("n2", 1)})                  # backup 1 left ...
-    assert rb.restarted() == []
+    assert rb.changed() == []
     backups.set_live({1: ("n1", 3), 2: ("n2", 1)})   # ... and came back: asked too
-    assert rb.restarted() == [1]
+    assert rb.changed() == [1]
+
+
+def test_a_backup_that_found_damage_is_asked_and_its_damaged_copies_go_elsewhere():
+    """A backup's heartbeats count the corrupt chunks it found on its disk (reads, scrubbing):
+    when that count moves, the broker asks it what it holds. A frozen copy listed with a
+    corrupt chunk is no whole copy any more, even at its full length and closed, and is made
+    on another backup, never on the one holding the damaged copy; a damaged copy of a vseg
+    not frozen yet is not counted once it freezes."""
+    from types import SimpleNamespace
+
+    from kera.vlog import BackupSet
+    from kera.vlog.virtual_segment import Copy
+
+    backups = BackupSet("n0")
+    backups.set_live({1: ("n1", 1), 2: ("n2", 1), 3: ("n3", 1)})
+    vsegs = []
+    for i in range(2):
+        vs = _vseg(_chunks())
+        vs.id, vs.frozen = i, i == 0
+        vs.copies = {1: Copy(1, 1), 2: Copy(2, 1)}
+        for c in vs.copies.values():
+            c.acked, c.closed = vs.size, True
+        vsegs.append(vs)
+    log = SimpleNamespace(id=7, vsegs=vsegs, floor=0, need=2)
+    found = {1: 0, 2: 0, 3: 0}
+    rb = Rebuilder(None, None, None, backups, lambda: [SimpleNamespace(log=log)], lambda: found)
+    assert rb.changed() == [1, 2, 3] and rb.changed() == []
+    found[1] = 2   # backup 1 found two corrupt chunks
+    assert rb.changed() == [1] and rb.changed() == []
+    size = vsegs[0].size
+    bad = [{"offset": 0, "length": 10, "reason": "read back"}]
+    listed = [{"vlog": 7, "vseg": i, "length": size, "closed": True, "corrupt": bad} for i in range(2)]
+    assert rb.verify(1, listed) == 1
+    assert rb.whole(vsegs[0]) == [2]
+    assert rb.targets(vsegs[0], 1) == [3]
+    vsegs[1].frozen = True   # evicted later: its damaged copy does not count
+    assert rb.whole(vsegs[1]) == [2]
+    backups.set_live({2: ("n2", 1), 3: ("n3", 1)})   # backup 1 left: its count is kept
+    del found[1]
+    assert rb.changed() == []

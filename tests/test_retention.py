@@ -490,8 +490,9 @@ class FrozenHistory:
     budget, history = 8 * MiB, 24 * MiB
     n = history // SIZE
 
-    def __init__(self, make_cluster):
-        self.c = make_cluster(4, broker_args=["--memory", str(self.budget), "--vseg-size", str(1 * MiB)])
+    def __init__(self, make_cluster, backup_args=()):
+        self.c = make_cluster(4, broker_args=["--memory", str(self.budget), "--vseg-size", str(1 * MiB)],
+                              backup_args=list(backup_args))
 
     async def start(self) -> None:
         c = self.c
@@ -665,6 +666,47 @@ def test_a_restarted_backup_holding_a_short_frozen_copy_gets_it_made_again(make_
     st = trio.run(main)
     assert st["dropped"] >= 1 and st["rebuilt"] >= 1, st
     print(f"\n{st['dropped']} frozen copies no longer counted whole after the restart, {st['rebuilt']} made again")
+
+
+def test_rot_found_by_scrubbing_gets_the_frozen_copy_made_on_another_backup(make_cluster):
+    """A chunk of a frozen copy rots on a live backup's disk, in a file no one reads: the
+    backup's scrubber finds it (``kera.backup.scrub``) and its heartbeats say so, the owner
+    asks that backup what it holds, no longer counts the damaged copy, and makes the vseg
+    again on another backup (not on the damaged one: a resend would be taken as a
+    duplicate there). Then kill -9 the backup holding its other intact copy: every record
+    still reads back once, in order."""
+    h = FrozenHistory(make_cluster, backup_args=["--scrub-rate", str(32 << 20), "--scrub-every", "1"])
+    c = h.c
+
+    async def main():
+        await h.start()
+        x = _most(h.frozen.values())
+        _, bad = h.middle_of(x)
+        path = h.file_of(x, bad)
+        size = os.path.getsize(path)
+        flip_bits(path, FILE_HEADER_SIZE + (size - FILE_HEADER_SIZE) // 2, 0x5A)
+
+        async def elsewhere():
+            got = await h.holders(set())
+            return len(got.get(bad, set()) - {x}) >= 2
+
+        await wait_for(elsewhere, "the damaged copy to be made on another backup", timeout=60)
+        listed = await backup_listings(c.coordinator)
+        damaged = [sg for sg in listed[x] if sg["broker"] == h.id and (sg["vlog"], sg["vseg"]) == bad]
+        (other,) = h.frozen[bad] - {x}
+        c.kill(h.names[other])
+        got = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
+        async with open_admin(c.coordinator) as a:
+            found = {b["id"]: b["damage"] for b in (await a.status())["backups"] if b["alive"]}
+        return x, damaged, (await h.broker("stats"))["rebuild"], found, got, await h.status()
+
+    x, damaged, st, found, got, status = trio.run(main)
+    assert damaged and damaged[0]["corrupt"], damaged
+    assert st["dropped"] >= 1 and st["rebuilt"] >= 1, st
+    assert found[x] >= 1 and f"corrupt chunks found={found[x]}" in status, (found, status)
+    assert (got == np.arange(h.n, dtype=np.uint64)).all(), "not every record, once, in order"
+    print(f"\nthe scrubber found {found[x]} corrupt chunk(s); {st['rebuilt']} copies made again, "
+          f"{len(got)} records read back")
 
 
 async def _exists(path: str) -> bool:

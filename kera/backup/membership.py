@@ -134,7 +134,9 @@ async def _heartbeat(service, coordinator, epoch: int, let_go: LetGo) -> None:
         await trio.sleep(HEARTBEAT_INTERVAL)
         try:
             r, _ = await coordinator.call("heartbeat", {"role": "backup", "id": service.id, "epoch": epoch,
-                                                        "recovered": let_go.applied}, timeout=RPC_TIMEOUT)
+                                                        "recovered": let_go.applied,
+                                                        "damage": service.counters["damage"]},
+                                          timeout=RPC_TIMEOUT)
             service.apply_fences(r.get("fences"))
             let_go.offer(r)
         except Unavailable as e:

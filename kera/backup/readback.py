@@ -193,12 +193,13 @@ class ReadBack:
             raise BackupError(f"replica {rep.key} was dropped")
         return out
 
-    @staticmethod
-    def _corrupt(rep: Replica, bad: tuple) -> tuple:
-        """A chunk that failed verification on read: logged, marked, never served."""
+    def _corrupt(self, rep: Replica, bad: tuple) -> tuple:
+        """A chunk that failed verification on read: logged, marked, never served, and
+        counted in ``damage`` (heartbeats carry it: brokers then ask what we hold)."""
         off, size, reason = bad
         log.error("replica %s: chunk at %d failed verification: %s; never served", rep.key, off, reason)
-        rep.mark_corrupt(off, size, reason)
+        if rep.mark_corrupt(off, size, reason):
+            self.counters["damage"] += 1
         return bad
 
     async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):

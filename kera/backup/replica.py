@@ -215,8 +215,9 @@ class Replica:
             return offset, end, stop, stop + self.corrupt[ci]["length"]
         return offset, end, None, end
 
-    def mark_corrupt(self, offset: int, size: int, reason: str) -> None:
-        """A chunk failed verification when read back from the file: never serve it."""
+    def mark_corrupt(self, offset: int, size: int, reason: str) -> bool:
+        """A chunk failed verification when read back from the file: never serve it.
+        False if it was marked already."""
         i = bisect_left(self.starts, offset)
         if i < len(self.starts) and self.starts[i] == offset:
             del self.starts[i]
@@ -225,6 +226,8 @@ class Replica:
             self.corrupt_starts.insert(k, offset)
             insort(self.corrupt, {"offset": offset, "length": size, "reason": reason},
                    key=lambda c: c["offset"])
+            return True
+        return False
 
     def info(self) -> dict:
         out = {"broker": self.broker, "vlog": self.vlog, "vseg": self.vseg, "length": self.length,

@@ -50,6 +50,7 @@ from .membership import load_id, run_membership
 from .readback import ReadBack
 from .release import CLAIMS_FILE, FLOORS_FILE, Release
 from .replica import Replica
+from .scrub import DEFAULT_EVERY, DEFAULT_RATE, Scrubbing
 from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, scan_payload
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
 from .store import MAX_SEGMENT_BYTES as MAX_SEGMENT_BYTES
@@ -89,14 +90,18 @@ def _scans(mv: memoryview, starts: list[int], sizes: list[int]) -> list:
     return out
 
 
-class BackupService(Flushing, ReadBack, Release, Service):
+class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
     def __init__(self, directory: str, *, fsync: str = "periodic", flush_interval: float = 0.05,
                  fsync_interval: float = 1.0, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
-                 coordinator: str | None = None, node: str | None = None):
+                 coordinator: str | None = None, node: str | None = None,
+                 scrub_rate: int = DEFAULT_RATE, scrub_every: float = DEFAULT_EVERY):
         if fsync not in ("periodic", "write", "always"):
             raise ValueError("fsync must be 'periodic', 'write' or 'always'")
         if flush_interval <= 0 or fsync_interval <= 0 or max_bytes < 0 or max_memory <= 0:
             raise ValueError("intervals and max_memory must be > 0, max_bytes >= 0")
+        if scrub_rate < 0 or scrub_every < 0:
+            raise ValueError("scrub_rate and scrub_every must be >= 0 (a rate of 0: no scrubbing)")
+        self.scrub_rate, self.scrub_every = scrub_rate, scrub_every
         self.dir = directory
         self.segdir = os.path.join(directory, SEGMENTS_DIR)
         self.always = fsync == "always"
@@ -117,7 +122,8 @@ class BackupService(Flushing, ReadBack, Release, Service):
         self.counters = dict.fromkeys(
             ("replicate_rpcs", "replicate_entries", "chunks", "bytes_received", "duplicates",
              "bytes_flushed", "fsyncs", "errors", "write_errors", "reads", "bytes_read", "drops",
-             "trims", "tiered_reads", "tiered_bytes", "claims", "releases"), 0)
+             "trims", "tiered_reads", "tiered_bytes", "claims", "releases", "scrubbed_bytes",
+             "scrub_passes", "damage"), 0)
         self._io: trio.Lock | None = None
         self._kick: trio.Event | None = None
         self._round_done: trio.Event | None = None
@@ -139,6 +145,8 @@ class BackupService(Flushing, ReadBack, Release, Service):
             nursery.start_soon(self._flusher)
             if not self.always:
                 nursery.start_soon(self._syncer)
+            if self.scrub_rate:
+                nursery.start_soon(self._scrubber)
             if self.coordinator:
                 adv = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
                 nursery.start_soon(run_membership, self, CoordinatorLink(pool, self.coordinator),
@@ -392,6 +400,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bytes", type=int, default=0, help="limit on segment files in DIR (0: none)")
     p.add_argument("--max-memory", type=int, default=DEFAULT_MAX_MEMORY,
                    help="limit on accepted bytes not yet written to disk")
+    p.add_argument("--scrub-rate", type=int, default=DEFAULT_RATE, metavar="BYTES_PER_S",
+                   help="read every chunk on disk back and verify it, at this rate (0: never)")
+    p.add_argument("--scrub-every", type=float, default=DEFAULT_EVERY, metavar="SECONDS",
+                   help="a scrubbing pass starts at most this often")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -399,7 +411,8 @@ def _parser() -> argparse.ArgumentParser:
 async def _main(args) -> bool:
     svc = BackupService(args.dir, fsync=args.fsync, flush_interval=args.flush_interval,
                         fsync_interval=args.fsync_interval, max_bytes=args.max_bytes,
-                        max_memory=args.max_memory, coordinator=args.coordinator, node=args.node)
+                        max_memory=args.max_memory, coordinator=args.coordinator, node=args.node,
+                        scrub_rate=args.scrub_rate, scrub_every=args.scrub_every)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(svc.run, args.host, args.port)

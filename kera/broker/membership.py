@@ -73,18 +73,20 @@ class Membership:
     def _set_backups(self, live: list[dict]) -> None:
         """Membership from a heartbeat answer: a backup gone or restarted is replaced at once."""
         new = {b["id"]: b for b in live}
-        if new.keys() == self.backups.keys() and all(
-                new[k]["addr"] == self.backups[k]["addr"] and new[k]["epoch"] == self.backups[k]["epoch"]
-                for k in new):
+        same = new.keys() == self.backups.keys() and all(
+            new[k]["addr"] == self.backups[k]["addr"] and new[k]["epoch"] == self.backups[k]["epoch"]
+            for k in new)
+        if same and all(new[k].get("damage") == self.backups[k].get("damage") for k in new):
             return
         self.backups = new
-        changed = self.backup_set.set_live({b: (v["node"], v["epoch"]) for b, v in new.items()})
-        log.info("live backups: %s", sorted(new))
-        for b in changed:
-            log.warning("backup %d gone or restarted: its copies are made again", b)
-        for v in self.vlogs.values():
-            v.poke()
-        if self.rebuilder is not None:
+        if not same:
+            changed = self.backup_set.set_live({b: (v["node"], v["epoch"]) for b, v in new.items()})
+            log.info("live backups: %s", sorted(new))
+            for b in changed:
+                log.warning("backup %d gone or restarted: its copies are made again", b)
+            for v in self.vlogs.values():
+                v.poke()
+        if self.rebuilder is not None:   # a backup that found damage on its disk is asked too
             self.rebuilder.poke()
 
     def _reset(self) -> None:

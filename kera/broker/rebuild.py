@@ -9,7 +9,10 @@ A backup that restarted reloaded its copies from its files, which may hold
 less than it acknowledged (a tail not yet on disk under ``--fsync
 periodic``, a torn write): the rebuilder asks it what it holds (``list``) and
 no longer counts a frozen copy it lists short, not closed or damaged as whole
-(``verify``).
+(``verify``). A backup that found a corrupt chunk on its disk (a read, its
+scrubber: ``kera.backup.scrub``) says so in its heartbeats (``damage``) and is
+asked the same way. A damaged copy cannot be mended in place (the backup takes
+a resend of bytes it holds as a duplicate), so it is made on another backup.
 After each membership change the rebuilder finds every frozen vseg with
 fewer whole copies on live backups than the vlog needs, picks new backups as
 for any copy (``BackupSet.choose``) and fills each from a surviving copy,
@@ -58,12 +61,13 @@ class Rebuilder:
     """One broker incarnation's rebuilding of frozen vsegs' lost copies (``run`` in its nursery)."""
 
     def __init__(self, pool, identity: Callable[[], tuple[int, int]], addr_of: Callable[[int], str],
-                 backups, vlogs: Callable[[], Iterable]):
+                 backups, vlogs: Callable[[], Iterable], damage: Callable[[], dict[int, int]]):
         self.pool = pool
         self.identity = identity    # (broker id, epoch): the replicas' names, the writes' epoch
         self.addr_of = addr_of      # backup id -> address (raises Unavailable if not alive)
         self.backups = backups      # the broker's BackupSet: who is alive, where copies go
         self.vlogs = vlogs          # () -> the incarnation's Replicators
+        self.damage = damage        # () -> live backup -> corrupt chunks it found on its disk
         self.wake = trio.Event()
         self.rebuilt = 0            # copies made again
         self.bytes = 0
@@ -72,7 +76,8 @@ class Rebuilder:
         self.short: dict = {}       # vsegs with no whole copy on a live backup -> (vlog id, vseg id)
         self.partial: dict = {}     # vseg -> the backup its last copy was cut short on (a prefix)
         self.avoid: dict[int, float] = {}   # backups whose copy failed -> until when
-        self.seen: dict[int, int] = {}      # backup -> its incarnation at the last pass
+        self.seen: dict[int, tuple] = {}    # backup -> (incarnation, damage) at the last pass
+        self.damaged: dict = {}     # vseg -> backups whose copy of it has a corrupt chunk
         self.dropped = 0            # frozen copies a restarted backup no longer held whole (counted)
         self.delay = RETRY
 
@@ -87,8 +92,9 @@ class Rebuilder:
                 "dropped": self.dropped}
 
     def whole(self, vs) -> list[int]:
-        """Backups alive now holding ``vs`` whole and closed."""
-        return vs.whole_on(self.backups.alive)
+        """Backups alive now holding ``vs`` whole and closed, none of its chunks corrupt there."""
+        bad = self.damaged.get(vs, ())
+        return [b for b in vs.whole_on(self.backups.alive) if b not in bad]
 
     def todo(self) -> list:
         """(replicator, vseg) of every frozen vseg below its vlog's need of whole live copies."""
@@ -101,12 +107,14 @@ class Rebuilder:
                     out.append((r, vs))
         return out
 
-    def restarted(self) -> list[int]:
-        """Backups alive now that restarted since the last pass (a new incarnation): they
-        reloaded our frozen copies from their files, which may hold less than was acknowledged
-        (a tail not yet on disk under ``--fsync periodic``, a torn write)."""
-        now = self.backups.epochs
-        out = [b for b, e in now.items() if self.seen.get(b) != e]   # unseen too: asked once
+    def changed(self) -> list[int]:
+        """Backups alive now that restarted since the last pass (a new incarnation: they
+        reloaded our frozen copies from their files, which may hold less than was acknowledged,
+        a tail not yet on disk under ``--fsync periodic``, a torn write) or found more corrupt
+        chunks on their disk."""
+        found = self.damage()
+        now = {b: (e, found.get(b, 0)) for b, e in self.backups.epochs.items()}
+        out = [b for b, k in now.items() if self.seen.get(b) != k]   # unseen too: asked once
         self.seen.update(now)   # a backup that left is remembered: back, it is asked too
         return out
 
@@ -116,21 +124,26 @@ class Rebuilder:
                 if vs.frozen and backup in vs.copies}
 
     def verify(self, backup: int, segments: list, only: set | None = None) -> int:
-        """``backup``'s listing of our replicas after a restart: a frozen copy (of ``only``,
-        those frozen when it was asked) it lists short, not closed, failing or with a corrupt
-        chunk is no whole copy any more, so it is made again (on that backup, from the length
-        it holds, or elsewhere). It stays at that length (reads still find its intact chunks
-        there); one not listed at all is dropped. Returns how many whole copies were lost."""
+        """``backup``'s listing of our replicas after a restart or damage found: a frozen copy
+        (of ``only``, those frozen when it was asked) it lists short, not closed, failing or
+        with a corrupt chunk is no whole copy any more, so it is made again (a short one on
+        that backup, from the length it holds; a damaged one elsewhere). It stays at that
+        length (reads still find its intact chunks there); one not listed at all is dropped.
+        A damaged copy of a vseg not frozen yet is remembered, not counted once it freezes.
+        Returns how many whole copies were lost."""
         held = {(s.get("vlog"), s.get("vseg")): s for s in segments if isinstance(s, dict)}
         lost = 0
         for r in self.vlogs():
             v = r.log
             for vs in v.vsegs[v.floor:]:
+                s = held.get((v.id, vs.id))
+                counted = backup not in self.damaged.get(vs, ())
+                if s is not None and backup in vs.copies and (s.get("corrupt") or s.get("error")):
+                    self.damaged.setdefault(vs, set()).add(backup)
                 c = vs.copies.get(backup) if vs.frozen and (only is None or vs in only) else None
                 if c is None:
                     continue
-                was = c.closed and c.acked == vs.size
-                s = held.get((v.id, vs.id))
+                was = c.closed and c.acked == vs.size and counted
                 if s is None:
                     del vs.copies[backup]
                 elif not s.get("closed") or s.get("length") != vs.size or s.get("corrupt") or s.get("error"):
@@ -141,7 +154,7 @@ class Rebuilder:
                     continue
                 lost += was
         if lost:
-            log.warning("backup %d restarted holding %d of our frozen copies short or damaged: made "
+            log.warning("backup %d holds %d of our frozen copies short or damaged: made "
                         "again", backup, lost)
         self.dropped += lost
         return lost
@@ -153,7 +166,7 @@ class Rebuilder:
             now = trio.current_time()
             self.avoid = {b: t for b, t in self.avoid.items() if t > now}
             short = False
-            for b in self.restarted():
+            for b in self.changed():
                 short |= not await self._verify(b)
             for r, vs in self.todo():
                 try:
@@ -167,6 +180,7 @@ class Rebuilder:
             self.under = len(self.todo())
             self.short = {vs: k for vs, k in self.short.items() if not vs.released}
             self.partial = {vs: b for vs, b in self.partial.items() if not vs.released}
+            self.damaged = {vs: bs for vs, bs in self.damaged.items() if not vs.released}
             if short:
                 with trio.move_on_after(self.delay):
                     await self.wake.wait()
@@ -217,15 +231,17 @@ class Rebuilder:
     def targets(self, vs, want: int) -> list[int]:
         """Up to ``want`` backups to make copies of ``vs`` on: first those holding a prefix
         (its last copy cut short there, or a short copy a restarted backup kept), continued
-        from their length, then others as for any copy; none avoided."""
+        from their length, then others as for any copy; none avoided, none holding a damaged
+        copy of it (the bytes it holds are taken as a resend there: never mended)."""
         whole = self.whole(vs)
+        bad = self.damaged.get(vs, set())
         out: list[int] = []
         for t in [self.partial.get(vs), *sorted(vs.copies)]:
-            if t is not None and t not in out and t not in whole and self.backups.alive(t) \
-                    and t not in self.avoid and len(out) < want:
+            if t is not None and t not in out and t not in whole and t not in bad \
+                    and self.backups.alive(t) and t not in self.avoid and len(out) < want:
                 out.append(t)
         if want > len(out):
-            out += self.backups.choose(whole + out, self.avoid, want - len(out))
+            out += self.backups.choose([*whole, *out, *bad], self.avoid, want - len(out))
         return out
 
     async def _copy(self, r, vs, sources: list[int], target: int) -> bool:
@@ -274,14 +290,16 @@ class Rebuilder:
             self._check(vs, off, data)   # released meanwhile: its record is gone, this fails
             return data
         except (KeraError, ProtocolError) as e:
-            if not isinstance(e, ChecksumError):   # failing, not this vseg's bytes: asked last a while
+            if isinstance(e, ChecksumError):   # its copy is damaged: not whole, not to be mended
+                self.damaged.setdefault(vs, set()).add(source)
+            else:   # failing, not this vseg's bytes: asked last a while
                 self.avoid[source] = trio.current_time() + timeout
             log.warning("vseg %d from backup %d at %d: %s", vs.id, source, off, e)
             return None
 
     async def _verify(self, backup: int) -> bool:
-        """Ask a restarted backup what it reloaded (``list``) and ``verify`` it; False if it
-        could not be asked (asked again on the next pass)."""
+        """Ask a backup that restarted or found damage what it holds (``list``) and ``verify``
+        it; False if it could not be asked (asked again on the next pass)."""
         broker, _ = self.identity()
         only = self.frozen_on(backup)   # frozen after the listing was made: not judged by it
         try:
@@ -290,7 +308,7 @@ class Rebuilder:
             self.verify(backup, r["segments"], only)
             return True
         except (KeraError, KeyError, TypeError, AttributeError) as e:
-            log.warning("backup %d restarted; its listing failed: %s", backup, e)
+            log.warning("backup %d restarted or found damage; its listing failed: %s", backup, e)
             self.seen[backup] = -1   # taken as restarted again next pass
             return False
 

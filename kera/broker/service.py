@@ -106,6 +106,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             raise Unavailable(f"backup {backup_id} is not alive")
         return b["addr"]
 
+    def backup_damage(self) -> dict[int, int]:
+        """Live backup -> how many corrupt chunks it has found on its disk (this incarnation)."""
+        return {b: v.get("damage", 0) for b, v in self.backups.items()}
+
     def vlog_for(self, stream: StreamMeta, streamlet: int, g) -> Replicator:
         """The group's virtual log (chosen on its first chunk, then cached on it)."""
         if g.vlog is not None:
@@ -425,7 +429,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                         incarnation.start_soon(self.hub.run)
                         self.rebuilder = Rebuilder(self.pool, lambda: (self.broker_id, self.epoch),
                                                    self.backup_addr, self.backup_set,
-                                                   lambda: self.vlogs.values())
+                                                   lambda: self.vlogs.values(), self.backup_damage)
                         incarnation.start_soon(self.rebuilder.run)
                         incarnation.start_soon(self._heartbeats)
                         incarnation.start_soon(self._reclaimer)

@@ -28,7 +28,7 @@ class SimRebuild:
         self.rpc_timeout, self.dead_after = rpc_timeout, dead_after
         self.rng = random.Random(world.seed ^ 0xB17D)   # its own: other draws stay as they were
         self.reps = [SimpleNamespace(log=v) for v in world.vlogs]
-        self.rb = Rebuilder(None, None, None, world.set, lambda: self.reps)
+        self.rb = Rebuilder(None, None, None, world.set, lambda: self.reps, lambda: {})
         self.busy: set = set()   # (vlog, vseg) with a copy in flight
         self.due = False         # a retry pass is scheduled
 
@@ -40,7 +40,7 @@ class SimRebuild:
         rb.avoid = {b: t for b, t in rb.avoid.items() if t > w.now}
         short = False
         ids = {v.id for v in w.vlogs}
-        for b in rb.restarted():   # what it reloaded, as its ``list`` answers
+        for b in rb.changed():   # what it reloaded, as its ``list`` answers
             w.stats["copies_dropped"] += rb.verify(b, w.backups[b].listing(ids))
         for r, vs in rb.todo():
             v = r.log
