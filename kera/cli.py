@@ -292,6 +292,10 @@ def cmd_status(args) -> None:
         print(f"... {len(shown) - 50} more streams (--json for all)")
     for r in st.get("recoveries", []):
         print(_recovery_line(r))
+    for a in st.get("adoptions", []):
+        print(f"adoption of broker {a['broker']} (epoch {a['epoch']})'s closed history after its "
+              f"hand-over: {a['groups']} groups of {a['streamlets']} streamlets pending (reads of them "
+              f"wait){' ' + a['error'] if a.get('error') else ''}")
 
 
 def _recovery_line(r: dict) -> str:

@@ -20,6 +20,7 @@ import time
 import trio
 
 from . import etcd, group_positions, limits
+from .adoption import Adoptions
 from .catalog import NameIndex
 from .errors import (
     InvalidArgument,
@@ -51,6 +52,7 @@ INITIAL = {   # the metadata of a new cluster
     "fences": {},    # broker id -> newest epoch fenced
     "recovered": [],  # [[broker, epoch, version], ...] recovered with nothing lost (kera.recovered)
     "recovered_version": 0,
+    "deferred": {},   # "broker:epoch" -> closed history adopted after its hand-over (kera.adoption)
 }
 
 DEFAULTS = {
@@ -189,6 +191,7 @@ class Coordinator(Membership, Service):
         self.changed = trio.Event()
         self.recovery = RecoveryManager(self, grace=max(30.0, 10 * self.dead_after))
         self.recovered = Recovered(self)
+        self.adoptions = Adoptions(self)
         self.leading = True
         self.terms += 1
 
@@ -557,7 +560,7 @@ class Coordinator(Membership, Service):
         # streams by count only: their list is list_streams' job (it may be long)
         return {"brokers": members("broker"), "backups": members("backup"),
                 "streams": len(self.streams), "recoveries": self.recovery.describe(),
-                "recovered": self.recovered.describe(),
+                "recovered": self.recovered.describe(), "adoptions": self.adoptions.describe(),
                 "coordinators": {"leader": self.addr, "standbys": standbys, "store": self.metadata,
                                  "terms": self.terms}}
 
@@ -568,6 +571,7 @@ class Coordinator(Membership, Service):
             await n.start(self.log.run)
             n.start_soon(self.watch)
             n.start_soon(self.recovery.run)
+            n.start_soon(self.adoptions.run)
             if not self.ready and self.meta["backups"]:
                 n.start_soon(self._ready_after, self.rejoin_wait)
             task_status.started()

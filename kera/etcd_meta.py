@@ -38,7 +38,9 @@ TTL = 2                 # seconds a leader's lease outlives its last keep-alive
 POLL = 0.2              # a standby's campaign period
 MAX_TXN_OPS = 128       # etcd's default --max-txn-ops
 MAX_TXN_BYTES = 1 << 20  # below etcd's default --max-request-bytes (1.5 MiB)
-_FIRST = ("next_stream_id", "next_producer_id", "next_epoch", "next_id", "fences", "backups")
+# counters and fences first (ids never reused); pending adoptions before the owners they
+# come with (kera.adoption: owners never stored without the record)
+_FIRST = ("next_stream_id", "next_producer_id", "next_epoch", "next_id", "fences", "backups", "deferred")
 
 
 def _pack(v) -> bytes:

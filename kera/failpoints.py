@@ -27,9 +27,13 @@ import trio
 from .errors import KeraError
 
 POINTS = {
-    # kera.repoint: an owner adopted the groups whose adoption ends beside the replay, and
-    # has not yet been asked to settle (make them durable and claimed)
-    "recovery.beside_adopted",
+    # kera.adoption: a pending adoption is about to start (its owners' streamlets serve,
+    # told by the recovery which groups are still to come)
+    "adoption.start",
+    # kera.adoption (through kera.repoint's settle): after a hand-over, an owner adopted the
+    # dead broker's closed groups and has not yet been asked to settle (make them durable
+    # and claimed); its streamlets serve, those groups still pending
+    "adoption.adopted",
 }
 PAUSE_POLL = 0.01
 

@@ -87,6 +87,7 @@ class Recovery:
         self.wall = dict.fromkeys(PHASES, 0.0)   # seconds per phase
         self.cpu = dict.fromkeys(PHASES, 0.0)    # the coordinator's CPU seconds per phase
         self.settle_seconds = 0.0           # the longest settle of a new owner (beside the replay)
+        self.deferred: dict = {}            # groups adopted after the hand-over (kera.adoption)
 
     @contextmanager
     def phase(self, name: str):
@@ -112,6 +113,7 @@ class Recovery:
                 "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
                 **{f"{p}_seconds": round(t, 4) for p, t in self.wall.items()},
                 "settle_seconds": round(self.settle_seconds, 4),
+                "deferred_groups": sum(len(gs) for gs, _ in self.deferred.values()),
                 "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
 
 
@@ -232,14 +234,19 @@ class RecoveryManager:
         # after a loss the groups are sealed: no position of the lost range is ever reused
         with rec.phase("handover"):
             await assign_all(recovering=False, seal=not replayed.complete)
+            if rec.deferred:   # before the owners (etcd stores it first): never owners without it
+                coord.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
+                                       replayed.complete)
             for (name, i), m in plan.items():
                 coord.set_owner(streams[name], i, m)
-            if replayed.complete:  # else what is left may be all there is of the lost range: kept
-                # every backup, now or when it is back, drops this incarnation's files (a claimed
-                # one stays until released) and releases its claims: told once the owners are durable
+            if replayed.complete and not rec.deferred:  # else what is left may be all there is of
+                # the lost range: kept. Every backup, now or when it is back, drops this
+                # incarnation's files (a claimed one stays until released) and releases its
+                # claims: told once the owners are durable (with a deferred adoption, once done)
                 coord.recovered.add(rec.broker, rec.epoch, replayed.covered())
             await coord.commit()
         rec.served = time.time()
+        coord.adoptions.poke()
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         # 3. what the backups hold of this incarnation; one that does not answer fails this
@@ -265,12 +272,16 @@ class RecoveryManager:
         rec.total = replay_plan.total_bytes
         replay_from: list = []
         settle = None
+        owners = {(streams[n].id, i): m for (n, i), m in plan.items()}
         if self.coord.repoint_evicted:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
-            replay_from, settle = await repoint(self.coord.pool, rec, replay_plan, addrs, {
-                (streams[n].id, i): m for (n, i), m in plan.items()}, replayed={
+            got = await repoint(self.coord.pool, rec, replay_plan, addrs, owners, replayed={
                 (streams[n].id, i) for (n, i) in plan if streams[n].compacted})
+            replay_from, settle, rec.deferred = got.replay_from, got.settle, got.deferred
+        # the groups adopted after the hand-over (this recovery's, and those a record still
+        # holds for streamlets it hands over: ``kera.adoption``), told beside the replay
+        pend = self.coord.adoptions.pending_for(owners, (rec.broker, rec.epoch), rec.deferred)
 
         async def replay_vlog(vlog: int) -> None:
             while isinstance(step := replay_plan.next_step(vlog), Step):
@@ -311,6 +322,8 @@ class RecoveryManager:
             async with trio.open_nursery() as n:
                 if settle is not None:  # the adoptions made durable and claimed meanwhile
                     n.start_soon(settle)
+                if pend:
+                    n.start_soon(self.coord.adoptions.pend, pend)
                 for vlog in replay_plan.vlogs:
                     n.start_soon(replay_vlog, vlog)
         rec.lost = [r.describe() for r in replay_plan.lost]

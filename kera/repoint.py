@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import trio
@@ -40,6 +41,7 @@ from .recovery_plan import RecoveryPlan
 from .repoint_plan import (
     COLUMNS,
     FLAGS,
+    GROUP,
     LAST,
     OFFSET,
     PRODUCER,
@@ -63,12 +65,25 @@ ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
 ANSWER = FLAGS + 1 - VOFF  # u64s per chunk in an index answer: the row's columns VOFF..FLAGS
 
 
+@dataclass
+class Repointed:
+    replay_from: list       # [[stream id, streamlet, group, first segment replayed], ...]
+    settle: Callable        # run beside the replay, before the hand-over
+    # (stream id, streamlet) -> (its groups whose adoption reaches their end, each producer's
+    # highest sequence in them): adopted after the hand-over (``kera.adoption``), not here
+    deferred: dict = field(default_factory=dict)
+    ended: set = field(default_factory=set)   # (stream id, streamlet, group) adopted whole
+
+
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
-                  replayed: frozenset = frozenset()) -> tuple[list, Callable]:
-    """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries and what
-    to run beside the replay, before the hand-over (``settle``).
+                  replayed: frozenset = frozenset(), only: dict | None = None) -> Repointed:
+    """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries, what to
+    run beside the replay, before the hand-over (``settle``), and the groups whose adoption
+    reaches their end, left for after the hand-over (``deferred``).
     ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
-    (stream id, streamlet) pairs replayed whole, never re-pointed."""
+    (stream id, streamlet) pairs replayed whole, never re-pointed. ``only``: (stream id,
+    streamlet) -> groups: the adoption after a hand-over (``kera.adoption``), of those
+    groups alone, into streamlets that serve; ``settle`` then adopts them all."""
     settled = {v: plan.settled(v) for v in plan.vlogs}
     answers: list[np.ndarray] = []   # per vseg indexed: its rows
     indexes: dict[tuple[int, int, int], bytes] = {}  # (vlog, vseg, offset) -> index chunk
@@ -180,13 +195,17 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
         # the settled prefix ends where a vseg could not be indexed: later ones are replayed
         whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
         rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64),
-                          owners, cut)
+                          owners, cut, only)
         rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
         ended = rp.ended()
-        first, later = [], []   # runs adopted before the replay, and beside it
+        first, later = [], []   # runs adopted before the replay, and after it (or beside)
         for run in _runs(rp.adopted):
             a = run[0]
             (later if (a.stream, a.streamlet, a.group) in ended else first).append(run)
+        deferred = {}
+        if only is None:   # a recovery: the groups adopted whole wait for after the hand-over
+            deferred = _deferred(later, indexes)
+            later = []
         per_owner = _requests(rec, first, indexes, whole, owners)
         members = {m.id: m for m in owners.values()}
 
@@ -223,7 +242,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
         async def one(m) -> None:
             if m.id in rest:
                 await adopt(m, rest[m.id])
-                await failpoints.hit("recovery.beside_adopted", m.addr)
+                await failpoints.hit("adoption.adopted", m.addr)
             await pool.call(m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT)
 
         async with trio.open_nursery() as n:
@@ -236,11 +255,12 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                  sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"],
                  rec.settle_seconds)
 
-    return [[*k, s] for k, s in rp.replay_from.items()], settle
+    return Repointed([[*k, s] for k, s in rp.replay_from.items()], settle, deferred, ended)
 
 
-def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarray:
-    """The rows of streamlets someone recovers, in vsegs before their vlog's ``cut``."""
+def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict | None = None) -> np.ndarray:
+    """The rows of streamlets someone recovers (of ``only``'s groups, if given), in vsegs
+    before their vlog's ``cut``."""
     if not len(rows):
         return rows
     keep = np.ones(len(rows), bool)
@@ -249,8 +269,35 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int]) -> np.ndarra
     # (stream, streamlet) as one u64; stream ids are counted up from 1, far below 2**32
     wanted = np.array([(s << 32) | sl for s, sl in owners if s < 1 << 32], np.uint64)
     keep &= rows[:, STREAM] < 1 << 32
-    keep &= np.isin((rows[:, STREAM] << np.uint64(32)) | rows[:, STREAMLET], wanted)
+    key = (rows[:, STREAM] << np.uint64(32)) | rows[:, STREAMLET]
+    keep &= np.isin(key, wanted)
+    if only is not None:   # a pass per streamlet named, not per row
+        mine = np.zeros(len(rows), bool)
+        for (s, sl), gs in only.items():
+            if s < 1 << 32:
+                mine |= (key == np.uint64((s << 32) | sl)) & np.isin(rows[:, GROUP], np.array(
+                    sorted(gs), np.uint64))
+        keep &= mine
     return rows if keep.all() else rows[keep]
+
+
+def _deferred(runs: list, indexes: dict) -> dict:
+    """(stream id, streamlet) -> (groups, producer -> highest sequence) of ``runs``."""
+    out: dict = {}
+    for run in runs:
+        a = run[0]
+        groups, highest = out.setdefault((a.stream, a.streamlet), (set(), {}))
+        groups.add(a.group)
+        if a.indexed:
+            r = a.rows[0].tolist()
+            got = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers()
+        else:
+            rows = np.concatenate([x.rows for x in run])
+            got = index_chunk.highest_sequences(rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]])
+        for p, q in got.items():
+            if q > highest.get(p, -1):
+                highest[p] = q
+    return out
 
 
 def _requests(rec, runs: list, indexes: dict, whole: dict, owners: dict) -> dict[int, list[bytes]]:

@@ -435,28 +435,52 @@ def test_new_owner_killed_too_readopts_from_its_index_chunks(make_cluster, secon
 
 
 @pytest.mark.parametrize("fault", ["error", "new_owner_killed", "coordinator_killed"])
-def test_adoption_beside_the_replay_cut_short_is_planned_again(make_cluster, monkeypatch, tmp_path, fault):
-    """The closed groups of a dead broker's history are adopted beside the replay; the
-    recovery is cut short right after the new owner adopted them, before it made them
-    durable and claimed their files (``settle``), by a failpoint there (``kera.failpoints``):
-    the attempt fails, the new owner is killed with -9, or the coordinator is. The recovery
-    is planned again from the start, and every retained acknowledged record reads back
-    exactly once, in order."""
+def test_closed_history_adopted_after_the_hand_over_survives_a_cut(make_cluster, monkeypatch, tmp_path, fault):
+    """The closed groups of a dead broker's history are adopted after the new owner serves
+    (``kera.adoption``). Cut that adoption short right after the owner adopted them, before
+    they are durable and claimed (failpoint ``adoption.adopted``): the attempt fails, the
+    new owner is killed with -9, or the coordinator is. Meanwhile the streamlet serves:
+    new records are acknowledged, and a consumer from earliest gets nothing (reads that
+    reach the pending history wait, they never skip it). The adoption is done again (from
+    the record the hand-over committed: by the successor of the killed owner, by the
+    coordinator's new term), and every retained acknowledged record reads back exactly
+    once, in order."""
     budget, history = 8 * MiB, 24 * MiB
-    gate = str(tmp_path / "beside_adopted")
-    monkeypatch.setenv("KERA_FAILPOINTS", "recovery.beside_adopted=" + (
+    n, extra = history // SIZE, 5000
+    start, gate = str(tmp_path / "start"), str(tmp_path / "adopted")
+    monkeypatch.setenv("KERA_FAILPOINTS", f"adoption.start=pause({start});adoption.adopted=" + (
         "error" if fault == "error" else f"pause({gate})"))
     c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)],
                      port=free_port())
     monkeypatch.delenv("KERA_FAILPOINTS")   # processes started from here on run without it
 
     async def main():
-        # groups of 2 MiB: most of them closed, so adopted beside the replay
+        # groups of 2 MiB: most of them closed, so adopted after the hand-over
         s, dead = await _kill_owner_of_history(c, history, budget, group_segments=8)
+        rec = await wait_recovered(c, s, timeout=60, dead=dead)
+        # served, the adoption not started: what the recovery told the owner is all it knows
+        await wait_for(lambda: _exists(start), "the adoption to start", timeout=60)
+        await produce(c.coordinator, "big", extra, start=n)
+        async with open_admin(c.coordinator) as a:   # a streamlet on each broker left
+            await a.create_stream("small", streamlets=2, replication=3)
+        await produce(c.coordinator, "small", 200)
+        small = 0
+        async with open_consumer(["big", "small"], c.coordinator, start="earliest") as early:
+            during = []
+            with trio.move_on_after(10):
+                while small < 200:   # one pull asks both streams' streamlets: only "big" waits
+                    for ch in await early.poll_chunks(0.5):
+                        if ch.stream == "big":
+                            during.append(ch)
+                        else:
+                            small += len(ch)
+        os.remove(start)
         if fault != "error":
-            await wait_for(lambda: _exists(gate), "the recovery to reach the failpoint", timeout=60)
+            await wait_for(lambda: _exists(gate), "the adoption to reach the failpoint", timeout=60)
             with open(gate) as f:
                 owner = f.read()
+            async with open_consumer(["big"], c.coordinator, start="earliest") as early:
+                during += await early.poll_chunks(1.0)
             if fault == "new_owner_killed":
                 c.kill(next(name for name, addr in c.addrs.items() if addr == owner))
                 os.remove(gate)
@@ -465,22 +489,25 @@ def test_adoption_beside_the_replay_cut_short_is_planned_again(make_cluster, mon
                 os.remove(gate)
                 c.restart("coordinator")
                 await _rejoined(c, brokers=2, backups=3)
-        rec = await wait_recovered(c, s, timeout=60, dead=dead)
-        async with open_admin(c.coordinator) as a:
-            tries = [r for r in (await a.status())["recoveries"] if r["broker"] == dead]
-        got = await read_all(c.coordinator, ["big"], idle=2.0)
-        return rec, tries, got["big"]
 
-    rec, tries, arr = trio.run(main)
-    assert not rec["lost"] and rec["adopted_segments"] > 0, rec
-    if fault != "coordinator_killed":  # the restarted coordinator knows only its own attempts
-        failed = [r for r in tries if r["state"] == "failed"]
-        assert failed, tries
-        if fault == "error":
-            assert "failpoint recovery.beside_adopted" in failed[0]["error"], failed
-    _check_suffix(arr, history // SIZE, history // SIZE * SIZE)
-    print(f"\n{fault}: {len(tries)} attempts; the last adopted {rec['adopted_segments']} segments, "
-          f"replayed {rec['bytes'] / MiB:.1f} MiB; {len(arr)} records read back")
+        async def adopted():
+            async with open_admin(c.coordinator) as a:
+                st = await a.status()
+            return not st["adoptions"] and all(r["state"] != "running" for r in st["recoveries"])
+
+        await wait_for(adopted, "the closed history to be adopted", timeout=90)
+        got = await read_all(c.coordinator, ["big"], idle=2.0)
+        return rec, during, small, got["big"]
+
+    rec, during, small, arr = trio.run(main)
+    assert not rec["lost"] and rec["adopted_segments"] > 0 and rec["deferred_groups"] > 0, rec
+    assert not during, "a consumer from earliest read past the pending history"
+    assert small == 200, "a stream beside it did not read while the history was pending"
+    if fault == "error":
+        assert "failpoint adoption.adopted" in c.log("coordinator")
+    _check_suffix(arr, n + extra, n * SIZE)
+    print(f"\n{fault}: {rec['deferred_groups']} groups adopted after the hand-over, served after "
+          f"{rec['serve_seconds']} s; {len(arr)} records read back")
 
 
 class FrozenHistory:

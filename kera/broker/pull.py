@@ -10,7 +10,7 @@ from __future__ import annotations
 import trio
 
 from .. import limits
-from ..errors import InvalidArgument, KeraError, OutOfRange
+from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering
 
 MAX_PULL_BYTES = limits.MAX_PULL
 MAX_PULL_WAIT = 30.0
@@ -63,6 +63,9 @@ class Pulls:
                 got = sl.read(low, positions, budget)
             except OutOfRange:
                 errors.append([stream_id, index, OutOfRange.code, sl.starts()])
+                continue
+            except Recovering:   # older groups still being adopted: this streamlet waits, not others
+                errors.append([stream_id, index, Recovering.code])
                 continue
             except (TypeError, ValueError):
                 errors.append([stream_id, index, InvalidArgument.code])

@@ -50,7 +50,8 @@ class Reclaim:
         vlogs whose open vseg the budget closed are poked, so the close reaches the copies)."""
         now = time.time()
         for sl in self.streamlets.values():
-            if sl.filled and not sl.recovering and (sl.retention_bytes >= 0 or sl.retention_ms >= 0):
+            if sl.filled and not sl.recovering and not sl.pending and (
+                    sl.retention_bytes >= 0 or sl.retention_ms >= 0):
                 freed = sl.expired(now)
                 if freed:
                     self._free(freed)

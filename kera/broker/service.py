@@ -172,7 +172,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 sl.recovering = recovering
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
-                self._free(sl.expired(time.time(), settled_only=False))
+                if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)
+                    self._free(sl.expired(time.time(), settled_only=False))
                 if seal:
                     log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
                               s.name, i)

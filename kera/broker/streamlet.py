@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
-from ..errors import DataLoss, OutOfOrderSequence, OutOfRange, RecordTooLarge
+from ..errors import DataLoss, OutOfOrderSequence, OutOfRange, RecordTooLarge, Recovering
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from ..stream_meta import StreamMeta
@@ -67,6 +67,9 @@ class Streamlet:
         self.plain_last = 0
         self.key_last: dict[bytes, int] = {}
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
+        # dead incarnation -> its groups still to be adopted here after the hand-over (closed
+        # history, kera.adoption): reads that reach them wait, retention waits
+        self.pending: dict[tuple[int, int], set[int]] = {}
         self.memory = memory     # the broker's budget (see MemoryBudget)
         self.filled: deque = deque()  # (group, segment) that take no more chunks, oldest first
         self.freed_bytes = 0     # chunk bytes freed by retention
@@ -284,6 +287,29 @@ class Streamlet:
         self.appended_bytes += seg.head
         return True
 
+    def pend(self, source: tuple[int, int], groups, highest: dict[int, int]) -> None:
+        """``source``'s closed groups ``groups`` are adopted here after we serve: until
+        ``unpend``, a read reaching one of them is refused (``Recovering``, retried), retention
+        frees nothing, and no new group takes their ids; the producers' highest sequences in
+        them are noted now, so a resend of one of their chunks stays a duplicate."""
+        self.pending[source] = set(groups)
+        if groups:
+            self.next_group = max(self.next_group, max(groups) + 1)
+        self.note_adopted(highest)
+
+    def unpend(self, source: tuple[int, int]) -> None:
+        """``source``'s groups are adopted (durable, claimed): served like any other."""
+        if self.pending.pop(source, None) is not None:
+            self._closed_last()
+            self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
+
+    def _check_pending(self, low: int, positions: dict) -> None:
+        for groups in self.pending.values():
+            for gid in groups:
+                if gid >= low and positions.get(gid) != DONE:
+                    raise Recovering(f"stream {self.stream_id} streamlet {self.index}: group {gid} "
+                                     f"of a recovered broker's history is being adopted; retry")
+
     def note_adopted(self, highest: dict[int, int]) -> None:
         """Producers' highest sequences in adopted segments: a late resend of an adopted chunk
         stays a duplicate."""
@@ -357,6 +383,8 @@ class Streamlet:
         the later groups of its slot, so one producer's records come out in
         the order they were sent.
         """
+        if self.pending:
+            self._check_pending(low, positions)
         out = []
         for gid, pos in positions.items():
             if pos == DONE or gid < low:
@@ -398,7 +426,7 @@ class Streamlet:
 
     def latest(self) -> tuple[int, dict]:
         """Positions at the durable end of every group: a consumer starting 'latest'."""
-        positions = {}
+        positions = {gid: DONE for groups in self.pending.values() for gid in groups}
         for gid, g in self.groups.items():
             positions[gid] = DONE if g.finished() else g.durable_end()
         return 0, positions

@@ -10,6 +10,7 @@ from the produce and pull paths, which never see a recovering streamlet.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import trio
@@ -94,8 +95,9 @@ class Takeover:
         todo = []
         for h, off in chunk.scan(payload):  # all checked before anything changes
             sl = self.streamlets.get((h.stream_id, h.streamlet))
-            if sl is None or not sl.recovering:
-                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is not being recovered here")
+            if sl is None or not (sl.recovering or _pending(sl, h.group)):
+                raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} group {h.group} is not "
+                               f"being recovered here")
             try:
                 mv = payload[off:off + h.size]
                 todo.append((sl, h, mv, index_chunk.parse(mv, h)))
@@ -107,7 +109,8 @@ class Takeover:
         try:
             for sl, h, mv, ix in todo:
                 await trio.lowlevel.checkpoint()   # others are served between runs
-                if self.streamlets.get((h.stream_id, h.streamlet)) is not sl or not sl.recovering:
+                if self.streamlets.get((h.stream_id, h.streamlet)) is not sl or not (
+                        sl.recovering or _pending(sl, h.group)):
                     raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is no longer "
                                    f"being recovered here")  # unassigned meanwhile
                 done = self._adopt_index(sl, h, mv, ix)
@@ -126,6 +129,36 @@ class Takeover:
                 if v.log.close_open(durable=False):
                     v.poke()
         return {"adopted": adopted}
+
+    def rpc_pend(self, meta, payload):
+        """A recovery hands streamlets over before the closed groups of the dead broker's
+        history are adopted (``kera.adoption``): ``entries`` [[stream_id, streamlet, [group,
+        ...], [[producer, highest sequence], ...]], ...] of ``source`` [broker, epoch] wait
+        here until adopted (no group: adopted, served). Every streamlet named must be ours;
+        nothing changes otherwise."""
+        self._check_epoch(meta)
+        source = meta.get("source")
+        entries = meta.get("entries")
+        try:
+            src = (int(source[0]), int(source[1]))
+            todo = [(self.streamlets.get((sid, i)), sid, i, [int(g) for g in gs],
+                     {int(p): int(q) for p, q in highest}) for sid, i, gs, highest in entries]
+        except (TypeError, ValueError, IndexError):
+            raise InvalidArgument("pend needs source [broker, epoch] and entries [[stream_id, "
+                                  "streamlet, [group, ...], [[producer, sequence], ...]], ...]") from None
+        for sl, sid, i, _, _ in todo:
+            if sl is None:
+                raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.broker_id}")
+        for sl, _, _, groups, highest in todo:
+            if groups:
+                sl.pend(src, groups, highest)
+            elif src in sl.pending:
+                sl.unpend(src)
+                if not sl.pending and not sl.recovering:
+                    # what the dead broker had freed already and came back with the adoption goes
+                    # before a reader sees it, as at a hand-over (``BrokerService._assign``)
+                    self._free(sl.expired(time.time(), settled_only=False))
+        return {}
 
     async def rpc_settle(self, meta, payload):
         """Answered once every adoption made here so far is durable in our vlogs and every
@@ -184,3 +217,8 @@ class Takeover:
         for seg in new:
             self.claims.attach(seg, holder)
         return vlog, idx, segs + new
+
+
+def _pending(sl: Streamlet, group: int) -> bool:
+    """``group`` of a serving ``sl`` is to be adopted (``Streamlet.pend``)."""
+    return any(group in groups for groups in sl.pending.values())

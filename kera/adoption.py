@@ -1,0 +1,206 @@
+"""Adopting a dead broker's closed history after its streamlets serve again (coordinator side).
+
+A recovery re-points the settled history of a dead incarnation instead of replaying it
+(``kera.repoint``). The groups whose adoption reaches their end (``Repoint.ended``: closed,
+every segment settled, nothing of them replayed) are most of a long history, and nothing
+the replay places depends on them, so the hand-over does not wait for them: the time to
+serve stays that of the replay, however long the history. What makes that safe:
+
+- **Reads wait, nothing is skipped.** Before the hand-over each new owner is told the
+  groups still to come (``pend``, beside the replay): a read that reaches one is refused
+  as ``recovering`` (clients retry), a consumer from latest takes them as read, retention
+  frees nothing on that streamlet, and no new group takes their ids. Producers' highest
+  sequences in them come with it, so a resend of one of their chunks stays a duplicate.
+- **It survives failures.** The hand-over commit records the pending adoption
+  (``deferred``: the incarnation, its streamlets' groups and sequences, what
+  ``kera.recovered`` needs after), in place of the incarnation's *recovered* entry, so
+  its files stay on the backups. The record is written before the owners in the same
+  commit (etcd's batches put it first), so it never goes missing while they are stored.
+  ``Adoptions`` then does the work from the record alone: the backups' listings, the
+  settled vsegs' index, the plan, restricted to the pending groups, adopted into whoever
+  owns each streamlet now, made durable and claimed (``settle``), the groups released
+  (``pend`` with none), then the record replaced by the recovered entry in one commit.
+  A new owner that dies meanwhile is recovered as any broker, and its recovery tells its
+  successor the groups still pending, from the record; a new coordinator term finds the
+  record and starts over. Every step is idempotent (``pend`` sets, ``adopt`` of a held
+  segment is a no-op that claims again).
+- **A record waits** while its incarnation still owns streamlets (its recovery is not
+  handed over), or while an owner of its streamlets is not alive (its own recovery will
+  name the successor); streamlets of streams deleted meanwhile are dropped from it.
+
+A pending group the plan cannot adopt (its copies are down or gone) keeps the record:
+it is tried again, the reads of that streamlet keep waiting, and ``kera status`` shows
+it with the error, rather than a consumer skipping a group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import trio
+
+from . import failpoints
+from .errors import Unavailable
+from .recovery import Recovery
+from .recovery_plan import RecoveryPlan
+from .repoint import repoint
+
+log = logging.getLogger("kera.recovery")
+
+RETRY = 1.0          # seconds before a record that failed or waits is tried again
+TIMEOUT = 30.0
+
+
+def key_of(broker: int, epoch: int) -> str:
+    return f"{broker}:{epoch}"
+
+
+class Adoptions:
+    """The coordinator's pending adoptions (``meta["deferred"]``) and the task doing them."""
+
+    def __init__(self, coord):
+        self.coord = coord
+        self.wake = trio.Event()
+        self.state: dict[str, dict] = {}   # record key -> its last try (error, seconds)
+
+    @property
+    def records(self) -> dict:
+        return self.coord.meta["deferred"]
+
+    def poke(self) -> None:
+        self.wake.set()
+
+    def record(self, broker: int, epoch: int, deferred: dict, covered: list, complete: bool) -> None:
+        """At a hand-over: ``deferred`` ((stream id, streamlet) -> (groups, highest sequences))
+        of the incarnation is adopted after it (durable with the hand-over's commit)."""
+        self.coord.log.set(("deferred", key_of(broker, epoch)), {
+            "broker": broker, "epoch": epoch, "covered": covered, "complete": complete,
+            "streamlets": [[sid, i, sorted(gs), sorted(hs.items())] for (sid, i), (gs, hs)
+                           in sorted(deferred.items())]})
+
+    def pending_for(self, owners: dict, own: tuple[int, int] | None = None, deferred: dict | None = None) -> dict:
+        """What the new ``owners`` ((stream id, streamlet) -> member) of a recovery are to wait
+        for: (member, source incarnation) -> pend entries; the recovery's own ``deferred``
+        (source ``own``), and the groups of every record on streamlets it hands over."""
+        out: dict = {}
+        for (sid, i), (gs, hs) in (deferred or {}).items():
+            m = owners[(sid, i)]
+            out.setdefault((m, own), []).append([sid, i, sorted(gs), sorted(hs.items())])
+        for r in self.records.values():
+            src = (r["broker"], r["epoch"])
+            for sid, i, gs, hs in r["streamlets"]:
+                m = owners.get((sid, i))
+                if m is not None and src != own:
+                    out.setdefault((m, src), []).append([sid, i, gs, hs])
+        return out
+
+    async def pend(self, calls: dict) -> None:
+        """``pending_for``'s answer sent, all in parallel; raises if one fails."""
+        async with trio.open_nursery() as n:
+            for (m, src), entries in calls.items():
+                n.start_soon(self._call, m, "pend", {"source": list(src), "entries": entries})
+
+    async def _call(self, m, method: str, meta: dict) -> None:
+        await self.coord.pool.call(m.addr, method, {"epoch": m.epoch, **meta}, timeout=TIMEOUT)
+
+    def describe(self) -> list[dict]:
+        return [{"broker": r["broker"], "epoch": r["epoch"],
+                 "streamlets": len(r["streamlets"]),
+                 "groups": sum(len(gs) for _, _, gs, _ in r["streamlets"]),
+                 **self.state.get(k, {})} for k, r in sorted(self.records.items())]
+
+    async def run(self) -> None:
+        while True:
+            with trio.move_on_after(RETRY):
+                await self.wake.wait()
+            self.wake = trio.Event()
+            if not self.coord.ready:
+                continue
+            for k in sorted(self.records):
+                r = self.records.get(k)
+                if r is None or not self._ready(k, r):
+                    continue
+                r = self.records[k]   # less the streamlets of streams deleted meanwhile
+                t = time.monotonic()
+                try:
+                    await self._adopt(k, r)
+                except Exception as e:  # noqa: BLE001 (tried again from the record, whatever broke)
+                    while isinstance(e, ExceptionGroup) and e.exceptions:  # the first cause says it best
+                        e = e.exceptions[0]
+                    self.state[k] = {"error": f"{type(e).__name__}: {e}"}
+                    log.warning("adoption of broker %d epoch %d's closed history failed, will retry: %s",
+                                r["broker"], r["epoch"], e)
+                    continue
+                self.state.pop(k, None)
+                log.info("broker %d epoch %d: closed history adopted after the hand-over in %.3f s",
+                         r["broker"], r["epoch"], time.monotonic() - t)
+
+    def _ready(self, k: str, r: dict) -> bool:
+        """The incarnation is handed over, every streamlet of the record is owned by a live
+        broker; streamlets of deleted streams are dropped (the record with them, if none is left)."""
+        coord = self.coord
+        if coord.holdings.count((r["broker"], r["epoch"])):
+            return False
+        live = {s.id: s for s in coord.streams.values()}
+        kept = [e for e in r["streamlets"] if e[0] in live]
+        if len(kept) != len(r["streamlets"]):
+            coord.log.set(("deferred", k), {**r, "streamlets": kept})
+        for sid, i, _, _ in kept:
+            owner = live[sid].owners[i]
+            if owner is None or coord.live_broker(*owner) is None:
+                return False
+        return True
+
+    async def _adopt(self, k: str, r: dict) -> None:
+        coord = self.coord
+        broker, epoch = r["broker"], r["epoch"]
+        live = {s.id: s for s in coord.streams.values()}
+        owners, only, highest = {}, {}, {}
+        for sid, i, gs, hs in r["streamlets"]:
+            owners[(sid, i)] = coord.live_broker(*live[sid].owners[i])
+            only[(sid, i)] = set(gs)
+            highest[(sid, i)] = hs
+        if owners:
+            await failpoints.hit("adoption.start", k)
+            calls: dict = {}
+            for (sid, i), m in owners.items():
+                calls.setdefault((m, (broker, epoch)), []).append(
+                    [sid, i, sorted(only[(sid, i)]), highest[(sid, i)]])
+            await self.pend(calls)   # again: a new term or a retry starts from the record
+            await self._repoint(broker, epoch, owners, only)
+            async with trio.open_nursery() as n:
+                for (m, src), entries in calls.items():
+                    n.start_soon(self._call, m, "pend", {"source": list(src),
+                                                         "entries": [[sid, i, [], []] for sid, i, _, _ in entries]})
+        coord.log.delete(("deferred", k))
+        if r["complete"]:
+            coord.recovered.add(broker, epoch, r["covered"])
+        await coord.commit()
+
+    async def _repoint(self, broker: int, epoch: int, owners: dict, only: dict) -> None:
+        """The pending groups adopted from the backups' copies, durable and claimed."""
+        coord = self.coord
+        backups = [m for m in coord.members["backup"].values() if m.alive]
+        listings: dict[int, list] = {}
+        floors: dict[int, int] = {}
+
+        async def listing(b) -> None:
+            res, _ = await coord.pool.call(b.addr, "list", {"broker": broker}, timeout=10)
+            listings[b.id] = res["segments"]
+            for _, vlog, floor in res.get("floors") or []:
+                floors[vlog] = max(floors.get(vlog, 0), floor)
+
+        async with trio.open_nursery() as n:
+            for b in backups:
+                n.start_soon(listing, b)
+        rec = Recovery(broker, epoch, [])   # repoint's phase timers and counters
+        plan = RecoveryPlan(broker, epoch, listings, [], floors)
+        got = await repoint(coord.pool, rec, plan, {b.id: b.addr for b in backups}, owners, only=only)
+        missing = {(sid, i, g) for (sid, i), gs in only.items() for g in gs} - got.ended
+        if missing:
+            raise Unavailable(f"{len(missing)} pending groups cannot be adopted from the copies "
+                              f"listed now (first: stream {min(missing)[0]} streamlet "
+                              f"{min(missing)[1]} group {min(missing)[2]}); a backup holding "
+                              f"them may be down")
+        await got.settle()
