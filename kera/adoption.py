@@ -48,12 +48,29 @@ from .repoint import repoint
 
 log = logging.getLogger("kera.recovery")
 
-RETRY = 1.0          # seconds before a record that failed or waits is tried again
+RETRY = 1.0          # seconds between looks at the records (sooner when poked)
+MAX_RETRY = 30.0     # a record whose adoption keeps failing is tried again at most this late
 TIMEOUT = 30.0
 
 
 def key_of(broker: int, epoch: int) -> str:
     return f"{broker}:{epoch}"
+
+
+def ranges(ids) -> list[list[int]]:
+    """Group ids as [lo, hi] ranges: a closed history's groups are mostly consecutive, so a
+    record and a ``pend`` stay small however long the history."""
+    out: list[list[int]] = []
+    for g in sorted(ids):
+        if out and g == out[-1][1] + 1:
+            out[-1][1] = g
+        else:
+            out.append([g, g])
+    return out
+
+
+def ids(rs) -> set[int]:
+    return {g for lo, hi in rs for g in range(lo, hi + 1)}
 
 
 class Adoptions:
@@ -62,7 +79,8 @@ class Adoptions:
     def __init__(self, coord):
         self.coord = coord
         self.wake = trio.Event()
-        self.state: dict[str, dict] = {}   # record key -> its last try (error, seconds)
+        self.state: dict[str, dict] = {}   # record key -> its last try (error)
+        self.due: dict[str, tuple[float, float]] = {}   # record key -> (next try, backoff)
 
     @property
     def records(self) -> dict:
@@ -71,13 +89,28 @@ class Adoptions:
     def poke(self) -> None:
         self.wake.set()
 
+    def has(self, broker: int, epoch: int) -> bool:
+        return key_of(broker, epoch) in self.records
+
     def record(self, broker: int, epoch: int, deferred: dict, covered: list, complete: bool) -> None:
         """At a hand-over: ``deferred`` ((stream id, streamlet) -> (groups, highest sequences))
-        of the incarnation is adopted after it (durable with the hand-over's commit)."""
-        self.coord.log.set(("deferred", key_of(broker, epoch)), {
+        of the incarnation is adopted after it (durable with the hand-over's commit). A record
+        of the same incarnation (an earlier hand-over of some of its streamlets, whose commit
+        was cut short) is merged into: its groups are still pending. The sequences are not
+        kept (a successor learns them from the adoption itself)."""
+        k = key_of(broker, epoch)
+        old = self.records.get(k)
+        groups = {(sid, i): ids(rs) for sid, i, rs in (old or {}).get("streamlets", [])}
+        for key, (gs, _) in deferred.items():
+            groups[key] = groups.get(key, set()) | set(gs)
+        if old is not None:   # what a replay covered only grows; complete only if both were
+            top = dict(old["covered"])
+            for v, last in covered:
+                top[v] = max(top.get(v, last), last)
+            covered, complete = sorted([v, last] for v, last in top.items()), complete and old["complete"]
+        self.coord.log.set(("deferred", k), {
             "broker": broker, "epoch": epoch, "covered": covered, "complete": complete,
-            "streamlets": [[sid, i, sorted(gs), sorted(hs.items())] for (sid, i), (gs, hs)
-                           in sorted(deferred.items())]})
+            "streamlets": [[sid, i, ranges(gs)] for (sid, i), gs in sorted(groups.items())]})
 
     def pending_for(self, owners: dict, own: tuple[int, int] | None = None, deferred: dict | None = None) -> dict:
         """What the new ``owners`` ((stream id, streamlet) -> member) of a recovery are to wait
@@ -86,13 +119,13 @@ class Adoptions:
         out: dict = {}
         for (sid, i), (gs, hs) in (deferred or {}).items():
             m = owners[(sid, i)]
-            out.setdefault((m, own), []).append([sid, i, sorted(gs), sorted(hs.items())])
+            out.setdefault((m, own), []).append([sid, i, ranges(gs), sorted(hs.items())])
         for r in self.records.values():
             src = (r["broker"], r["epoch"])
-            for sid, i, gs, hs in r["streamlets"]:
+            for sid, i, rs in r["streamlets"]:
                 m = owners.get((sid, i))
                 if m is not None and src != own:
-                    out.setdefault((m, src), []).append([sid, i, gs, hs])
+                    out.setdefault((m, src), []).append([sid, i, rs, []])
         return out
 
     async def pend(self, calls: dict) -> None:
@@ -107,7 +140,7 @@ class Adoptions:
     def describe(self) -> list[dict]:
         return [{"broker": r["broker"], "epoch": r["epoch"],
                  "streamlets": len(r["streamlets"]),
-                 "groups": sum(len(gs) for _, _, gs, _ in r["streamlets"]),
+                 "groups": sum(hi - lo + 1 for _, _, rs in r["streamlets"] for lo, hi in rs),
                  **self.state.get(k, {})} for k, r in sorted(self.records.items())]
 
     async def run(self) -> None:
@@ -119,7 +152,7 @@ class Adoptions:
                 continue
             for k in sorted(self.records):
                 r = self.records.get(k)
-                if r is None or not self._ready(k, r):
+                if r is None or self.due.get(k, (0, 0))[0] > time.monotonic() or not self._ready(k, r):
                     continue
                 r = self.records[k]   # less the streamlets of streams deleted meanwhile
                 t = time.monotonic()
@@ -129,10 +162,13 @@ class Adoptions:
                     while isinstance(e, ExceptionGroup) and e.exceptions:  # the first cause says it best
                         e = e.exceptions[0]
                     self.state[k] = {"error": f"{type(e).__name__}: {e}"}
-                    log.warning("adoption of broker %d epoch %d's closed history failed, will retry: %s",
-                                r["broker"], r["epoch"], e)
+                    wait = min(MAX_RETRY, 2 * self.due.get(k, (0, RETRY / 2))[1])
+                    self.due[k] = (time.monotonic() + wait, wait)
+                    log.warning("adoption of broker %d epoch %d's closed history failed, tried again "
+                                "in %.0f s: %s", r["broker"], r["epoch"], wait, e)
                     continue
                 self.state.pop(k, None)
+                self.due.pop(k, None)
                 log.info("broker %d epoch %d: closed history adopted after the hand-over in %.3f s",
                          r["broker"], r["epoch"], time.monotonic() - t)
 
@@ -146,7 +182,7 @@ class Adoptions:
         kept = [e for e in r["streamlets"] if e[0] in live]
         if len(kept) != len(r["streamlets"]):
             coord.log.set(("deferred", k), {**r, "streamlets": kept})
-        for sid, i, _, _ in kept:
+        for sid, i, _ in kept:
             owner = live[sid].owners[i]
             if owner is None or coord.live_broker(*owner) is None:
                 return False
@@ -156,23 +192,22 @@ class Adoptions:
         coord = self.coord
         broker, epoch = r["broker"], r["epoch"]
         live = {s.id: s for s in coord.streams.values()}
-        owners, only, highest = {}, {}, {}
-        for sid, i, gs, hs in r["streamlets"]:
+        owners, only, pending = {}, {}, {}
+        for sid, i, rs in r["streamlets"]:
             owners[(sid, i)] = coord.live_broker(*live[sid].owners[i])
-            only[(sid, i)] = set(gs)
-            highest[(sid, i)] = hs
+            only[(sid, i)] = ids(rs)
+            pending[(sid, i)] = rs
         if owners:
             await failpoints.hit("adoption.start", k)
             calls: dict = {}
             for (sid, i), m in owners.items():
-                calls.setdefault((m, (broker, epoch)), []).append(
-                    [sid, i, sorted(only[(sid, i)]), highest[(sid, i)]])
+                calls.setdefault((m, (broker, epoch)), []).append([sid, i, pending[(sid, i)], []])
             await self.pend(calls)   # again: a new term or a retry starts from the record
             await self._repoint(broker, epoch, owners, only)
             async with trio.open_nursery() as n:
                 for (m, src), entries in calls.items():
                     n.start_soon(self._call, m, "pend", {"source": list(src),
-                                                         "entries": [[sid, i, [], []] for sid, i, _, _ in entries]})
+                                                         "entries": [[sid, i, [], []] for sid, i, *_ in entries]})
         coord.log.delete(("deferred", k))
         if r["complete"]:
             coord.recovered.add(broker, epoch, r["covered"])

@@ -39,8 +39,10 @@ POLL = 0.2              # a standby's campaign period
 MAX_TXN_OPS = 128       # etcd's default --max-txn-ops
 MAX_TXN_BYTES = 1 << 20  # below etcd's default --max-request-bytes (1.5 MiB)
 # counters and fences first (ids never reused); pending adoptions before the owners they
-# come with (kera.adoption: owners never stored without the record)
-_FIRST = ("next_stream_id", "next_producer_id", "next_epoch", "next_id", "fences", "backups", "deferred")
+# come with (kera.adoption: owners never stored without the record), and with the recovered
+# entry that replaces one once it is done (never the one without the other)
+_FIRST = ("next_stream_id", "next_producer_id", "next_epoch", "next_id", "fences", "backups", "deferred",
+          "recovered", "recovered_version")
 
 
 def _pack(v) -> bytes:

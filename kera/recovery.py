@@ -234,12 +234,15 @@ class RecoveryManager:
         # after a loss the groups are sealed: no position of the lost range is ever reused
         with rec.phase("handover"):
             await assign_all(recovering=False, seal=not replayed.complete)
-            if rec.deferred:   # before the owners (etcd stores it first): never owners without it
+            # before the owners (etcd stores it first): never owners without it; merged into a
+            # record an earlier hand-over of this incarnation left (its commit cut short)
+            deferred = rec.deferred or coord.adoptions.has(rec.broker, rec.epoch)
+            if deferred:
                 coord.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
                                        replayed.complete)
             for (name, i), m in plan.items():
                 coord.set_owner(streams[name], i, m)
-            if replayed.complete and not rec.deferred:  # else what is left may be all there is of
+            if replayed.complete and not deferred:  # else what is left may be all there is of
                 # the lost range: kept. Every backup, now or when it is back, drops this
                 # incarnation's files (a claimed one stays until released) and releases its
                 # claims: told once the owners are durable (with a deferred adoption, once done)

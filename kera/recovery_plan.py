@@ -199,15 +199,26 @@ class RecoveryPlan:
         return sum(_length(cs) for v in self._vlogs.values() for cs in v.vsegs.values())
 
     # -- re-pointing (settled history stays on the backups) ----------------------------
-    def settled(self, vlog: int) -> list[tuple[int, list[int]]]:
+    def settled(self, vlog: int, any_whole: bool = False) -> list[tuple[int, list[int]]]:
         """The vlog's settled prefix from its floor: (vseg, backups holding it whole), for
         vsegs of which every copy listed is closed, of full length and with no corrupt
         region, up to the first that is not. Only chunks in it may be re-pointed: a whole
         intact copy lists every chunk of the vseg, so no chunk of a re-pointed segment can be
         missing from the index; and an adopted segment names only these copies, so a vseg
         with another copy (shorter, open, or corrupt elsewhere) is replayed, which reads
-        each chunk from any copy holding it intact, rather than lose that copy."""
+        each chunk from any copy holding it intact, rather than lose that copy.
+        ``any_whole``: every vseg with at least one whole intact copy, prefix or not (the
+        adoption after a hand-over, which can no longer replay)."""
         v = self._vlog(vlog)
+        if any_whole:
+            out = []
+            for s in sorted(v.vsegs):
+                end = _length(v.vsegs[s])
+                whole = [c.backup for c in v.vsegs[s] if c.final and not c.regions and c.length == end
+                         and not c.failed]
+                if whole and s >= v.vseg:
+                    out.append((s, sorted(whole)))
+            return out
         if v.prefix is not None and v.prefix[0] == v.vseg and not v.steps:   # no copy changed since
             return list(v.prefix[1])
         out, s = [], v.vseg

@@ -83,8 +83,11 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
     (stream id, streamlet) pairs replayed whole, never re-pointed. ``only``: (stream id,
     streamlet) -> groups: the adoption after a hand-over (``kera.adoption``), of those
-    groups alone, into streamlets that serve; ``settle`` then adopts them all."""
-    settled = {v: plan.settled(v) for v in plan.vlogs}
+    groups alone, into streamlets that serve; ``settle`` then adopts them all, from the
+    whole copies of each vseg (``RecoveryPlan.settled``'s ``any_whole``)."""
+    # after a hand-over nothing of these groups can be replayed any more: a vseg is adopted
+    # from its whole copies even if another copy of it is short or damaged
+    settled = {v: plan.settled(v, any_whole=only is not None) for v in plan.vlogs}
     answers: list[np.ndarray] = []   # per vseg indexed: its rows
     indexes: dict[tuple[int, int, int], bytes] = {}  # (vlog, vseg, offset) -> index chunk
     cut: dict[int, int] = {}   # vlog -> first settled vseg no copy could index
@@ -271,12 +274,15 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict |
     keep &= rows[:, STREAM] < 1 << 32
     key = (rows[:, STREAM] << np.uint64(32)) | rows[:, STREAMLET]
     keep &= np.isin(key, wanted)
-    if only is not None:   # a pass per streamlet named, not per row
+    if only is not None:   # rows sorted by streamlet once, then each streamlet's own rows
         mine = np.zeros(len(rows), bool)
+        order = np.argsort(key, kind="stable")
+        sk = key[order]
         for (s, sl), gs in only.items():
             if s < 1 << 32:
-                mine |= (key == np.uint64((s << 32) | sl)) & np.isin(rows[:, GROUP], np.array(
-                    sorted(gs), np.uint64))
+                k = np.uint64((s << 32) | sl)
+                at = order[np.searchsorted(sk, k, "left"):np.searchsorted(sk, k, "right")]
+                mine[at] = np.isin(rows[at, GROUP], np.array(sorted(gs), np.uint64))
         keep &= mine
     return rows if keep.all() else rows[keep]
 

@@ -170,6 +170,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory)
                 sl.on_close = self._close_group
                 sl.recovering = recovering
+            elif sl.recovering and recovering:   # an attempt again: it tells what is pending anew
+                sl.pending.clear()
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
                 if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)

@@ -68,8 +68,9 @@ class Streamlet:
         self.key_last: dict[bytes, int] = {}
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
         # dead incarnation -> its groups still to be adopted here after the hand-over (closed
-        # history, kera.adoption): reads that reach them wait, retention waits
-        self.pending: dict[tuple[int, int], set[int]] = {}
+        # history, kera.adoption), as [lo, hi] ranges of ids: reads that reach them wait,
+        # retention waits
+        self.pending: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.memory = memory     # the broker's budget (see MemoryBudget)
         self.filled: deque = deque()  # (group, segment) that take no more chunks, oldest first
         self.freed_bytes = 0     # chunk bytes freed by retention
@@ -287,15 +288,36 @@ class Streamlet:
         self.appended_bytes += seg.head
         return True
 
-    def pend(self, source: tuple[int, int], groups, highest: dict[int, int]) -> None:
-        """``source``'s closed groups ``groups`` are adopted here after we serve: until
-        ``unpend``, a read reaching one of them is refused (``Recovering``, retried), retention
-        frees nothing, and no new group takes their ids; the producers' highest sequences in
-        them are noted now, so a resend of one of their chunks stays a duplicate."""
-        self.pending[source] = set(groups)
-        if groups:
-            self.next_group = max(self.next_group, max(groups) + 1)
+    def pend(self, source: tuple[int, int], ranges, highest: dict[int, int]) -> None:
+        """``source``'s closed groups (``ranges`` of ids, [lo, hi] each) are adopted here
+        after we serve: until ``unpend``, a read reaching one of them is refused
+        (``Recovering``, retried), retention frees nothing, no new group takes their ids, and
+        the groups held that are older than the newest of them take no more chunks (their
+        slot moved on); the producers' highest sequences in them are noted now, so a resend
+        of one of their chunks stays a duplicate."""
+        self.pending[source] = sorted((int(lo), int(hi)) for lo, hi in ranges)
+        top = max(hi for _, hi in self.pending[source])
+        self.next_group = max(self.next_group, top + 1)
         self.note_adopted(highest)
+        if not self.recovering:
+            self._close_below(top)
+
+    def pending_top(self) -> int:
+        """The newest pending group id, -1 if none."""
+        return max((rs[-1][1] for rs in self.pending.values()), default=-1)
+
+    def is_pending(self, gid: int) -> bool:
+        return any(lo <= gid <= hi for rs in self.pending.values() for lo, hi in rs)
+
+    def _close_below(self, top: int) -> None:
+        """Groups held up to ``top`` take no more chunks: a newer group of their slot is
+        pending, and a group partly adopted must be adopted to its end, never appended to."""
+        for gid, g in self.groups.items():
+            if gid <= top and not g.closed:
+                g.closed = True
+                for slot, a in enumerate(self.active):
+                    if a is g:
+                        self.active[slot] = None
 
     def unpend(self, source: tuple[int, int]) -> None:
         """``source``'s groups are adopted (durable, claimed): served like any other."""
@@ -304,11 +326,17 @@ class Streamlet:
             self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
 
     def _check_pending(self, low: int, positions: dict) -> None:
-        for groups in self.pending.values():
-            for gid in groups:
-                if gid >= low and positions.get(gid) != DONE:
-                    raise Recovering(f"stream {self.stream_id} streamlet {self.index}: group {gid} "
-                                     f"of a recovered broker's history is being adopted; retry")
+        """``Recovering`` if the reader may reach a pending group: one at or past ``low`` it
+        has not read to its end (a range is as long as the groups it holds, never walked)."""
+        for rs in self.pending.values():
+            for lo, hi in rs:
+                if hi < low:
+                    continue
+                start = max(lo, low)
+                done = sum(1 for gid, pos in positions.items() if start <= gid <= hi and pos == DONE)
+                if done < hi - start + 1:
+                    raise Recovering(f"stream {self.stream_id} streamlet {self.index}: groups {start}-{hi} "
+                                     f"of a recovered broker's history are being adopted; retry")
 
     def note_adopted(self, highest: dict[int, int]) -> None:
         """Producers' highest sequences in adopted segments: a late resend of an adopted chunk
@@ -344,6 +372,8 @@ class Streamlet:
 
     def finish_recovery(self) -> None:
         """Rebuilt: the newest group of each slot is active again, older ones are closed."""
+        if self.pending:
+            self._close_below(self.pending_top())
         newest: dict[int, Group] = {}
         for gid in sorted(self.groups):
             g = self.groups[gid]
@@ -425,8 +455,19 @@ class Streamlet:
         return out
 
     def latest(self) -> tuple[int, dict]:
-        """Positions at the durable end of every group: a consumer starting 'latest'."""
-        positions = {gid: DONE for groups in self.pending.values() for gid in groups}
+        """Positions at the durable end of every group: a consumer starting 'latest'. With
+        groups pending, the reader starts at the lowest group still taking chunks (the
+        pending ones below it are behind it), and the pending ones above it count as read,
+        even those partly adopted."""
+        positions = {}
         for gid, g in self.groups.items():
             positions[gid] = DONE if g.finished() else g.durable_end()
-        return 0, positions
+        if not self.pending:
+            return 0, positions
+        top = self.pending_top()
+        low = min([gid for gid, pos in positions.items() if pos != DONE and not self.is_pending(gid)]
+                  + [top + 1])
+        for rs in self.pending.values():
+            for lo, hi in rs:
+                positions.update(dict.fromkeys(range(max(lo, low), hi + 1), DONE))
+        return low, {gid: pos for gid, pos in positions.items() if gid >= low}

@@ -95,7 +95,7 @@ class Takeover:
         todo = []
         for h, off in chunk.scan(payload):  # all checked before anything changes
             sl = self.streamlets.get((h.stream_id, h.streamlet))
-            if sl is None or not (sl.recovering or _pending(sl, h.group)):
+            if sl is None or not (sl.recovering or sl.is_pending(h.group)):
                 raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} group {h.group} is not "
                                f"being recovered here")
             try:
@@ -110,7 +110,7 @@ class Takeover:
             for sl, h, mv, ix in todo:
                 await trio.lowlevel.checkpoint()   # others are served between runs
                 if self.streamlets.get((h.stream_id, h.streamlet)) is not sl or not (
-                        sl.recovering or _pending(sl, h.group)):
+                        sl.recovering or sl.is_pending(h.group)):
                     raise NotOwner(f"stream {h.stream_id} streamlet {h.streamlet} is no longer "
                                    f"being recovered here")  # unassigned meanwhile
                 done = self._adopt_index(sl, h, mv, ix)
@@ -132,26 +132,27 @@ class Takeover:
 
     def rpc_pend(self, meta, payload):
         """A recovery hands streamlets over before the closed groups of the dead broker's
-        history are adopted (``kera.adoption``): ``entries`` [[stream_id, streamlet, [group,
-        ...], [[producer, highest sequence], ...]], ...] of ``source`` [broker, epoch] wait
-        here until adopted (no group: adopted, served). Every streamlet named must be ours;
-        nothing changes otherwise."""
+        history are adopted (``kera.adoption``): ``entries`` [[stream_id, streamlet, [[lo,
+        hi], ...] group id ranges, [[producer, highest sequence], ...]], ...] of ``source``
+        [broker, epoch] wait here until adopted (no range: adopted, served). Every streamlet
+        named must be ours and every field well formed; nothing changes otherwise."""
         self._check_epoch(meta)
-        source = meta.get("source")
-        entries = meta.get("entries")
         try:
-            src = (int(source[0]), int(source[1]))
-            todo = [(self.streamlets.get((sid, i)), sid, i, [int(g) for g in gs],
-                     {int(p): int(q) for p, q in highest}) for sid, i, gs, highest in entries]
-        except (TypeError, ValueError, IndexError):
-            raise InvalidArgument("pend needs source [broker, epoch] and entries [[stream_id, "
-                                  "streamlet, [group, ...], [[producer, sequence], ...]], ...]") from None
+            src = _ints(meta.get("source"), 2)
+            todo = [(self.streamlets.get((sid, i)), sid, i, [_ints(r, 2) for r in rs],
+                     dict(_ints(h, 2) for h in highest)) for sid, i, rs, highest in meta["entries"]]
+            if not all(0 <= lo <= hi < 1 << 32 for *_, rs, _ in todo for lo, hi in rs):
+                raise ValueError
+        except (TypeError, ValueError, KeyError):
+            raise InvalidArgument("pend needs source [broker, epoch] and entries [[stream_id, streamlet, "
+                                  "[[lo, hi], ...] group ids below 2**32, [[producer, sequence], ...]], "
+                                  "...]") from None
         for sl, sid, i, _, _ in todo:
             if sl is None:
                 raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.broker_id}")
-        for sl, _, _, groups, highest in todo:
-            if groups:
-                sl.pend(src, groups, highest)
+        for sl, _, _, ranges, highest in todo:
+            if ranges:
+                sl.pend(src, ranges, highest)
             elif src in sl.pending:
                 sl.unpend(src)
                 if not sl.pending and not sl.recovering:
@@ -219,6 +220,8 @@ class Takeover:
         return vlog, idx, segs + new
 
 
-def _pending(sl: Streamlet, group: int) -> bool:
-    """``group`` of a serving ``sl`` is to be adopted (``Streamlet.pend``)."""
-    return any(group in groups for groups in sl.pending.values())
+def _ints(v, n: int) -> tuple:
+    """``n`` non-negative ints from a wire list (``ValueError`` otherwise)."""
+    if not isinstance(v, list) or len(v) != n or not all(type(x) is int and x >= 0 for x in v):
+        raise ValueError
+    return tuple(v)
