@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import trio
 
@@ -87,45 +88,60 @@ class Adoptions:
         return self.coord.meta["deferred"]
 
     def poke(self) -> None:
+        """A hand-over or a membership change: every record is worth a try again now."""
+        self.due.clear()
         self.wake.set()
 
     def has(self, broker: int, epoch: int) -> bool:
         return key_of(broker, epoch) in self.records
 
-    def record(self, broker: int, epoch: int, deferred: dict, covered: list, complete: bool) -> None:
-        """At a hand-over: ``deferred`` ((stream id, streamlet) -> (groups, highest sequences))
-        of the incarnation is adopted after it (durable with the hand-over's commit). A record
-        of the same incarnation (an earlier hand-over of some of its streamlets, whose commit
-        was cut short) is merged into: its groups are still pending. The sequences are not
-        kept (a successor learns them from the adoption itself)."""
+    def record(self, broker: int, epoch: int, deferred: dict, covered: list, complete: bool,
+               handed: Iterable = ()) -> None:
+        """At a hand-over of ``handed`` ((stream id, streamlet) pairs): ``deferred`` ((stream
+        id, streamlet) -> (groups, highest sequences, a producer per group)) of the
+        incarnation is adopted after it (durable with the hand-over's commit). A record of the
+        same incarnation (an earlier hand-over of other streamlets of it, whose commit was cut
+        short) is merged into: its other streamlets' groups are still pending, the handed
+        ones are as this plan says; what a replay covered is the smaller, complete only if
+        both were. The sequences are not kept (a successor learns them from the adoption)."""
         k = key_of(broker, epoch)
         old = self.records.get(k)
-        groups = {(sid, i): ids(rs) for sid, i, rs in (old or {}).get("streamlets", [])}
-        for key, (gs, _) in deferred.items():
-            groups[key] = groups.get(key, set()) | set(gs)
-        if old is not None:   # what a replay covered only grows; complete only if both were
-            top = dict(old["covered"])
-            for v, last in covered:
-                top[v] = max(top.get(v, last), last)
-            covered, complete = sorted([v, last] for v, last in top.items()), complete and old["complete"]
+        kept = {(sid, i): (rs, tops) for sid, i, rs, tops in (old or {}).get("streamlets", [])}
+        for key in handed:
+            kept.pop(key, None)
+        for key, (gs, _, producers) in deferred.items():
+            kept[key] = (ranges(gs), self._tops(key[0], producers))
+        if old is not None:
+            low = dict(old["covered"])
+            covered = sorted([v, min(low.get(v, last), last)] for v, last in covered)
+            complete = complete and old["complete"]
         self.coord.log.set(("deferred", k), {
             "broker": broker, "epoch": epoch, "covered": covered, "complete": complete,
-            "streamlets": [[sid, i, ranges(gs)] for (sid, i), gs in sorted(groups.items())]})
+            "streamlets": [[sid, i, rs, tops] for (sid, i), (rs, tops) in sorted(kept.items())]})
+
+    def _tops(self, stream_id: int, producers: dict[int, int]) -> list[list[int]]:
+        """[[slot, newest group], ...] of pending groups (``producers``: group -> a producer)."""
+        q = next((s.groups for s in self.coord.streams.values() if s.id == stream_id), 1)
+        tops: dict[int, int] = {}
+        for g, p in producers.items():
+            tops[p % q] = max(tops.get(p % q, -1), g)
+        return sorted([slot, g] for slot, g in tops.items())
 
     def pending_for(self, owners: dict, own: tuple[int, int] | None = None, deferred: dict | None = None) -> dict:
         """What the new ``owners`` ((stream id, streamlet) -> member) of a recovery are to wait
         for: (member, source incarnation) -> pend entries; the recovery's own ``deferred``
         (source ``own``), and the groups of every record on streamlets it hands over."""
         out: dict = {}
-        for (sid, i), (gs, hs) in (deferred or {}).items():
+        for (sid, i), (gs, hs, producers) in (deferred or {}).items():
             m = owners[(sid, i)]
-            out.setdefault((m, own), []).append([sid, i, ranges(gs), sorted(hs.items())])
+            out.setdefault((m, own), []).append([sid, i, ranges(gs), sorted(hs.items()),
+                                                 self._tops(sid, producers)])
         for r in self.records.values():
             src = (r["broker"], r["epoch"])
-            for sid, i, rs in r["streamlets"]:
+            for sid, i, rs, tops in r["streamlets"]:
                 m = owners.get((sid, i))
                 if m is not None and src != own:
-                    out.setdefault((m, src), []).append([sid, i, rs, []])
+                    out.setdefault((m, src), []).append([sid, i, rs, [], tops])
         return out
 
     async def pend(self, calls: dict) -> None:
@@ -140,7 +156,7 @@ class Adoptions:
     def describe(self) -> list[dict]:
         return [{"broker": r["broker"], "epoch": r["epoch"],
                  "streamlets": len(r["streamlets"]),
-                 "groups": sum(hi - lo + 1 for _, _, rs in r["streamlets"] for lo, hi in rs),
+                 "groups": sum(hi - lo + 1 for _, _, rs, _ in r["streamlets"] for lo, hi in rs),
                  **self.state.get(k, {})} for k, r in sorted(self.records.items())]
 
     async def run(self) -> None:
@@ -182,7 +198,7 @@ class Adoptions:
         kept = [e for e in r["streamlets"] if e[0] in live]
         if len(kept) != len(r["streamlets"]):
             coord.log.set(("deferred", k), {**r, "streamlets": kept})
-        for sid, i, _ in kept:
+        for sid, i, *_ in kept:
             owner = live[sid].owners[i]
             if owner is None or coord.live_broker(*owner) is None:
                 return False
@@ -193,21 +209,22 @@ class Adoptions:
         broker, epoch = r["broker"], r["epoch"]
         live = {s.id: s for s in coord.streams.values()}
         owners, only, pending = {}, {}, {}
-        for sid, i, rs in r["streamlets"]:
+        for sid, i, rs, tops in r["streamlets"]:
             owners[(sid, i)] = coord.live_broker(*live[sid].owners[i])
             only[(sid, i)] = ids(rs)
-            pending[(sid, i)] = rs
+            pending[(sid, i)] = (rs, tops)
         if owners:
             await failpoints.hit("adoption.start", k)
             calls: dict = {}
             for (sid, i), m in owners.items():
-                calls.setdefault((m, (broker, epoch)), []).append([sid, i, pending[(sid, i)], []])
+                rs, tops = pending[(sid, i)]
+                calls.setdefault((m, (broker, epoch)), []).append([sid, i, rs, [], tops])
             await self.pend(calls)   # again: a new term or a retry starts from the record
             await self._repoint(broker, epoch, owners, only)
             async with trio.open_nursery() as n:
                 for (m, src), entries in calls.items():
                     n.start_soon(self._call, m, "pend", {"source": list(src),
-                                                         "entries": [[sid, i, [], []] for sid, i, *_ in entries]})
+                                                         "entries": [[sid, i, [], [], []] for sid, i, *_ in entries]})
         coord.log.delete(("deferred", k))
         if r["complete"]:
             coord.recovered.add(broker, epoch, r["covered"])

@@ -113,7 +113,7 @@ class Recovery:
                 "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
                 **{f"{p}_seconds": round(t, 4) for p, t in self.wall.items()},
                 "settle_seconds": round(self.settle_seconds, 4),
-                "deferred_groups": sum(len(gs) for gs, _ in self.deferred.values()),
+                "deferred_groups": sum(len(gs) for gs, *_ in self.deferred.values()),
                 "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
 
 
@@ -239,7 +239,7 @@ class RecoveryManager:
             deferred = rec.deferred or coord.adoptions.has(rec.broker, rec.epoch)
             if deferred:
                 coord.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
-                                       replayed.complete)
+                                       replayed.complete, [(streams[n].id, i) for n, i in plan])
             for (name, i), m in plan.items():
                 coord.set_owner(streams[name], i, m)
             if replayed.complete and not deferred:  # else what is left may be all there is of

@@ -207,17 +207,19 @@ class RecoveryPlan:
         missing from the index; and an adopted segment names only these copies, so a vseg
         with another copy (shorter, open, or corrupt elsewhere) is replayed, which reads
         each chunk from any copy holding it intact, rather than lose that copy.
-        ``any_whole``: every vseg with at least one whole intact copy, prefix or not (the
-        adoption after a hand-over, which can no longer replay)."""
+        ``any_whole``: up to the first vseg with no whole intact copy, however many others
+        are short or corrupt (the adoption after a hand-over, which can no longer replay)."""
         v = self._vlog(vlog)
-        if any_whole:
-            out = []
-            for s in sorted(v.vsegs):
-                end = _length(v.vsegs[s])
-                whole = [c.backup for c in v.vsegs[s] if c.final and not c.regions and c.length == end
+        if any_whole:   # still a prefix: a vseg missing in the middle must not pass for freed
+            out, s = [], v.vseg
+            while (copies := v.vsegs.get(s)) is not None:
+                end = _length(copies)
+                whole = [c.backup for c in copies if c.final and not c.regions and c.length == end
                          and not c.failed]
-                if whole and s >= v.vseg:
-                    out.append((s, sorted(whole)))
+                if not whole:
+                    break
+                out.append((s, sorted(whole)))
+                s += 1
             return out
         if v.prefix is not None and v.prefix[0] == v.vseg and not v.steps:   # no copy changed since
             return list(v.prefix[1])

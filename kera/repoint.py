@@ -70,7 +70,8 @@ class Repointed:
     replay_from: list       # [[stream id, streamlet, group, first segment replayed], ...]
     settle: Callable        # run beside the replay, before the hand-over
     # (stream id, streamlet) -> (its groups whose adoption reaches their end, each producer's
-    # highest sequence in them): adopted after the hand-over (``kera.adoption``), not here
+    # highest sequence in them, a producer of each): adopted after the hand-over
+    # (``kera.adoption``), not here
     deferred: dict = field(default_factory=dict)
     ended: set = field(default_factory=set)   # (stream id, streamlet, group) adopted whole
 
@@ -288,12 +289,14 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict |
 
 
 def _deferred(runs: list, indexes: dict) -> dict:
-    """(stream id, streamlet) -> (groups, producer -> highest sequence) of ``runs``."""
+    """(stream id, streamlet) -> (groups, producer -> highest sequence, group -> one of its
+    producers: its slot, ``producer % groups``) of ``runs``."""
     out: dict = {}
     for run in runs:
         a = run[0]
-        groups, highest = out.setdefault((a.stream, a.streamlet), (set(), {}))
+        groups, highest, producers = out.setdefault((a.stream, a.streamlet), (set(), {}, {}))
         groups.add(a.group)
+        producers[a.group] = int(a.rows[0, PRODUCER])
         if a.indexed:
             r = a.rows[0].tolist()
             got = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers()

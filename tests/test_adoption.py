@@ -25,36 +25,37 @@ def _streamlet() -> Streamlet:
 
 
 def test_reads_reaching_a_pending_group_wait_and_nothing_takes_its_id():
-    """Groups 5 and 7 of a dead incarnation are still to be adopted: a read that may reach
-    one (from below it, not past it) is refused as retriable, a read past them is served, a
-    consumer from latest starts past them, new groups are numbered past them, the groups
-    held below the newest pending one take no more chunks, and the producers' sequences in
-    them make a resend a duplicate. Once adopted, reads are served."""
+    """Groups 5 and 7 of a dead incarnation (slot 0, then 1) are still to be adopted: a read
+    that may reach one (from below it, not past it) is refused as retriable, a read past
+    them is served, a consumer from latest takes them as read, new groups are numbered past
+    them, a group held older than a pending group of its slot takes no more chunks (the
+    other slot's keeps its group), and the producers' sequences in them make a resend a
+    duplicate. Once adopted, reads are served."""
     sl = _streamlet()
     sl.recovering = True
-    sl.pend((4, 2), [[5, 5], [7, 7]], {9: 41})
+    sl.pend((4, 2), [[5, 5]], {9: 41}, {0: 5})
     sl.finish_recovery()
     with pytest.raises(Recovering):
         sl.read(0, {}, 1 << 20)
     with pytest.raises(Recovering):
-        sl.read(6, {0: DONE, 1: DONE}, 1 << 20)   # group 7 not read yet
-    sl.read(6, {7: DONE}, 1 << 20)                # read from a former owner already
-    sl.read(8, {}, 1 << 20)
-    low, latest = sl.latest()   # groups 0 and 1 are not durable to their end yet: read on
-    assert low == 0 and latest[5] == latest[7] == DONE and set(latest) == {0, 1, 5, 7}
-    assert sl.next_group == 8
-    assert sl.groups[0].closed and sl.groups[1].closed and sl.active == [None, None]
-    g, _, _ = sl.append(chunk.build(1, 0, 0, 1, [b"r"]), 0)
-    assert g.id == 8
+        sl.read(2, {0: DONE, 1: DONE}, 1 << 20)   # group 5 not read yet
+    sl.read(2, {5: DONE}, 1 << 20)                # read from a former owner already
+    sl.read(6, {}, 1 << 20)
+    low, latest = sl.latest()
+    assert low == 0 and latest[5] == DONE and set(latest) == {0, 1, 5}
+    assert sl.next_group == 6
+    assert sl.groups[0].closed and not sl.groups[1].closed and sl.active == [None, sl.groups[1]]
+    g, _, _ = sl.append(chunk.build(1, 0, 0, 1, [b"r"]), 0)   # slot 0: a new group past them
+    assert g.id == 6
     assert sl.check_sequence(9, 41) is not None and sl.check_sequence(9, 42) is None
-    assert sl.latest()[1][8] == sl.groups[8].durable_end()
-    sl.pend((3, 1), [[2, 3]], {})                 # another incarnation's, on the same streamlet
+    sl.pend((3, 1), [[7, 7]], {}, {1: 7})         # another incarnation's, on the same streamlet
+    assert sl.groups[1].closed and sl.active[1] is None and sl.next_group == 8
     sl.unpend((4, 2))
     with pytest.raises(Recovering):
         sl.read(0, {}, 1 << 20)
-    sl.read(0, {2: DONE, 3: DONE}, 1 << 20)
+    sl.read(0, {7: DONE}, 1 << 20)
     sl.unpend((3, 1))
-    assert not sl.pending
+    assert not sl.pending and not sl.pending_tops
     sl.read(0, {}, 1 << 20)
 
 
@@ -67,33 +68,37 @@ def _adoptions() -> Adoptions:
 
     def put(path, v):
         meta[path[0]][path[1]] = v
-    return Adoptions(SimpleNamespace(meta=meta, log=SimpleNamespace(set=put)))
+    streams = {"s": SimpleNamespace(id=1, groups=4)}
+    return Adoptions(SimpleNamespace(meta=meta, log=SimpleNamespace(set=put), streams=streams))
 
 
 def test_a_recovery_tells_its_new_owners_the_groups_a_record_still_holds():
     """A recovery hands over streamlets one of which has a pending adoption of an earlier
     incarnation (its new owner died before it was done): the new owner is told those groups
-    (as ranges of ids), beside the recovery's own with their sequences; streamlets not
-    handed over are not."""
+    (as ranges of ids, with the newest per slot), beside the recovery's own with their
+    sequences; streamlets not handed over are not."""
     ad = _adoptions()
-    ad.record(2, 2, {(1, 0): ({3, 4, 9}, {7: 10}), (1, 1): ({5}, {})}, [[0, 3]], True)
+    ad.record(2, 2, {(1, 0): ({3, 4, 9}, {7: 10}, {3: 7, 4: 6, 9: 5}), (1, 1): ({5}, {}, {5: 0})}, [[0, 3]], True)
     assert list(ad.records) == [key_of(2, 2)]
-    assert ad.records[key_of(2, 2)]["streamlets"] == [[1, 0, [[3, 4], [9, 9]]], [1, 1, [[5, 5]]]]
+    assert ad.records[key_of(2, 2)]["streamlets"] == [[1, 0, [[3, 4], [9, 9]], [[1, 9], [2, 4], [3, 3]]],
+                                                      [1, 1, [[5, 5]], [[0, 5]]]]
     new = _Member()
-    got = ad.pending_for({(1, 0): new}, (1, 1), {(1, 0): ({8}, {7: 20})})
-    assert got == {(new, (1, 1)): [[1, 0, [[8, 8]], [(7, 20)]]],
-                   (new, (2, 2)): [[1, 0, [[3, 4], [9, 9]], []]]}
+    got = ad.pending_for({(1, 0): new}, (1, 1), {(1, 0): ({8}, {7: 20}, {8: 7})})
+    assert got == {(new, (1, 1)): [[1, 0, [[8, 8]], [(7, 20)], [[3, 8]]]],
+                   (new, (2, 2)): [[1, 0, [[3, 4], [9, 9]], [], [[1, 9], [2, 4], [3, 3]]]]}
     assert ad.pending_for({(1, 0): new}, (2, 2)) == {}   # its own record: told from its plan
 
 
 def test_a_second_hand_over_of_the_same_incarnation_adds_to_its_record():
     """A hand-over whose commit was cut short left a record; the incarnation still owned
-    other streamlets, recovered again: their pending groups join the record (nothing of the
-    first is dropped), what the replays covered is the larger, complete only if both were."""
+    other streamlets, recovered again: their pending groups join the record, the first
+    hand-over's other streamlets keep theirs, a streamlet handed over again is as the new
+    plan says; what the replays covered is the smaller, complete only if both were."""
     ad = _adoptions()
-    ad.record(2, 2, {(1, 0): ({3, 4}, {})}, [[0, 3], [1, 5]], True)
-    ad.record(2, 2, {(1, 1): ({6}, {})}, [[0, 4]], False)
+    ad.record(2, 2, {(1, 0): ({3, 4}, {}, {3: 0, 4: 0}), (1, 2): ({1}, {}, {1: 0})},
+              [[0, 3], [1, 5]], True, [(1, 0), (1, 2)])
+    ad.record(2, 2, {(1, 1): ({6}, {}, {6: 1})}, [[0, 4], [1, 4]], False, [(1, 1), (1, 2)])
     r = ad.records[key_of(2, 2)]
-    assert r["streamlets"] == [[1, 0, [[3, 4]]], [1, 1, [[6, 6]]]]
-    assert r["covered"] == [[0, 4], [1, 5]] and r["complete"] is False
+    assert r["streamlets"] == [[1, 0, [[3, 4]], [[0, 4]]], [1, 1, [[6, 6]], [[1, 6]]]]
+    assert r["covered"] == [[0, 3], [1, 4]] and r["complete"] is False
     assert ad.has(2, 2) and not ad.has(2, 3)

@@ -172,6 +172,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 sl.recovering = recovering
             elif sl.recovering and recovering:   # an attempt again: it tells what is pending anew
                 sl.pending.clear()
+                sl.pending_tops.clear()
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
                 if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)

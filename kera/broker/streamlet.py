@@ -71,6 +71,7 @@ class Streamlet:
         # history, kera.adoption), as [lo, hi] ranges of ids: reads that reach them wait,
         # retention waits
         self.pending: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self.pending_tops: dict[tuple[int, int], dict[int, int]] = {}   # per source: slot -> newest
         self.memory = memory     # the broker's budget (see MemoryBudget)
         self.filled: deque = deque()  # (group, segment) that take no more chunks, oldest first
         self.freed_bytes = 0     # chunk bytes freed by retention
@@ -288,32 +289,38 @@ class Streamlet:
         self.appended_bytes += seg.head
         return True
 
-    def pend(self, source: tuple[int, int], ranges, highest: dict[int, int]) -> None:
-        """``source``'s closed groups (``ranges`` of ids, [lo, hi] each) are adopted here
-        after we serve: until ``unpend``, a read reaching one of them is refused
-        (``Recovering``, retried), retention frees nothing, no new group takes their ids, and
-        the groups held that are older than the newest of them take no more chunks (their
-        slot moved on); the producers' highest sequences in them are noted now, so a resend
-        of one of their chunks stays a duplicate."""
-        self.pending[source] = sorted((int(lo), int(hi)) for lo, hi in ranges)
-        top = max(hi for _, hi in self.pending[source])
-        self.next_group = max(self.next_group, top + 1)
+    def pend(self, source: tuple[int, int], ranges, highest: dict[int, int], tops: dict[int, int]) -> None:
+        """``source``'s closed groups (``ranges`` of ids, [lo, hi] each; ``tops``: per slot,
+        the newest of them) are adopted here after we serve. Until ``unpend``: a read
+        reaching one of them is refused (``Recovering``, retried), retention frees nothing,
+        no new group takes their ids, and the groups held that are pending (partly adopted)
+        or older than a pending group of their slot take no more chunks; the producers'
+        highest sequences in them are noted now, so a resend of one of their chunks stays a
+        duplicate."""
+        self.pending[source] = sorted((lo, hi) for lo, hi in ranges)
+        self.pending_tops[source] = dict(tops)
+        self.next_group = max(self.next_group, self.pending_top() + 1)
         self.note_adopted(highest)
         if not self.recovering:
-            self._close_below(top)
+            self._close_pending()
 
     def pending_top(self) -> int:
         """The newest pending group id, -1 if none."""
-        return max((rs[-1][1] for rs in self.pending.values()), default=-1)
+        return max((hi for rs in self.pending.values() for _, hi in rs), default=-1)
 
     def is_pending(self, gid: int) -> bool:
         return any(lo <= gid <= hi for rs in self.pending.values() for lo, hi in rs)
 
-    def _close_below(self, top: int) -> None:
-        """Groups held up to ``top`` take no more chunks: a newer group of their slot is
-        pending, and a group partly adopted must be adopted to its end, never appended to."""
+    def _close_pending(self) -> None:
+        """A group held that is pending (partly adopted: adopted to its end, never appended
+        to), or older than a pending group of its slot (that slot moved on), takes no more
+        chunks, as ``finish_recovery`` closes a slot's older groups."""
+        tops: dict[int, int] = {}
+        for t in self.pending_tops.values():
+            for slot, top in t.items():
+                tops[slot] = max(tops.get(slot, -1), top)
         for gid, g in self.groups.items():
-            if gid <= top and not g.closed:
+            if not g.closed and (gid < tops.get(g.slot, -1) or self.is_pending(gid)):
                 g.closed = True
                 for slot, a in enumerate(self.active):
                     if a is g:
@@ -321,6 +328,7 @@ class Streamlet:
 
     def unpend(self, source: tuple[int, int]) -> None:
         """``source``'s groups are adopted (durable, claimed): served like any other."""
+        self.pending_tops.pop(source, None)
         if self.pending.pop(source, None) is not None:
             self._closed_last()
             self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
@@ -373,7 +381,7 @@ class Streamlet:
     def finish_recovery(self) -> None:
         """Rebuilt: the newest group of each slot is active again, older ones are closed."""
         if self.pending:
-            self._close_below(self.pending_top())
+            self._close_pending()
         newest: dict[int, Group] = {}
         for gid in sorted(self.groups):
             g = self.groups[gid]
@@ -455,19 +463,12 @@ class Streamlet:
         return out
 
     def latest(self) -> tuple[int, dict]:
-        """Positions at the durable end of every group: a consumer starting 'latest'. With
-        groups pending, the reader starts at the lowest group still taking chunks (the
-        pending ones below it are behind it), and the pending ones above it count as read,
-        even those partly adopted."""
+        """Positions at the durable end of every group: a consumer starting 'latest'. Groups
+        pending (``pend``) count as read, even those partly adopted."""
         positions = {}
         for gid, g in self.groups.items():
             positions[gid] = DONE if g.finished() else g.durable_end()
-        if not self.pending:
-            return 0, positions
-        top = self.pending_top()
-        low = min([gid for gid, pos in positions.items() if pos != DONE and not self.is_pending(gid)]
-                  + [top + 1])
         for rs in self.pending.values():
             for lo, hi in rs:
-                positions.update(dict.fromkeys(range(max(lo, low), hi + 1), DONE))
-        return low, {gid: pos for gid, pos in positions.items() if gid >= low}
+                positions.update(dict.fromkeys(range(lo, hi + 1), DONE))
+        return 0, positions

@@ -26,6 +26,8 @@ from .streamlet import Streamlet
 
 log = logging.getLogger("kera.broker")
 
+MAX_PENDING_GROUPS = 1 << 20   # group ids one streamlet may wait for from one dead incarnation
+
 
 class Takeover:
     """``BrokerService``'s recovery RPCs (its state: streamlets, vlogs, claims)."""
@@ -140,19 +142,22 @@ class Takeover:
         try:
             src = _ints(meta.get("source"), 2)
             todo = [(self.streamlets.get((sid, i)), sid, i, [_ints(r, 2) for r in rs],
-                     dict(_ints(h, 2) for h in highest)) for sid, i, rs, highest in meta["entries"]]
-            if not all(0 <= lo <= hi < 1 << 32 for *_, rs, _ in todo for lo, hi in rs):
-                raise ValueError
+                     dict(_ints(h, 2) for h in highest), dict(_ints(t, 2) for t in tops))
+                    for sid, i, rs, highest, tops in meta["entries"]]
+            for *_, rs, _, _ in todo:
+                if not all(lo <= hi < 1 << 32 for lo, hi in rs) or \
+                        sum(hi - lo + 1 for lo, hi in rs) > MAX_PENDING_GROUPS:
+                    raise ValueError
         except (TypeError, ValueError, KeyError):
-            raise InvalidArgument("pend needs source [broker, epoch] and entries [[stream_id, streamlet, "
-                                  "[[lo, hi], ...] group ids below 2**32, [[producer, sequence], ...]], "
-                                  "...]") from None
-        for sl, sid, i, _, _ in todo:
+            raise InvalidArgument(f"pend needs source [broker, epoch] and entries [[stream_id, streamlet, "
+                                  f"[[lo, hi], ...] group ids below 2**32 (at most {MAX_PENDING_GROUPS}), "
+                                  f"[[producer, sequence], ...], [[slot, newest group], ...]], ...]") from None
+        for sl, sid, i, *_ in todo:
             if sl is None:
                 raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.broker_id}")
-        for sl, _, _, ranges, highest in todo:
+        for sl, _, _, ranges, highest, tops in todo:
             if ranges:
-                sl.pend(src, ranges, highest)
+                sl.pend(src, ranges, highest, tops)
             elif src in sl.pending:
                 sl.unpend(src)
                 if not sl.pending and not sl.recovering:
