@@ -43,7 +43,7 @@ import trio
 
 from . import failpoints
 from .errors import Unavailable
-from .recovery import Recovery
+from .recovery import Recovery, holdings
 from .recovery_plan import RecoveryPlan
 from .repoint import repoint
 
@@ -234,18 +234,7 @@ class Adoptions:
         """The pending groups adopted from the backups' copies, durable and claimed."""
         coord = self.coord
         backups = [m for m in coord.members["backup"].values() if m.alive]
-        listings: dict[int, list] = {}
-        floors: dict[int, int] = {}
-
-        async def listing(b) -> None:
-            res, _ = await coord.pool.call(b.addr, "list", {"broker": broker}, timeout=10)
-            listings[b.id] = res["segments"]
-            for _, vlog, floor in res.get("floors") or []:
-                floors[vlog] = max(floors.get(vlog, 0), floor)
-
-        async with trio.open_nursery() as n:
-            for b in backups:
-                n.start_soon(listing, b)
+        listings, floors = await holdings(coord.pool, backups, broker)
         rec = Recovery(broker, epoch, [])   # repoint's phase timers and counters
         plan = RecoveryPlan(broker, epoch, listings, [], floors)
         got = await repoint(coord.pool, rec, plan, {b.id: b.addr for b in backups}, owners, only=only)

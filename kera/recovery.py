@@ -59,6 +59,25 @@ WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may stil
 PHASES = ("fence", "assign", "list", "plan", "index", "repoint", "adopt", "replay", "handover")
 
 
+async def holdings(pool, backups: list, broker: int) -> tuple[dict[int, list], dict[int, int]]:
+    """What ``backups`` hold of ``broker``'s vlogs (``list``, all at once): backup id -> its
+    copies, and vlog -> its floor (vsegs below were released by the broker: retention).
+    One that does not answer fails the caller: it may hold the only intact copy."""
+    listings: dict[int, list] = {}
+    floors: dict[int, int] = {}
+
+    async def listing(b) -> None:
+        r, _ = await pool.call(b.addr, "list", {"broker": broker}, timeout=10)
+        listings[b.id] = r["segments"]
+        for _, vlog, floor in r.get("floors") or []:
+            floors[vlog] = max(floors.get(vlog, 0), floor)
+
+    async with trio.open_nursery() as n:
+        for b in backups:
+            n.start_soon(listing, b)
+    return listings, floors
+
+
 class LogIncomplete(Unavailable):
     """A log ends early while a backup that may hold the rest is down or failed: try again later."""
 
@@ -254,19 +273,8 @@ class RecoveryManager:
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         # 3. what the backups hold of this incarnation; one that does not answer fails this
         # attempt: it may hold the only intact copy
-        listings: dict[int, list] = {}
-        floors: dict[int, int] = {}  # vlog -> vsegs below were released by the broker (retention)
-
-        async def listing(b) -> None:
-            r = await self._call(b.addr, "list", {"broker": rec.broker}, timeout=10)
-            listings[b.id] = r["segments"]
-            for _, vlog, floor in r.get("floors") or []:
-                floors[vlog] = max(floors.get(vlog, 0), floor)
-
         with rec.phase("list"):
-            async with trio.open_nursery() as n:
-                for b in backups:
-                    n.start_soon(listing, b)
+            listings, floors = await holdings(self.coord.pool, backups, rec.broker)
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
             replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)

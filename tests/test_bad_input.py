@@ -215,7 +215,7 @@ async def test_memory_budget_refuses_with_a_typed_error(make_cluster):
 
 
 async def test_bad_internal_requests_to_brokers_and_backups(cluster):
-    """The servers' own RPCs (assign, recover, replicate, replay) refuse malformed or misplaced
+    """The servers' own RPCs (assign, recover, pend, replicate, replay) refuse malformed or misplaced
     requests with typed errors; the cluster keeps serving and nothing stored changes."""
     coord = cluster.coordinator
     s = await setup_good(coord)
@@ -250,6 +250,19 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
         # a replayed chunk for a streamlet that is not being recovered here
         assert await code(broker["addr"], "recover", {"epoch": ep},
                           chunk.build(s.id, 0, 999, 0, [b"x"])) == "not_owner"
+        # groups pending a dead broker's adoption (kera.adoption): malformed, backwards, too
+        # many, or one streamlet not held here after one that is: refused, none pending (the
+        # stream is still read whole below)
+        mine = [s.id, 0, [[5, 7]], [[3, 1]], [[0, 7]]]
+        for bad in ({"source": [1], "entries": [mine]}, {"source": [1, 1], "entries": "x"},
+                    {"source": [1, 1], "entries": [[s.id, 0, [[7, 5]], [], []]]},
+                    {"source": [1, 1], "entries": [[s.id, 0, [[0, 1 << 21]], [], []]]},
+                    {"source": [1, 1], "entries": [[s.id, 0, [[-1, 2]], [], []]]}):
+            assert await code(broker["addr"], "pend", {"epoch": ep, **bad}) == "invalid_argument"
+        assert await code(broker["addr"], "pend", {"epoch": ep, "source": [1, 1], "entries": [
+            mine, [s.id + 10_000, 0, [[5, 7]], [], []]]}) == "not_owner"
+        r, _ = await pool.call(broker["addr"], "pull", {"streamlets": [[s.id, 0, 0, {}]]}, timeout=5)
+        assert not r["errors"], r   # read from its start: nothing pending
         # a replicate past a copy's end says the copy's length; one of garbage bytes is refused
         key = {"broker": 4242, "epoch": 1, "vlog": 1 << 32, "vseg": 0}
         with pytest.raises(KeraError) as e:

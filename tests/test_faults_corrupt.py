@@ -14,7 +14,7 @@ import trio
 
 from kera.backup.segment_file import FILE_HEADER_SIZE, SUFFIX
 
-from .damage import flip_bits
+from .damage import flip_bits, flip_middle
 from .workload import consume_all, create, produce_all, send_and_flush, status
 
 AFTER = 9  # the producer index written in the values of records sent after recovery
@@ -42,8 +42,7 @@ def flip_middle_bytes(segdir: str, prefix: str = "", names: set | None = None) -
         size = os.path.getsize(path)
         if size <= FILE_HEADER_SIZE + 200:
             continue  # no chunk worth the name
-        pos = FILE_HEADER_SIZE + (size - FILE_HEADER_SIZE) // 2
-        flip_bits(path, pos, 0x5A)
+        flip_middle(path)
         flipped += 1
     return flipped
 

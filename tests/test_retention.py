@@ -21,13 +21,13 @@ import trio
 from kera_client import open_admin, open_consumer, open_producer
 
 from kera import chunk
-from kera.backup.segment_file import FILE_HEADER_SIZE, file_name
+from kera.backup.segment_file import file_name
 from kera.errors import Fenced, InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
 from kera.recovery import PHASES
 from kera.rpc import open_pool
 
 from .conftest import free_port
-from .damage import flip_bits
+from .damage import flip_middle
 from .test_replication import backup_listings
 from .workload import values
 
@@ -642,9 +642,7 @@ def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
         dead = _most(h.frozen.values())
         mine, bad = h.middle_of(dead)
         (survivor,) = h.frozen[bad] - {dead}
-        path = h.file_of(survivor, bad)
-        size = os.path.getsize(path)
-        flip_bits(path, FILE_HEADER_SIZE + (size - FILE_HEADER_SIZE) // 2, 0x5A)
+        flip_middle(h.file_of(survivor, bad))
         c.kill(h.names[dead])
 
         async def settled():
@@ -709,9 +707,7 @@ def test_rot_found_by_scrubbing_gets_the_frozen_copy_made_on_another_backup(make
         await h.start()
         x = _most(h.frozen.values())
         _, bad = h.middle_of(x)
-        path = h.file_of(x, bad)
-        size = os.path.getsize(path)
-        flip_bits(path, FILE_HEADER_SIZE + (size - FILE_HEADER_SIZE) // 2, 0x5A)
+        flip_middle(h.file_of(x, bad))
 
         async def elsewhere():
             got = await h.holders(set())
