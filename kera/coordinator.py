@@ -40,6 +40,7 @@ from .metalog import MetaLog
 from .names import check_stream_name, is_internal
 from .recovered import Recovered
 from .recovery import RecoveryManager
+from .repoint import CHUNK_ROWS_NEWEST
 from .rpc import Pool, Service
 from .stream_meta import StreamMeta
 
@@ -151,6 +152,7 @@ class Coordinator(Membership, Service):
         self.data_dir = data_dir
         self.dead_after = dead_after
         self.repoint_evicted = True  # recovery re-points settled history (kera.repoint)
+        self.chunk_rows_newest = CHUNK_ROWS_NEWEST   # bytes per vlog indexed per chunk (the rest as runs)
         self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
         self.addr = addr
@@ -649,6 +651,10 @@ def main(argv=None) -> None:
                     help="recovery hands a dead broker's settled segments to their new owners as "
                          "evicted segments read from the backups' copies, instead of replaying "
                          "them (default; --no-repoint-evicted replays everything retained)")
+    ap.add_argument("--chunk-rows-newest", type=int, default=CHUNK_ROWS_NEWEST, metavar="BYTES",
+                    help="a recovery plans each vlog's settled history from runs of chunks, but for "
+                         "its newest BYTES, where the groups it continues mostly lie, from a row per "
+                         "chunk (default 8 MiB; 0: runs throughout)")
     ap.add_argument("--retention-bytes", type=int, default=-1,
                     help="default retention.bytes of new streams (-1: unbounded)")
     ap.add_argument("--retention-ms", type=int, default=-1,
@@ -658,6 +664,9 @@ def main(argv=None) -> None:
     addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
     coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr)
     coord.repoint_evicted = args.repoint_evicted
+    if args.chunk_rows_newest < 0:
+        ap.error("--chunk-rows-newest is a number of bytes, 0 or more")
+    coord.chunk_rows_newest = args.chunk_rows_newest
     coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,
                                            "retention_ms": args.retention_ms})
 

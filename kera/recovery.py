@@ -107,6 +107,9 @@ class Recovery:
         self.cpu = dict.fromkeys(PHASES, 0.0)    # the coordinator's CPU seconds per phase
         self.settle_seconds = 0.0           # the longest settle of a new owner (beside the replay)
         self.deferred: dict = {}            # groups adopted after the hand-over (kera.adoption)
+        self.index_rows = 0                 # rows the re-pointing planned from (a row per run of chunks)
+        self.index_chunks = 0               # ... the chunks they stand for
+        self.reindexed_vsegs = 0            # vsegs asked again for their chunks' own rows
 
     @contextmanager
     def phase(self, name: str):
@@ -133,6 +136,8 @@ class Recovery:
                 **{f"{p}_seconds": round(t, 4) for p, t in self.wall.items()},
                 "settle_seconds": round(self.settle_seconds, 4),
                 "deferred_groups": sum(len(gs) for gs, *_ in self.deferred.values()),
+                "index_rows": self.index_rows, "index_chunks": self.index_chunks,
+                "reindexed_vsegs": self.reindexed_vsegs,
                 "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
 
 
@@ -288,7 +293,8 @@ class RecoveryManager:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
             got = await repoint(self.coord.pool, rec, replay_plan, addrs, owners, replayed={
-                (streams[n].id, i) for (n, i) in plan if streams[n].compacted})
+                (streams[n].id, i) for (n, i) in plan if streams[n].compacted},
+                newest=self.coord.chunk_rows_newest)
             replay_from, settle, rec.deferred = got.replay_from, got.settle, got.deferred
         # the groups adopted after the hand-over (this recovery's, and those a record still
         # holds for streamlets it hands over: ``kera.adoption``), told beside the replay

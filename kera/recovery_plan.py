@@ -121,7 +121,7 @@ class _Copy:
     @property
     def final(self) -> bool:
         """Closed, with nothing of unknown extent: its length is the vseg's length for sure."""
-        return self.closed and all(end <= self.length for _, end in self.regions)
+        return self.closed and (not self.regions or all(end <= self.length for _, end in self.regions))
 
     def run(self, offset: int) -> int:
         """Intact bytes readable from ``offset`` on (0: cannot serve ``offset``)."""
@@ -153,6 +153,8 @@ class _Vlog:
     floor: int = 0     # the vsegs below were released by the broker
     skip: set[int] = field(default_factory=set)  # settled vsegs whose chunks are all re-pointed
     prefix: tuple | None = None   # (vseg, its settled prefix from there), before any step
+    top: int = -1      # the highest vseg listed (the listings are all there is: it never moves)
+    lengths: dict[int, int] = field(default_factory=dict)   # vseg -> ``_length``, until a step on it
 
 
 class RecoveryPlan:
@@ -175,12 +177,16 @@ class RecoveryPlan:
                     continue
                 if int(sg["vseg"]) < floors.get(sg["vlog"], 0):
                     continue  # released: its file is on its way out
+                corrupt = sg.get("corrupt")
                 regions = sorted((int(c["offset"]), int(c["offset"]) + int(c["length"]))
-                                 for c in sg.get("corrupt") or [])
+                                 for c in corrupt) if corrupt else []
                 copy = _Copy(backup, int(sg["length"]), int(sg.get("chunks", 0)),
                              bool(sg.get("closed")), sg.get("checksum"), regions)
-                v = self._vlogs.setdefault(sg["vlog"], _Vlog(sg["vlog"], {}))
+                if (v := self._vlogs.get(sg["vlog"])) is None:
+                    v = self._vlogs[sg["vlog"]] = _Vlog(sg["vlog"], {})
                 v.vsegs.setdefault(int(sg["vseg"]), []).append(copy)
+        for v in self._vlogs.values():
+            v.top = max(v.vsegs, default=-1)
         self.busy: dict[int, int] = {}      # steps out per backup
         self.assigned: dict[int, int] = {}  # bytes given to each backup so far
 
@@ -192,11 +198,11 @@ class RecoveryPlan:
     def vseg_length(self, vlog: int, vseg: int) -> int:
         """The known length of a vseg: a closed copy's, else the longest copy's (corrupt
         bytes included); nothing lies past the close, whatever a damaged copy claims."""
-        return _length(self._vlogs[vlog].vsegs[vseg])
+        return _known(self._vlogs[vlog], vseg)
 
     @property
     def total_bytes(self) -> int:
-        return sum(_length(cs) for v in self._vlogs.values() for cs in v.vsegs.values())
+        return sum(_known(v, s) for v in self._vlogs.values() for s in v.vsegs)
 
     # -- re-pointing (settled history stays on the backups) ----------------------------
     def settled(self, vlog: int, any_whole: bool = False) -> list[tuple[int, list[int]]]:
@@ -213,7 +219,7 @@ class RecoveryPlan:
         if any_whole:   # still a prefix: a vseg missing in the middle must not pass for freed
             out, s = [], v.vseg
             while (copies := v.vsegs.get(s)) is not None:
-                end = _length(copies)
+                end = _known(v, s)
                 whole = [c.backup for c in copies if c.final and not c.regions and c.length == end
                          and not c.failed]
                 if not whole:
@@ -225,7 +231,7 @@ class RecoveryPlan:
             return list(v.prefix[1])
         out, s = [], v.vseg
         while (copies := v.vsegs.get(s)) is not None:
-            end = _length(copies)
+            end = _known(v, s)
             whole = [c.backup for c in copies if c.final and not c.regions and c.length == end
                      and not c.failed]
             if not whole or len(whole) < sum(not c.failed for c in copies):
@@ -261,17 +267,17 @@ class RecoveryPlan:
                     return v.outcome
                 if not v.vsegs:
                     return self._truncate(v, "missing", "no copy of any of its vsegs")
-                if any(s > v.vseg for s in v.vsegs):
+                if v.top > v.vseg:
                     return self._truncate(v, "missing", f"vseg {v.vseg} has no copy")
-                last = max(v.vsegs)
+                last = v.top
                 closed = any(c.final for c in v.vsegs[last])
                 v.outcome = Done(vlog, last, self.vseg_length(vlog, last), closed)
                 return v.outcome
-            end = _length(copies)
+            end = _known(v, v.vseg)
             if v.offset == 0 and v.vseg in v.skip:
                 v.offset = end  # every chunk in it was re-pointed (or belongs to nobody recovered)
             if v.offset >= end:
-                if not any(c.final for c in copies) and any(s > v.vseg for s in v.vsegs):
+                if v.top > v.vseg and not any(c.final for c in copies):
                     # an open vseg followed by others: a vlog's durable head passes a vseg only
                     # once its copies acknowledged its close, so nothing after was acknowledged
                     v.outcome = Done(vlog, v.vseg, end, False)
@@ -312,6 +318,7 @@ class RecoveryPlan:
             raise PlanError(f"vlog {vlog} vseg {vseg}: stopped at {stopped_at}, outside "
                             f"[{st.offset}, {copy.length}]")
         v.step = None
+        v.lengths.pop(vseg, None)   # the copy's length or regions change below
         self.busy[backup] -= 1
         v.offset = stopped_at
         if reason == END:
@@ -367,7 +374,7 @@ class RecoveryPlan:
         lost = []
         copies = v.vsegs.get(v.vseg)
         lost.append(LostRange(v.id, v.vseg, v.offset, _length(copies) if copies else None, why))
-        for s in range(v.vseg + 1, max(v.vsegs, default=v.vseg) + 1):
+        for s in range(v.vseg + 1, max(v.top, v.vseg) + 1):
             cs = v.vsegs.get(s)
             lost.append(LostRange(v.id, s, 0, _length(cs) if cs else None,
                                   f"after the end at vseg {v.vseg} offset {v.offset}"
@@ -375,6 +382,14 @@ class RecoveryPlan:
         failed = frozenset(c.backup for c in copies or [] if c.failed and c.length > v.offset)
         v.outcome = Truncated(v.id, v.vseg, v.offset, reason, tuple(lost), failed)
         return v.outcome
+
+
+def _known(v: _Vlog, vseg: int) -> int:
+    """``_length`` of ``v``'s copies of ``vseg``, kept until a step on it changes a copy."""
+    n = v.lengths.get(vseg)
+    if n is None:
+        n = v.lengths[vseg] = _length(v.vsegs[vseg])
+    return n
 
 
 def _length(copies: list[_Copy]) -> int:

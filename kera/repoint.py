@@ -36,10 +36,11 @@ import numpy as np
 import trio
 
 from . import chunk, failpoints, index_chunk
-from .errors import KeraError
+from .errors import KeraError, Unavailable
 from .recovery_plan import RecoveryPlan
 from .repoint_plan import (
     COLUMNS,
+    COUNT,
     FLAGS,
     GROUP,
     LAST,
@@ -54,13 +55,16 @@ from .repoint_plan import (
     VOFF,
     VSEG,
     Adopted,
+    Repoint,
     plan_repoint,
 )
 
 log = logging.getLogger("kera.recovery")
 
 INDEX_TIMEOUT = 30.0
-INDEX_BATCH = 64     # vsegs asked of a backup in one index call
+INDEX_BATCH = 256    # vsegs asked of a backup in one index call
+# bytes of each vlog's newest settled vsegs a recovery indexes per chunk (the older ones as runs)
+CHUNK_ROWS_NEWEST = 8 << 20
 ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
 ANSWER = FLAGS + 1 - VOFF  # u64s per chunk in an index answer: the row's columns VOFF..FLAGS
 
@@ -76,65 +80,60 @@ class Repointed:
     ended: set = field(default_factory=set)   # (stream id, streamlet, group) adopted whole
 
 
-async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
-                  replayed: frozenset = frozenset(), only: dict | None = None) -> Repointed:
-    """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries, what to
-    run beside the replay, before the hand-over (``settle``), and the groups whose adoption
-    reaches their end, left for after the hand-over (``deferred``).
-    ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
-    (stream id, streamlet) pairs replayed whole, never re-pointed. ``only``: (stream id,
-    streamlet) -> groups: the adoption after a hand-over (``kera.adoption``), of those
-    groups alone, into streamlets that serve; ``settle`` then adopts them all, from the
-    whole copies of each vseg (``RecoveryPlan.settled``'s ``any_whole``)."""
-    # after a hand-over nothing of these groups can be replayed any more: a vseg is adopted
-    # from its whole copies even if another copy of it is short or damaged
-    settled = {v: plan.settled(v, any_whole=only is not None) for v in plan.vlogs}
-    answers: list[np.ndarray] = []   # per vseg indexed: its rows
-    indexes: dict[tuple[int, int, int], bytes] = {}  # (vlog, vseg, offset) -> index chunk
-    cut: dict[int, int] = {}   # vlog -> first settled vseg no copy could index
-    # each vseg asked of one of its copies' backups (spread over them), in batches; one that
-    # fails there is asked of its next copy, in the next round
+async def _index(pool, broker: int, addrs: dict, vsegs: list):
+    """Ask the backups for the index of ``vsegs`` ([(vlog, vseg, backups holding it whole,
+    as runs of chunks or not)]): each of one of its copies' backups (spread over them), in
+    batches; one that fails there is asked of its next copy, in the next round. Returns the
+    rows (arrays of (n, COLUMNS)), the index chunks by (vlog, vseg, offset), and per vlog the
+    first vseg no copy could index."""
+    answers: list[np.ndarray] = []
+    indexes: dict[tuple[int, int, int], bytes] = {}
+    cut: dict[int, int] = {}
     todo: dict[int, list] = {}
-    for vlog, vsegs in settled.items():
-        for vseg, backups in vsegs:
-            k = vseg % len(backups)
-            todo.setdefault(backups[k], []).append((vlog, vseg, backups[k + 1:] + backups[:k]))
+    for vlog, vseg, backups, runs in vsegs:
+        k = vseg % len(backups)
+        todo.setdefault(backups[k], []).append((vlog, vseg, runs, backups[k + 1:] + backups[:k]))
 
-    def take(vlog: int, vseg: int, data: memoryview, rows: int) -> None:
+    def rows_of(a: np.ndarray, runs: bool) -> np.ndarray:
+        out = np.empty((len(a), COLUMNS), np.uint64)
+        out[:, VOFF:FLAGS + 1] = a[:, :ANSWER]
+        out[:, LAST] = out[:, SEGMENT]
+        out[:, COUNT] = a[:, ANSWER] if runs else 1
+        return out
+
+    def take(vlog: int, vseg: int, runs: bool, data: memoryview, rows: int) -> None:
         """One vseg's answer: its rows, then its index chunks (verified)."""
         found = chunk.scan(data[rows:])
-        a = np.frombuffer(data[:rows], "<u8").reshape(-1, ANSWER)
+        a = np.frombuffer(data[:rows], "<u8").reshape(-1, ANSWER + runs)
         marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
         if len(marks) != len(found):
             raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
-        out = np.empty((len(a), COLUMNS), np.uint64)
-        out[:, VLOG], out[:, VSEG], out[:, VOFF:FLAGS + 1] = vlog, vseg, a
-        out[:, LAST] = out[:, SEGMENT]
+        out = rows_of(a, runs)
+        out[:, VLOG], out[:, VSEG] = vlog, vseg
         for i, (h, off) in zip(marks.tolist(), found, strict=True):  # an index chunk covers a run
             data_i = bytes(data[rows + off:rows + off + h.size])
             out[i, LAST] += len(index_chunk.parse(data_i, h).counts) - 1
             indexes[(vlog, vseg, int(a[i, 0]))] = data_i
         answers.append(out)
 
-    def take_rows(b: int, got: list, failed: list) -> None:
+    def take_rows(b: int, got: list, failed: list, runs: bool) -> None:
         """Answers holding rows only (no index chunk), decoded together: one array for the
         batch, not a few per vseg; one with a row flagged INDEX is a bad answer."""
         if not got:
             return
-        a = np.frombuffer(b"".join(part for _, part in got), "<u8").reshape(-1, ANSWER)
-        counts = [len(part) // (8 * ANSWER) for _, part in got]
+        width = ANSWER + runs
+        a = np.frombuffer(b"".join(part for _, part in got), "<u8").reshape(-1, width)
+        counts = [len(part) // (8 * width) for _, part in got]
         which = np.repeat(np.arange(len(got)), counts)
         good = np.ones(len(got), bool)
         for k in set(which[a[:, FLAGS - VOFF] & chunk.INDEX != 0].tolist()):
-            vlog, vseg, _ = item = got[k][0]
+            vlog, vseg, *_ = item = got[k][0]
             log.warning("index of vlog %d vseg %d on backup %d: index rows but no index chunks", vlog, vseg, b)
             failed.append(item)
             good[k] = False
-        out = np.empty((len(a), COLUMNS), np.uint64)
+        out = rows_of(a, runs)
         out[:, VLOG] = np.repeat([item[0] for item, _ in got], counts)
         out[:, VSEG] = np.repeat([item[1] for item, _ in got], counts)
-        out[:, VOFF:FLAGS + 1] = a
-        out[:, LAST] = out[:, SEGMENT]
         answers.append(out if good.all() else out[good[which]])
 
     async def ask(b: int, items: list, failed: list) -> None:
@@ -142,7 +141,8 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
             batch, items = items[:INDEX_BATCH], items[INDEX_BATCH:]
             try:
                 meta, payload = await pool.call(addrs[b], "index", {
-                    "broker": rec.broker, "vsegs": [[v, s] for v, s, _ in batch]}, timeout=INDEX_TIMEOUT)
+                    "broker": broker, "vsegs": [[v, s, runs] for v, s, runs, _ in batch]},
+                    timeout=INDEX_TIMEOUT)
                 data = memoryview(b"".join(payload) if isinstance(payload, list) else bytes(payload))
                 entries = meta["answers"]
                 if not isinstance(entries, list) or len(entries) != len(batch):
@@ -152,9 +152,9 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 failed += batch
                 continue
             at = 0
-            plain = []   # (item, its rows): answers without index chunks
+            plain: tuple[list, list] = ([], [])   # (item, its rows): answers without index chunks
             for i, (item, e) in enumerate(zip(batch, entries, strict=True)):
-                vlog, vseg, _ = item
+                vlog, vseg, runs, _ = item
                 try:
                     if not isinstance(e, dict):
                         raise TypeError(f"answer {e!r} is not a map")
@@ -170,46 +170,85 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                         raise TypeError(f"bytes {n!r} past the payload")
                     part, at = data[at:at + n], at + n  # the next answer's bytes start here either way
                     rows = e["rows"]
-                    if not isinstance(rows, int) or not 0 <= rows <= n or rows % (8 * ANSWER):
+                    if not isinstance(rows, int) or not 0 <= rows <= n or rows % (8 * (ANSWER + runs)):
                         raise TypeError(f"rows {rows!r} is not a whole number of rows in the answer")
                     if rows == n:
-                        plain.append((item, part))
+                        plain[runs].append((item, part))
                     else:
-                        take(vlog, vseg, part, rows)
+                        take(vlog, vseg, runs, part, rows)
                 except (KeraError, KeyError, TypeError, AttributeError) as err:
                     log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, err)
                     failed.append(item)
-            take_rows(b, plain, failed)
+            take_rows(b, plain[False], failed, False)
+            take_rows(b, plain[True], failed, True)
 
+    while todo:
+        failed: dict[int, list] = {}
+        async with trio.open_nursery() as n:
+            for b, items in todo.items():
+                failed[b] = []
+                n.start_soon(ask, b, items, failed[b])
+        todo = {}
+        for items in failed.values():
+            for vlog, vseg, runs, rest in items:
+                if rest:
+                    todo.setdefault(rest[0], []).append((vlog, vseg, runs, rest[1:]))
+                else:
+                    cut[vlog] = min(cut.get(vlog, vseg), vseg)
+    return answers, indexes, cut
+
+
+async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
+                  replayed: frozenset = frozenset(), only: dict | None = None,
+                  newest: int = CHUNK_ROWS_NEWEST) -> Repointed:
+    """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries, what to
+    run beside the replay, before the hand-over (``settle``), and the groups whose adoption
+    reaches their end, left for after the hand-over (``deferred``).
+    ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
+    (stream id, streamlet) pairs replayed whole, never re-pointed. ``only``: (stream id,
+    streamlet) -> groups: the adoption after a hand-over (``kera.adoption``), of those
+    groups alone, into streamlets that serve; ``settle`` then adopts them all, from the
+    whole copies of each vseg (``RecoveryPlan.settled``'s ``any_whole``). ``newest``: bytes of
+    each vlog's newest settled vsegs a recovery indexes per chunk (older ones as runs)."""
+    # after a hand-over nothing of these groups can be replayed any more: a vseg is adopted
+    # from its whole copies even if another copy of it is short or damaged
+    settled = {v: plan.settled(v, any_whole=only is not None) for v in plan.vlogs}
+    # a recovery plans the older history from runs of chunks (a row per run, ``index_runs``):
+    # its groups are closed, adopted after the hand-over. The segments it adopts before the
+    # replay (groups the replay continues, mostly in the newest vsegs) need their chunks' own
+    # rows (their index chunks name every chunk): asked again where only runs came. The
+    # adoption after a hand-over builds index chunks of all it plans: chunks' rows throughout.
+    runs = only is None
+    items = []   # (vlog, vseg, backups, as runs)
+    for vlog, vsegs in settled.items():
+        below = 0   # bytes of the vlog's settled vsegs newer than this one
+        for vseg, backups in reversed(vsegs):
+            items.append((vlog, vseg, backups, runs and below >= newest))
+            below += plan.vseg_length(vlog, vseg)
     with rec.phase("index"):
-        while todo:
-            failed: dict[int, list] = {}
-            async with trio.open_nursery() as n:
-                for b, items in todo.items():
-                    failed[b] = []
-                    n.start_soon(ask, b, items, failed[b])
-            todo = {}
-            for items in failed.values():
-                for vlog, vseg, rest in items:
-                    if rest:
-                        todo.setdefault(rest[0], []).append((vlog, vseg, rest[1:]))
-                    else:
-                        cut[vlog] = min(cut.get(vlog, vseg), vseg)
+        answers, indexes, cut = await _index(pool, rec.broker, addrs, items)
     with rec.phase("repoint"):
         # the settled prefix ends where a vseg could not be indexed: later ones are replayed
         whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
         rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64),
                           owners, cut, only)
         rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
+        rec.index_rows += len(rows)
+        rec.index_chunks += int(rows[:, COUNT].sum())
         ended = rp.ended()
-        first, later = [], []   # runs adopted before the replay, and after it (or beside)
-        for run in _runs(rp.adopted):
-            a = run[0]
-            (later if (a.stream, a.streamlet, a.group) in ended else first).append(run)
-        deferred = {}
+        spans: tuple[list, list] = ([], [])   # adopted before the replay, and after it (or beside)
+        for i in range(len(rp.spans)):
+            spans[rp.ends(i)].append(i)
+        first = list(_runs([a for i in spans[False] for a in rp.span(i)]))
+        deferred, later = {}, []
         if only is None:   # a recovery: the groups adopted whole wait for after the hand-over
-            deferred = _deferred(later, indexes)
-            later = []
+            deferred = _deferred(rp, spans[True], indexes)
+        else:
+            later = list(_runs([a for i in spans[True] for a in rp.span(i)]))
+    if runs:
+        with rec.phase("index"):
+            rec.reindexed_vsegs += await _chunk_rows(pool, rec.broker, addrs, first, whole)
+    with rec.phase("repoint"):
         per_owner = _requests(rec, first, indexes, whole, owners)
         members = {m.id: m for m in owners.values()}
 
@@ -229,7 +268,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 n.start_soon(adopt, members[mid], mine)
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
-    rec.adopted_segments += len(rp.adopted)
+    rec.adopted_segments += rp.segments
     rec.adopted_bytes += rp.bytes
 
     async def settle() -> None:
@@ -262,6 +301,40 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     return Repointed([[*k, s] for k, s in rp.replay_from.items()], settle, deferred, ended)
 
 
+async def _chunk_rows(pool, broker: int, addrs: dict, runs: list, whole: dict) -> int:
+    """The segments of ``runs`` planned from runs of several chunks get their chunks' own
+    rows, which their index chunks list, asked of the backups for the vsegs holding them:
+    the groups that continue in the replay whose chunks lie past the newest vsegs indexed
+    per chunk, not the history. A vseg no copy indexes again, or rows that disagree with the
+    runs planned from, fail the recovery's attempt (it is planned again). Returns how many
+    vsegs were asked."""
+    segs = [a for run in runs for a in run if not a.indexed and a.chunks > len(a.rows)]
+    if not segs:   # a run of one chunk is that chunk's row
+        return 0
+    at = np.concatenate([a.rows[:, [VLOG, VSEG]] for a in segs])
+    need = sorted(set(map(tuple, at.tolist())))
+    answers, _, cut = await _index(pool, broker, addrs, [(v, s, list(whole[v][s]), False) for v, s in need])
+    if cut:
+        raise Unavailable(f"the index of vlogs' vsegs {cut} could not be read again")
+    rows = np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64)
+    rows = rows[rows[:, FLAGS] & (chunk.INDEX | chunk.CLOSE) == 0]
+    rows = rows[np.lexsort(tuple(rows[:, c] for c in (OFFSET, SEGMENT, GROUP, STREAMLET, STREAM)))]
+    key = rows[:, [STREAM, STREAMLET, GROUP, SEGMENT]]
+    starts = np.flatnonzero(np.append(True, (key[1:] != key[:-1]).any(axis=1))) if len(rows) else []
+    ends = [*starts[1:], len(rows)]
+    where = {tuple(key[lo].tolist()): (int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)}
+    for a in segs:
+        lo, hi = where.get((a.stream, a.streamlet, a.group, a.segment), (0, 0))
+        mine = rows[lo:hi]
+        end = mine[:, OFFSET] + mine[:, SIZE]
+        if (hi - lo != a.chunks or not len(mine) or mine[0, OFFSET] != a.rows[0, OFFSET]
+                or int(end[-1]) != a.head or (mine[1:, OFFSET] != end[:-1]).any()):
+            raise Unavailable(f"segment {a.segment} of group {a.group} of streamlet {a.streamlet} of stream "
+                              f"{a.stream}: its chunks' rows disagree with the runs planned from")
+        a.rows = mine
+    return len(need)
+
+
 def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict | None = None) -> np.ndarray:
     """The rows of streamlets someone recovers (of ``only``'s groups, if given), in vsegs
     before their vlog's ``cut``."""
@@ -288,24 +361,31 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict |
     return rows if keep.all() else rows[keep]
 
 
-def _deferred(runs: list, indexes: dict) -> dict:
+def _deferred(rp: Repoint, spans: list[int], indexes: dict) -> dict:
     """(stream id, streamlet) -> (groups, producer -> highest sequence, group -> one of its
-    producers: its slot, ``producer % groups``) of ``runs``."""
+    producers: its slot, ``producer % groups``) of the plan's ``spans``: a group's rows at
+    once, not its segments one by one (the closed history is most of them)."""
     out: dict = {}
-    for run in runs:
-        a = run[0]
-        groups, highest, producers = out.setdefault((a.stream, a.streamlet), (set(), {}, {}))
-        groups.add(a.group)
-        producers[a.group] = int(a.rows[0, PRODUCER])
-        if a.indexed:
-            r = a.rows[0].tolist()
-            got = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers()
+    for i in spans:
+        sid, sl, gid, k0, k1 = rp.spans[i]
+        groups, highest, producers = out.setdefault((sid, sl), (set(), {}, {}))
+        groups.add(gid)
+        producers[gid] = int(rp.rows[rp.starts[k0], PRODUCER])
+        if not any(rp.indexed[k0:k1]):   # records only: its segments' rows follow each other
+            rows = rp.rows[rp.starts[k0]:rp.starts[k1 - 1] + rp.counts[k1 - 1]]
+            got = [index_chunk.highest_sequences(rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]])]
         else:
-            rows = np.concatenate([x.rows for x in run])
-            got = index_chunk.highest_sequences(rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]])
-        for p, q in got.items():
-            if q > highest.get(p, -1):
-                highest[p] = q
+            got = []
+            for a in rp.span(i):
+                if a.indexed:
+                    r = a.rows[0].tolist()
+                    got.append(index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers())
+                else:
+                    got.append(index_chunk.highest_sequences(a.rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]]))
+        for g in got:
+            for p, q in g.items():
+                if q > highest.get(p, -1):
+                    highest[p] = q
     return out
 
 
@@ -334,7 +414,7 @@ def _runs(adopted: list[Adopted]):
     run: list[Adopted] = []
     rows = 0
     for a in adopted:
-        n = len(a.rows)
+        n = a.chunks
         if run and (a.indexed or a.segment != run[-1].segment + 1 or a.group != run[-1].group
                     or (a.stream, a.streamlet) != (run[-1].stream, run[-1].streamlet)
                     or rows + n > index_chunk.MAX_ROWS):

@@ -30,24 +30,31 @@ vsegs: that segment is dropped (retention frees whole segments), as replay
 drops it. A settled vseg none of whose chunks is replayed is not read at all;
 a close chunk is never adopted and never keeps its vseg replayed by itself.
 
-The rows are one u64 array (a row per chunk, columns below), planned with
-array operations: Python loops run per segment or group, never per chunk.
+The rows are one u64 array (a row per chunk, or per run of a producer's
+consecutive chunks in a segment and a vseg: the plan is the same, and a
+recovery plans from runs, a row per few hundred KiB of history rather than
+per chunk), planned with array operations: Python loops run per segment or
+group, never per chunk.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .chunk import CLOSE, INDEX
 from .index_chunk import MAX_ROWS
 
-# the columns of a row: one chunk of a settled vseg, as a backup's index lists it
-VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, LAST = range(13)
+# the columns of a row: one chunk of a settled vseg as a backup's index lists it, or a run of
+# chunks (``kera.backup.replica.index_runs``: one producer's, following each other in one
+# segment and one vseg, SIZE their bytes, SEQUENCE the highest, COUNT how many)
+VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, LAST, COUNT = \
+    range(14)
 _32, _40 = np.uint64(32), np.uint64(1 << 40)
-COLUMNS = 13        # VOFF..FLAGS are the backup's answer; VLOG, VSEG the vseg it answered for;
-# LAST the last segment the row covers: SEGMENT, or an index chunk's run's last (``kera.repoint``)
+COLUMNS = 14        # VOFF..FLAGS are the backup's answer (and COUNT, of runs); VLOG, VSEG the vseg
+# it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's last
+# (``kera.repoint``)
 
 
 @dataclass(slots=True)
@@ -64,28 +71,70 @@ class Adopted:
     closed: bool = False  # its group's last segment, proved complete by the group's close chunk
     indexed: bool = False  # one index chunk of the dead broker's own
     head: int = 0         # its last chunk's end (a segment of records)
+    chunks: int = 1       # chunks its rows stand for (a row may be a run of them)
 
 
-@dataclass(slots=True)
 class Repoint:
-    adopted: list[Adopted] = field(default_factory=list)
-    # (stream, streamlet, group) -> first segment replayed: the backups skip chunks below it
-    replay_from: dict[tuple[int, int, int], int] = field(default_factory=dict)
-    skip: dict[int, set[int]] = field(default_factory=dict)   # vlog -> vsegs not replayed at all
+    """The plan: per group the segments re-pointed (a *span* of the sorted segments, made into
+    ``Adopted`` only when asked: a recovery asks for the groups the replay continues, not
+    for the closed history it adopts after the hand-over), where the replay starts, and the
+    vsegs not replayed at all."""
+
+    def __init__(self) -> None:
+        # (stream, streamlet, group) -> first segment replayed: the backups skip chunks below it
+        self.replay_from: dict[tuple[int, int, int], int] = {}
+        self.skip: dict[int, set[int]] = {}   # vlog -> vsegs not replayed at all
+        self.spans: list[tuple[int, int, int, int, int]] = []   # (stream, streamlet, group, k0, k1)
+        self.rows = np.zeros((0, COLUMNS), np.uint64)   # sorted: per segment k, rows from starts[k]
+        self.starts: list[int] = []
+        self.counts: list[int] = []      # rows of segment k
+        self.segment: list[int] = []
+        self.heads: list[int] = []
+        self.chunks: list[int] = []
+        self.indexed: list[bool] = []
+        self.closed: set[int] = set()    # segments k proved complete by their group's close chunk
+        self._adopted: list[Adopted] | None = None
+
+    def span(self, i: int) -> list[Adopted]:
+        """The re-pointed segments of span ``i``, in order."""
+        sid, sl, gid, k0, k1 = self.spans[i]
+        out = []
+        for k in range(k0, k1):
+            at = self.starts[k]
+            if self.indexed[k]:
+                out.append(Adopted(sid, sl, gid, self.segment[k], self.rows[at:at + 1], indexed=True))
+            else:
+                out.append(Adopted(sid, sl, gid, self.segment[k], self.rows[at:at + self.counts[k]],
+                                   k in self.closed, head=self.heads[k], chunks=self.chunks[k]))
+        return out
+
+    @property
+    def adopted(self) -> list[Adopted]:
+        """Every re-pointed segment, in (stream, streamlet, group, segment) order."""
+        if self._adopted is None:
+            self._adopted = [a for i in range(len(self.spans)) for a in self.span(i)]
+        return self._adopted
+
+    @property
+    def segments(self) -> int:
+        return sum(k1 - k0 for *_, k0, k1 in self.spans)
 
     @property
     def bytes(self) -> int:
         """Chunk bytes re-pointed from the rows (index chunks' segments not counted)."""
-        return sum(a.head for a in self.adopted if not a.indexed)
+        return sum(self.heads[k] for *_, k0, k1 in self.spans for k in range(k0, k1) if not self.indexed[k])
+
+    def ends(self, i: int) -> bool:
+        """Span ``i`` reaches its group's end: its last segment proved complete by the group's
+        close chunk, or an index chunk flagged CLOSE."""
+        k = self.spans[i][4] - 1
+        return k in self.closed or self.indexed[k] and bool(int(self.rows[self.starts[k], FLAGS]) & CLOSE)
 
     def ended(self) -> set[tuple[int, int, int]]:
-        """The (stream, streamlet, group) whose re-pointed segments reach the group's end: the
-        last one proved complete by the group's close chunk, or an index chunk flagged CLOSE.
+        """The (stream, streamlet, group) whose re-pointed segments reach the group's end.
         The replay sends no chunk of theirs (every one is below ``replay_from``), so their
-        adoption may be built beside it; the other groups' adoption comes first."""
-        last = {(a.stream, a.streamlet, a.group): a for a in self.adopted}
-        return {k for k, a in last.items()
-                if a.closed or a.indexed and int(a.rows[0, FLAGS]) & CLOSE}
+        adoption may be built beside it or after the hand-over; the others' adoption comes first."""
+        return {sp[:3] for i, sp in enumerate(self.spans) if self.ends(i)}
 
 
 def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
@@ -100,7 +149,6 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
     close_rows = rows[close]
     for sid, sl, gid, s, off in close_rows[:, [STREAM, STREAMLET, GROUP, SEGMENT, OFFSET]].tolist():
         closes.setdefault((sid, sl, gid), set()).add((s, off))
-    rows = rows[~close]
     index = rows[:, FLAGS] & INDEX != 0
     # sorted by (stream, streamlet), (group, segment), then an index chunk first in its segment
     # (the one covering the longest run first), then offset: three u64 keys, the header's
@@ -110,6 +158,7 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
     gs = (rows[:, GROUP] << _32) | rows[:, SEGMENT]
     at = np.where(index, _40 - np.uint64(1) - rows[:, LAST], _40 + rows[:, OFFSET])
     order = np.lexsort((at, gs, sl))
+    order = order[~close[order]]   # close chunks apart (one gather of the rows, not two)
     rows, index, sl, gs = rows[order], index[order], sl[order], gs[order]
     out = Repoint()
     n = len(rows)
@@ -120,52 +169,67 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         new[1:, 1] = (sl[1:] != sl[:-1]) | (gs[1:] >> _32 != gs[:-1] >> _32)   # a group starts
         new[1:, 0] = new[1:, 1] | (gs[1:] != gs[:-1])                         # a segment starts
         first = np.flatnonzero(new[:, 0])
-        count = np.diff(np.append(first, n))
+        m = len(first)
+        count = np.diff(np.append(first, n))        # rows per segment
+        chunks = np.add.reduceat(rows[:, COUNT], first)   # chunks per segment
         end = rows[:, OFFSET] + rows[:, SIZE]
         gap = ~new[:, 0]
         gap[1:] &= rows[1:, OFFSET] != end[:-1]
         whole = (rows[first, OFFSET] == 0) & (np.add.reduceat(gap, first) == 0)
         head = end[first + count - 1]
-        groups = np.flatnonzero(new[first, 1])
-        taken = np.zeros(len(first), bool)
-        ids = rows[first][:, [STREAM, STREAMLET, GROUP, SEGMENT]].tolist()
-        lasts = rows[first, LAST].tolist()
-        starts, counts, heads = first.tolist(), count.tolist(), head.tolist()
-        whole, indexed = whole.tolist(), index[first].tolist()
-        for g0, g1 in zip(groups.tolist(), [*groups[1:].tolist(), len(first)], strict=True):
-            sid, sl, gid, s0 = ids[g0]
-            if (sid, sl) in replayed:
+        g0s = np.flatnonzero(new[first, 1])             # each group's first segment
+        g1s = np.append(g0s[1:], m)
+        seg = rows[first, SEGMENT].astype(np.int64)
+        indexed = index[first]
+        # a run of the dead broker's own adoptions reaches its run's last segment
+        reach = np.where(indexed, np.maximum(rows[first, LAST].astype(np.int64), seg), seg)
+        # the segment each must follow: the one before it, or (a group's first) none, or when the
+        # group began in released vsegs (its first segment does not start at 0: dropped) that one
+        dropped = rows[first[g0s], OFFSET] != 0
+        js = g0s + dropped
+        prev = np.empty(m, np.int64)
+        prev[1:] = reach[:-1]
+        prev[g0s] = seg[g0s] - 1
+        follow = js[dropped & (js < g1s)]
+        prev[follow] = seg[follow - 1]
+        last = np.zeros(m, bool)
+        last[g1s - 1] = True
+        # a segment of records is whole, not too many chunks, and proved complete if last
+        closed = np.zeros(m, bool)
+        gid_of = {}
+        if closes:
+            ids = rows[first[g0s]][:, [STREAM, STREAMLET, GROUP]].tolist()
+            gid_of = {tuple(k): i for i, k in enumerate(ids)}
+        for key, marks in closes.items():
+            i = gid_of.get(key)
+            if i is not None:
+                k = int(g1s[i]) - 1
+                closed[k] = (int(seg[k]), int(head[k])) in marks
+        ok = (seg == prev + 1) & (indexed | ((~last | closed) & whole & (chunks <= MAX_ROWS)))
+        bad = np.flatnonzero(~ok)
+        es = bad[np.minimum(np.searchsorted(bad, js), len(bad) - 1)] if len(bad) else np.full(len(js), m)
+        es = np.where((es >= js) & (es < g1s), es, g1s)   # each group's first segment not re-pointed
+        taken = np.zeros(m, bool)
+        out.rows, out.starts, out.counts, out.segment = rows, first.tolist(), count.tolist(), seg.tolist()
+        out.heads, out.chunks, out.indexed = head.tolist(), chunks.tolist(), indexed.tolist()
+        reached = reach.tolist()
+        keys = rows[first[g0s]][:, [STREAM, STREAMLET, GROUP]].tolist()
+        for (sid, sl, gid), g0, j, e in zip(keys, g0s.tolist(), js.tolist(), es.tolist(), strict=True):
+            if e <= j or (sid, sl) in replayed:
                 continue
-            j = g0 + int(rows[starts[g0], OFFSET] != 0)  # began in released vsegs: dropped
-            prev = s0 if j > g0 else s0 - 1
-            marks = closes.get((sid, sl, gid), ())
-            adopted = []
-            for k in range(j, g1):
-                s, at = ids[k][3], starts[k]
-                if s != prev + 1:
-                    break
-                if indexed[k]:  # a run of the dead broker's own adoptions, as it stands
-                    adopted.append(Adopted(sid, sl, gid, s, rows[at:at + 1], indexed=True))
-                    prev = max(lasts[k], s)
-                    continue
-                # a segment of records: whole, not too many chunks, and proved complete
-                closed = k == g1 - 1 and (s, heads[k]) in marks
-                if (k == g1 - 1 and not closed) or not whole[k] or counts[k] > MAX_ROWS:
-                    break
-                adopted.append(Adopted(sid, sl, gid, s, rows[at:at + counts[k]], closed, head=heads[k]))
-                prev = s
-            if adopted:
-                out.adopted += adopted
-                out.replay_from[(sid, sl, gid)] = prev + 1
-                taken[g0:j + len(adopted)] = True
+            out.spans.append((sid, sl, gid, j, e))
+            out.replay_from[(sid, sl, gid)] = reached[e - 1] + 1
+            taken[g0:e] = True
+        out.closed = set(np.flatnonzero(closed & ~indexed).tolist())
     # a settled vseg is skipped when every chunk in it is taken; a close chunk counts only while
     # its segment is replayed (else the new owner would not learn its group closed)
-    left = rows[~np.repeat(taken, count if n else 0)]
+    left = ~np.repeat(taken, count if n else 0)
+    left_vlog, left_vseg = rows[left, VLOG], rows[left, VSEG]
     kept = [(v, s) for v, s, sid, sl, gid, seg in close_rows[:, [VLOG, VSEG, STREAM, STREAMLET, GROUP,
                                                                  SEGMENT]].tolist()
             if out.replay_from.get((sid, sl, gid), 0) <= seg]
     for vlog, vsegs in settled.items():
-        busy = np.sort(left[left[:, VLOG] == vlog, VSEG])
+        busy = np.sort(left_vseg[left_vlog == vlog])
         busy = set(busy[np.append(True, busy[1:] != busy[:-1])].tolist()) if len(busy) else set()
         busy.update(s for v, s in kept if v == vlog)
         for s in vsegs:

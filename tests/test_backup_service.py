@@ -25,6 +25,7 @@ import trio
 from kera import chunk, index_chunk
 from kera.backup import segment_file as sf
 from kera.backup.membership import load_id
+from kera.backup.replica import index_runs
 from kera.coordinator import Coordinator
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
 from kera.rpc import open_pool
@@ -861,8 +862,20 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
             got = meta["answers"]
             assert [sorted(e) for e in got] == [["error", "message"], ["bytes", "rows"], ["error", "message"]]
             assert got[1]["bytes"] == sum(map(len, parts if isinstance(parts, list) else [parts]))
+            # as runs of chunks (what a recovery plans from): each vseg's rows joined on its own
+            meta, parts = await pool.call(bk.addr, "index", {"broker": 1, "vsegs": [[0, 1, True], [0, 0, True],
+                                                                                  [0, 1, False], [0, 1, True]]})
+            data = b"".join(parts) if isinstance(parts, list) else bytes(parts)
+            assert meta["answers"][1]["error"] == "checksum"
+            for e, want in zip(meta["answers"][::2] + meta["answers"][3:], (index_runs(rows), rows, index_runs(rows)),
+                               strict=True):
+                assert data[:e["rows"]] == want.astype("<u8").tobytes()
+                assert data[e["rows"]:e["bytes"]] == tail
+                data = data[e["bytes"]:]
+            assert data == b""
             for bad in ({"broker": 1, "vsegs": []}, {"broker": 1, "vsegs": [[0]]}, {"broker": 1, "vlog": 0, "vseg": 1},
-                        {"vsegs": [[0, 1]]}, {"broker": 1, "vsegs": [[0, -1]]}, {"broker": 1, "vsegs": [[0, 1]] * 257}):
+                        {"vsegs": [[0, 1]]}, {"broker": 1, "vsegs": [[0, -1]]}, {"broker": 1, "vsegs": [[0, 1]] * 257},
+                        {"broker": 1, "vsegs": [[0, 1, 1]]}, {"broker": 1, "vsegs": [[0, 1, True, 0]]}):
                 with pytest.raises(InvalidArgument):
                     await pool.call(bk.addr, "index", bad)
 

@@ -13,7 +13,7 @@ import trio
 from kera import chunk
 from kera.backup import segment_file as sf
 from kera.backup import store as store_module
-from kera.backup.replica import INDEX_COLUMNS, Replica
+from kera.backup.replica import INDEX_COLUMNS, Replica, index_runs
 from kera.backup.service import BackupService
 from kera.backup.store import (
     APPEND,
@@ -312,6 +312,30 @@ def test_a_closed_replica_keeps_its_index_rows_within_the_bound_and_gives_them_b
     assert s.replicas[other].index is None and s.index_bytes == 240
     s.drop(KEY)
     assert s.index_bytes == 0 and rep.index is None
+
+
+def test_index_runs_join_a_producers_chunks_that_follow_each_other_and_nothing_else():
+    """Runs of chunks (what a recovery plans from): consecutive plain chunks of one producer in
+    one segment, following each other in the segment and in the vseg, are one row (first
+    offsets, sizes summed, the highest sequence) and their count; a flagged chunk, another
+    producer, segment or group, a gap, or another vseg's rows start a new row."""
+    def row(voff, size, group=2, segment=0, offset=None, producer=5, seq=0, flags=0):
+        return [voff, size, 3, 1, group, segment, voff if offset is None else offset, producer, seq, flags]
+    rows = [row(0, 10, seq=1), row(10, 20, seq=2), row(30, 5, seq=3),     # one run
+            row(35, 7, flags=chunk.CLOSE),                                 # flagged: its own
+            row(42, 10, producer=6, seq=1), row(52, 10, producer=6, seq=2),  # another producer
+            row(62, 10, producer=6, seq=3, offset=63),                      # a gap in the segment
+            row(72, 10, segment=1, offset=0, seq=4),                        # another segment
+            row(0, 10, segment=1, offset=10, seq=5), row(10, 10, segment=1, offset=20, seq=6)]
+    a = np.array(rows, np.uint64)
+    got = index_runs(a, [8]).tolist()   # rows 8.. are of another vseg
+    assert [r[-1] for r in got] == [3, 1, 2, 1, 1, 2]
+    assert got[0] == [0, 35, 3, 1, 2, 0, 0, 5, 3, 0, 3]
+    assert got[2][:2] == [42, 20] and got[2][8] == 2
+    assert got[5] == [0, 20, 3, 1, 2, 1, 10, 5, 6, 0, 2]
+    assert [r[-1] for r in index_runs(a).tolist()] == [3, 1, 2, 1, 1, 2]   # 72+10 != 0: no join anyway
+    assert index_runs(a[:0]).shape == (0, INDEX_COLUMNS + 1)
+    assert index_runs(a, [0, 10]).tolist() == index_runs(a).tolist()   # no vseg starts there
 
 
 def test_a_file_read_is_not_served_when_its_replica_is_dropped_meanwhile(tmp_path):

@@ -14,14 +14,14 @@ def rows_of(vseg: int, group: int, segment: int, sizes, at: int = 0, flags: int 
     """Index rows (see ``kera.repoint_plan``'s columns) of one segment's chunks in one vseg of vlog 1."""
     out, off = [], 0
     for i, n in enumerate(sizes):
-        out.append((1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags, segment))
+        out.append((1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags, segment, 1))
         off += n
     return out
 
 
 def close_row(vseg: int, group: int, segment: int, offset: int, at: int) -> list[tuple]:
     """A group's close chunk, as the index lists it."""
-    return [(1, vseg, at, 120, 7, 0, group, segment, offset, 3, 0, chunk.CLOSE, segment)]
+    return [(1, vseg, at, 120, 7, 0, group, segment, offset, 3, 0, chunk.CLOSE, segment, 1)]
 
 
 def plan(rows, settled, **kw):
@@ -124,7 +124,7 @@ def test_the_dead_brokers_closed_index_chunk_is_repointed_as_it_stands():
 
 
 def test_a_closed_last_segment_with_a_gap_or_in_a_replayed_streamlet_is_not_adopted():
-    gap = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + [(1, 2, 0, 30, 7, 0, 0, 3, 60, 3, 9, 0, 3)]
+    gap = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + [(1, 2, 0, 30, 7, 0, 0, 3, 60, 3, 9, 0, 3, 1)]
     rp = plan(gap + close_row(2, 0, 3, 90, 30), {1: [1, 2]})
     assert [a.segment for a in rp.adopted] == [2] and rp.skip == {}
     rows = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + close_row(1, 0, 3, 50, 250)
@@ -134,8 +134,8 @@ def test_a_closed_last_segment_with_a_gap_or_in_a_replayed_streamlet_is_not_adop
 
 def test_an_index_chunk_of_a_run_covers_its_segments_and_the_longest_run_is_taken():
     # the dead broker adopted segments 0..2 in one index chunk, and 0..4 in another (a retry)
-    run = [r[:12] + (2,) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
-    longer = [r[:2] + (300,) + r[3:12] + (4,) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
+    run = [r[:12] + (2, 1) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
+    longer = [r[:2] + (300,) + r[3:12] + (4, 1) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
     rows = run + longer + rows_of(1, 0, 5, [100, 100]) + rows_of(1, 0, 6, [50], 200) + rows_of(2, 0, 7, [80])
     rp = plan(rows, {1: [0, 1, 2]})
     assert [(a.segment, a.indexed) for a in rp.adopted] == [(0, True), (5, False), (6, False)]

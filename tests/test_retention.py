@@ -262,12 +262,17 @@ def test_reader_before_retained_range_gets_out_of_range_or_resets(make_cluster):
     assert got[0] > 0, "the reset consumer did not skip the freed records"
 
 
-def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_cluster):
+@pytest.mark.parametrize("index", ["newest_per_chunk", "runs_throughout"])
+def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_cluster, index):
     """kill -9 the broker of a stream retaining 48 MiB with a 32 MiB budget (most of it
     evicted): the recovery completes into another broker with the same budget, and the
-    whole retained range is read back exactly once and in order."""
+    whole retained range is read back exactly once and in order. Planned from runs of chunks
+    throughout (``--chunk-rows-newest 0``), the segments of the groups the replay continues
+    get their chunks' own rows in a second round, and the result is the same."""
     budget = 32 * MiB
-    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)])
+    runs = ["--chunk-rows-newest", "0"] if index == "runs_throughout" else []
+    c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)],
+                     coordinator_args=["--dead-after", "2.0", *runs])
     retention = 48 * MiB
     n = 64_000
 
@@ -296,11 +301,15 @@ def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_c
 
     rec, took, arr, stats = trio.run(main)
     assert not rec["lost"], rec
+    assert rec["index_chunks"] > rec["index_rows"] > 0, rec   # one producer's chunks: runs
+    assert (rec["reindexed_vsegs"] > 0) == bool(runs), rec
     assert len(arr) and (arr == np.arange(int(arr[0]), n, dtype=np.uint64)).all(), "not the retained suffix"
     assert len(arr) * (SIZE + 64) >= retention
     assert all(b["memory"] <= budget for b in stats)
     print(f"\nrecovery of {rec['bytes'] / MiB:.1f} MiB in {rec['seconds']} s ({took:.1f} s from the kill "
-          f"to the hand-over seen); {len(arr)} retained records read back")
+          f"to the hand-over seen); {len(arr)} retained records read back; planned from "
+          f"{rec['index_rows']} rows for {rec['index_chunks']} chunks, {rec['reindexed_vsegs']} vsegs "
+          f"asked again")
 
 
 async def wait_recovered(c, s: dict, timeout: float, dead: int | None = None) -> dict:

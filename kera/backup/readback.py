@@ -21,13 +21,13 @@ from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, Pro
 from . import disk
 from .fields import U63, uint, vseg_key
 from .replay import parse_replay_from, parse_routes, replay
-from .replica import INDEX_COLUMNS, Replica, index_rows
+from .replica import INDEX_COLUMNS, Replica, index_rows, index_runs
 from .store import BackupStore
 
 log = logging.getLogger("kera.backup")
 
 INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
-INDEX_VSEGS = 256              # vsegs one index request may name (the recovery asks 64 at a time)
+INDEX_VSEGS = 256              # vsegs one index request may name (the recovery asks up to that many)
 MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
 
@@ -85,15 +85,19 @@ class ReadBack:
         producer, sequence, flags, from each verified header; then its index chunks
         (``kera.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
         (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
-        the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off)."""
+        the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
+        A vseg asked as ``[vlog, vseg, true]`` gets rows of runs of chunks instead
+        (``index_runs``: 11 u64s, the last a count)."""
         broker = uint(meta, "broker")
         vsegs = meta.get("vsegs")
         if not isinstance(vsegs, list) or not 0 < len(vsegs) <= INDEX_VSEGS or not all(
-                isinstance(v, list) and len(v) == 2 and all(type(x) is int and 0 <= x < U63 for x in v)
-                for v in vsegs):
-            raise InvalidArgument(f"index needs vsegs: [[vlog, vseg], ...], 1 to {INDEX_VSEGS} of them")
+                isinstance(v, list) and len(v) in (2, 3) and all(type(x) is int and 0 <= x < U63 for x in v[:2])
+                and (len(v) == 2 or type(v[2]) is bool) for v in vsegs):
+            raise InvalidArgument(f"index needs vsegs: [[vlog, vseg], ...] (or [vlog, vseg, runs]), 1 to "
+                                  f"{INDEX_VSEGS} of them")
         answers, parts, size = [], [], 0
-        for vlog, vseg in vsegs:
+        runs = []   # (its answer, its parts) of the vsegs asked as runs
+        for vlog, vseg, *as_runs in vsegs:
             if size >= INDEX_ANSWER:
                 answers.append({"later": True})
                 continue
@@ -111,10 +115,22 @@ class ReadBack:
                 answers.append({"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
                 continue
             answers.append({"rows": len(mine[0]), "bytes": n})
-            parts += mine
+            parts.append(mine)
+            if as_runs and as_runs[0]:
+                runs.append((answers[-1], mine))
             size += n
             self.counters["indexes"] = self.counters.get("indexes", 0) + 1
-        return {"answers": answers}, parts
+        if runs:   # as runs, in one pass over them all
+            rows = [np.frombuffer(mine[0], "<u8").reshape(-1, INDEX_COLUMNS) for _, mine in runs]
+            starts = np.cumsum([0] + [len(r) for r in rows])
+            merged = index_runs(np.concatenate(rows), starts[1:-1])
+            firsts = np.cumsum(merged[:, INDEX_COLUMNS]) - merged[:, INDEX_COLUMNS]
+            cuts = np.searchsorted(firsts, starts).tolist()
+            for i, (a, mine) in enumerate(runs):
+                mine[0] = merged[cuts[i]:cuts[i + 1]].astype("<u8", copy=False).tobytes()
+                a["bytes"] += len(mine[0]) - a["rows"]
+                a["rows"] = len(mine[0])
+        return {"answers": answers}, [p for mine in parts for p in mine]
 
     async def _index(self, rep: Replica) -> list:
         """One replica's index: its rows (kept since it closed, ``Replica.seal_index``, or

@@ -49,6 +49,36 @@ def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
                             h["flags"])).astype("<u8").tobytes()
 
 
+RUN_COLUMNS = INDEX_COLUMNS + 1   # an index row of a run of chunks: the row, then how many
+
+
+def index_runs(rows: np.ndarray, starts=()) -> np.ndarray:
+    """A vseg's index ((n, 10) u64 rows, ``index_rows``) as runs: consecutive chunks of one
+    producer in one segment, each following the one before in the segment and in the vseg,
+    plain (no flag: index and close chunks stay rows of their own), are one row spanning
+    them (first offsets, the sizes summed, the highest sequence) followed by their count.
+    What a recovery plans the settled history from: a row per run, not per chunk.
+    ``starts``: where the rows of another vseg start (several vsegs' indexes in one pass)."""
+    n = len(rows)
+    out = np.empty((n, RUN_COLUMNS), np.uint64)
+    if not n:
+        return out
+    voff, size, offset, seq, flags = rows[:, 0], rows[:, 1], rows[:, 6], rows[:, 8], rows[:, 9]
+    joins = (flags[1:] == 0) & (flags[:-1] == 0) & (voff[1:] == voff[:-1] + size[:-1]) \
+        & (offset[1:] == offset[:-1] + size[:-1])
+    for c in (2, 3, 4, 5, 7):   # stream, streamlet, group, segment, producer
+        joins &= rows[1:, c] == rows[:-1, c]
+    starts = np.asarray(starts, np.int64)
+    joins[starts[(starts > 0) & (starts < n)] - 1] = False
+    first = np.flatnonzero(np.append(True, ~joins))
+    out = out[:len(first)]
+    out[:, :INDEX_COLUMNS] = rows[first]
+    out[:, 1] = np.add.reduceat(size, first)
+    out[:, 8] = np.maximum.reduceat(seq, first)
+    out[:, INDEX_COLUMNS] = np.diff(np.append(first, n))
+    return out
+
+
 class Replica:
     __slots__ = ("broker", "vlog", "vseg", "epoch", "path", "length", "starts", "ends", "corrupt",
                  "corrupt_starts", "digest", "blocks", "block_starts", "mem_base", "flushed", "synced",

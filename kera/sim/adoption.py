@@ -17,13 +17,25 @@ from collections import Counter
 
 import numpy as np
 
+from ..backup.replica import index_runs
 from ..recovery_plan import RecoveryPlan
-from ..repoint_plan import COLUMNS, VLOG, VOFF, VSEG, Repoint, plan_repoint
+from ..repoint_plan import (
+    COLUMNS,
+    COUNT,
+    FLAGS,
+    LAST,
+    SEGMENT,
+    VLOG,
+    VOFF,
+    VSEG,
+    Repoint,
+    plan_repoint,
+)
 from .placement import STREAM
 
 
 def repoint(plan: RecoveryPlan, backups: dict, rows_of, replayed: frozenset,
-            stats: Counter) -> tuple[Repoint, dict]:
+            stats: Counter, fail) -> tuple[Repoint, dict]:
     """Index the settled vsegs, plan, and tell the replay plan what to skip. Returns the plan's
     decision and per vlog {vseg: backups holding it whole} (what an index chunk names)."""
     answers, whole = [], {}
@@ -41,10 +53,34 @@ def repoint(plan: RecoveryPlan, backups: dict, rows_of, replayed: frozenset,
             answers.append(rows)
             named[vseg] = copies
     rows = np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64)
-    rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
+    settled = {v: list(vs) for v, vs in whole.items()}
+    rp = plan_repoint(rows, settled, replayed)
+    # a recovery plans from runs of chunks (``index_runs``): the same decisions
+    merged = np.concatenate([_runs(a) for a in answers]) if answers else rows
+    stats["index_rows"] += len(rows)
+    stats["index_runs"] += len(merged)
+    runs = plan_repoint(merged, settled, replayed)
+    if _decisions(runs) != _decisions(rp):
+        fail(f"the plan from runs of chunks differs from the plan from chunks: "
+                   f"{_decisions(runs)} against {_decisions(rp)}")
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
     return rp, whole
+
+
+def _runs(rows: np.ndarray) -> np.ndarray:
+    """One vseg's rows as a backup answers when asked for runs of chunks."""
+    r = index_runs(rows[:, VOFF:FLAGS + 1])
+    out = np.empty((len(r), COLUMNS), np.uint64)
+    out[:, VLOG], out[:, VSEG] = rows[0, VLOG], rows[0, VSEG]
+    out[:, VOFF:FLAGS + 1] = r[:, :FLAGS + 1 - VOFF]
+    out[:, LAST], out[:, COUNT] = out[:, SEGMENT], r[:, FLAGS + 1 - VOFF]
+    return out
+
+
+def _decisions(rp: Repoint) -> tuple:
+    return ([(a.stream, a.streamlet, a.group, a.segment, a.closed, a.indexed, a.head) for a in rp.adopted],
+            rp.replay_from, rp.skip, rp.ended())
 
 
 def check(world, rp: Repoint, whole: dict, got: dict[int, list[int]]) -> None:

@@ -510,10 +510,11 @@ class World:
              c.sequence, c.flags) for c in self.chunks] or np.zeros((0, 11))
         h[:, cols.STREAM] = STREAM_ID
         h[:, cols.LAST] = h[:, cols.SEGMENT]
+        h[:, cols.COUNT] = 1
         replayed = frozenset()
         if self.rng.random() < 0.2:  # a streamlet the coordinator replays whole
             replayed = frozenset({(STREAM_ID, self.rng.choice(self.placement.streamlets).index)})
-        rp, whole = adoption.repoint(plan, self.backups, self._rows_of, replayed, self.stats)
+        rp, whole = adoption.repoint(plan, self.backups, self._rows_of, replayed, self.stats, self.fail)
         below = rp.replay_from
         got: dict[int, list[int]] = {}
         for vlog in plan.vlogs:
