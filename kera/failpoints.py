@@ -34,6 +34,9 @@ POINTS = {
     # dead broker's closed groups and has not yet been asked to settle (make them durable
     # and claimed); its streamlets serve, those groups still pending
     "adoption.adopted",
+    # kera.repoint: a recovery planned from runs of chunks asks for the chunks' own rows of the
+    # segments it adopts before the replay (an error: as if no copy answered)
+    "repoint.chunk_rows",
 }
 PAUSE_POLL = 0.01
 

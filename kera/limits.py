@@ -23,6 +23,7 @@ FRAME_PREFIX = 16                 # magic, version, kind, request id, meta lengt
 MAX_FRAME = 64 * MiB              # one RPC frame, prefix + meta + payload
 MAX_META = 4 * MiB                # its msgpack header (a pull reply's entries for many streamlets)
 MAX_PAYLOAD = MAX_FRAME - FRAME_PREFIX - MAX_META
+INDEX_VSEGS = 256   # vsegs one backup index request may name (a recovery asks that many at a time)
 
 # -- chunks (kera.chunk) ------------------------------------------------------------
 MAX_CHUNK = 16 * MiB              # one chunk, header included: the largest record is a little less

@@ -5,18 +5,22 @@ turns it off) after the backups' listings, before any replay step. For each
 vlog's settled prefix (``RecoveryPlan.settled``) one whole copy per vseg
 lists its chunks without bodies (backup ``index``, asked for many vsegs at
 once: a few requests per backup, not one per vseg of the history; the index
-chunks of the dead broker's own adoptions come whole); ``kera.repoint_plan`` picks the
-re-pointed segments; each new owner gets one index chunk per run of a group's
-consecutive re-pointed segments (``adopt``, ``kera.index_chunk``) and builds
-them evicted, naming the copies;
-the plan is told which settled vsegs need no replay at all, and the backups
-skip the re-pointed segments' chunks in the vsegs that are replayed. The
-replay starts once the segments of the groups it continues are built; the
-groups whose adoption reaches their end (``Repoint.ended``: nothing of them
-is replayed) are adopted beside it, so the time to serve does not grow with
-the closed history. What makes an adoption safe (its index chunks durable,
-its files claimed: an fsync on each backup) is waited for beside the replay
-too (``settle``), before the hand-over.
+chunks of the dead broker's own adoptions come whole): each vlog's newest
+vsegs a row per chunk, the older ones a row per run of a producer's chunks
+(``kera.backup.replica.index_runs``), which plans the same.
+``kera.repoint_plan`` picks the re-pointed segments; each new owner gets one
+index chunk per run of a group's consecutive re-pointed segments (``adopt``,
+``kera.index_chunk``) and builds them evicted, naming the copies; the
+segments it needs first (the groups the replay continues) get their chunks'
+rows again if they were planned from runs. The plan is told which settled
+vsegs need no replay at all, and the backups skip the re-pointed segments'
+chunks in the vsegs that are replayed. The replay starts once the segments
+of the groups it continues are built; the groups whose adoption reaches
+their end (``Repoint.ended``: nothing of them is replayed) are adopted after
+the hand-over (``kera.adoption``: ``deferred``), so the time to serve does
+not grow with the closed history. What makes an adoption safe (its index
+chunks durable, its files claimed: an fsync on each backup) is waited for
+beside the replay (``settle``), before the hand-over.
 
 What keeps the adopted chunks readable: the copies named are closed and
 whole; the dead incarnation writes and trims no more (fenced); the new owner
@@ -35,8 +39,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from . import chunk, failpoints, index_chunk
-from .errors import KeraError, Unavailable
+from . import chunk, failpoints, index_chunk, limits
+from .errors import InvalidArgument, KeraError
 from .recovery_plan import RecoveryPlan
 from .repoint_plan import (
     COLUMNS,
@@ -62,11 +66,12 @@ from .repoint_plan import (
 log = logging.getLogger("kera.recovery")
 
 INDEX_TIMEOUT = 30.0
-INDEX_BATCH = 256    # vsegs asked of a backup in one index call
+INDEX_BATCH = limits.INDEX_VSEGS   # vsegs asked of a backup in one index call
 # bytes of each vlog's newest settled vsegs a recovery indexes per chunk (the older ones as runs)
 CHUNK_ROWS_NEWEST = 8 << 20
 ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
 ANSWER = FLAGS + 1 - VOFF  # u64s per chunk in an index answer: the row's columns VOFF..FLAGS
+# (one more, the count, per run of chunks in an answer of runs)
 
 
 @dataclass
@@ -101,6 +106,12 @@ async def _index(pool, broker: int, addrs: dict, vsegs: list):
         out[:, COUNT] = a[:, ANSWER] if runs else 1
         return out
 
+    def bad_runs(a: np.ndarray, runs: bool) -> np.ndarray:
+        """Rows whose count cannot be: none, or several chunks with a flag (never joined)."""
+        if not runs:
+            return np.zeros(len(a), bool)
+        return (a[:, ANSWER] == 0) | ((a[:, ANSWER] != 1) & (a[:, FLAGS - VOFF] != 0))
+
     def take(vlog: int, vseg: int, runs: bool, data: memoryview, rows: int) -> None:
         """One vseg's answer: its rows, then its index chunks (verified)."""
         found = chunk.scan(data[rows:])
@@ -108,6 +119,8 @@ async def _index(pool, broker: int, addrs: dict, vsegs: list):
         marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
         if len(marks) != len(found):
             raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
+        if bad_runs(a, runs).any():
+            raise TypeError("a run of no chunk, or of several with a flag")
         out = rows_of(a, runs)
         out[:, VLOG], out[:, VSEG] = vlog, vseg
         for i, (h, off) in zip(marks.tolist(), found, strict=True):  # an index chunk covers a run
@@ -126,9 +139,10 @@ async def _index(pool, broker: int, addrs: dict, vsegs: list):
         counts = [len(part) // (8 * width) for _, part in got]
         which = np.repeat(np.arange(len(got)), counts)
         good = np.ones(len(got), bool)
-        for k in set(which[a[:, FLAGS - VOFF] & chunk.INDEX != 0].tolist()):
+        for k in set(which[(a[:, FLAGS - VOFF] & chunk.INDEX != 0) | bad_runs(a, runs)].tolist()):
             vlog, vseg, *_ = item = got[k][0]
-            log.warning("index of vlog %d vseg %d on backup %d: index rows but no index chunks", vlog, vseg, b)
+            log.warning("index of vlog %d vseg %d on backup %d: index rows but no index chunks, or a "
+                        "run of no chunk or of several with a flag", vlog, vseg, b)
             failed.append(item)
             good[k] = False
         out = rows_of(a, runs)
@@ -141,12 +155,20 @@ async def _index(pool, broker: int, addrs: dict, vsegs: list):
             batch, items = items[:INDEX_BATCH], items[INDEX_BATCH:]
             try:
                 meta, payload = await pool.call(addrs[b], "index", {
-                    "broker": broker, "vsegs": [[v, s, runs] for v, s, runs, _ in batch]},
+                    "broker": broker, "vsegs": [[v, s, True] if runs else [v, s] for v, s, runs, _ in batch]},
                     timeout=INDEX_TIMEOUT)
                 data = memoryview(b"".join(payload) if isinstance(payload, list) else bytes(payload))
                 entries = meta["answers"]
                 if not isinstance(entries, list) or len(entries) != len(batch):
                     raise TypeError("one answer per vseg asked")
+            except InvalidArgument as e:
+                if any(runs for _, _, runs, _ in batch):   # a backup that answers no runs: per chunk
+                    log.info("index of %d vsegs on backup %d: %s; asking for chunks' rows", len(batch), b, e)
+                    items = [(v, s, False, rest) for v, s, _, rest in batch] + items
+                    continue
+                log.warning("index of %d vsegs on backup %d: %s", len(batch), b, e)
+                failed += batch
+                continue
             except (KeraError, KeyError, TypeError) as e:
                 log.warning("index of %d vsegs on backup %d: %s", len(batch), b, e)
                 failed += batch
@@ -227,27 +249,34 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
             below += plan.vseg_length(vlog, vseg)
     with rec.phase("index"):
         answers, indexes, cut = await _index(pool, rec.broker, addrs, items)
-    with rec.phase("repoint"):
-        # the settled prefix ends where a vseg could not be indexed: later ones are replayed
-        whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
-        rows = _recovered(np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64),
-                          owners, cut, only)
-        rp = plan_repoint(rows, {v: list(vs) for v, vs in whole.items()}, replayed)
-        rec.index_rows += len(rows)
-        rec.index_chunks += int(rows[:, COUNT].sum())
-        ended = rp.ended()
-        spans: tuple[list, list] = ([], [])   # adopted before the replay, and after it (or beside)
-        for i in range(len(rp.spans)):
-            spans[rp.ends(i)].append(i)
-        first = list(_runs([a for i in spans[False] for a in rp.span(i)]))
-        deferred, later = {}, []
-        if only is None:   # a recovery: the groups adopted whole wait for after the hand-over
-            deferred = _deferred(rp, spans[True], indexes)
-        else:
-            later = list(_runs([a for i in spans[True] for a in rp.span(i)]))
-    if runs:
+    rows = np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64)
+    while True:
+        with rec.phase("repoint"):
+            # the settled prefix ends where a vseg could not be indexed: later ones are replayed
+            whole = {v: {s: bs for s, bs in vs if s < cut.get(v, 1 << 62)} for v, vs in settled.items()}
+            mine = _recovered(rows, owners, cut, only)
+            rp = plan_repoint(mine, {v: list(vs) for v, vs in whole.items()}, replayed)
+            ended = rp.ended()
+            spans: tuple[list, list] = ([], [])   # adopted before the replay, and after it (or beside)
+            for i in range(len(rp.spans)):
+                spans[rp.ends(i)].append(i)
+            first = list(_runs([a for i in spans[False] for a in rp.span(i)]))
+            deferred, later = {}, []
+            if only is None:   # a recovery: the groups adopted whole wait for after the hand-over
+                deferred = _deferred(rp, spans[True], indexes)
+            else:
+                later = list(_runs([a for i in spans[True] for a in rp.span(i)]))
+        if not runs:
+            break
         with rec.phase("index"):
-            rec.reindexed_vsegs += await _chunk_rows(pool, rec.broker, addrs, first, whole)
+            asked, short = await _chunk_rows(pool, rec.broker, addrs, first, whole)
+        rec.reindexed_vsegs += asked
+        if not short:
+            break
+        for vlog, vseg in short.items():   # planned again with the prefix ending there
+            cut[vlog] = min(cut.get(vlog, vseg), vseg)
+    rec.index_rows += len(mine)
+    rec.index_chunks += int(mine[:, COUNT].sum())
     with rec.phase("repoint"):
         per_owner = _requests(rec, first, indexes, whole, owners)
         members = {m.id: m for m in owners.values()}
@@ -301,38 +330,47 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     return Repointed([[*k, s] for k, s in rp.replay_from.items()], settle, deferred, ended)
 
 
-async def _chunk_rows(pool, broker: int, addrs: dict, runs: list, whole: dict) -> int:
+async def _chunk_rows(pool, broker: int, addrs: dict, runs: list, whole: dict) -> tuple[int, dict[int, int]]:
     """The segments of ``runs`` planned from runs of several chunks get their chunks' own
     rows, which their index chunks list, asked of the backups for the vsegs holding them:
-    the groups that continue in the replay whose chunks lie past the newest vsegs indexed
-    per chunk, not the history. A vseg no copy indexes again, or rows that disagree with the
-    runs planned from, fail the recovery's attempt (it is planned again). Returns how many
-    vsegs were asked."""
+    the groups that continue in the replay whose chunks lie in vsegs older than the newest
+    ones indexed per chunk, not the history. Returns how many vsegs were asked, and per vlog
+    the first vseg whose rows could not be had (no copy indexed it again, or they disagree
+    with the runs planned from): the caller plans again with the settled prefix ending
+    there, as when the first round could not index it."""
     segs = [a for run in runs for a in run if not a.indexed and a.chunks > len(a.rows)]
     if not segs:   # a run of one chunk is that chunk's row
-        return 0
+        return 0, {}
     at = np.concatenate([a.rows[:, [VLOG, VSEG]] for a in segs])
     need = sorted(set(map(tuple, at.tolist())))
-    answers, _, cut = await _index(pool, broker, addrs, [(v, s, list(whole[v][s]), False) for v, s in need])
-    if cut:
-        raise Unavailable(f"the index of vlogs' vsegs {cut} could not be read again")
+    try:
+        await failpoints.hit("repoint.chunk_rows", broker)
+        answers, _, short = await _index(pool, broker, addrs, [(v, s, list(whole[v][s]), False) for v, s in need])
+    except failpoints.FailpointError as e:   # as if no copy answered
+        log.warning("chunks' rows of %d vsegs: %s", len(need), e)
+        answers, short = [], {}
     rows = np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64)
     rows = rows[rows[:, FLAGS] & (chunk.INDEX | chunk.CLOSE) == 0]
     rows = rows[np.lexsort(tuple(rows[:, c] for c in (OFFSET, SEGMENT, GROUP, STREAMLET, STREAM)))]
     key = rows[:, [STREAM, STREAMLET, GROUP, SEGMENT]]
-    starts = np.flatnonzero(np.append(True, (key[1:] != key[:-1]).any(axis=1))) if len(rows) else []
-    ends = [*starts[1:], len(rows)]
-    where = {tuple(key[lo].tolist()): (int(lo), int(hi)) for lo, hi in zip(starts, ends, strict=True)}
+    starts = np.flatnonzero(np.append(True, (key[1:] != key[:-1]).any(axis=1))).tolist() if len(rows) else []
+    where = {tuple(key[lo].tolist()): (lo, hi) for lo, hi in zip(starts, [*starts[1:], len(rows)][:len(starts)],
+                                                                 strict=True)}
     for a in segs:
         lo, hi = where.get((a.stream, a.streamlet, a.group, a.segment), (0, 0))
         mine = rows[lo:hi]
         end = mine[:, OFFSET] + mine[:, SIZE]
-        if (hi - lo != a.chunks or not len(mine) or mine[0, OFFSET] != a.rows[0, OFFSET]
-                or int(end[-1]) != a.head or (mine[1:, OFFSET] != end[:-1]).any()):
-            raise Unavailable(f"segment {a.segment} of group {a.group} of streamlet {a.streamlet} of stream "
-                              f"{a.stream}: its chunks' rows disagree with the runs planned from")
-        a.rows = mine
-    return len(need)
+        if (hi - lo == a.chunks and mine[0, OFFSET] == a.rows[0, OFFSET] and int(end[-1]) == a.head
+                and (mine[1:, OFFSET] == end[:-1]).all()):
+            a.rows = mine
+            continue
+        vlog, vseg = int(a.rows[0, VLOG]), int(a.rows[:, VSEG].min())
+        if vseg < short.get(vlog, 1 << 62):
+            log.warning("segment %d of group %d of streamlet %d of stream %d: its chunks' rows (vlog %d "
+                        "from vseg %d) disagree with the runs planned from, or could not be had; replayed "
+                        "from there", a.segment, a.group, a.streamlet, a.stream, vlog, vseg)
+            short[vlog] = vseg
+    return len(need), short
 
 
 def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict | None = None) -> np.ndarray:
@@ -367,16 +405,17 @@ def _deferred(rp: Repoint, spans: list[int], indexes: dict) -> dict:
     once, not its segments one by one (the closed history is most of them)."""
     out: dict = {}
     for i in spans:
-        sid, sl, gid, k0, k1 = rp.spans[i]
+        sid, sl, gid, _, _ = rp.spans[i]
         groups, highest, producers = out.setdefault((sid, sl), (set(), {}, {}))
         groups.add(gid)
-        producers[gid] = int(rp.rows[rp.starts[k0], PRODUCER])
-        if not any(rp.indexed[k0:k1]):   # records only: its segments' rows follow each other
-            rows = rp.rows[rp.starts[k0]:rp.starts[k1 - 1] + rp.counts[k1 - 1]]
+        rows = rp.records(i)
+        if rows is not None:   # records only: all its rows at once
+            producers[gid] = int(rows[0, PRODUCER])
             got = [index_chunk.highest_sequences(rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]])]
         else:
             got = []
             for a in rp.span(i):
+                producers[gid] = int(a.rows[0, PRODUCER])
                 if a.indexed:
                     r = a.rows[0].tolist()
                     got.append(index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers())
@@ -409,8 +448,8 @@ def _requests(rec, runs: list, indexes: dict, whole: dict, owners: dict) -> dict
 
 def _runs(adopted: list[Adopted]):
     """The plan's re-pointed segments as runs, each one index chunk: a group's consecutive
-    segments of records (up to ``index_chunk.MAX_ROWS`` rows), or one index chunk of the dead
-    broker's own, as it stands."""
+    segments of records (up to ``index_chunk.MAX_ROWS`` chunks), or one index chunk of the
+    dead broker's own, as it stands."""
     run: list[Adopted] = []
     rows = 0
     for a in adopted:

@@ -59,9 +59,9 @@ COLUMNS = 14        # VOFF..FLAGS are the backup's answer (and COUNT, of runs); 
 
 @dataclass(slots=True)
 class Adopted:
-    """A re-pointed segment: its chunks' rows in order, all in settled vsegs of one vlog (or
-    one index chunk of the dead broker's own adoption of it, covering ``segment`` up to its
-    row's ``LAST``)."""
+    """A re-pointed segment: its rows in order (a row per chunk, or per run of chunks), all in
+    settled vsegs of one vlog (or one index chunk of the dead broker's own adoption of it,
+    covering ``segment`` up to its row's ``LAST``)."""
 
     stream: int
     streamlet: int
@@ -96,7 +96,7 @@ class Repoint:
         self._adopted: list[Adopted] | None = None
 
     def span(self, i: int) -> list[Adopted]:
-        """The re-pointed segments of span ``i``, in order."""
+        """The re-pointed segments of span ``i``, in order (new objects at each call)."""
         sid, sl, gid, k0, k1 = self.spans[i]
         out = []
         for k in range(k0, k1):
@@ -107,6 +107,14 @@ class Repoint:
                 out.append(Adopted(sid, sl, gid, self.segment[k], self.rows[at:at + self.counts[k]],
                                    k in self.closed, head=self.heads[k], chunks=self.chunks[k]))
         return out
+
+    def records(self, i: int) -> np.ndarray | None:
+        """The rows of span ``i``'s segments, one after the other, if it holds no index chunk of
+        the dead broker's own (else None: see ``span``)."""
+        _, _, _, k0, k1 = self.spans[i]
+        if any(self.indexed[k0:k1]):
+            return None
+        return self.rows[self.starts[k0]:self.starts[k1 - 1] + self.counts[k1 - 1]]
 
     @property
     def adopted(self) -> list[Adopted]:

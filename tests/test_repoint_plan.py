@@ -132,6 +132,21 @@ def test_a_closed_last_segment_with_a_gap_or_in_a_replayed_streamlet_is_not_adop
     assert rp.adopted == [] and rp.replay_from == {} and rp.skip == {}
 
 
+def test_a_group_begun_in_released_vsegs_drops_its_first_listed_segment_only():
+    # group 0 began below the floor: its first listed segment (3) starts at offset 50 and is
+    # dropped, 4 and 5 follow whole, 6 is open; group 1's only listed segment starts past 0
+    rows = ([r[:8] + (50,) + r[9:] for r in rows_of(1, 0, 3, [50])] + rows_of(1, 0, 4, [100, 100])
+            + rows_of(2, 0, 5, [60]) + rows_of(2, 0, 6, [30])
+            + [r[:6] + (1,) + r[7:8] + (70,) + r[9:] for r in rows_of(2, 1, 2, [40], 90)])
+    rp = plan(rows, {1: [1, 2]})
+    assert [(a.group, a.segment) for a in rp.adopted] == [(0, 4), (0, 5)]
+    assert rp.replay_from == {(7, 0, 0): 6} and rp.ended() == set()
+    assert rp.skip == {1: {1}}   # vseg 1: the dropped segment 3 went with the adopted ones
+    # a gap after the dropped segment: nothing adopted, and it keeps its vseg replayed
+    rp = plan(rows[:1] + rows_of(1, 0, 5, [100], 50), {1: [1]})
+    assert rp.adopted == [] and rp.replay_from == {} and rp.skip == {}
+
+
 def test_an_index_chunk_of_a_run_covers_its_segments_and_the_longest_run_is_taken():
     # the dead broker adopted segments 0..2 in one index chunk, and 0..4 in another (a retry)
     run = [r[:12] + (2, 1) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]

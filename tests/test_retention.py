@@ -262,17 +262,22 @@ def test_reader_before_retained_range_gets_out_of_range_or_resets(make_cluster):
     assert got[0] > 0, "the reset consumer did not skip the freed records"
 
 
-@pytest.mark.parametrize("index", ["newest_per_chunk", "runs_throughout"])
-def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_cluster, index):
+@pytest.mark.parametrize("index", ["newest_per_chunk", "runs_throughout", "runs_second_round_fails"])
+def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_cluster, monkeypatch, index):
     """kill -9 the broker of a stream retaining 48 MiB with a 32 MiB budget (most of it
     evicted): the recovery completes into another broker with the same budget, and the
     whole retained range is read back exactly once and in order. Planned from runs of chunks
     throughout (``--chunk-rows-newest 0``), the segments of the groups the replay continues
-    get their chunks' own rows in a second round, and the result is the same."""
+    get their chunks' own rows in a second round, and the result is the same; when that
+    round fails (failpoint ``repoint.chunk_rows``), the settled prefix ends at those
+    segments, planned again, and they are replayed."""
     budget = 32 * MiB
-    runs = ["--chunk-rows-newest", "0"] if index == "runs_throughout" else []
+    runs = ["--chunk-rows-newest", "0"] if index != "newest_per_chunk" else []
+    if index == "runs_second_round_fails":
+        monkeypatch.setenv("KERA_FAILPOINTS", "repoint.chunk_rows=error")
     c = make_cluster(3, broker_args=["--memory", str(budget), "--vseg-size", str(1 * MiB)],
                      coordinator_args=["--dead-after", "2.0", *runs])
+    monkeypatch.delenv("KERA_FAILPOINTS", raising=False)
     retention = 48 * MiB
     n = 64_000
 
@@ -303,6 +308,10 @@ def test_kill_broker_holding_more_than_its_budget_recovers_retained_range(make_c
     assert not rec["lost"], rec
     assert rec["index_chunks"] > rec["index_rows"] > 0, rec   # one producer's chunks: runs
     assert (rec["reindexed_vsegs"] > 0) == bool(runs), rec
+    log = c.log("coordinator")
+    failed = "disagree with the runs planned from, or could not be had" in log
+    assert failed == (index == "runs_second_round_fails")
+    assert not failed or "failed, will retry" not in log   # planned again, not a new attempt
     assert len(arr) and (arr == np.arange(int(arr[0]), n, dtype=np.uint64)).all(), "not the retained suffix"
     assert len(arr) * (SIZE + 64) >= retention
     assert all(b["memory"] <= budget for b in stats)

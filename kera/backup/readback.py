@@ -27,7 +27,6 @@ from .store import BackupStore
 log = logging.getLogger("kera.backup")
 
 INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
-INDEX_VSEGS = 256              # vsegs one index request may name (the recovery asks up to that many)
 MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
 DEFAULT_READ_BYTES = 1 << 20
 
@@ -90,11 +89,11 @@ class ReadBack:
         (``index_runs``: 11 u64s, the last a count)."""
         broker = uint(meta, "broker")
         vsegs = meta.get("vsegs")
-        if not isinstance(vsegs, list) or not 0 < len(vsegs) <= INDEX_VSEGS or not all(
+        if not isinstance(vsegs, list) or not 0 < len(vsegs) <= limits.INDEX_VSEGS or not all(
                 isinstance(v, list) and len(v) in (2, 3) and all(type(x) is int and 0 <= x < U63 for x in v[:2])
                 and (len(v) == 2 or type(v[2]) is bool) for v in vsegs):
             raise InvalidArgument(f"index needs vsegs: [[vlog, vseg], ...] (or [vlog, vseg, runs]), 1 to "
-                                  f"{INDEX_VSEGS} of them")
+                                  f"{limits.INDEX_VSEGS} of them")
         answers, parts, size = [], [], 0
         runs = []   # (its answer, its parts) of the vsegs asked as runs
         for vlog, vseg, *as_runs in vsegs:
@@ -107,6 +106,9 @@ class ReadBack:
                 answers.append({"error": e.code, "message": str(e)})
                 continue
             n = sum(len(p) for p in mine)
+            as_runs = bool(as_runs and as_runs[0])
+            if as_runs:   # at most a count per row more (none merged)
+                n += len(mine[0]) // INDEX_COLUMNS
             if size and size + n > INDEX_ANSWER:  # the first one always goes (if a frame holds it)
                 size = INDEX_ANSWER
                 answers.append({"later": True})
@@ -114,9 +116,9 @@ class ReadBack:
             if n > limits.MAX_PAYLOAD:
                 answers.append({"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
                 continue
-            answers.append({"rows": len(mine[0]), "bytes": n})
+            answers.append({"rows": len(mine[0]), "bytes": sum(len(p) for p in mine)})
             parts.append(mine)
-            if as_runs and as_runs[0]:
+            if as_runs:
                 runs.append((answers[-1], mine))
             size += n
             self.counters["indexes"] = self.counters.get("indexes", 0) + 1

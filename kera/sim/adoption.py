@@ -50,13 +50,13 @@ def repoint(plan: RecoveryPlan, backups: dict, rows_of, replayed: frozenset,
                 stats["index_refused"] += 1
             if rows is None:
                 break   # no copy indexes it: the settled prefix ends here, the rest is replayed
-            answers.append(rows)
+            answers.append((vlog, vseg, rows))
             named[vseg] = copies
-    rows = np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64)
+    rows = np.concatenate([r for *_, r in answers]) if answers else np.zeros((0, COLUMNS), np.uint64)
     settled = {v: list(vs) for v, vs in whole.items()}
     rp = plan_repoint(rows, settled, replayed)
     # a recovery plans from runs of chunks (``index_runs``): the same decisions
-    merged = np.concatenate([_runs(a) for a in answers]) if answers else rows
+    merged = np.concatenate([_runs(*a) for a in answers]) if answers else rows
     stats["index_rows"] += len(rows)
     stats["index_runs"] += len(merged)
     runs = plan_repoint(merged, settled, replayed)
@@ -68,11 +68,11 @@ def repoint(plan: RecoveryPlan, backups: dict, rows_of, replayed: frozenset,
     return rp, whole
 
 
-def _runs(rows: np.ndarray) -> np.ndarray:
+def _runs(vlog: int, vseg: int, rows: np.ndarray) -> np.ndarray:
     """One vseg's rows as a backup answers when asked for runs of chunks."""
     r = index_runs(rows[:, VOFF:FLAGS + 1])
     out = np.empty((len(r), COLUMNS), np.uint64)
-    out[:, VLOG], out[:, VSEG] = rows[0, VLOG], rows[0, VSEG]
+    out[:, VLOG], out[:, VSEG] = vlog, vseg
     out[:, VOFF:FLAGS + 1] = r[:, :FLAGS + 1 - VOFF]
     out[:, LAST], out[:, COUNT] = out[:, SEGMENT], r[:, FLAGS + 1 - VOFF]
     return out
