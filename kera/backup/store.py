@@ -307,7 +307,9 @@ class BackupStore:
         return [[b, v, s, r.length, r.closed] for (b, v, s), r in sorted(self.replicas.items())]
 
     def listing(self, broker: int | None = None) -> list[dict]:
-        return [r.info() for k, r in sorted(self.replicas.items()) if broker is None or k[0] == broker]
+        """``broker``'s replicas (every one's if None), in (broker, vlog, vseg) order."""
+        keys = sorted(k for k in self.replicas if broker is None or k[0] == broker)
+        return [self.replicas[k].info() for k in keys]
 
     # -- flushing ----------------------------------------------------------------------------
 
