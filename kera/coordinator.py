@@ -660,12 +660,12 @@ def main(argv=None) -> None:
     ap.add_argument("--retention-ms", type=int, default=-1,
                     help="default retention.ms of new streams (-1: unbounded)")
     args = ap.parse_args(argv)
+    if args.chunk_rows_newest < 0:   # before anything is created
+        ap.error("--chunk-rows-newest is a number of bytes, 0 or more")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
     coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr)
     coord.repoint_evicted = args.repoint_evicted
-    if args.chunk_rows_newest < 0:
-        ap.error("--chunk-rows-newest is a number of bytes, 0 or more")
     coord.chunk_rows_newest = args.chunk_rows_newest
     coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,
                                            "retention_ms": args.retention_ms})

@@ -60,6 +60,7 @@ from .repoint_plan import (
     VSEG,
     Adopted,
     Repoint,
+    answer_rows,
     plan_repoint,
 )
 
@@ -99,13 +100,6 @@ async def _index(pool, broker: int, addrs: dict, vsegs: list):
         k = vseg % len(backups)
         todo.setdefault(backups[k], []).append((vlog, vseg, runs, backups[k + 1:] + backups[:k]))
 
-    def rows_of(a: np.ndarray, runs: bool) -> np.ndarray:
-        out = np.empty((len(a), COLUMNS), np.uint64)
-        out[:, VOFF:FLAGS + 1] = a[:, :ANSWER]
-        out[:, LAST] = out[:, SEGMENT]
-        out[:, COUNT] = a[:, ANSWER] if runs else 1
-        return out
-
     def bad_runs(a: np.ndarray, runs: bool) -> np.ndarray:
         """Rows whose count cannot be: none, or several chunks with a flag (never joined)."""
         if not runs:
@@ -121,8 +115,7 @@ async def _index(pool, broker: int, addrs: dict, vsegs: list):
             raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
         if bad_runs(a, runs).any():
             raise TypeError("a run of no chunk, or of several with a flag")
-        out = rows_of(a, runs)
-        out[:, VLOG], out[:, VSEG] = vlog, vseg
+        out = answer_rows(a, vlog, vseg, runs)
         for i, (h, off) in zip(marks.tolist(), found, strict=True):  # an index chunk covers a run
             data_i = bytes(data[rows + off:rows + off + h.size])
             out[i, LAST] += len(index_chunk.parse(data_i, h).counts) - 1
@@ -145,9 +138,8 @@ async def _index(pool, broker: int, addrs: dict, vsegs: list):
                         "run of no chunk or of several with a flag", vlog, vseg, b)
             failed.append(item)
             good[k] = False
-        out = rows_of(a, runs)
-        out[:, VLOG] = np.repeat([item[0] for item, _ in got], counts)
-        out[:, VSEG] = np.repeat([item[1] for item, _ in got], counts)
+        out = answer_rows(a, np.repeat([item[0] for item, _ in got], counts),
+                          np.repeat([item[1] for item, _ in got], counts), runs)
         answers.append(out if good.all() else out[good[which]])
 
     async def ask(b: int, items: list, failed: list) -> None:
@@ -354,8 +346,8 @@ async def _chunk_rows(pool, broker: int, addrs: dict, runs: list, whole: dict) -
     rows = rows[np.lexsort(tuple(rows[:, c] for c in (OFFSET, SEGMENT, GROUP, STREAMLET, STREAM)))]
     key = rows[:, [STREAM, STREAMLET, GROUP, SEGMENT]]
     starts = np.flatnonzero(np.append(True, (key[1:] != key[:-1]).any(axis=1))).tolist() if len(rows) else []
-    where = {tuple(key[lo].tolist()): (lo, hi) for lo, hi in zip(starts, [*starts[1:], len(rows)][:len(starts)],
-                                                                 strict=True)}
+    bounds = starts + [len(rows)]   # a segment's rows: from its start to the next one's
+    where = {tuple(key[lo].tolist()): (lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False)}
     for a in segs:
         lo, hi = where.get((a.stream, a.streamlet, a.group, a.segment), (0, 0))
         mine = rows[lo:hi]

@@ -57,6 +57,18 @@ COLUMNS = 14        # VOFF..FLAGS are the backup's answer (and COUNT, of runs); 
 # (``kera.repoint``)
 
 
+def answer_rows(a: np.ndarray, vlog, vseg, runs: bool) -> np.ndarray:
+    """A backup's index answer (per row VOFF..FLAGS, then the count if ``runs``) for ``vlog``
+    and ``vseg`` (each a number, or an array of one per row) as rows of the plan."""
+    width = FLAGS + 1 - VOFF
+    out = np.empty((len(a), COLUMNS), np.uint64)
+    out[:, VLOG], out[:, VSEG] = vlog, vseg
+    out[:, VOFF:FLAGS + 1] = a[:, :width]
+    out[:, LAST] = out[:, SEGMENT]
+    out[:, COUNT] = a[:, width] if runs else 1
+    return out
+
+
 @dataclass(slots=True)
 class Adopted:
     """A re-pointed segment: its rows in order (a row per chunk, or per run of chunks), all in

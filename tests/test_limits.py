@@ -125,6 +125,16 @@ def test_broker_vseg_size_is_bounded():
         assert e.value.code == 2
 
 
+def test_coordinator_chunk_rows_newest_is_bytes_and_checked_before_anything_is_made(tmp_path, capsys):
+    from kera.coordinator import main
+
+    data = tmp_path / "coordinator"
+    with pytest.raises(SystemExit) as e:
+        main(["--chunk-rows-newest", "-1", "--data", str(data), "--port", "0"])
+    assert e.value.code == 2 and "--chunk-rows-newest is a number of bytes" in capsys.readouterr().err
+    assert not data.exists()
+
+
 # -- real processes -----------------------------------------------------------------------
 
 

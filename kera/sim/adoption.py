@@ -21,14 +21,12 @@ from ..backup.replica import index_runs
 from ..recovery_plan import RecoveryPlan
 from ..repoint_plan import (
     COLUMNS,
-    COUNT,
     FLAGS,
-    LAST,
-    SEGMENT,
     VLOG,
     VOFF,
     VSEG,
     Repoint,
+    answer_rows,
     plan_repoint,
 )
 from .placement import STREAM
@@ -56,26 +54,17 @@ def repoint(plan: RecoveryPlan, backups: dict, rows_of, replayed: frozenset,
     settled = {v: list(vs) for v, vs in whole.items()}
     rp = plan_repoint(rows, settled, replayed)
     # a recovery plans from runs of chunks (``index_runs``): the same decisions
-    merged = np.concatenate([_runs(*a) for a in answers]) if answers else rows
+    merged = np.concatenate([answer_rows(index_runs(r[:, VOFF:FLAGS + 1]), v, s, True)
+                             for v, s, r in answers]) if answers else rows
     stats["index_rows"] += len(rows)
     stats["index_runs"] += len(merged)
     runs = plan_repoint(merged, settled, replayed)
     if _decisions(runs) != _decisions(rp):
         fail(f"the plan from runs of chunks differs from the plan from chunks: "
-                   f"{_decisions(runs)} against {_decisions(rp)}")
+             f"{_decisions(runs)} against {_decisions(rp)}")
     for vlog, vsegs in rp.skip.items():
         plan.skip(vlog, vsegs)
     return rp, whole
-
-
-def _runs(vlog: int, vseg: int, rows: np.ndarray) -> np.ndarray:
-    """One vseg's rows as a backup answers when asked for runs of chunks."""
-    r = index_runs(rows[:, VOFF:FLAGS + 1])
-    out = np.empty((len(r), COLUMNS), np.uint64)
-    out[:, VLOG], out[:, VSEG] = vlog, vseg
-    out[:, VOFF:FLAGS + 1] = r[:, :FLAGS + 1 - VOFF]
-    out[:, LAST], out[:, COUNT] = out[:, SEGMENT], r[:, FLAGS + 1 - VOFF]
-    return out
 
 
 def _decisions(rp: Repoint) -> tuple:
