@@ -43,7 +43,17 @@ from contextlib import contextmanager
 import trio
 
 from .errors import KeraError, Unavailable
-from .recovery_plan import CORRUPT, END, FAILED, REFUSED, Done, RecoveryPlan, Step, Truncated
+from .recovery_plan import (
+    CORRUPT,
+    END,
+    FAILED,
+    REFUSED,
+    Done,
+    Listing,
+    RecoveryPlan,
+    Step,
+    Truncated,
+)
 from .repoint import repoint
 
 log = logging.getLogger("kera.recovery")
@@ -59,16 +69,17 @@ WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may stil
 PHASES = ("fence", "assign", "list", "plan", "index", "repoint", "adopt", "replay", "handover")
 
 
-async def holdings(pool, backups: list, broker: int) -> tuple[dict[int, list], dict[int, int]]:
-    """What ``backups`` hold of ``broker``'s vlogs (``list``, all at once): backup id -> its
-    copies, and vlog -> its floor (vsegs below were released by the broker: retention).
-    One that does not answer fails the caller: it may hold the only intact copy."""
-    listings: dict[int, list] = {}
+async def holdings(pool, backups: list, broker: int) -> tuple[dict[int, Listing], dict[int, int]]:
+    """What ``backups`` hold of ``broker``'s vlogs (``list``, all at once, the closed intact
+    copies as columns): backup id -> its copies, and vlog -> its floor (vsegs below were
+    released by the broker: retention). One that does not answer fails the caller: it may
+    hold the only intact copy."""
+    listings: dict[int, Listing] = {}
     floors: dict[int, int] = {}
 
     async def listing(b) -> None:
-        r, _ = await pool.call(b.addr, "list", {"broker": broker}, timeout=10)
-        listings[b.id] = r["segments"]
+        r, payload = await pool.call(b.addr, "list", {"broker": broker, "columns": True}, timeout=10)
+        listings[b.id] = Listing.of(r, payload)
         for _, vlog, floor in r.get("floors") or []:
             floors[vlog] = max(floors.get(vlog, 0), floor)
 

@@ -3,7 +3,8 @@
 Pure decisions (no I/O, no trio, no clock), driven by ``kera.recovery``:
 
 - Input: what each backup listed of the incarnation (``Replica.info()`` per
-  copy: length, chunks, closed, corrupt regions, checksum).
+  copy: length, chunks, closed, corrupt regions, checksum; or a ``Listing``,
+  the closed intact copies as rows of columns).
 - Copies of one virtual segment (vseg) are byte-identical prefixes of the
   same byte stream, so the chunk at offset X can be read from any copy that
   is longer than X and holds X intact. A copy is never chosen for its length
@@ -35,6 +36,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .backup.replica import PLAIN_COLUMNS
 from .vlog import vlog_epoch
 
 END = "end"          # the copy has nothing more (its length)
@@ -157,10 +161,31 @@ class _Vlog:
     lengths: dict[int, int] = field(default_factory=dict)   # vseg -> ``_length``, until a step on it
 
 
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One backup's ``list`` of a broker's copies asked as columns: maps (``Replica.info``)
+    for the copies that are open, corrupt or failing, and a row of ``PLAIN_COLUMNS`` u64s
+    (vlog, vseg, length, chunks, checksum) for each closed, intact one: most of a long
+    history, decoded as one array instead of a map each."""
+
+    segments: list
+    plain: np.ndarray
+
+    @classmethod
+    def of(cls, meta: dict, payload) -> Listing:
+        """From the answer; a malformed one raises ``TypeError`` (a backup from before columns
+        answers maps only, ``plain`` absent)."""
+        segments, n = meta.get("segments"), meta.get("plain", 0)
+        size = len(payload)
+        if not isinstance(segments, list) or not isinstance(n, int) or size != n * 8 * PLAIN_COLUMNS:
+            raise TypeError(f"a listing of {n!r} rows of columns in {size} bytes")
+        return cls(segments, np.frombuffer(payload, "<u8").reshape(-1, PLAIN_COLUMNS))
+
+
 class RecoveryPlan:
     """The replay plan of one dead incarnation (broker, epoch), all of its vlogs."""
 
-    def __init__(self, broker: int, epoch: int, listings: Mapping[int, Iterable[dict]],
+    def __init__(self, broker: int, epoch: int, listings: Mapping[int, Iterable[dict] | Listing],
                  expected: Iterable[int] = (), floors: Mapping[int, int] | None = None):
         """``expected``: vlogs known to hold durable chunks (the broker said so while alive);
         one that no backup listed has lost everything, rather than never existed.
@@ -171,20 +196,37 @@ class RecoveryPlan:
         for v, f in floors.items():
             self._vlogs.setdefault(v, _Vlog(v, {})).vseg = f
             self._vlogs[v].floor = f
-        for backup, segments in sorted(listings.items()):
+        def add(vlog: int, vseg: int, copy: _Copy) -> None:
+            if vlog_epoch(vlog) != epoch or vseg < floors.get(vlog, 0):
+                return  # another incarnation's, or released: its file is on its way out
+            if (v := self._vlogs.get(vlog)) is None:
+                v = self._vlogs[vlog] = _Vlog(vlog, {})
+            v.vsegs.setdefault(vseg, []).append(copy)
+
+        for backup, listing in sorted(listings.items()):
+            segments, plain = (listing.segments, listing.plain.tolist()) if isinstance(listing, Listing) \
+                else (listing, [])
             for sg in segments:
-                if sg["broker"] != broker or vlog_epoch(sg["vlog"]) != epoch:
+                if sg["broker"] != broker:
                     continue
-                if int(sg["vseg"]) < floors.get(sg["vlog"], 0):
-                    continue  # released: its file is on its way out
                 corrupt = sg.get("corrupt")
                 regions = sorted((int(c["offset"]), int(c["offset"]) + int(c["length"]))
                                  for c in corrupt) if corrupt else []
-                copy = _Copy(backup, int(sg["length"]), int(sg.get("chunks", 0)),
-                             bool(sg.get("closed")), sg.get("checksum"), regions)
-                if (v := self._vlogs.get(sg["vlog"])) is None:
-                    v = self._vlogs[sg["vlog"]] = _Vlog(sg["vlog"], {})
-                v.vsegs.setdefault(int(sg["vseg"]), []).append(copy)
+                add(sg["vlog"], int(sg["vseg"]), _Copy(backup, int(sg["length"]), int(sg.get("chunks", 0)),
+                                                       bool(sg.get("closed")), sg.get("checksum"), regions))
+            at = {}   # vlog -> its vsegs' copies, of the vlogs of this epoch, and its floor
+            for vlog, vseg, length, chunks, checksum in plain:   # most of a long history: lean
+                if (vs := at.get(vlog)) is None:
+                    if vlog_epoch(vlog) != epoch:
+                        continue
+                    v = self._vlogs.get(vlog) or self._vlogs.setdefault(vlog, _Vlog(vlog, {}))
+                    vs = at[vlog] = (v.vsegs, floors.get(vlog, 0))
+                if vseg >= vs[1]:
+                    c = _Copy(backup, length, chunks, True, checksum, [])
+                    if (copies := vs[0].get(vseg)) is None:
+                        vs[0][vseg] = [c]
+                    else:
+                        copies.append(c)
         for v in self._vlogs.values():
             v.top = max(v.vsegs, default=-1)
         self.busy: dict[int, int] = {}      # steps out per backup

@@ -28,6 +28,7 @@ from kera.backup.membership import load_id
 from kera.backup.replica import index_runs
 from kera.coordinator import Coordinator
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
+from kera.recovery_plan import Listing
 from kera.rpc import open_pool
 
 from .conftest import free_port, stream_meta
@@ -262,12 +263,23 @@ async def test_bit_flip_on_disk_is_reported_never_served(backups):
         async with open_pool() as pool:
             la = await send_all(pool, bk.addr, 0, a)
             lb = await send_all(pool, bk.addr, 1, b)
+            for vseg in (2, 3):   # closed: one intact, one with a flipped body bit
+                await replicate(pool, bk.addr, vseg, await send_all(pool, bk.addr, vseg, a), close=True)
             bk.kill()
             # a body bit of chunk 2 of vseg 0; a header bit of chunk 3 of vseg 1
             flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts_a[2] + chunk.HEADER_SIZE + 17, 1 << 3)
             flip_bits(bk.seg(1, 0, 1), sf.FILE_HEADER_SIZE + starts_b[3] + 40, 1 << 6)
+            flip_bits(bk.seg(1, 0, 3), sf.FILE_HEADER_SIZE + starts_a[1] + chunk.HEADER_SIZE + 5, 1 << 2)
             bk.start()
             segs = await segments(pool, bk.addr)
+            # a recovery's listing: the closed, intact copy as a row of columns, the others as maps
+            meta, payload = await pool.call(bk.addr, "list", {"broker": 1, "columns": True})
+            got = Listing.of(meta, payload)
+            assert [s["vseg"] for s in got.segments] == [0, 1, 3] and got.segments == [segs[(1, 0, v)] for v in (0, 1, 3)]
+            s2 = segs[(1, 0, 2)]
+            assert got.plain.tolist() == [[0, 2, s2["length"], 6, s2["checksum"]]] and s2["length"] == la
+            with pytest.raises(InvalidArgument):   # columns of one broker's copies only
+                await pool.call(bk.addr, "list", {"columns": True})
             s0, s1 = segs[(1, 0, 0)], segs[(1, 0, 1)]
             assert s0["length"] == la and s0["chunks"] == 5
             assert [(c["offset"], c["length"]) for c in s0["corrupt"]] == [(starts_a[2], len(a[2]))]

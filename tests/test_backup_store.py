@@ -300,16 +300,19 @@ def test_a_closed_replica_keeps_its_index_rows_within_the_bound_and_gives_them_b
     s.replicate(KEY, 1, 0, mv(a), False)
     s.replicate(KEY, 1, len(a[0]) + len(a[1]), mv(b), True)
     rep = s.replicas[KEY]
-    rows = np.frombuffer(rep.index, "<u8").reshape(-1, INDEX_COLUMNS)
+    rows = np.frombuffer(rep.index.rows, "<u8").reshape(-1, INDEX_COLUMNS)
     heads = [chunk.parse_header(c) for c in a + b]
     assert rows.tolist() == [[st, en - st, h.stream_id, h.streamlet, h.group, h.segment, h.offset,
                               h.producer_id, h.sequence, h.flags]
                              for st, en, h in zip(rep.starts, rep.ends, heads, strict=True)]
-    assert s.index_bytes == len(rep.index) == 3 * 80 and rep.heads is None
+    runs = index_runs(rows)   # and the rows of its runs of chunks, made once
+    assert rep.index.runs == runs.tobytes() and rep.index.marks == ()   # no index chunk
+    assert s.index_bytes == rep.index.nbytes == 3 * 80 + len(runs) * 88 and rep.heads is None
+    kept = s.index_bytes
     monkeypatch.setattr(store_module, "INDEX_CACHE", s.index_bytes + 100)  # no room for another
     other = (7, 2, 6)
     s.replicate(other, 1, 0, mv(a), True)
-    assert s.replicas[other].index is None and s.index_bytes == 240
+    assert s.replicas[other].index is None and s.index_bytes == kept
     s.drop(KEY)
     assert s.index_bytes == 0 and rep.index is None
 

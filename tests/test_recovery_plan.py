@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,6 +13,7 @@ from kera.recovery_plan import (
     FAILED,
     REFUSED,
     Done,
+    Listing,
     PlanError,
     RecoveryPlan,
     Step,
@@ -34,6 +36,31 @@ def seg(vseg, length, vlog=VLOG, corrupt=(), closed=False, broker=BROKER):
 
 def plan_of(listings):
     return RecoveryPlan(BROKER, EPOCH, listings)
+
+
+def as_columns(listings: dict) -> dict:
+    """The listings as a recovery asks for them (backup ``list`` with ``columns``): the closed,
+    intact copies as rows, the others as maps."""
+    def plain(s):
+        return s["closed"] and not s["corrupt"] and "error" not in s
+    return {b: Listing([s for s in segs if not plain(s)],
+                       np.array([[s["vlog"], s["vseg"], s["length"], s["chunks"], s["checksum"]]
+                                 for s in segs if plain(s)], "<u8").reshape(-1, 5))
+            for b, segs in listings.items()}
+
+
+def test_a_listing_as_columns_plans_as_its_maps():
+    listings = {1: [seg(0, 1000, closed=True), seg(1, 700, corrupt=[(100, 50)], closed=True), seg(2, 300),
+                    seg(0, 100, vlog=(EPOCH + 1) << 32, closed=True), seg(0, 500, vlog=VLOG2, closed=True)],
+                2: [seg(0, 1000, closed=True), seg(1, 800, closed=True), seg(2, 350, closed=True)]}
+    maps, cols = RecoveryPlan(BROKER, EPOCH, listings, floors={VLOG2: 1}), \
+        RecoveryPlan(BROKER, EPOCH, as_columns(listings), floors={VLOG2: 1})
+    assert as_columns(listings)[1].plain[:, 1].tolist() == [0, 0, 0]   # three rows of backup 1
+    assert maps.vlogs == cols.vlogs == [VLOG, VLOG2]   # another epoch's left out; VLOG2's below its floor
+    assert {v: maps._vlogs[v].vsegs for v in maps.vlogs} == {v: cols._vlogs[v].vsegs for v in cols.vlogs}
+    assert maps.total_bytes == cols.total_bytes and maps.settled(VLOG) == cols.settled(VLOG) == [(0, [1, 2])]
+    with pytest.raises(TypeError, match="rows of columns"):
+        Listing.of({"segments": [], "plain": 2}, b"\0" * 40)
 
 
 def test_one_copy_corrupt_continues_from_another():
@@ -241,18 +268,18 @@ def scenarios(draw):
             fail = draw(st.none() | st.integers(0, max(0, n)))
             closed = n == sizes[v] and draw(st.booleans())  # only a complete copy is closed
             copies[(v, b)] = (n, bad, known, fail, closed)
-    return present, sizes, copies
+    return present, sizes, copies, draw(st.booleans())
 
 
 @settings(max_examples=300, deadline=None)
 @given(scenarios())
 def test_plan_replays_every_intact_chunk_once_in_order(sc):
-    present, sizes, copies = sc
+    present, sizes, copies, columns = sc
     listings: dict[int, list] = {}
     for (v, b), (n, _bad, known, _fail, closed) in copies.items():
         listings.setdefault(b, []).append(seg(v, n * CHUNK, corrupt=[(c * CHUNK, CHUNK) for c in known],
                                               closed=closed))
-    plan = plan_of(listings)
+    plan = plan_of(as_columns(listings) if columns else listings)
     if not present:
         assert plan.vlogs == [] and plan.complete
         return

@@ -21,7 +21,7 @@ from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, Pro
 from . import disk
 from .fields import U63, uint, vseg_key
 from .replay import parse_replay_from, parse_routes, replay
-from .replica import INDEX_COLUMNS, Replica, index_rows, index_runs
+from .replica import Replica, VsegIndex, index_rows
 from .store import BackupStore
 
 log = logging.getLogger("kera.backup")
@@ -95,20 +95,16 @@ class ReadBack:
             raise InvalidArgument(f"index needs vsegs: [[vlog, vseg], ...] (or [vlog, vseg, runs]), 1 to "
                                   f"{limits.INDEX_VSEGS} of them")
         answers, parts, size = [], [], 0
-        runs = []   # (its answer, its parts) of the vsegs asked as runs
         for vlog, vseg, *as_runs in vsegs:
             if size >= INDEX_ANSWER:
                 answers.append({"later": True})
                 continue
             try:
-                mine = await self._index(self.store.get((broker, vlog, vseg)))
+                mine = await self._index(self.store.get((broker, vlog, vseg)), bool(as_runs and as_runs[0]))
             except KeraError as e:
                 answers.append({"error": e.code, "message": str(e)})
                 continue
             n = sum(len(p) for p in mine)
-            as_runs = bool(as_runs and as_runs[0])
-            if as_runs:   # at most a count per row more (none merged)
-                n += len(mine[0]) // INDEX_COLUMNS
             if size and size + n > INDEX_ANSWER:  # the first one always goes (if a frame holds it)
                 size = INDEX_ANSWER
                 answers.append({"later": True})
@@ -116,34 +112,20 @@ class ReadBack:
             if n > limits.MAX_PAYLOAD:
                 answers.append({"error": BackupError.code, "message": f"index of vseg {vseg} is too large"})
                 continue
-            answers.append({"rows": len(mine[0]), "bytes": sum(len(p) for p in mine)})
-            parts.append(mine)
-            if as_runs:
-                runs.append((answers[-1], mine))
+            answers.append({"rows": len(mine[0]), "bytes": n})
+            parts += mine
             size += n
             self.counters["indexes"] = self.counters.get("indexes", 0) + 1
-        if runs:   # as runs, in one pass over them all
-            rows = [np.frombuffer(mine[0], "<u8").reshape(-1, INDEX_COLUMNS) for _, mine in runs]
-            starts = np.cumsum([0] + [len(r) for r in rows])
-            merged = index_runs(np.concatenate(rows), starts[1:-1])
-            firsts = np.cumsum(merged[:, INDEX_COLUMNS]) - merged[:, INDEX_COLUMNS]
-            cuts = np.searchsorted(firsts, starts).tolist()
-            for i, (a, mine) in enumerate(runs):
-                mine[0] = merged[cuts[i]:cuts[i + 1]].astype("<u8", copy=False).tobytes()
-                a["bytes"] += len(mine[0]) - a["rows"]
-                a["rows"] = len(mine[0])
-        return {"answers": answers}, [p for mine in parts for p in mine]
+        return {"answers": answers}, parts
 
-    async def _index(self, rep: Replica) -> list:
-        """One replica's index: its rows (kept since it closed, ``Replica.seal_index``, or
-        gathered from its file's headers), then its index chunks."""
+    async def _index(self, rep: Replica, runs: bool) -> list:
+        """One replica's index: its rows of chunks or of runs (kept since it closed,
+        ``Replica.seal_index``, or made from its file's headers), then its index chunks."""
         if not rep.closed or rep.corrupt or rep.damaged:
             raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
-        rows = rep.index if rep.index is not None else await self._index_rows(rep)
-        a = np.frombuffer(rows, "<u8").reshape(-1, INDEX_COLUMNS)
-        marks = np.flatnonzero(a[:, 9] & chunkfmt.INDEX)
-        parts = [rows]
-        for s, n in a[marks, :2].tolist():  # one per run of adopted segments
+        ix = rep.index or VsegIndex.of(await self._index_rows(rep))
+        parts = [ix.runs if runs else ix.rows]
+        for s, n in ix.marks:  # one per run of adopted segments
             e = s + n
             if s >= rep.mem_base:
                 parts.append(b"".join(rep.memory_parts(s, e)))

@@ -19,9 +19,10 @@ or on a file read are indexed apart and never served.
 A recovery re-pointing a dead broker's history asks each closed vseg for its
 chunks' header rows (``index_rows``, backup ``index``). The headers verified
 on arrival are kept (a reference per append, no copy) while the replica is open
-and turned into those rows once, when it closes (``seal_index``), so the
-``index`` answer is a copy of them, however old the vseg: no file read, no
-check again. The store bounds the rows kept (``INDEX_CACHE``); a replica
+and turned into those rows once, when it closes (``seal_index``: the rows, the
+rows of its runs of chunks, where its index chunks lie), so the ``index``
+answer is a copy of them, however old the vseg: no file read, no check again,
+no array work per vseg asked. The store bounds the rows kept (``INDEX_CACHE``); a replica
 without them (over the bound, or reloaded from its file) is indexed from its
 file's headers, checked then.
 """
@@ -30,11 +31,12 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right, insort
+from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
-from ..chunk import FEW, HEADER_DTYPE, HEADER_SIZE
+from ..chunk import FEW, HEADER_DTYPE, HEADER_SIZE, INDEX
 from ..errors import InvalidArgument
 from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
@@ -48,6 +50,10 @@ def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
                             h["segment"], h["offset"], h["producer_id"], h["sequence"],
                             h["flags"])).astype("<u8").tobytes()
 
+
+# a closed, intact replica in a listing as columns (backup ``list``): vlog, vseg, length, chunks,
+# checksum, the fields of its ``info`` a recovery plans from
+PLAIN_COLUMNS = 5
 
 RUN_COLUMNS = INDEX_COLUMNS + 1   # an index row of a run of chunks: the row, then how many
 
@@ -77,6 +83,28 @@ def index_runs(rows: np.ndarray, starts=()) -> np.ndarray:
     out[:, 8] = np.maximum.reduceat(seq, first)
     out[:, INDEX_COLUMNS] = np.diff(np.append(first, n))
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class VsegIndex:
+    """A closed replica's index in the two forms a recovery asks for (chunks' rows, runs'
+    rows) and where its index chunks lie: made once, so that indexing a vseg of the settled
+    history costs no array work per vseg, however many a recovery asks for."""
+
+    rows: bytes                          # ``index_rows``
+    runs: bytes                          # ``index_runs`` of them
+    marks: tuple[tuple[int, int], ...]   # (vseg offset, size) of its index chunks
+
+    @classmethod
+    def of(cls, rows: bytes) -> VsegIndex:
+        a = np.frombuffer(rows, "<u8").reshape(-1, INDEX_COLUMNS)
+        marks = np.flatnonzero(a[:, 9] & INDEX)
+        return cls(rows, index_runs(a).astype("<u8", copy=False).tobytes(),
+                   tuple(map(tuple, a[marks, :2].tolist())))
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.rows) + len(self.runs)
 
 
 class Replica:
@@ -109,7 +137,7 @@ class Replica:
         self.ready = None      # service: trio.Event set once the file exists (or failed)
         self.budget = 0        # store: bytes of its file counted against --max-bytes
         self.heads: list | None = []   # verified headers of the chunks appended (None: not kept)
-        self.index: bytes | None = None  # once closed: ``index_rows`` of every chunk, if kept
+        self.index: VsegIndex | None = None  # once closed: its index, if kept
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -159,17 +187,17 @@ class Replica:
         self.length = base + payload.nbytes
 
     def seal_index(self, room: int) -> int:
-        """Closed: its index rows, built once from the headers kept, if they take at most
-        ``room`` bytes; returns the bytes kept."""
+        """Closed: its index, built once from the headers kept, if it takes at most ``room``
+        bytes; returns the bytes kept."""
         heads, self.heads = self.heads, None
         n = len(self.starts)
-        if heads is None or n * 8 * INDEX_COLUMNS > room or sum(map(len, heads)) != n:
+        if heads is None or n * 8 * (INDEX_COLUMNS + RUN_COLUMNS) > room or sum(map(len, heads)) != n:
             return 0
         starts = np.frombuffer(self.starts, np.uint64)
         h = np.frombuffer(b"".join(x.tobytes() for x in heads), HEADER_DTYPE)  # np.concatenate of
         # a structured dtype costs ten times more
-        self.index = index_rows(starts, np.frombuffer(self.ends, np.uint64), h)
-        return len(self.index)
+        self.index = VsegIndex.of(index_rows(starts, np.frombuffer(self.ends, np.uint64), h))
+        return self.index.nbytes
 
     @property
     def chunks(self) -> int:
@@ -258,6 +286,14 @@ class Replica:
                    key=lambda c: c["offset"])
             return True
         return False
+
+    @property
+    def plain(self) -> bool:
+        """Closed and intact: listed as a row of ``PLAIN_COLUMNS``."""
+        return self.closed and not self.corrupt and not self.error
+
+    def plain_row(self) -> tuple[int, int, int, int, int]:
+        return self.vlog, self.vseg, self.length, len(self.starts), self.digest.intdigest()
 
     def info(self) -> dict:
         out = {"broker": self.broker, "vlog": self.vlog, "vseg": self.vseg, "length": self.length,

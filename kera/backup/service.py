@@ -49,7 +49,7 @@ from .flushing import Flushing
 from .membership import load_id, run_membership
 from .readback import ReadBack
 from .release import CLAIMS_FILE, FLOORS_FILE, Release
-from .replica import Replica
+from .replica import PLAIN_COLUMNS, Replica
 from .scrub import DEFAULT_EVERY, DEFAULT_RATE, Scrubbing
 from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, scan_payload
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too
@@ -361,8 +361,16 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
     # -- list ------------------------------------------------------------------
 
     def rpc_list(self, meta: dict, payload):
+        """Replicas held (``broker``'s, or all) and vlog floors; with ``columns``, the closed,
+        intact ones as rows of ``PLAIN_COLUMNS`` u64s in the payload (``plain``: how many)."""
         b = meta.get("broker")
-        return {"backup": self.id, "segments": self.store.listing(b), "floors": self.store.floor_list(b)}
+        out = {"backup": self.id, "floors": self.store.floor_list(b)}
+        if meta.get("columns") is True:
+            out["segments"], rows = self.store.listing_columns(uint(meta, "broker"))
+            out["plain"] = len(rows) // (8 * PLAIN_COLUMNS)
+            return out, rows
+        out["segments"] = self.store.listing(b)
+        return out
 
     # -- fencing and recovery ------------------------------------------------
 

@@ -22,6 +22,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from .. import chunk as chunkfmt
 from .. import limits
 from ..errors import (
@@ -33,13 +35,13 @@ from ..errors import (
     ProtocolError,
 )
 from . import segment_file
-from .replica import Replica
+from .replica import PLAIN_COLUMNS, Replica
 
 MAX_REPLICATE_BYTES = limits.MAX_REPLICATE_PAYLOAD  # one replicate payload
 MAX_SEGMENT_BYTES = limits.MAX_REPLICA_BYTES        # one replica's chunk area
 MAX_REPLICAS = 100_000           # replicas held at once
 DEFAULT_MAX_MEMORY = 1 << 30     # unflushed bytes; flushed ones are released under pressure
-INDEX_CACHE = 64 << 20           # closed replicas' index rows kept (80 bytes per chunk)
+INDEX_CACHE = 64 << 20           # closed replicas' indexes kept (80 bytes per chunk, 88 per run)
 
 Key = tuple[int, int, int]
 
@@ -113,7 +115,7 @@ class BackupStore:
         self.memory = 0       # payload bytes held in memory
         self.floors: dict[tuple[int, int], int] = {}  # (broker, vlog) -> vsegs below were released
         self.reclaimed = 0    # file bytes deleted because their vsegs were released
-        self.index_bytes = 0  # closed replicas' index rows kept (``Replica.seal_index``)
+        self.index_bytes = 0  # closed replicas' indexes kept (``Replica.seal_index``)
 
     # -- released vsegs ---------------------------------------------------------------------
 
@@ -275,7 +277,7 @@ class BackupStore:
         self.committed -= rep.budget
         self.unflushed -= rep.length - rep.flushed
         self.memory -= rep.memory_bytes
-        self.index_bytes -= len(rep.index or b"")
+        self.index_bytes -= rep.index.nbytes if rep.index else 0
         rep.blocks, rep.block_starts, rep.heads, rep.index = [], array("Q"), None, None
         return True
 
@@ -310,6 +312,13 @@ class BackupStore:
         """``broker``'s replicas (every one's if None), in (broker, vlog, vseg) order."""
         keys = sorted(k for k in self.replicas if broker is None or k[0] == broker)
         return [self.replicas[k].info() for k in keys]
+
+    def listing_columns(self, broker: int) -> tuple[list[dict], bytes]:
+        """``listing(broker)`` with the closed, intact replicas (most of a long history) as
+        ``PLAIN_COLUMNS`` u64s each instead of a map: (the others' maps, those rows)."""
+        reps = [self.replicas[k] for k in sorted(k for k in self.replicas if k[0] == broker)]
+        rows = np.array([r.plain_row() for r in reps if r.plain], "<u8").reshape(-1, PLAIN_COLUMNS)
+        return [r.info() for r in reps if not r.plain], rows.tobytes()
 
     # -- flushing ----------------------------------------------------------------------------
 
