@@ -5,14 +5,16 @@ cluster (R=3) whose brokers have an 8 MiB memory budget and 1 MiB vsegs; one
 stream (1 streamlet, 256 KiB segments, 32 per group) retaining its whole
 history, written until its owner evicted all but its budget; the owner is
 killed with -9 and the coordinator's record of the recovery is read once the
-new owner serves. Runs alternate 1x (24 MiB) and 4x (96 MiB) histories, each
-with up to 4 MiB more drawn at random: what is replayed is the dead broker's
-unsettled tail (its vlogs' open vsegs), whose size depends on where the
-history ends in them, and the extra spreads it over the runs instead of
-fixing it per history size. The kill comes once the ingest's leftovers are
+new owner serves. Runs alternate 1x (24 MiB) and 4x (96 MiB) histories, in
+pairs with the same extra of up to 4 MiB drawn at random: what is replayed is
+the dead broker's unsettled tail (its vlogs' open vsegs), whose size depends
+on where the history ends in them; the extra spreads it over the pairs, and
+a pair's two runs differ in their evicted history alone. The kill comes once the ingest's leftovers are
 written (``sync``) and the machine is quiet (``bench.stage.quiet``). Reports per history the median time to serve,
 the replay's share of it and the rest (planning, re-pointing, adopting,
-handing over), with the bytes replayed and the segments re-pointed.
+handing over), the work before the replay (list, plan, index, repoint,
+adopt: what grows per vseg of the history), with the bytes replayed and the
+segments re-pointed, and the median of the pairs' differences.
 Writes bench/results/history.json.
 """
 
@@ -38,6 +40,7 @@ from .stage import quiet
 MiB = 1 << 20
 SIZE = 100
 BUDGET = 8 * MiB
+BEFORE_REPLAY = ("list", "plan", "index", "repoint", "adopt")
 
 
 def _values(start: int, n: int) -> np.ndarray:
@@ -95,7 +98,8 @@ def summary(runs: list[dict]) -> dict:
     def med(key):
         return round(statistics.median(r[key] for r in runs), 1)
     return {"runs": len(runs), "serve_ms": med("serve_ms"), "replay_ms": med("replay_ms"),
-            "rest_ms": med("rest_ms"), "replayed_mib": med("replayed_mib"),
+            "rest_ms": med("rest_ms"), "before_replay_ms": med("before_replay_ms"),
+            "replayed_mib": med("replayed_mib"),
             "adopted_segments": med("adopted_segments"),
             "serve_ms_all": sorted(r["serve_ms"] for r in runs)}
 
@@ -109,8 +113,9 @@ def main(argv=None) -> None:
     rnd = random.Random(args.seed)
     out: dict[str, list] = {"1x": [], "4x": []}
     for i in range(args.runs):
+        extra = rnd.randrange(0, 4 * MiB, SIZE)
         for name, base in (("1x", 24 * MiB), ("4x", 96 * MiB)):
-            history = base + rnd.randrange(0, 4 * MiB, SIZE)
+            history = base + extra
             with tempfile.TemporaryDirectory(prefix="kera-history-") as d:
                 c = LocalCluster(d, 3, broker_args=["--memory", str(BUDGET), "--vseg-size", str(MiB)],
                                  coordinator_args=["--dead-after", "2.0"])
@@ -127,14 +132,18 @@ def main(argv=None) -> None:
                    "replayed_mib": round(r["bytes"] / MiB, 2), "adopted_segments": r["adopted_segments"],
                    "settle_ms": round(r["settle_seconds"] * 1e3, 1), "quiet": r["quiet"],
                    "phases_ms": {p: round(r[f"{p}_seconds"] * 1e3, 2) for p in PHASES}}
+            row["before_replay_ms"] = round(sum(row["phases_ms"][p] for p in BEFORE_REPLAY), 1)
             out[name].append(row)
             print(f"run {i + 1} {name}: {row['history_mib']} MiB history, serving after {row['serve_ms']} ms "
                   f"(replay {row['replay_ms']} ms of {row['replayed_mib']} MiB, the rest {row['rest_ms']} ms), "
                   f"{row['adopted_segments']} segments re-pointed", flush=True)
     result = {"budget_mib": BUDGET // MiB, "summary": {k: summary(v) for k, v in out.items()}, "runs": out}
     one, four = result["summary"]["1x"], result["summary"]["4x"]
-    result["ratio_4x_1x"] = {k: round(four[k] / max(one[k], 1e-9), 2) for k in ("serve_ms", "replay_ms", "rest_ms")}
-    print(json.dumps({"summary": result["summary"], "ratio_4x_1x": result["ratio_4x_1x"]}, indent=1))
+    result["ratio_4x_1x"] = {k: round(four[k] / max(one[k], 1e-9), 2)
+                             for k in ("serve_ms", "replay_ms", "rest_ms", "before_replay_ms")}
+    result["pair_diff_ms"] = {k: round(statistics.median(b[k] - a[k] for a, b in zip(out["1x"], out["4x"], strict=True)), 1)
+                              for k in ("serve_ms", "replay_ms", "rest_ms", "before_replay_ms")}
+    print(json.dumps({k: result[k] for k in ("summary", "ratio_4x_1x", "pair_diff_ms")}, indent=1))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "history.json"), "w") as f:
         json.dump(result, f, indent=1)

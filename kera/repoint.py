@@ -393,9 +393,11 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict |
 
 def _deferred(rp: Repoint, spans: list[int], indexes: dict) -> dict:
     """(stream id, streamlet) -> (groups, producer -> highest sequence, group -> one of its
-    producers: its slot, ``producer % groups``) of the plan's ``spans``: a group's rows at
-    once, not its segments one by one (the closed history is most of them)."""
+    producers: its slot, ``producer % groups``) of the plan's ``spans``: the rows of all their
+    records in one pass, not group by group (the closed history is most of them)."""
     out: dict = {}
+    parts, at = [], []   # the records' (producer, sequence) columns, and their streamlet's number
+    slots: dict[tuple[int, int], int] = {}
     for i in spans:
         sid, sl, gid, _, _ = rp.spans[i]
         groups, highest, producers = out.setdefault((sid, sl), (set(), {}, {}))
@@ -403,20 +405,30 @@ def _deferred(rp: Repoint, spans: list[int], indexes: dict) -> dict:
         rows = rp.records(i)
         if rows is not None:   # records only: all its rows at once
             producers[gid] = int(rows[0, PRODUCER])
-            got = [index_chunk.highest_sequences(rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]])]
-        else:
-            got = []
-            for a in rp.span(i):
-                producers[gid] = int(a.rows[0, PRODUCER])
-                if a.indexed:
-                    r = a.rows[0].tolist()
-                    got.append(index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers())
-                else:
-                    got.append(index_chunk.highest_sequences(a.rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]]))
-        for g in got:
-            for p, q in g.items():
+            parts.append(rows[:, [PRODUCER, SEQUENCE]])
+            at.append(slots.setdefault((sid, sl), len(slots)))
+            continue
+        for a in rp.span(i):
+            producers[gid] = int(a.rows[0, PRODUCER])
+            if a.indexed:
+                r = a.rows[0].tolist()
+                got = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers()
+            else:
+                got = index_chunk.highest_sequences(a.rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]])
+            for p, q in got.items():
                 if q > highest.get(p, -1):
                     highest[p] = q
+    if parts:   # per (streamlet, producer) its highest sequence: the last of each once sorted
+        ps = np.concatenate(parts)
+        who = np.repeat(np.array(at, np.uint64), [len(x) for x in parts])
+        o = np.lexsort((ps[:, 1], ps[:, 0], who))
+        who, ps = who[o], ps[o]
+        last = np.append((who[1:] != who[:-1]) | (ps[1:, 0] != ps[:-1, 0]), True)
+        keys = list(slots)
+        for k, p, q in zip(who[last].tolist(), ps[last, 0].tolist(), ps[last, 1].tolist(), strict=True):
+            highest = out[keys[k]][1]
+            if q > highest.get(p, -1):
+                highest[p] = q
     return out
 
 

@@ -193,3 +193,23 @@ def test_consecutive_repointed_segments_of_a_group_go_as_one_index_chunk():
     ix = index_chunk.parse(_index_chunk(9, runs[0], {1: {1: [4, 5], 2: [5, 6]}}))
     assert (ix.group, ix.segment, ix.counts, ix.heads, ix.source) == (0, 2, [2, 1, 1], [200, 50, 80], 9)
     assert ix.copies == {1: [4, 5], 2: [5, 6]} and ix.rows[:, 1].tolist() == [1, 1, 1, 2]
+
+
+def test_the_groups_adopted_after_the_hand_over_carry_each_producers_highest_sequence():
+    """``repoint._deferred``: per streamlet the closed groups adopted whole, the highest
+    sequence of each producer over all of them (one pass over their rows), a producer of each."""
+    from kera.repoint import _deferred
+
+    def mine(rows, streamlet, producers):   # rows_of's rows of another streamlet and producers
+        return [(*r[:5], streamlet, *r[6:9], p, *r[10:]) for r, p in zip(rows, producers, strict=True)]
+
+    rows = (mine(rows_of(0, 0, 0, [100, 100]), 0, [3, 4]) + mine(close_row(0, 0, 0, 200, 200), 0, [3])
+            + mine(rows_of(0, 1, 0, [50, 50, 50], 320), 0, [4, 4, 3]) + mine(close_row(0, 1, 0, 150, 470), 0, [4])
+            + mine(rows_of(1, 0, 0, [70]), 1, [4]) + mine(close_row(1, 0, 0, 70, 70), 1, [4])
+            + mine(rows_of(1, 2, 0, [60]), 0, [9]))   # group 2 still open: not adopted whole
+    rp = plan(rows, {1: [0, 1]})
+    ended = [i for i in range(len(rp.spans)) if rp.ends(i)]
+    assert sorted(rp.spans[i][:3] for i in ended) == [(7, 0, 0), (7, 0, 1), (7, 1, 0)]
+    # sequences: segment * 10 + chunk (rows_of): group 0 gives producer 3 0, 4 1; group 1: 4 1, 3 2
+    assert _deferred(rp, ended, {}) == {(7, 0): ({0, 1}, {3: 2, 4: 1}, {0: 3, 1: 4}),
+                                        (7, 1): ({0}, {4: 0}, {0: 4})}
