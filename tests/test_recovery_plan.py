@@ -61,6 +61,8 @@ def test_a_listing_as_columns_plans_as_its_maps():
     assert maps.total_bytes == cols.total_bytes and maps.settled(VLOG) == cols.settled(VLOG) == [(0, [1, 2])]
     with pytest.raises(TypeError, match="rows of columns"):
         Listing.of({"segments": [], "plain": 2}, b"\0" * 40)
+    old = Listing.of({"segments": [seg(0, 100)]}, b"")   # a backup that lists maps only
+    assert old.segments == [seg(0, 100)] and old.plain.shape == (0, 5)
 
 
 def test_one_copy_corrupt_continues_from_another():
