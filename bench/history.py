@@ -15,7 +15,10 @@ the replay's share of it and the rest (planning, re-pointing, adopting,
 handing over), the work before the replay (list, plan, index, repoint,
 adopt: what grows per vseg of the history), with the bytes replayed and the
 segments re-pointed, and the median of the pairs' differences.
-Writes bench/results/history.json.
+Writes bench/results/history.json. ``--shape defaults`` runs the same with
+the broker's and stream's default sizes (8 MiB vsegs, 1 MiB segments, 8 per
+group) and a 64 MiB budget: 8 times fewer vsegs per GiB of history, and a
+replayed tail 8 times longer (history-defaults.json).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import random
 import statistics
 import tempfile
 import time
+from typing import NamedTuple
 
 import numpy as np
 import trio
@@ -39,7 +43,16 @@ from .stage import quiet
 
 MiB = 1 << 20
 SIZE = 100
-BUDGET = 8 * MiB
+
+
+class Shape(NamedTuple):
+    budget: int          # the brokers' memory budget (1x history: 3 budgets, 4x: 12)
+    vseg: int
+    segment: int
+    group_segments: int
+
+
+SHAPES = {"small": Shape(8 * MiB, MiB, 256 << 10, 32), "defaults": Shape(64 * MiB, 8 * MiB, MiB, 8)}
 BEFORE_REPLAY = ("list", "plan", "index", "repoint", "adopt")
 
 
@@ -58,12 +71,12 @@ async def _until(cond, what: str, timeout: float) -> object:
     return r
 
 
-async def one_run(c: LocalCluster, history: int) -> dict:
+async def one_run(c: LocalCluster, history: int, shape: Shape = SHAPES["small"]) -> dict:
     """Write ``history`` bytes of records into a fresh stream, kill its owner, return the recovery."""
     n = history // SIZE
     async with open_admin(c.coordinator) as a:
-        s = await a.create_stream("big", streamlets=1, replication=3, segment_size=256 << 10,
-                                  group_segments=32, retention_bytes=n * SIZE)
+        s = await a.create_stream("big", streamlets=1, replication=3, segment_size=shape.segment,
+                                  group_segments=shape.group_segments, retention_bytes=n * SIZE)
     async with open_producer(c.coordinator, **{"linger.ms": 2}) as p:
         for at in range(0, n, 2000):
             await p.send_many("big", _values(at, min(2000, n - at)))
@@ -73,7 +86,7 @@ async def one_run(c: LocalCluster, history: int) -> dict:
         async with open_admin(c.coordinator) as a:
             stats = await a.broker_stats(streams=True)
         mine = [b for b in stats if b["streams"]]
-        return mine and mine[0]["evicted_bytes"] >= history - 3 * BUDGET
+        return mine and mine[0]["evicted_bytes"] >= history - 3 * shape.budget
 
     await _until(held, "the owner to evict all but its budget", 60)
     # the ingest's leftovers (dirty pages of the backups' files, flushes) are not the recovery's:
@@ -108,20 +121,25 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.history")
     ap.add_argument("--runs", type=int, default=5, help="runs per history size")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                    help="sizes: small (the default: 8 MiB budget, 1 MiB vsegs, 256 KiB segments, 32 per "
+                         "group) or defaults (the broker's and stream's: 8 MiB vsegs, 1 MiB segments, 8 per "
+                         "group, with a 64 MiB budget), written to history-defaults.json")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args(argv)
     rnd = random.Random(args.seed)
+    shape = SHAPES[args.shape]
     out: dict[str, list] = {"1x": [], "4x": []}
     for i in range(args.runs):
-        extra = rnd.randrange(0, 4 * MiB, SIZE)
-        for name, base in (("1x", 24 * MiB), ("4x", 96 * MiB)):
+        extra = rnd.randrange(0, 4 * shape.vseg, SIZE)
+        for name, base in (("1x", 3 * shape.budget), ("4x", 12 * shape.budget)):
             history = base + extra
             with tempfile.TemporaryDirectory(prefix="kera-history-") as d:
-                c = LocalCluster(d, 3, broker_args=["--memory", str(BUDGET), "--vseg-size", str(MiB)],
+                c = LocalCluster(d, 3, broker_args=["--memory", str(shape.budget), "--vseg-size", str(shape.vseg)],
                                  coordinator_args=["--dead-after", "2.0"])
                 c.start()
                 try:
-                    r = trio.run(one_run, c, history)
+                    r = trio.run(one_run, c, history, shape)
                 finally:
                     c.stop()
             if r["lost"]:
@@ -137,7 +155,7 @@ def main(argv=None) -> None:
             print(f"run {i + 1} {name}: {row['history_mib']} MiB history, serving after {row['serve_ms']} ms "
                   f"(replay {row['replay_ms']} ms of {row['replayed_mib']} MiB, the rest {row['rest_ms']} ms), "
                   f"{row['adopted_segments']} segments re-pointed", flush=True)
-    result = {"budget_mib": BUDGET // MiB, "summary": {k: summary(v) for k, v in out.items()}, "runs": out}
+    result = {"budget_mib": shape.budget // MiB, "shape": shape._asdict(), "summary": {k: summary(v) for k, v in out.items()}, "runs": out}
     one, four = result["summary"]["1x"], result["summary"]["4x"]
     result["ratio_4x_1x"] = {k: round(four[k] / max(one[k], 1e-9), 2)
                              for k in ("serve_ms", "replay_ms", "rest_ms", "before_replay_ms")}
@@ -145,7 +163,8 @@ def main(argv=None) -> None:
                               for k in ("serve_ms", "replay_ms", "rest_ms", "before_replay_ms")}
     print(json.dumps({k: result[k] for k in ("summary", "ratio_4x_1x", "pair_diff_ms")}, indent=1))
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "history.json"), "w") as f:
+    name = "history.json" if args.shape == "small" else f"history-{args.shape}.json"
+    with open(os.path.join(args.out, name), "w") as f:
         json.dump(result, f, indent=1)
 
 
