@@ -6,7 +6,7 @@ stream (1 streamlet, 256 KiB segments, 32 per group) retaining its whole
 history, written until its owner evicted all but its budget; the owner is
 killed with -9 and the coordinator's record of the recovery is read once the
 new owner serves. Runs alternate 1x (24 MiB) and 4x (96 MiB) histories, in
-pairs with the same extra of up to 4 MiB drawn at random: what is replayed is
+pairs with the same extra of up to 4 vsegs (4 MiB) drawn at random: what is replayed is
 the dead broker's unsettled tail (its vlogs' open vsegs), whose size depends
 on where the history ends in them; the extra spreads it over the pairs, and
 a pair's two runs differ in their evicted history alone. The kill comes once the ingest's leftovers are

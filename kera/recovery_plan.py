@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backup.replica import PLAIN_COLUMNS
+from .errors import ProtocolError
 from .vlog import vlog_epoch
 
 END = "end"          # the copy has nothing more (its length)
@@ -46,6 +46,9 @@ CORRUPT = "corrupt"  # the next chunk of the copy failed verification
 FAILED = "failed"    # the backup or its copy failed (error, timeout, gone)
 REFUSED = "refused"  # the new owner refused the chunk: a hole in its group before it
 REASONS = (END, CORRUPT, FAILED, REFUSED)
+# a closed, intact copy in a listing as columns (backup ``list`` with ``columns``): vlog, vseg,
+# length, chunks, checksum, the fields of its ``Replica.info`` a plan is made from
+PLAIN_COLUMNS = 5
 
 
 class PlanError(ValueError):
@@ -173,12 +176,12 @@ class Listing:
 
     @classmethod
     def of(cls, meta: dict, payload) -> Listing:
-        """From the answer; a malformed one raises ``TypeError`` (a backup from before columns
-        answers maps only, ``plain`` absent)."""
+        """From the answer; a malformed one raises ``ProtocolError`` (a backup from before
+        columns answers maps only, ``plain`` absent)."""
         segments, n = meta.get("segments"), meta.get("plain", 0)
         size = len(payload)
-        if not isinstance(segments, list) or not isinstance(n, int) or size != n * 8 * PLAIN_COLUMNS:
-            raise TypeError(f"a listing of {n!r} rows of columns in {size} bytes")
+        if not isinstance(segments, list) or type(n) is not int or size != n * 8 * PLAIN_COLUMNS:
+            raise ProtocolError(f"a listing of {n!r} rows of columns in {size} bytes")
         return cls(segments, np.frombuffer(payload, "<u8").reshape(-1, PLAIN_COLUMNS))
 
 
@@ -196,12 +199,14 @@ class RecoveryPlan:
         for v, f in floors.items():
             self._vlogs.setdefault(v, _Vlog(v, {})).vseg = f
             self._vlogs[v].floor = f
+        at: dict[int, tuple | None] = {}   # vlog -> (its vsegs' copies, its floor); None: not ours
+
         def add(vlog: int, vseg: int, copy: _Copy) -> None:
-            if vlog_epoch(vlog) != epoch or vseg < floors.get(vlog, 0):
-                return  # another incarnation's, or released: its file is on its way out
-            if (v := self._vlogs.get(vlog)) is None:
-                v = self._vlogs[vlog] = _Vlog(vlog, {})
-            v.vsegs.setdefault(vseg, []).append(copy)
+            if vlog not in at:
+                at[vlog] = None if vlog_epoch(vlog) != epoch else \
+                    (self._vlogs.setdefault(vlog, _Vlog(vlog, {})).vsegs, floors.get(vlog, 0))
+            if (vs := at[vlog]) is not None and vseg >= vs[1]:   # below its floor: released, the
+                vs[0].setdefault(vseg, []).append(copy)           # file is on its way out
 
         for backup, listing in sorted(listings.items()):
             segments, plain = (listing.segments, listing.plain.tolist()) if isinstance(listing, Listing) \
@@ -214,19 +219,8 @@ class RecoveryPlan:
                                  for c in corrupt) if corrupt else []
                 add(sg["vlog"], int(sg["vseg"]), _Copy(backup, int(sg["length"]), int(sg.get("chunks", 0)),
                                                        bool(sg.get("closed")), sg.get("checksum"), regions))
-            at = {}   # vlog -> its vsegs' copies, of the vlogs of this epoch, and its floor
-            for vlog, vseg, length, chunks, checksum in plain:   # most of a long history: lean
-                if (vs := at.get(vlog)) is None:
-                    if vlog_epoch(vlog) != epoch:
-                        continue
-                    v = self._vlogs.get(vlog) or self._vlogs.setdefault(vlog, _Vlog(vlog, {}))
-                    vs = at[vlog] = (v.vsegs, floors.get(vlog, 0))
-                if vseg >= vs[1]:
-                    c = _Copy(backup, length, chunks, True, checksum, [])
-                    if (copies := vs[0].get(vseg)) is None:
-                        vs[0][vseg] = [c]
-                    else:
-                        copies.append(c)
+            for vlog, vseg, length, chunks, checksum in plain:   # most of a long history
+                add(vlog, vseg, _Copy(backup, length, chunks, True, checksum, []))
         for v in self._vlogs.values():
             v.top = max(v.vsegs, default=-1)
         self.busy: dict[int, int] = {}      # steps out per backup
@@ -393,12 +387,15 @@ class RecoveryPlan:
         """[[vlog, last vseg], ...]: what a complete replay went through, per vlog. Only files
         within it may go: a vlog or vseg the listings never showed (its copies on backups down
         then) may hold all there is of it."""
-        return [[v.id, v.outcome.vseg] for v in self._vlogs.values() if isinstance(v.outcome, Done)]
+        return [[v.id, v.outcome.vseg] for v in self._in_order() if isinstance(v.outcome, Done)]
 
     @property
     def lost(self) -> list[LostRange]:
-        return [r for v in self._vlogs.values() if isinstance(v.outcome, Truncated)
-                for r in v.outcome.lost]
+        return [r for v in self._in_order() if isinstance(v.outcome, Truncated) for r in v.outcome.lost]
+
+    def _in_order(self) -> list[_Vlog]:
+        """The vlogs by id, however the listings came."""
+        return [self._vlogs[k] for k in sorted(self._vlogs)]
 
     def counts(self) -> dict:
         vs = self._vlogs.values()

@@ -273,6 +273,8 @@ async def test_bit_flip_on_disk_is_reported_never_served(backups):
             bk.start()
             segs = await segments(pool, bk.addr)
             # a recovery's listing: the closed, intact copy as a row of columns, the others as maps
+            meta, payload = await pool.call(bk.addr, "list", {"broker": 2, "columns": True})
+            assert Listing.of(meta, payload).plain.shape == (0, 5) and meta["segments"] == []   # none
             meta, payload = await pool.call(bk.addr, "list", {"broker": 1, "columns": True})
             got = Listing.of(meta, payload)
             assert [s["vseg"] for s in got.segments] == [0, 1, 3] and got.segments == [segs[(1, 0, v)] for v in (0, 1, 3)]
@@ -850,7 +852,17 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
                 [s, len(c), h.stream_id, h.streamlet, h.group, h.segment, h.offset, h.producer_id, h.sequence,
                  h.flags] for s, c, h in zip(starts, a, heads, strict=True)]
             assert tail == a[3] and rows[3, 9] == chunk.INDEX | chunk.CLOSE
+
+            async def runs_of(vseg=0):
+                meta, parts = await pool.call(bk.addr, "index", {"broker": 1, "vsegs": [[0, vseg, True]]})
+                data = b"".join(parts) if isinstance(parts, list) else bytes(parts)
+                (e,) = meta["answers"]
+                return data[:e["rows"]], data[e["rows"]:e["bytes"]]
+
+            want = index_runs(rows).astype("<u8").tobytes()
+            assert await runs_of() == (want, tail)   # kept since the close: the index chunk from memory
             await until(lambda: _memory_zero(pool, bk.addr), "memory released")
+            assert await runs_of() == (want, tail)   # ... and from the file
             _, again, tail_again = await index()  # now from the file
             assert (again == rows).all() and tail_again == tail
             before = open(bk.seg(1, 0, 0), "rb").read()

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kera.errors import ProtocolError
 from kera.recovery_plan import (
     CORRUPT,
     END,
@@ -59,7 +60,7 @@ def test_a_listing_as_columns_plans_as_its_maps():
     assert maps.vlogs == cols.vlogs == [VLOG, VLOG2]   # another epoch's left out; VLOG2's below its floor
     assert {v: maps._vlogs[v].vsegs for v in maps.vlogs} == {v: cols._vlogs[v].vsegs for v in cols.vlogs}
     assert maps.total_bytes == cols.total_bytes and maps.settled(VLOG) == cols.settled(VLOG) == [(0, [1, 2])]
-    with pytest.raises(TypeError, match="rows of columns"):
+    with pytest.raises(ProtocolError, match="rows of columns"):
         Listing.of({"segments": [], "plain": 2}, b"\0" * 40)
     old = Listing.of({"segments": [seg(0, 100)]}, b"")   # a backup that lists maps only
     assert old.segments == [seg(0, 100)] and old.plain.shape == (0, 5)

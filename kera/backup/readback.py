@@ -123,7 +123,7 @@ class ReadBack:
         ``Replica.seal_index``, or made from its file's headers), then its index chunks."""
         if not rep.closed or rep.corrupt or rep.damaged:
             raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
-        ix = rep.index or VsegIndex.of(await self._index_rows(rep))
+        ix = rep.index or VsegIndex.of(await self._index_rows(rep), runs)
         parts = [ix.runs if runs else ix.rows]
         for s, n in ix.marks:  # one per run of adopted segments
             e = s + n

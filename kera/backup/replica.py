@@ -51,20 +51,15 @@ def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
                             h["flags"])).astype("<u8").tobytes()
 
 
-# a closed, intact replica in a listing as columns (backup ``list``): vlog, vseg, length, chunks,
-# checksum, the fields of its ``info`` a recovery plans from
-PLAIN_COLUMNS = 5
-
 RUN_COLUMNS = INDEX_COLUMNS + 1   # an index row of a run of chunks: the row, then how many
 
 
-def index_runs(rows: np.ndarray, starts=()) -> np.ndarray:
+def index_runs(rows: np.ndarray) -> np.ndarray:
     """A vseg's index ((n, 10) u64 rows, ``index_rows``) as runs: consecutive chunks of one
     producer in one segment, each following the one before in the segment and in the vseg,
     plain (no flag: index and close chunks stay rows of their own), are one row spanning
     them (first offsets, the sizes summed, the highest sequence) followed by their count.
-    What a recovery plans the settled history from: a row per run, not per chunk.
-    ``starts``: where the rows of another vseg start (several vsegs' indexes in one pass)."""
+    What a recovery plans the settled history from: a row per run, not per chunk."""
     n = len(rows)
     out = np.empty((n, RUN_COLUMNS), np.uint64)
     if not n:
@@ -74,8 +69,6 @@ def index_runs(rows: np.ndarray, starts=()) -> np.ndarray:
         & (offset[1:] == offset[:-1] + size[:-1])
     for c in (2, 3, 4, 5, 7):   # stream, streamlet, group, segment, producer
         joins &= rows[1:, c] == rows[:-1, c]
-    starts = np.asarray(starts, np.int64)
-    joins[starts[(starts > 0) & (starts < n)] - 1] = False
     first = np.flatnonzero(np.append(True, ~joins))
     out = out[:len(first)]
     out[:, :INDEX_COLUMNS] = rows[first]
@@ -92,19 +85,21 @@ class VsegIndex:
     history costs no array work per vseg, however many a recovery asks for."""
 
     rows: bytes                          # ``index_rows``
-    runs: bytes                          # ``index_runs`` of them
+    runs: bytes | None                   # ``index_runs`` of them (None: not made)
     marks: tuple[tuple[int, int], ...]   # (vseg offset, size) of its index chunks
 
     @classmethod
-    def of(cls, rows: bytes) -> VsegIndex:
+    def of(cls, rows: bytes, runs: bool = True) -> VsegIndex:
+        """From its rows; ``runs``: make the rows of runs too (a replica indexed from its file
+        makes only the form asked for)."""
         a = np.frombuffer(rows, "<u8").reshape(-1, INDEX_COLUMNS)
         marks = np.flatnonzero(a[:, 9] & INDEX)
-        return cls(rows, index_runs(a).astype("<u8", copy=False).tobytes(),
+        return cls(rows, index_runs(a).astype("<u8", copy=False).tobytes() if runs else None,
                    tuple(map(tuple, a[marks, :2].tolist())))
 
     @property
     def nbytes(self) -> int:
-        return len(self.rows) + len(self.runs)
+        return len(self.rows) + len(self.runs or b"") + 16 * len(self.marks)
 
 
 class Replica:
@@ -289,11 +284,11 @@ class Replica:
 
     @property
     def plain(self) -> bool:
-        """Closed and intact: listed as a row of ``PLAIN_COLUMNS``."""
+        """Closed and intact: listed as a row of ``kera.recovery_plan.PLAIN_COLUMNS``."""
         return self.closed and not self.corrupt and not self.error
 
     def plain_row(self) -> tuple[int, int, int, int, int]:
-        return self.vlog, self.vseg, self.length, len(self.starts), self.digest.intdigest()
+        return self.vlog, self.vseg, self.length, self.chunks, self.digest.intdigest()
 
     def info(self) -> dict:
         out = {"broker": self.broker, "vlog": self.vlog, "vseg": self.vseg, "length": self.length,

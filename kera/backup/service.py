@@ -41,6 +41,7 @@ from .. import metafile
 from ..coordinator_link import CoordinatorLink
 from ..errors import BackupError, InvalidArgument, KeraError, LimitExceeded
 from ..limits import REPLICATE_ENTRIES
+from ..recovery_plan import PLAIN_COLUMNS
 from ..rpc import Service, open_pool
 from . import disk, segment_file
 from .claims import Claims
@@ -49,7 +50,7 @@ from .flushing import Flushing
 from .membership import load_id, run_membership
 from .readback import ReadBack
 from .release import CLAIMS_FILE, FLOORS_FILE, Release
-from .replica import PLAIN_COLUMNS, Replica
+from .replica import Replica
 from .scrub import DEFAULT_EVERY, DEFAULT_RATE, Scrubbing
 from .store import DEFAULT_MAX_MEMORY, DUPLICATE, EMPTY, NEW, BackupStore, scan_payload
 from .store import MAX_REPLICATE_BYTES as MAX_REPLICATE_BYTES  # the limits, named here too

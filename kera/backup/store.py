@@ -34,14 +34,16 @@ from ..errors import (
     LimitExceeded,
     ProtocolError,
 )
+from ..recovery_plan import PLAIN_COLUMNS
 from . import segment_file
-from .replica import PLAIN_COLUMNS, Replica
+from .replica import Replica
 
 MAX_REPLICATE_BYTES = limits.MAX_REPLICATE_PAYLOAD  # one replicate payload
 MAX_SEGMENT_BYTES = limits.MAX_REPLICA_BYTES        # one replica's chunk area
 MAX_REPLICAS = 100_000           # replicas held at once
 DEFAULT_MAX_MEMORY = 1 << 30     # unflushed bytes; flushed ones are released under pressure
-INDEX_CACHE = 64 << 20           # closed replicas' indexes kept (80 bytes per chunk, 88 per run)
+INDEX_CACHE = 64 << 20           # closed replicas' indexes kept (80 bytes per chunk, 88 per run of
+# them: 800,000 chunks of runs of several, half as many when none joins)
 
 Key = tuple[int, int, int]
 
