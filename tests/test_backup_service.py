@@ -280,8 +280,10 @@ async def test_bit_flip_on_disk_is_reported_never_served(backups):
             assert [s["vseg"] for s in got.segments] == [0, 1, 3] and got.segments == [segs[(1, 0, v)] for v in (0, 1, 3)]
             s2 = segs[(1, 0, 2)]
             assert got.plain.tolist() == [[0, 2, s2["length"], 6, s2["checksum"]]] and s2["length"] == la
-            with pytest.raises(InvalidArgument):   # columns of one broker's copies only
-                await pool.call(bk.addr, "list", {"columns": True})
+            for bad in ({"columns": True}, {"broker": -1, "columns": True}, {"broker": 1, "columns": 1}):
+                with pytest.raises(InvalidArgument):   # columns of one broker's copies, asked as a bool
+                    await pool.call(bk.addr, "list", bad)
+            assert await segments(pool, bk.addr) == segs   # nothing changed
             s0, s1 = segs[(1, 0, 0)], segs[(1, 0, 1)]
             assert s0["length"] == la and s0["chunks"] == 5
             assert [(c["offset"], c["length"]) for c in s0["corrupt"]] == [(starts_a[2], len(a[2]))]

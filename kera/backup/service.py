@@ -365,8 +365,11 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         """Replicas held (``broker``'s, or all) and vlog floors; with ``columns``, the closed,
         intact ones as rows of ``PLAIN_COLUMNS`` u64s in the payload (``plain``: how many)."""
         b = meta.get("broker")
+        columns = meta.get("columns", False)
+        if type(columns) is not bool:
+            raise InvalidArgument(f"list's columns is true or false, not {columns!r}")
         out = {"backup": self.id, "floors": self.store.floor_list(b)}
-        if meta.get("columns") is True:
+        if columns:
             out["segments"], rows = self.store.listing_columns(uint(meta, "broker"))
             out["plain"] = len(rows) // (8 * PLAIN_COLUMNS)
             return out, rows

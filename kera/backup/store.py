@@ -310,15 +310,18 @@ class BackupStore:
     def holds(self) -> list[list]:
         return [[b, v, s, r.length, r.closed] for (b, v, s), r in sorted(self.replicas.items())]
 
+    def _of(self, broker: int | None) -> list[Replica]:
+        """``broker``'s replicas (every one's if None), in (broker, vlog, vseg) order: only
+        theirs sorted, not every replica held."""
+        return [self.replicas[k] for k in sorted(k for k in self.replicas if broker is None or k[0] == broker)]
+
     def listing(self, broker: int | None = None) -> list[dict]:
-        """``broker``'s replicas (every one's if None), in (broker, vlog, vseg) order."""
-        keys = sorted(k for k in self.replicas if broker is None or k[0] == broker)
-        return [self.replicas[k].info() for k in keys]
+        return [r.info() for r in self._of(broker)]
 
     def listing_columns(self, broker: int) -> tuple[list[dict], bytes]:
         """``listing(broker)`` with the closed, intact replicas (most of a long history) as
         ``PLAIN_COLUMNS`` u64s each instead of a map: (the others' maps, those rows)."""
-        reps = [self.replicas[k] for k in sorted(k for k in self.replicas if k[0] == broker)]
+        reps = self._of(broker)
         rows = np.array([r.plain_row() for r in reps if r.plain], "<u8").reshape(-1, PLAIN_COLUMNS)
         return [r.info() for r in reps if not r.plain], rows.tobytes()
 
