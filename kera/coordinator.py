@@ -21,7 +21,7 @@ import trio
 
 from . import etcd, group_positions, limits
 from .adoption import Adoptions
-from .catalog import NameIndex
+from .catalog import Catalog, Page
 from .errors import (
     InvalidArgument,
     InvalidName,
@@ -34,7 +34,6 @@ from .errors import (
     UnknownStream,
 )
 from .etcd_meta import Election, EtcdMeta
-from .holdings import Holdings
 from .membership import Member, Membership
 from .metalog import MetaLog
 from .names import check_stream_name, is_internal
@@ -63,6 +62,7 @@ DEFAULTS = {
     "segment_size": 1 << 20,
     "group_segments": 8,
 }
+PACKED = ("streams",)   # kept as each entry's msgpack bytes by the store (kera.catalog)
 VLOG_POLICIES = ("shared", "per-stream", "per-group")
 # retention, Kafka's names and meaning (-1: unbounded); the cluster's defaults are the
 # coordinator's --retention-bytes / --retention-ms. retention_bytes is the stream's total.
@@ -141,6 +141,29 @@ def _check_stream_limits(cfg: dict) -> None:
                             bound=limits.MIN_SEGMENT_SIZE, size=cfg["segment_size"])
 
 
+def _strings(meta: dict, rpc: str, *keys) -> list:
+    out = []
+    for key in keys:
+        v = meta.get(key)
+        if v is not None and not isinstance(v, str):
+            raise InvalidArgument(f"{rpc}: {key} must be a string")
+        out.append(v)
+    return out
+
+
+def _page_limit(meta: dict, rpc: str) -> int:
+    """A request's ``limit`` of streams per page: ``MAX_LIST_PAGE`` unless it asks for fewer."""
+    limit = meta.get("limit")
+    if limit is None:
+        return limits.MAX_LIST_PAGE
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise InvalidArgument(f"{rpc}: limit must be a positive integer")
+    if limit > limits.MAX_LIST_PAGE:
+        raise LimitExceeded(f"limit {limit} exceeds MAX_LIST_PAGE ({limits.MAX_LIST_PAGE})",
+                            limit="MAX_LIST_PAGE", bound=limits.MAX_LIST_PAGE, size=limit)
+    return limit
+
+
 class Coordinator(Membership, Service):
     """``metadata``: None for the embedded store (a ``MetaLog`` in ``data_dir``), or
     ``etcd://HOST:PORT[,...][/prefix]``: the state lives in etcd and this coordinator
@@ -165,22 +188,22 @@ class Coordinator(Membership, Service):
             endpoints, prefix = etcd.parse_url(metadata)
             self.etcd = etcd.Etcd(endpoints)
             self.election = Election(self.etcd, prefix, addr)
-            self.store = lambda: EtcdMeta(self.etcd, prefix, self.election, INITIAL)
+            self.store = lambda: EtcdMeta(self.etcd, prefix, self.election, INITIAL, packed=PACKED)
             self.rejoin_wait = 2 * dead_after   # after a takeover, brokers find the new leader
         else:
             os.makedirs(data_dir, exist_ok=True)
             self.etcd = self.election = None
             self.rejoin_wait = dead_after
-            self._begin_term(MetaLog(data_dir, INITIAL, legacy=os.path.join(data_dir, "coordinator.meta")))
+            self._begin_term(MetaLog(data_dir, INITIAL, legacy=os.path.join(data_dir, "coordinator.meta"),
+                                     packed=PACKED))
 
     def _begin_term(self, store) -> None:
         """Lead with ``store``'s state: membership starts empty, servers (re)register."""
         self.log = store
         self.meta = store.state   # changed only through self.log
-        # the typed view of meta["streams"], kept in step with it (the store keeps wire maps)
-        self.streams = {n: StreamMeta.from_wire(d) for n, d in self.meta["streams"].items()}
-        self.holdings = Holdings(self.streams.values())   # incarnation -> streamlets
-        self.names = NameIndex(n for n in self.streams if not is_internal(n))  # listed, in order
+        # meta["streams"] (each stream's map, packed), decoded on demand, and its indexes
+        self.streams = Catalog(store)
+        self.holdings = self.streams.holdings   # incarnation -> streamlets
         if "positions" in self.meta:   # group positions of an older version: they start afresh
             log.warning("dropping the positions of %d consumer groups committed by an older "
                         "version: those groups start afresh", len(self.meta["positions"] or {}))
@@ -231,9 +254,7 @@ class Coordinator(Membership, Service):
             if s.id in self._deleting:      # (a delete still committing unassigns it from m too)
                 self._deleting[s.id][i] = (m.id, m.epoch)
             return
-        self.holdings.move(s.name, i, now.owners[i], (m.id, m.epoch))
-        self.streams[s.name] = now.with_owner(i, (m.id, m.epoch))
-        self.log.set(("streams", s.name, "owners", i), [m.id, m.epoch])
+        self.streams.set_owner(now, i, (m.id, m.epoch))
 
     def _take(self, counter: str) -> int:
         v = self.meta[counter]
@@ -243,9 +264,12 @@ class Coordinator(Membership, Service):
     # -- streams -----------------------------------------------------------
     def _describe(self, s: StreamMeta) -> dict:
         """A stream with the address of each streamlet's owner (None while it is recovered)."""
-        d = dict(self._wire(s))
+        return self._addressed(self._wire(s))
+
+    def _addressed(self, d: dict) -> dict:
+        """Stream map ``d`` (the caller's), with ``addrs``: each streamlet's owner's address."""
         addrs = []
-        for b, e in s.owners:
+        for b, e in d["owners"]:
             m = self.live_broker(b, e)
             addrs.append(m.addr if m is not None else None)
         d["addrs"] = addrs
@@ -257,10 +281,10 @@ class Coordinator(Membership, Service):
         return now if now is not None and now.id == s.id else s
 
     def _wire(self, s: StreamMeta) -> dict:
-        """``s``'s map as it is now: the one the store holds (its changes keep it in step with
-        ``self.streams``; sent as it is, not built again), or ``s.to_wire()`` once deleted."""
-        now = self._now(s)
-        return self.meta["streams"][s.name] if self.streams.get(s.name) is now else s.to_wire()
+        """``s``'s map as it is now (altered or moved since it was read: as the store holds
+        it), or ``s.to_wire()`` once deleted."""
+        d = self.streams.wire(s.name)
+        return d if d is not None and d["id"] == s.id else s.to_wire()
 
     def _stream(self, name) -> StreamMeta:
         s = self.streams.get(name) if isinstance(name, str) else None
@@ -356,11 +380,8 @@ class Coordinator(Membership, Service):
         for name, cfg in checked.items():
             sid = self._take("next_stream_id")
             owners = tuple([(m.id, m.epoch) for m in self.spread(cfg["streamlets"], sid, loads)])
-            s = self.streams[name] = StreamMeta(name=name, id=sid, **cfg, owners=owners, created=now)
-            self.log.set(("streams", name), s.to_wire())
-            self.holdings.add(s)
-            if not internal:
-                self.names.add(name)
+            s = StreamMeta(name=name, id=sid, **cfg, owners=owners, created=now)
+            self.streams.create(s, listed=not internal)
             created.append(s)
         await self.commit()
         await self._assign(created)
@@ -429,59 +450,57 @@ class Coordinator(Membership, Service):
         after ``after``: at most ``limit`` (``MAX_LIST_PAGE``) streams and
         ``MAX_LIST_PAGE_STREAMLETS`` streamlets. ``next`` is the ``after`` of the next page,
         None once the listing is complete (a page may be empty and still have a next)."""
-        pattern, after, limit = meta.get("pattern"), meta.get("after"), meta.get("limit")
-        for key, v in (("pattern", pattern), ("after", after)):
-            if v is not None and not isinstance(v, str):
-                raise InvalidArgument(f"list_streams: {key} must be a string")
-        if limit is None:
-            limit = limits.MAX_LIST_PAGE
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise InvalidArgument("list_streams: limit must be a positive integer")
-        if limit > limits.MAX_LIST_PAGE:
-            raise LimitExceeded(f"limit {limit} exceeds MAX_LIST_PAGE ({limits.MAX_LIST_PAGE})",
-                                limit="MAX_LIST_PAGE", bound=limits.MAX_LIST_PAGE, size=limit)
-        out: list[dict] = []
-        streamlets = scanned = 0
-        last = None   # the name of out[-1]
-        for name, match in self.names.scan(pattern, after):
-            if match:
-                s = self.streams[name]
-                if out and (len(out) == limit
-                            or streamlets + s.streamlets > limits.MAX_LIST_PAGE_STREAMLETS):
-                    return {"streams": out, "next": last}
-                out.append(self._describe(s))
-                streamlets += s.streamlets
-                last = name
-            scanned += 1
-            if scanned == limits.MAX_LIST_SCAN:
-                return {"streams": out, "next": name}
-        return {"streams": out, "next": None}
+        pattern, after = _strings(meta, "list_streams", "pattern", "after")
+        page = Page(_page_limit(meta, "list_streams"))
+        nxt = self.streams.listing(page, self._addressed, pattern, after)
+        return {"streams": page.streams, "next": nxt}
+
+    def rpc_metadata(self, meta, payload):
+        """Where streams live, a page (as ``list_streams``'s) at a time: the streams ``names``
+        (at most ``MAX_LIST_PAGE``; the unknown ones in ``missing``), then those matching
+        ``pattern``: from just after ``after`` in name order or, with ``since`` (a stream id),
+        those created after it, in id order (a subscription's new streams: what was created
+        since, not every name again). ``more``: how many names (the last ones) did not fit,
+        to ask again; the pattern is begun only once every name is answered, and ``next`` is
+        the ``after`` (or ``since``) of its next page (None once complete, or with no
+        pattern). ``top``: the newest stream id, where a later ``since`` may start. Every
+        answer fits a frame, however many streams are asked for (``kera_client.metadata``)."""
+        names = meta.get("names") or []
+        pattern, after = _strings(meta, "metadata", "pattern", "after")
+        since = meta.get("since")
+        if not isinstance(names, list):
+            raise InvalidArgument("metadata: names must be a list")
+        if since is not None and (not isinstance(since, int) or isinstance(since, bool)):
+            raise InvalidArgument("metadata: since must be a stream id")
+        if len(names) > limits.MAX_LIST_PAGE:
+            raise LimitExceeded(f"{len(names)} names exceed MAX_LIST_PAGE ({limits.MAX_LIST_PAGE}): "
+                                f"ask a page at a time", limit="MAX_LIST_PAGE",
+                                bound=limits.MAX_LIST_PAGE, size=len(names))
+        page = Page(_page_limit(meta, "metadata"))
+        out = {"streams": page.streams, "missing": [], "more": 0, "next": None,
+               "top": self.meta["next_stream_id"] - 1}
+        for k, name in enumerate(names):
+            d = self.streams.wire(name) if isinstance(name, str) else None
+            if d is None:
+                out["missing"].append(name)
+            elif page.fits(d["streamlets"]):
+                page.add(self._addressed(d))
+            else:
+                out["more"] = len(names) - k
+                out["next"] = (after if since is None else since) if pattern else None
+                return out
+        if pattern and since is not None:
+            out["next"] = self.streams.created(page, self._addressed, pattern, since)
+        elif pattern:
+            out["next"] = self.streams.listing(page, self._addressed, pattern, after, skip=set(names))
+        return out
 
     def rpc_describe_stream(self, meta, payload):
         return {"stream": self._describe(self._stream(meta.get("name")))}
 
-    def rpc_metadata(self, meta, payload):
-        """Where streams live: by names (missing ones are reported) and/or a pattern."""
-        names = meta.get("names") or []
-        pattern = meta.get("pattern")
-        if pattern is not None and not isinstance(pattern, str):
-            raise InvalidArgument("metadata: pattern must be a string")
-        out, missing = [], []
-        for n in names:
-            s = self.streams.get(n)
-            (out.append(self._describe(s)) if s else missing.append(n))
-        if pattern:
-            given = set(names)
-            out += [self._describe(self.streams[n]) for n, match in self.names.scan(pattern)
-                    if match and n not in given]
-        return {"streams": out, "missing": missing}
-
     async def rpc_delete_stream(self, meta, payload):
         s = self._user_stream(meta.get("name"))
-        self.log.delete(("streams", s.name))
-        del self.streams[s.name]
-        self.holdings.remove(s)
-        self.names.discard(s.name)
+        self.streams.delete(s)
         owners = self._deleting[s.id] = list(s.owners)
         try:
             await self.commit()
@@ -511,9 +530,7 @@ class Coordinator(Membership, Service):
         if not changes:
             raise InvalidArgument("alter_stream needs retention_bytes, retention_ms, cleanup_policy, "
                                   "delete_retention_ms and/or segment_ms")
-        for key, v in changes.items():
-            self.log.set(("streams", s.name, key), v)
-        altered = self.streams[s.name] = s.altered(changes)
+        altered = self.streams.alter(s, changes)
         await self.commit()
         s = self._now(altered)   # moved meanwhile: its owners now
 
