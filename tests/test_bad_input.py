@@ -145,9 +145,13 @@ async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
             await a.describe_stream("nope")
         with pytest.raises(UnknownStream):
             await a.delete_stream("nope")
-    with pytest.raises(UnknownStream):
+    # a record to a stream that does not exist: looked up with the others met, it fails
+    with pytest.raises(ProduceError, match="1 records failed: unknown_stream"):
         async with open_producer(coord) as p:
             await p.send("nope", b"x")
+    async with open_producer(coord) as p:
+        with pytest.raises(UnknownStream):
+            await p.load_metadata(["nope"])
     assert await stored(coord) == before
 
 
