@@ -16,7 +16,8 @@ A run has three phases: ingest under faults, heal (faults stop; every
 appended chunk must become durable: progress; and the memory budget must
 take a new segment again, its filled segments settling and evicted; in half the runs
 without rot, backups are then lost for good one after the other, each once every
-closed vseg is whole again), then the broker dies, its
+vseg is whole again, the first too: a backup destroyed late in the faults is repaired
+first), then the broker dies, its
 settled history is re-pointed and the rest of its vlogs replayed from the
 backups (every acknowledged chunk must come back exactly once, adopted or
 replayed, in order). Invariants are checked after every step; the first one
