@@ -16,6 +16,7 @@ from kera_client import open_admin, open_consumer, open_producer
 
 from kera.broker.memory import MemoryBudget
 from kera.broker.segment import Segment
+from kera.errors import BrokerFull
 from kera.vlog import VirtualLog
 
 from .test_vlog_core import ack_all, backups
@@ -67,6 +68,25 @@ def test_the_budget_closes_only_the_open_vsegs_its_excess_needs_oldest_first():
     a.vsegs[0].frozen = True           # segment in it was evicted: it gets no copy again
     a.vsegs[0].copies.clear()
     assert m.relieve() == [r1] and b.vsegs[0].closed
+
+
+def test_a_refused_segment_gets_its_room_below_the_low_water_mark():
+    """Sans I/O, segments large against the budget (``python -m kera.sim --seed 72544`` before
+    the fix): 100 B segments in a 250 B budget, a filled one waiting in an idle vlog's open vseg
+    and an active one hold 200 B, below the low-water mark (212 B), and a third is refused. The
+    pass leaves that vseg open until the refusal, then closes it: the filled segment settles,
+    and the allocation tried again evicts it and is taken."""
+    m = MemoryBudget(250)
+    r, a = filled(m, 1)
+    m.reserve(100)  # the active segment
+    assert m.relieve() == [] and not a.vsegs[0].closed
+    with pytest.raises(BrokerFull):
+        m.reserve(100)
+    assert m.relieve() == [r] and a.vsegs[0].closed
+    assert m.relieve() == []   # its close is on its way
+    ack_all(r.log, r.log.poll(0.0))
+    m.reserve(100)
+    assert a.evicted and m.used == 200 and m.relieve() == []
 
 
 def test_a_small_budget_closes_an_idle_vlogs_vseg_instead_of_refusing_for_good(make_cluster):

@@ -48,6 +48,7 @@ def test_repointing_seeds_run_clean(seed, what):
     70250,  # schedule: backup 5 lost for good 1.9 s after backup 2's disk, 2 not yet declared dead
     70531,  # schedule: the same, backup 3 lost for good 1.9 s after backup 2's disk
     71715,  # schedule: the same, backup 4 lost for good 1.7 s after backup 1's disk
+    72544,  # kera: a segment refused for good below the low-water mark, its room held by one idle vseg
 ])
 def test_seeds_found_failing_run_clean(seed):
     World(seed).run()
@@ -131,6 +132,17 @@ def test_catches_a_budget_spent_on_segments_waiting_in_idle_vlogs(monkeypatch):
     monkeypatch.setattr(memory, "close_waiting", lambda seg: False)
     seed, why = first_failing(range(55, 65))
     assert seed == 59 and "refuses a new segment" in why, why
+
+
+def test_catches_a_refused_segment_whose_room_is_held_below_the_low_water_mark(monkeypatch):
+    """The broker's ``MemoryBudget.relieve`` before its second fix: a refused allocation did
+    not count in its excess, so with segments large against the budget, the room one needed
+    held by a filled segment waiting in an idle vlog's open vseg, below the low-water mark,
+    was refused for good, with every chunk durable."""
+    monkeypatch.setattr(memory.MemoryBudget, "wanted", property(lambda m: 0, lambda m, n: None),
+                        raising=False)
+    seed, why = first_failing(range(72540, 72550))
+    assert seed == 72544 and "refuses a new segment" in why, why
 
 
 def test_catches_a_group_adopted_beside_the_replay_that_the_replay_continues(monkeypatch):
