@@ -55,6 +55,8 @@ def test_repointing_seeds_run_clean(seed, what):
     70531,  # schedule: the same, backup 3 lost for good 1.9 s after backup 2's disk
     71715,  # schedule: the same, backup 4 lost for good 1.7 s after backup 1's disk
     72544,  # kera: a segment refused for good below the low-water mark, its room held by one idle vseg
+    1002713,  # kera: an answer from a torn backup's process before its restart counted its copy whole
+    1008298,  # kera: the same, the copy counted 3,893 bytes long with 5 chunks torn off
 ])
 def test_seeds_found_failing_run_clean(seed):
     World(seed).run()
@@ -183,6 +185,23 @@ def test_catches_a_refused_segment_whose_room_is_held_below_the_low_water_mark(m
                         raising=False)
     seed, why = first_failing(range(72540, 72550))
     assert seed == 72544 and "refuses a new segment" in why, why
+
+
+def test_catches_an_answer_from_before_a_backups_restart_taken(monkeypatch):
+    """``VirtualLog`` before its fix: a replicate answered by a backup's process before a
+    restart, the answer arriving once the restart was known, counted the restarted one's copy
+    (torn shorter on its disk) whole: one copy fewer than acknowledged, for good."""
+    restarted = VirtualLog._restarted
+
+    def keeps_the_answer(self, vs, c):
+        s = self.sent.get(c.inflight)
+        restarted(self, vs, c)
+        if s is not None:
+            c.inflight, self.sent[s.token] = s.token, s
+
+    monkeypatch.setattr(VirtualLog, "_restarted", keeps_the_answer)
+    seed, why = first_failing(range(1002710, 1002720))
+    assert seed == 1002713 and "copies not made again" in why, why
 
 
 def test_catches_a_group_adopted_beside_the_replay_that_the_replay_continues(monkeypatch):
