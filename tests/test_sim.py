@@ -57,6 +57,7 @@ def test_repointing_seeds_run_clean(seed, what):
     72544,  # kera: a segment refused for good below the low-water mark, its room held by one idle vseg
     1002713,  # kera: an answer from a torn backup's process before its restart counted its copy whole
     1008298,  # kera: the same, the copy counted 3,893 bytes long with 5 chunks torn off
+    1011799,  # simulator: a paused backup declared dead, restarted by a torn tail, never re-admitted
 ])
 def test_seeds_found_failing_run_clean(seed):
     World(seed).run()

@@ -170,12 +170,19 @@ class SimRebuild:
             self._whole_again(f"backup {b.id} was lost")
 
     def _whole_again(self, after: str) -> None:
-        """Run until every backup lost so far is declared dead and every vseg is whole again on
-        ``need`` live backups (and every chunk durable); fail if that takes over a minute."""
+        """Run until every backup is back as a member, or declared dead if it was lost, and
+        every vseg is whole again on ``need`` live backups (and every chunk durable); fail if
+        that takes over a minute."""
         w = self.w
-        w.run_until(w.now + self.dead_after + 60.0, lambda: all(
-            b.declared_dead for b in w.backups.values() if b.destroyed) and all(
+        w.run_until(w.now + self.dead_after + 60.0, lambda: not self._astray() and all(
             v.durable == v.appended for v in w.vlogs) and not self.short())
+        if self._astray():
+            w.fail(f"after {after}, backups neither back nor declared dead: {self._astray()}")
         if self.short():
             w.fail(f"copies not made again after {after}: (vlog, vseg, whole copies) "
                    f"{self.short()[:5]}")
+
+    def _astray(self) -> list[int]:
+        """Backups neither back as members nor, lost for good, declared dead."""
+        return [b.id for b in self.w.backups.values()
+                if (not b.declared_dead if b.destroyed else not b.up or b.declared_dead)]

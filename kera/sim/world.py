@@ -412,7 +412,8 @@ class World:
             rep.known_bad = {i for i in rep.known_bad if i < cut}
             rep.headers = {i for i in rep.headers if i < cut}
             b.reload()
-            b.incarnation += 1  # it restarted: a new incarnation, as after a crash
+            b.incarnation += 1  # it restarted: a new incarnation, as after a crash, which
+            b.declared_dead, b.paused_until = False, 0.0   # registers even if paused or dead before
             self._membership_changed()
 
     def _declare_dead(self, b: Backup, incarnation: int) -> None:
