@@ -48,6 +48,18 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def advertised(host: str, port: int, advertise: str = "") -> str:
+    """The address others reach a server at: ``advertise`` (HOST:PORT, or HOST with the port it
+    bound), else the host it binds and that port (127.0.0.1 for a wildcard host, which no peer
+    can dial)."""
+    if advertise:
+        return advertise if ":" in advertise else f"{advertise}:{port}"
+    return f"{'127.0.0.1' if host in WILDCARDS else host}:{port}"
+
+
 def _parts_frame(kind: int, rid: int, meta: dict, parts) -> bytes | list:
     """A frame whose payload is ``parts``: joined when small or of tiny parts, else its buffers
     as they are."""
