@@ -7,6 +7,13 @@ asked first, a standby answers ``not_leader`` naming the leader when it knows
 it, and an address that does not answer is skipped. Only transport failures
 and ``not_leader`` move the call on; any other answer, ``unavailable``
 included, is the leader's and is raised as is.
+
+An address that went silent (its host cut off, or paused) never fails a
+connection: with several addresses, one attempt gets at most its share of the
+call's time (``timeout / len(addrs)``, connecting included), and an address that
+failed stops being the first one asked, so a call (a heartbeat) reaches a
+standby that took over within the call instead of spending all its time on
+the silent one, call after call.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ class CoordinatorLink:
                    timeout: float = 30.0, **kw):
         """Until an answer or ``timeout``, going round the addresses with a capped backoff."""
         deadline = trio.current_time() + timeout
+        share = timeout / len(self.addrs)   # an attempt's time at most, several addresses given
         delay, last = 0.02, None
         while True:
             todo = [self.leader, *(a for a in self.addrs if a != self.leader)]
@@ -54,9 +62,10 @@ class CoordinatorLink:
             while todo and deadline > trio.current_time():
                 addr = todo.pop(0)
                 tried.add(addr)
+                left = deadline - trio.current_time()
                 try:
                     out = await self.pool.call(addr, method, meta, payload,
-                                               timeout=deadline - trio.current_time(), **kw)
+                                               timeout=left if self.single else min(left, share), **kw)
                     self.leader = addr
                     return out
                 except NotLeader as e:
@@ -75,6 +84,8 @@ class CoordinatorLink:
                     if getattr(e, "_peer", None) or self.single:
                         raise   # the coordinator answered, or there is nowhere else to go
                     last = e
+                    if addr == self.leader:   # asked first no more: the others are
+                        self.leader = self.addrs[(self.addrs.index(addr) + 1) % len(self.addrs)]
             left = deadline - trio.current_time()
             if left <= 0:
                 raise last or Unavailable(f"no coordinator of {self} answered {method}")

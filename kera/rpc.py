@@ -13,7 +13,11 @@ Clients: ``Pool`` owns one pipelined connection per address and the reader
 tasks that match responses to requests by id. A send that was cancelled or
 timed out may have left part of a frame on the wire, so its connection is
 closed (the next call opens a new one); a reply or error for a request no
-longer waited for is dropped and the connection stays. ``Connection.post``
+longer waited for is dropped and the connection stays, unless nothing at all
+came back on it while that request waited: a peer silent for a whole timeout
+is gone or cut off (a partition fails no connection), and its connection would
+resume only at the kernel's next retransmission, seconds after the peer is
+back, so it is closed and the next call connects afresh. ``Connection.post``
 sends a request with no task waiting for it: the reader hands its answer to
 a callback.
 """
@@ -329,11 +333,12 @@ class Service:
 class _Posted:
     """A posted request's place in ``pending``: the reader's ``set`` hands its answer on."""
 
-    __slots__ = ("conn", "slot", "done")
+    __slots__ = ("conn", "slot", "done", "sent")
 
     def __init__(self, conn: Connection, done):
         self.conn, self.done = conn, done
         self.slot = [self, None]
+        self.sent = trio.current_time()
 
     def set(self) -> None:
         try:
@@ -357,6 +362,7 @@ class Connection:
         self.writer = FrameWriter(stream.socket, nursery, self._tear)
         self.closed = False
         self.error: Exception | None = None
+        self.heard = trio.current_time()   # when bytes last arrived
 
     async def reader(self) -> None:
         try:
@@ -364,6 +370,7 @@ class Connection:
                 data = await self.stream.receive_some(RECV_SIZE)
                 if not data:
                     raise Unavailable(f"{self.addr} closed the connection")
+                self.heard = trio.current_time()
                 self.decoder.feed(data)
                 while (f := self.decoder.next()) is not None:
                     slot = self.pending.pop(f.request_id, None)
@@ -421,12 +428,21 @@ class Connection:
         self.pending[rid] = _Posted(self, done).slot
         return rid
 
-    def forget(self, rid: int) -> None:
-        """A posted request given up on (timed out): its answer is dropped when it comes; if
-        its frame is still being written, the connection is closed (nothing may follow it)."""
-        self.pending.pop(rid, None)
+    def forget(self, rid: int, timed_out: bool = False) -> None:
+        """A posted request given up on: its answer is dropped when it comes; if its frame is
+        still being written, or it ``timed_out`` with nothing heard on the connection since it
+        was sent (``_silent``), the connection is closed."""
+        slot = self.pending.pop(rid, None)
         if self.writer.finishing == rid:
-            self._tear("a request timed out while being sent")
+            self._tear("a request was given up on while being sent")
+        elif timed_out and slot is not None:
+            self._silent(slot[0].sent)
+
+    def _silent(self, since: float) -> None:
+        """A request sent at ``since`` timed out: if nothing arrived since, the peer is gone or
+        cut off, and the connection is closed (see the module doc)."""
+        if self.heard < since:
+            self._tear(f"nothing heard for {trio.current_time() - since:.1f} s")
 
     async def call(self, method: str, meta: dict | None = None, payload=b"", *,
                    timeout: float | None = None, parts=None):
@@ -436,6 +452,7 @@ class Connection:
         rid, data = self._request(method, meta, payload, parts)
         slot = [trio.Event(), None]
         self.pending[rid] = slot
+        sent = trio.current_time()
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):
                 await _take(self.writer.lock)
@@ -453,6 +470,7 @@ class Connection:
                 await slot[0].wait()
         except trio.TooSlowError:
             self.pending.pop(rid, None)
+            self._silent(sent)
             raise Unavailable(f"{method} to {self.addr} timed out after {timeout} s") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             self.pending.pop(rid, None)
@@ -489,7 +507,9 @@ class Pool:
         self.conns: dict[str, Connection] = {}
         self._locks: dict[str, trio.Lock] = {}
 
-    async def get(self, addr: str) -> Connection:
+    async def get(self, addr: str, timeout: float | None = None) -> Connection:
+        """The open connection to ``addr``, or a new one (within ``connect_timeout``, or
+        ``timeout`` if shorter)."""
         c = self.conns.get(addr)
         if c is not None and not c.closed:
             return c
@@ -500,19 +520,24 @@ class Pool:
                 return c
             host, port = parse_addr(addr)
             try:
-                with trio.fail_after(self.connect_timeout):
+                with trio.fail_after(min(self.connect_timeout, math.inf if timeout is None else timeout)):
                     stream = await trio.open_tcp_stream(host, port)
             except (OSError, trio.TooSlowError) as e:
-                raise Unavailable(f"cannot connect to {addr}: {e or 'timeout'}") from None
+                raise Unavailable(f"cannot connect to {addr}: {str(e) or 'timed out'}") from None
             stream.setsockopt(6, 1, 1)  # TCP_NODELAY
             c = Connection(addr, stream, self.max_frame, self.nursery)
             self.conns[addr] = c
             self.nursery.start_soon(c.reader)
             return c
 
-    async def call(self, addr: str, method: str, meta: dict | None = None, payload=b"", **kw):
-        conn = await self.get(addr)
-        return await conn.call(method, meta, payload, **kw)
+    async def call(self, addr: str, method: str, meta: dict | None = None, payload=b"", *,
+                   timeout: float | None = None, **kw):
+        """``Connection.call`` on ``addr``'s connection; ``timeout`` bounds connecting as well."""
+        start = trio.current_time()
+        conn = await self.get(addr, timeout)
+        if timeout is not None:
+            timeout = max(0.0, timeout - (trio.current_time() - start))
+        return await conn.call(method, meta, payload, timeout=timeout, **kw)
 
     def drop(self, addr: str) -> None:
         c = self.conns.pop(addr, None)
