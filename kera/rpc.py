@@ -45,6 +45,13 @@ VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg)
 VECTOR_PART = 1 << 12  # when its parts average this much: many tiny parts cost less joined
 
 
+def unsent(err: Unavailable) -> Unavailable:
+    """``err``, marked as raised before any byte of its request left (a failed connect, a
+    closed connection): the peer cannot have it, so it may be sent elsewhere or again."""
+    err._unsent = True
+    return err
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
@@ -448,18 +455,20 @@ class Connection:
                    timeout: float | None = None, parts=None):
         """Send a request and wait for its response: returns (meta, payload)."""
         if self.closed:
-            raise Unavailable(str(self.error))
+            raise unsent(Unavailable(str(self.error)))
         rid, data = self._request(method, meta, payload, parts)
         slot = [trio.Event(), None]
         self.pending[rid] = slot
         sent = trio.current_time()
+        sending = False
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):
                 await _take(self.writer.lock)
                 try:
                     if self.closed:
-                        raise Unavailable(str(self.error))
+                        raise unsent(Unavailable(str(self.error)))
                     try:
+                        sending = True
                         await send_frame(self.stream, data)
                     except BaseException as e:
                         # part of the frame may be on the wire: nothing more may follow it
@@ -470,6 +479,8 @@ class Connection:
                 await slot[0].wait()
         except trio.TooSlowError:
             self.pending.pop(rid, None)
+            if not sending:   # still waiting for its turn to send
+                raise unsent(Unavailable(f"{method} to {self.addr} not sent within {timeout} s")) from None
             self._silent(sent)
             raise Unavailable(f"{method} to {self.addr} timed out after {timeout} s") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
@@ -523,7 +534,7 @@ class Pool:
                 with trio.fail_after(min(self.connect_timeout, math.inf if timeout is None else timeout)):
                     stream = await trio.open_tcp_stream(host, port)
             except (OSError, trio.TooSlowError) as e:
-                raise Unavailable(f"cannot connect to {addr}: {str(e) or 'timed out'}") from None
+                raise unsent(Unavailable(f"cannot connect to {addr}: {str(e) or 'timed out'}")) from None
             stream.setsockopt(6, 1, 1)  # TCP_NODELAY
             c = Connection(addr, stream, self.max_frame, self.nursery)
             self.conns[addr] = c

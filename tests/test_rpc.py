@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from kera.coordinator_link import CoordinatorLink
-from kera.errors import Fenced, InvalidArgument, KeraError, Unavailable, UnknownMethod
+from kera.errors import Fenced, InvalidArgument, KeraError, NotLeader, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
 from kera.rpc import VECTOR_FROM, Later, Service, advertised, open_pool, send_frame
 
@@ -53,6 +53,7 @@ class TestService(Service):
         self.connections = 0
         self.closed = 0
         self.big_calls = 0
+        self.slow_calls = 0
         self.laters: dict[int, Later] = {}
 
     def set_reading(self, on: bool) -> None:
@@ -73,6 +74,7 @@ class TestService(Service):
         return {"n": meta.get("n")}, bytes(payload)
 
     async def rpc_slow(self, meta, payload):
+        self.slow_calls += 1
         await self.release.wait()
         self.raised.set()
         raise InvalidArgument("answered after the caller gave up")
@@ -405,3 +407,28 @@ def test_advertised_addresses():
     assert advertised("0.0.0.0", 7000) == advertised("", 7000) == "127.0.0.1:7000"
     assert advertised("0.0.0.0", 7000, "node1.example") == "node1.example:7000"
     assert advertised("10.1.2.3", 7000, "203.0.113.9:9000") == "203.0.113.9:9000"
+
+
+class Standby(Service):
+    """A coordinator standing by: it names ``leader``."""
+
+    def __init__(self, leader: str):
+        self.leader = leader
+
+    def rpc_slow(self, meta, payload):
+        raise NotLeader("stands by", leader=self.leader)
+
+
+async def test_coordinator_link_never_sends_a_request_twice_where_it_may_have_landed(server, nursery):
+    """The leader took the request and said nothing (its store is down, or it was cut off
+    after reading it): the standby still names it, but it is not asked again within the
+    call (it may have applied the request), and the call ends with its silence."""
+    svc, addr = server
+    port = await nursery.start(Standby(addr).serve, "127.0.0.1", 0)
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            link = CoordinatorLink(pool, f"{addr},127.0.0.1:{port}")
+            with pytest.raises(Unavailable, match="timed out"):
+                await link.call("slow", {}, timeout=1.5)
+    assert svc.slow_calls == 1
+    svc.release.set()
