@@ -14,10 +14,12 @@ tasks that match responses to requests by id. A send that was cancelled or
 timed out may have left part of a frame on the wire, so its connection is
 closed (the next call opens a new one); a reply or error for a request no
 longer waited for is dropped and the connection stays, unless nothing at all
-came back on it while that request waited: a peer silent for a whole timeout
-is gone or cut off (a partition fails no connection), and its connection would
-resume only at the kernel's next retransmission, seconds after the peer is
-back, so it is closed and the next call connects afresh. ``Connection.post``
+came back on it while that request waited and no request sent after it still
+waits (that one decides when its own time is up): a peer silent for a whole
+timeout is gone or cut off (a partition fails no connection), and its
+connection would resume only at the kernel's next retransmission, seconds after
+the peer is back, so it is closed and the next call connects afresh.
+``Connection.post``
 sends a request with no task waiting for it: the reader hands its answer to
 a callback.
 """
@@ -340,12 +342,11 @@ class Service:
 class _Posted:
     """A posted request's place in ``pending``: the reader's ``set`` hands its answer on."""
 
-    __slots__ = ("conn", "slot", "done", "sent")
+    __slots__ = ("conn", "slot", "done")
 
     def __init__(self, conn: Connection, done):
         self.conn, self.done = conn, done
-        self.slot = [self, None]
-        self.sent = trio.current_time()
+        self.slot = [self, None, trio.current_time()]   # (whom to tell, the answer, when sent)
 
     def set(self) -> None:
         try:
@@ -398,7 +399,7 @@ class Connection:
         if not self.closed:
             self.closed = True
             self.error = err
-        for ev, _ in list(self.pending.values()):
+        for ev, *_ in list(self.pending.values()):
             ev.set()
         self.pending.clear()
 
@@ -443,12 +444,13 @@ class Connection:
         if self.writer.finishing == rid:
             self._tear("a request was given up on while being sent")
         elif timed_out and slot is not None:
-            self._silent(slot[0].sent)
+            self._silent(slot[2])
 
     def _silent(self, since: float) -> None:
         """A request sent at ``since`` timed out: if nothing arrived since, the peer is gone or
-        cut off, and the connection is closed (see the module doc)."""
-        if self.heard < since:
+        cut off, and the connection is closed, unless a request sent later still waits (it
+        closes the connection when its own time is up, if still nothing came)."""
+        if self.heard < since and not any(w[2] > since for w in self.pending.values()):
             self._tear(f"nothing heard for {trio.current_time() - since:.1f} s")
 
     async def call(self, method: str, meta: dict | None = None, payload=b"", *,
@@ -457,9 +459,9 @@ class Connection:
         if self.closed:
             raise unsent(Unavailable(str(self.error)))
         rid, data = self._request(method, meta, payload, parts)
-        slot = [trio.Event(), None]
-        self.pending[rid] = slot
         sent = trio.current_time()
+        slot = [trio.Event(), None, sent]   # (whom to tell, the answer, when sent)
+        self.pending[rid] = slot
         sending = False
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):

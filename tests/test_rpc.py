@@ -173,6 +173,30 @@ async def test_a_peer_silent_for_a_whole_timeout_loses_its_connection(server):
             svc.release.set()
 
 
+async def test_a_silent_peer_is_judged_by_the_last_request_sent(server):
+    """An older request timing out while a newer one still waits leaves the connection to the
+    newer one's own deadline (a replicate posted after a trim is given its whole time)."""
+    svc, addr = server
+    with trio.fail_after(20):
+        async with open_pool() as pool, trio.open_nursery() as n:
+            assert (await pool.call(addr, "echo", {"n": 0}, timeout=5))[0] == {"n": 0}
+            conn = pool.conns[addr]
+            outcomes = []
+
+            async def slow(timeout):
+                try:
+                    await pool.call(addr, "slow", {}, timeout=timeout)
+                except Unavailable as e:
+                    outcomes.append((timeout, conn.closed, str(e)))
+            n.start_soon(slow, 0.3)
+            await _poll(lambda: len(conn.pending) == 1)
+            n.start_soon(slow, 1.0)
+            await _poll(lambda: len(outcomes) == 2)
+            assert outcomes[0][:2] == (0.3, False) and "timed out" in outcomes[0][2]
+            assert outcomes[1][:2] == (1.0, True)
+            svc.release.set()
+
+
 async def test_later_is_answered_when_settled_by_anyone(server):
     """A handler's ``Later`` is answered when settled, from whichever task settles it, or at
     once if settled before the handler returned; the connection serves others meanwhile."""
