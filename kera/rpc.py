@@ -482,9 +482,9 @@ class Connection:
         except trio.TooSlowError:
             self.pending.pop(rid, None)
             if not sending:   # still waiting for its turn to send
-                raise unsent(Unavailable(f"{method} to {self.addr} not sent within {timeout} s")) from None
+                raise unsent(Unavailable(f"{method} to {self.addr} not sent within {timeout:.3g} s")) from None
             self._silent(sent)
-            raise Unavailable(f"{method} to {self.addr} timed out after {timeout} s") from None
+            raise Unavailable(f"{method} to {self.addr} timed out after {timeout:.3g} s") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             self.pending.pop(rid, None)
             self._fail(Unavailable(f"{self.addr}: {e}"))

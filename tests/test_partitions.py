@@ -21,87 +21,54 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import trio
-from kera_client import open_admin, open_producer
+from kera_client import open_admin
 
 from kera.cluster import LocalCluster
 from kera.errors import KeraError
 from kera.rpc import open_pool
 
 from .netns import CLIENT, Network
-from .workload import Ledger, create, read_to_end, values
+from .workload import Ledger, TimedIngest, create, read_to_end
 
 pytestmark = pytest.mark.timeout(150)
 
 DEAD_AFTER = 2.0   # the coordinator's; a broker's lease is 0.75 of it
 CUT = 12.0         # the issue's cut, for a node and the coordinator
-INGEST = 7         # the producer id written in the records' values
-LATE = 8           # ... by a producer started during a fault
+LATE = 2           # the producer written in the values of a producer started during a fault
 
 
-def _cluster(tmp, **kw) -> tuple[LocalCluster, Network]:
+@contextmanager
+def _cluster(tmp, **kw):
+    """A cluster of 3 nodes, each server in a namespace of its own: (cluster, network), both
+    removed at the end whatever happened."""
     if os.geteuid() != 0:
         raise RuntimeError("the partition tests make network namespaces: they must run as root")
     cluster = LocalCluster(str(tmp), 3, coordinator_args=["--dead-after", str(DEAD_AFTER)], **kw)
     net = Network(cluster.names())
     cluster.hosts = net
-    return cluster, net
+    try:
+        cluster.start()
+        yield cluster, net
+    finally:
+        cluster.stop()
+        net.close()
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory):
-    cluster, net = _cluster(tmp_path_factory.mktemp("partitions"))
-    try:
-        cluster.start()
-        yield cluster, net
-    finally:
-        cluster.stop()
-        net.close()
+    with _cluster(tmp_path_factory.mktemp("partitions")) as m:
+        yield m
 
 
 @pytest.fixture
 def etcd_mesh(tmp_path):
-    cluster, net = _cluster(tmp_path / "ha", coordinators=3)
-    try:
-        cluster.start()
-        yield cluster, net
-    finally:
-        cluster.stop()
-        net.close()
-
-
-class Ingest:
-    """One producer writing numbered records to every stream, a batch then a flush, until
-    stopped; ``longest`` is the longest batch (the longest produce stall)."""
-
-    def __init__(self, coord, streams, batch: int = 20, who: int = INGEST):
-        self.coord, self.streams, self.batch, self.who = coord, streams, batch, who
-        self.sent = 0          # records acknowledged per stream
-        self.longest = 0.0
-        self.stop = trio.Event()
-        self.acked = trio.Event()
-
-    async def run(self) -> None:
-        async with open_producer(self.coord, **{"linger.ms": 2}) as prod:
-            await prod.load_metadata(self.streams)
-            while not self.stop.is_set():
-                t0 = time.monotonic()
-                for s in self.streams:
-                    await prod.send_many(s, values(self.who, self.sent, self.batch))
-                await prod.flush()
-                self.longest = max(self.longest, time.monotonic() - t0)
-                self.sent += self.batch
-                self.acked.set()
-                self.acked = trio.Event()
-            assert prod.acked == self.sent * len(self.streams), (prod.acked, self.sent)
-
-    async def more(self, batches: int = 5) -> None:
-        """Until ``batches`` more batches were acknowledged."""
-        for _ in range(batches):
-            await self.acked.wait()
+    with _cluster(tmp_path / "ha", coordinators=3) as m:
+        yield m
 
 
 async def status(coord) -> dict:
@@ -160,7 +127,7 @@ async def scenario(cluster, name: str, fault) -> dict:
         st = await healthy(coord)
     streams = [f"{name}{i}" for i in range(4)]
     await create(coord, streams, streamlets=3, replication=3)
-    ingest, more = Ingest(coord, streams), []
+    ingest, more = TimedIngest(coord, streams), []
     with trio.fail_after(100):
         async with trio.open_nursery() as n:
             n.start_soon(ingest.run)
@@ -291,7 +258,7 @@ async def test_coordinator_isolated(mesh):
         net.isolate("coordinator")
         t0 = time.monotonic()
         async with trio.open_nursery() as n:
-            late = Ingest(cluster.coordinator, ingest.streams[:1], who=LATE)
+            late = TimedIngest(cluster.coordinator, ingest.streams[:1], who=LATE)
             more.append(late)
             n.start_soon(late.run)
             await trio.sleep(CUT)

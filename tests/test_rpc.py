@@ -106,6 +106,14 @@ async def _poll(cond) -> None:
         await trio.sleep(0.01)
 
 
+async def _call_into(failed: list, pool, addr: str, method: str, timeout: float, meta=None) -> None:
+    """``pool.call``, its Unavailable appended to ``failed`` instead of raised."""
+    try:
+        await pool.call(addr, method, meta or {}, timeout=timeout)
+    except Unavailable as e:
+        failed.append(e)
+
+
 @pytest.fixture
 async def server(nursery):
     svc = TestService()
@@ -120,14 +128,8 @@ async def test_late_error_is_dropped_and_the_connection_stays(server):
             assert (await pool.call(addr, "echo", {"n": 0}, timeout=5))[0] == {"n": 0}
             conn = pool.conns[addr]
             failed = []
-
-            async def slow():
-                try:
-                    await pool.call(addr, "slow", {}, timeout=0.5)
-                except Unavailable as e:
-                    failed.append(e)
             async with trio.open_nursery() as n:   # the peer answers others meanwhile
-                n.start_soon(slow)
+                n.start_soon(_call_into, failed, pool, addr, "slow", 0.5)
                 await _poll(lambda: conn.pending)
                 await pool.call(addr, "echo", {"n": 0}, timeout=5)
             assert "timed out" in str(failed[0])
@@ -143,57 +145,30 @@ async def test_late_error_is_dropped_and_the_connection_stays(server):
 
 
 async def test_a_peer_silent_for_a_whole_timeout_loses_its_connection(server):
-    """Nothing heard while a request waited (a partition, a peer gone): the connection is
-    closed, failing what else waited on it, and the next call connects afresh."""
+    """Nothing heard while requests waited (a partition, a peer gone): the connection is closed
+    once the last request sent on it timed out, failing what else waited on it, and the next
+    call connects afresh. An older one timing out while a newer one waits leaves it to the
+    newer one's deadline (a replicate posted after a trim gets its whole time). A posted
+    request given up on as timed out does the same."""
     svc, addr = server
     with trio.fail_after(20):
         async with open_pool() as pool, trio.open_nursery() as n:
             assert (await pool.call(addr, "echo", {"n": 0}, timeout=5))[0] == {"n": 0}
             conn = pool.conns[addr]
             failed = []
-
-            async def waiting():
-                try:
-                    await pool.call(addr, "slow", {}, timeout=10)
-                except Unavailable as e:
-                    failed.append(e)
-            n.start_soon(waiting)
-            await _poll(lambda: len(conn.pending) == 1)
-            with pytest.raises(Unavailable, match="timed out"):
-                await pool.call(addr, "slow", {}, timeout=0.3)
-            assert conn.closed
+            for i, timeout in enumerate((10, 0.3, 1.0)):
+                n.start_soon(_call_into, failed, pool, addr, "slow", timeout)
+                await _poll(lambda i=i: len(conn.pending) == i + 1)
             await _poll(lambda: failed)
-            assert "nothing heard" in str(failed[0])
+            assert "timed out after 0.3 s" in str(failed[0]) and not conn.closed
+            await _poll(lambda: len(failed) == 3)
+            assert "timed out after 1 s" in str(failed[1]) and conn.closed
+            assert "nothing heard" in str(failed[2])
             assert (await pool.call(addr, "echo", {"n": 1}, timeout=5))[0] == {"n": 1}
             assert pool.conns[addr] is not conn and svc.connections == 2
-            # a posted request given up on as timed out: the same
             conn = pool.conns[addr]
             conn.forget(conn.post("slow", {}, lambda answer: None, parts=[]), timed_out=True)
             assert conn.closed
-            svc.release.set()
-
-
-async def test_a_silent_peer_is_judged_by_the_last_request_sent(server):
-    """An older request timing out while a newer one still waits leaves the connection to the
-    newer one's own deadline (a replicate posted after a trim is given its whole time)."""
-    svc, addr = server
-    with trio.fail_after(20):
-        async with open_pool() as pool, trio.open_nursery() as n:
-            assert (await pool.call(addr, "echo", {"n": 0}, timeout=5))[0] == {"n": 0}
-            conn = pool.conns[addr]
-            outcomes = []
-
-            async def slow(timeout):
-                try:
-                    await pool.call(addr, "slow", {}, timeout=timeout)
-                except Unavailable as e:
-                    outcomes.append((timeout, conn.closed, str(e)))
-            n.start_soon(slow, 0.3)
-            await _poll(lambda: len(conn.pending) == 1)
-            n.start_soon(slow, 1.0)
-            await _poll(lambda: len(outcomes) == 2)
-            assert outcomes[0][:2] == (0.3, False) and "timed out" in outcomes[0][2]
-            assert outcomes[1][:2] == (1.0, True)
             svc.release.set()
 
 
@@ -292,17 +267,11 @@ async def test_late_reply_is_dropped_and_the_connection_stays(server):
             await pool.call(addr, "echo", {"n": 0}, timeout=5)
             conn = pool.conns[addr]
             failed = []
-
-            async def unread():
-                try:
-                    await pool.call(addr, "echo", {"n": 1}, timeout=0.5)
-                except Unavailable as e:
-                    failed.append(e)
             async with trio.open_nursery() as n:
                 n.start_soon(partial(pool.call, addr, "later", {"n": 9}, timeout=5))
                 await _poll(lambda: 9 in svc.laters)
                 svc.set_reading(False)   # the request sits unread past the caller's timeout,
-                n.start_soon(unread)
+                n.start_soon(_call_into, failed, pool, addr, "echo", 0.5, {"n": 1})
                 await _poll(lambda: len(conn.pending) == 2)
                 svc.laters[9].done({})   # while the peer answers another one
                 await _poll(lambda: failed)
