@@ -32,7 +32,7 @@ from ..errors import (
     Recovering,
     Unavailable,
 )
-from ..rpc import Later, Pool, Service
+from ..rpc import Later, Pool, Service, advertised
 from ..stream_meta import StreamMeta
 from ..vlog import BackupSet, VirtualLog, VlogMapping, vlog_id
 from .adopted import Claims
@@ -73,6 +73,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.broker_id: int | None = ident.get("id")
         self.epoch = 0
         self.addr = ""
+        self.advertise = ""        # HOST[:PORT] others reach us at (default: the bound host and port)
         self.streams: dict[int, StreamMeta] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
         self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
@@ -418,7 +419,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                                        min(TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
                                        if self.memory.limit else TIERED_CACHE)
             bound = await nursery.start(self.serve, host, port)
-            self.addr = f"{host}:{bound}"
+            self.addr = advertised(host, bound, self.advertise)
             while True:
                 await self._register()
                 print(f"broker {self.broker_id} listening on {self.addr} (epoch {self.epoch})", flush=True)
@@ -464,8 +465,11 @@ def main(argv=None) -> None:
     ap.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR", "127.0.0.1:7700"))
     ap.add_argument("--data", default="kera-data/broker")
     ap.add_argument("--node", default="")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                    help="address clients and the coordinator reach this broker at (default: "
+                         "--host and the port bound)")
     ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
     ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
     ap.add_argument("--vseg-size", type=_vseg_size, default=limits.DEFAULT_VSEG_SIZE,
@@ -482,6 +486,7 @@ def main(argv=None) -> None:
                         VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
                         args.replicate_timeout,
                         default_budget() if args.memory is None else args.memory)
+    svc.advertise = args.advertise
 
     from ..process import run_until_signal
     run_until_signal(svc.run, args.host, args.port)
