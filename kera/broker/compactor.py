@@ -241,11 +241,14 @@ class Compactor:
 
     def _swap(self, seg, new: Compacted) -> None:
         """One assignment: readers see the old bytes or the new. The vsegs are frozen (the
-        buffer their copies were made from is gone) and the memory charge shrinks."""
+        buffer their copies were made from is gone) and the memory charge becomes what the new
+        bytes take (the old buffer itself when nothing was dropped: a view of it)."""
         for vs in seg.vsegs:
             vs.frozen = True
         self.memory.resident.pop(seg, None)
-        self.memory.release(seg.capacity - len(new.buf))
+        held = len(new.buf.obj)
+        self.memory.release(seg.held - held)
+        seg.held = held
         seg.capacity = len(new.buf)
         seg.compacted = new
         seg.buf = seg.view = None

@@ -117,8 +117,6 @@ class Streamlet:
                 continue
             seg = g.segments[-1]
             if seg.head and not seg.filled_at and now - seg.opened_at >= self.segment_ms / 1000:
-                if self.memory is not None:
-                    self.memory.release(seg.capacity - seg.head)
                 seg.capacity = seg.head
                 self._on_filled(g, seg)
 
