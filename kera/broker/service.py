@@ -171,8 +171,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 sl.on_close = self._close_group
                 sl.recovering = recovering
             elif sl.recovering and recovering:   # an attempt again: it tells what is pending anew
-                sl.pending.clear()
-                sl.pending_tops.clear()
+                sl.forget_pending()
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
                 if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)
@@ -221,9 +220,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             for i in every if only is None else only:
                 sl = self.streamlets.pop((sid, i), None)
                 if sl is not None:
-                    self._free(sl.everything())
-                    sl.groups.clear()
-                    sl.producers.clear()
+                    self._free(sl.leave())
             if not any((sid, i) in self.streamlets for i in every):
                 self.streams.pop(sid, None)
         self._reclaim_once()
@@ -282,9 +279,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 if placed is not None:
                     placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
-                idx = vlog.append(seg, soff, size, checksum)
+                idx = waits[vlog] = vlog.append(seg, soff, size, checksum)
                 sl.note_producer(producer, seq, vlog, idx, seg, soff + size)
-                waits[vlog] = sl.tails[vlog] = idx
                 sl.plain_last = sl.appended_chunks
             except KeraError as e:
                 errors.append([i, e.code])
@@ -339,9 +335,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
         chunk.place(seg.view, soff, g.id, seg.id, soff)
         vlog = g.vlog or self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
-        idx = sl.tails[vlog] = vlog.append(seg, soff, h.size, h.body_checksum)
+        idx = vlog.append(seg, soff, h.size, h.body_checksum)
         sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)
-        sl.key_last[bytes(key)] = sl.appended_chunks
+        sl.note_key(bytes(key))
         return self._acked_when_durable({vlog: idx}, {"duplicate": False})
 
     @staticmethod
