@@ -45,7 +45,7 @@ from .rebuild import Rebuilder
 from .reclaim import Reclaim
 from .replicator import ReplicationHub, Replicator
 from .segment import VlogChunk
-from .streamlet import Streamlet
+from .streamlet import Ledger, Streamlet
 from .takeover import Takeover
 from .tiered import TieredReader
 
@@ -75,7 +75,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.addr = ""
         self.streams: dict[int, StreamMeta] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
-        self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
+        self.ledger = Ledger()     # what is kept over all of them (kera.broker.streamlet)
+        self.compactor = Compactor(self.streamlets, self.ledger.compacted, self.memory,
+                                   self._free)  # key compaction
         self.vlogs: dict[tuple, Replicator] = {}
         self.backups: dict[int, dict] = {}
         self.backup_set = BackupSet(node)
@@ -167,7 +169,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             if sl is not None:
                 sl.configure(s)
             if sl is None:
-                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory)
+                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory, self.ledger)
                 sl.on_close = self._close_group
                 sl.recovering = recovering
             elif sl.recovering and recovering:   # an attempt again: it tells what is pending anew
@@ -187,8 +189,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         s = StreamMeta.from_wire(meta.get("stream"))
         if s.id in self.streams:
             self.streams[s.id] = s
-            for (sid, _), sl in self.streamlets.items():
-                if sid == s.id:
+            for i in range(s.streamlets):
+                sl = self.streamlets.get((s.id, i))
+                if sl is not None:
                     sl.configure(s)
         return {}
 
@@ -385,8 +388,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "tiered_cache": t.cached if t else 0,
                 "foreign_vsegs": len(self.claims.vsegs) if self.claims else 0,
                 "foreign_released": self.claims.released if self.claims else 0,
-                "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
-                "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
+                "chunks": self.ledger.chunks, "bytes": self.ledger.bytes,
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
                 "replication": self.hub.stats() if self.hub else {},
                 "rebuild": self.rebuilder.stats() if self.rebuilder else {},

@@ -29,6 +29,25 @@ SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost 
 NONE: MappingProxyType = MappingProxyType({})  # what a streamlet has none of yet (its maps made on first use)
 
 
+class Ledger:
+    """What a broker keeps over all its streamlets, updated as they change, so that nothing
+    periodic or per request walks every streamlet: the chunks and bytes appended (stats),
+    the streamlets under retention holding filled segments (the reclaim pass) and those of
+    compacted streams (the compactor). The sets are dicts, in the order streamlets joined."""
+
+    __slots__ = ("chunks", "bytes", "expiring", "compacted")
+
+    def __init__(self):
+        self.chunks = self.bytes = 0
+        self.expiring: dict[Streamlet, None] = {}
+        self.compacted: dict[Streamlet, None] = {}
+
+    def clear(self) -> None:
+        self.chunks = self.bytes = 0
+        self.expiring.clear()
+        self.compacted.clear()
+
+
 class ProducerState:
     """A producer's newest sequence here, and per vlog its chunks went to, its newest ref.
 
@@ -79,11 +98,11 @@ class Streamlet:
     __slots__ = ("stream_id", "index", "q", "segment_size", "max_segments", "groups", "active",
                  "next_group", "producers", "appended_chunks", "appended_bytes", "tails",
                  "plain_last", "key_last", "recovering", "pending", "pending_tops", "memory",
-                 "filled", "freed_bytes", "freed_segments", "waiting", "on_close",
+                 "ledger", "filled", "freed_bytes", "freed_segments", "waiting", "on_close",
                  "retention_bytes", "retention_ms", "compact", "delete_retention_ms", "segment_ms",
                  "tombstone_due")
 
-    def __init__(self, stream: StreamMeta, index: int, memory=None):
+    def __init__(self, stream: StreamMeta, index: int, memory=None, ledger: Ledger | None = None):
         self.stream_id = stream.id
         self.index = index
         self.q = stream.groups
@@ -107,6 +126,7 @@ class Streamlet:
         self.pending: dict[tuple[int, int], list[tuple[int, int]]] = NONE
         self.pending_tops: dict[tuple[int, int], dict[int, int]] = NONE   # per source: slot -> newest
         self.memory = memory     # the broker's budget (see MemoryBudget)
+        self.ledger = ledger     # the broker's, over all its streamlets
         self.filled: deque = ()  # (group, segment) that take no more chunks, oldest first
         self.freed_bytes = 0     # chunk bytes freed by retention
         self.freed_segments = 0
@@ -128,6 +148,17 @@ class Streamlet:
                                     else stream.delete_retention_ms)
         self.segment_ms = SEGMENT_MS if stream.segment_ms is None else stream.segment_ms
         self.tombstone_due = None  # wall time (s) the oldest tombstone kept by compaction expires
+        if self.ledger is not None:
+            if self.compact:
+                self.ledger.compacted[self] = None
+            else:
+                self.ledger.compacted.pop(self, None)
+            self._expiring()
+
+    def _expiring(self) -> None:
+        """Under retention and holding filled segments: the reclaim pass looks at it."""
+        if self.filled and (self.retention_bytes >= 0 or self.retention_ms >= 0):
+            self.ledger.expiring[self] = None
 
     @property
     def retained_bytes(self) -> int:
@@ -140,6 +171,8 @@ class Streamlet:
         if not self.filled:
             self.filled = deque()
         self.filled.append((g, seg))
+        if self.ledger is not None:
+            self._expiring()
         # a compacted stream's segments are not evicted: compaction rewrites them in memory
         if self.memory is not None and not self.compact:
             self.memory.filled(seg)
@@ -183,13 +216,23 @@ class Streamlet:
         return out
 
     def _count(self, chunks: int, nbytes: int) -> None:
-        """Chunks appended here: appended, placed or adopted."""
+        """Chunks appended here (and counted by the broker): appended, placed or adopted."""
         self.appended_chunks += chunks
         self.appended_bytes += nbytes
+        if self.ledger is not None:
+            self.ledger.chunks += chunks
+            self.ledger.bytes += nbytes
 
     def leave(self) -> list:
-        """The stream leaves this broker: every segment still held (the caller frees them)."""
+        """The stream leaves this broker: every segment still held (the caller frees them),
+        and it leaves the broker's ledger."""
         segs = [seg for g in self.groups.values() for seg in g.segments[g.start:]]
+        if self.ledger is not None:
+            self.ledger.chunks -= self.appended_chunks
+            self.ledger.bytes -= self.appended_bytes
+            self.ledger.expiring.pop(self, None)
+            self.ledger.compacted.pop(self, None)
+            self.ledger = None
         self.groups = {}
         self.producers = NONE
         return segs
