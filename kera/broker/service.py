@@ -45,7 +45,7 @@ from .rebuild import Rebuilder
 from .reclaim import Reclaim
 from .replicator import ReplicationHub, Replicator
 from .segment import VlogChunk
-from .streamlet import Streamlet
+from .streamlet import Ledger, Streamlet
 from .takeover import Takeover
 from .tiered import TieredReader
 
@@ -76,7 +76,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.advertise = ""        # HOST[:PORT] others reach us at (default: the bound host and port)
         self.streams: dict[int, StreamMeta] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
-        self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
+        self.ledger = Ledger()     # what is kept over all of them (kera.broker.streamlet)
+        self.compactor = Compactor(self.streamlets, self.ledger.compacted, self.memory,
+                                   self._free)  # key compaction
         self.vlogs: dict[tuple, Replicator] = {}
         self.backups: dict[int, dict] = {}
         self.backup_set = BackupSet(node)
@@ -168,12 +170,11 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             if sl is not None:
                 sl.configure(s)
             if sl is None:
-                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory)
+                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory, self.ledger)
                 sl.on_close = self._close_group
                 sl.recovering = recovering
             elif sl.recovering and recovering:   # an attempt again: it tells what is pending anew
-                sl.pending.clear()
-                sl.pending_tops.clear()
+                sl.forget_pending()
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
                 if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)
@@ -189,8 +190,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         s = StreamMeta.from_wire(meta.get("stream"))
         if s.id in self.streams:
             self.streams[s.id] = s
-            for (sid, _), sl in self.streamlets.items():
-                if sid == s.id:
+            for i in range(s.streamlets):
+                sl = self.streamlets.get((s.id, i))
+                if sl is not None:
                     sl.configure(s)
         return {}
 
@@ -222,9 +224,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             for i in every if only is None else only:
                 sl = self.streamlets.pop((sid, i), None)
                 if sl is not None:
-                    self._free(sl.everything())
-                    sl.groups.clear()
-                    sl.producers.clear()
+                    self._free(sl.leave())
             if not any((sid, i) in self.streamlets for i in every):
                 self.streams.pop(sid, None)
         self._reclaim_once()
@@ -283,9 +283,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 if placed is not None:
                     placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
-                idx = vlog.append(seg, soff, size, checksum)
+                idx = waits[vlog] = vlog.append(seg, soff, size, checksum)
                 sl.note_producer(producer, seq, vlog, idx, seg, soff + size)
-                waits[vlog] = sl.tails[vlog] = idx
                 sl.plain_last = sl.appended_chunks
             except KeraError as e:
                 errors.append([i, e.code])
@@ -340,9 +339,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
         chunk.place(seg.view, soff, g.id, seg.id, soff)
         vlog = g.vlog or self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
-        idx = sl.tails[vlog] = vlog.append(seg, soff, h.size, h.body_checksum)
+        idx = vlog.append(seg, soff, h.size, h.body_checksum)
         sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)
-        sl.key_last[bytes(key)] = sl.appended_chunks
+        sl.note_key(bytes(key))
         return self._acked_when_durable({vlog: idx}, {"duplicate": False})
 
     @staticmethod
@@ -390,8 +389,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "tiered_cache": t.cached if t else 0,
                 "foreign_vsegs": len(self.claims.vsegs) if self.claims else 0,
                 "foreign_released": self.claims.released if self.claims else 0,
-                "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
-                "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
+                "chunks": self.ledger.chunks, "bytes": self.ledger.bytes,
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
                 "replication": self.hub.stats() if self.hub else {},
                 "rebuild": self.rebuilder.stats() if self.rebuilder else {},
