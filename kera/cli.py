@@ -305,7 +305,9 @@ def _recovery_line(r: dict) -> str:
             f"({r['rate_mb_s']} MB/s){' ' + r['error'] if r['error'] else ''}"
             + "".join(f"\n  LOST vlog {x['vlog']} vseg {x['vseg']} bytes {x['offset']}.."
                       f"{'?' if x['end'] is None else x['end']}: {x['reason']}"
-                      for x in r.get("lost", [])))
+                      for x in r.get("lost", []))
+            + (f"\n  UNPROVEN: went on without backups {r['unproven']}, which may hold copies"
+               if r.get("unproven") else ""))
 
 
 def cmd_recovery(args) -> None:
@@ -317,7 +319,7 @@ def cmd_recovery(args) -> None:
             waited = False
             while True:
                 recs = (await a.status())["recoveries"]
-                active = [r for r in recs if r["state"] in ("planning", "replaying")]
+                active = [r for r in recs if r["state"] in ("planning", "replaying", "waiting")]
                 if not args.wait or not active:
                     if waited:
                         print(file=sys.stderr)

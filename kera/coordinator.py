@@ -211,6 +211,10 @@ class Coordinator(Membership, Service):
         self._creating = trio.Lock()   # an internal stream, on first use
         self._deleting: dict[int, list] = {}   # stream id -> owners to unassign, moved by set_owner
         self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
+        # broker incarnations replaced by a newer registration, kept until recovered
+        self.departed: dict[tuple[int, int], Member] = {}
+        self.suspect_since: float | None = None   # every member went silent at once (membership)
+        self.last_heard = time.monotonic()          # from any member
         self.started = time.monotonic()
         self.ready = self.expect_nodes == 0
         self.changed = trio.Event()
@@ -415,7 +419,7 @@ class Coordinator(Membership, Service):
         """Tell ``m`` it owns ``entries`` ([[StreamMeta, [streamlet, ...]], ...]), in as few
         requests as a frame allows. ``seal``: the recovery of these streamlets lost data; their
         groups are closed."""
-        backups = self._live("backup")
+        backups = self.tell_backups(m)
         for part in _batches(entries):
             streams = [[self._wire(s), sl] for s, sl in part]
             await self.pool.call(m.addr, "assign", {"epoch": m.epoch, "streams": streams, "recovering": recovering,

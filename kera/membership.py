@@ -6,6 +6,14 @@ seconds is declared dead. Each registration gets a fresh epoch (or claims its
 own back after the coordinator changed, see ``_rejoin``), and requests
 carrying an older epoch are refused (fencing). It uses the coordinator's
 ``meta``/``log`` (ids, epochs, fences, known backups) and ``pool``.
+
+A coordinator that stops hearing from every member at once is more likely
+the one cut off than all of them dead: it then declares nobody dead until it
+hears from one of them again, and gives the others a fresh ``dead_after``
+from then (``watch``). A broker incarnation remembers every backup it was
+told is alive (``Member.told``): its copies can only be on those, which is
+what a recovery must hear from before it calls the incarnation's log
+complete (``kera.recovery``).
 """
 
 from __future__ import annotations
@@ -22,9 +30,9 @@ log = logging.getLogger("kera.coordinator")
 
 class Member:
     __slots__ = ("role", "id", "addr", "node", "epoch", "last_seen", "alive", "stats", "holds",
-                 "recovered", "damage")
+                 "recovered", "damage", "told", "told_all")
 
-    def __init__(self, role, id, addr, node, epoch):
+    def __init__(self, role, id, addr, node, epoch, told_all: bool = True):
         self.role, self.id, self.addr, self.node, self.epoch = role, id, addr, node, epoch
         self.last_seen = time.monotonic()
         self.alive = True
@@ -32,6 +40,10 @@ class Member:
         self.holds = []
         self.recovered = None   # a backup: the version of the recovered list it applied
         self.damage = 0         # a backup: corrupt chunks it found on its disk, this incarnation
+        self.told: set[int] = set()   # a broker: every backup it was told is alive, so may use
+        # ``told`` is every backup this incarnation ever heard of: False when it rejoined a
+        # coordinator that did not tell it all (a restart, another leader)
+        self.told_all = told_all
 
     def describe(self) -> dict:
         out = {"id": self.id, "addr": self.addr, "node": self.node, "epoch": self.epoch,
@@ -58,13 +70,20 @@ class Membership:
         elif mid >= self.meta["next_id"][role]:
             self.log.set(("next_id", role), mid + 1)
         epoch = self._rejoin(role, mid, meta.get("epoch"))
+        rejoined = epoch is not None
         if epoch is None:
             epoch = self._take("next_epoch")
         if role == "backup" and mid not in self.meta["backups"]:
             self.log.set(("backups",), [*self.meta["backups"], mid])
-        m = Member(role, mid, addr, node, epoch)
+        m = Member(role, mid, addr, node, epoch, told_all=not rejoined)
         m.holds = meta.get("holds") or []
+        old = self.members[role].get(mid)
+        if old is not None and old.epoch == epoch:   # registered again as itself
+            m.told, m.told_all = old.told, old.told_all
+        elif role == "broker" and old is not None:
+            self.departed[(mid, old.epoch)] = old   # its recovery needs what it was told
         self.members[role][mid] = m
+        self._heard()
         log.info("%s %d registered at %s (node %s, epoch %d)", role, mid, addr, node, epoch)
         self._notify()
         await self.commit()   # its id and epoch are never handed out again
@@ -104,13 +123,28 @@ class Membership:
     def rpc_heartbeat(self, meta, payload):
         m = self._member(meta)
         m.last_seen = time.monotonic()
+        self._heard()
         if isinstance(meta.get("stats"), dict):
             m.stats = meta["stats"]
         if m.role == "backup":
             if type(meta.get("damage")) is int:
                 m.damage = meta["damage"]
             return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered"))}
-        return {"backups": self._live("backup")}
+        return {"backups": self.tell_backups(m)}
+
+    def tell_backups(self, m: Member) -> list[dict]:
+        """The live backups, as told to broker ``m``: remembered as backups it may use."""
+        live = self._live("backup")
+        m.told.update(b["id"] for b in live)
+        return live
+
+    def incarnation(self, bid: int, epoch: int) -> Member | None:
+        """Broker ``bid``'s incarnation ``epoch`` as this coordinator last knew it: its member,
+        or the one a newer registration replaced (dead or not); None if never seen here."""
+        m = self.members["broker"].get(bid)
+        if m is not None and m.epoch == epoch:
+            return m
+        return self.departed.get((bid, epoch))
 
     async def rpc_suspect(self, meta, payload):
         """A client could not reach a broker: declared dead now only if its heartbeats also
@@ -164,7 +198,8 @@ class Membership:
 
         Time this coordinator itself was stalled (its event loop blocked, the
         machine overloaded) is not held against the others: their last
-        heartbeat is moved forward by the stall.
+        heartbeat is moved forward by the stall. Nor is a silence of every
+        member at once (see ``_overdue``).
         """
         period = self.dead_after / 4
         while True:
@@ -174,13 +209,47 @@ class Membership:
             stall = now - before - period
             if stall > period:
                 log.warning("coordinator stalled %.2f s: not counted against heartbeats", stall)
+                self.last_heard += stall
                 for role in self.members:
                     for m in self.members[role].values():
                         m.last_seen += stall
-            for role in self.members:
-                for m in self.members[role].values():
-                    if m.alive and now - m.last_seen > self.dead_after:
-                        self._declare_dead(m)
+            for m in self._overdue(now):
+                self._declare_dead(m)
+
+    def _overdue(self, now: float) -> list[Member]:
+        """The live members to declare dead now: silent for longer than ``dead_after``, unless
+        this coordinator hears nobody at all (no member for ``dead_after / 2``, two heartbeats):
+        then it is more likely cut off from them than all of them dead at once, and it
+        suspects itself first, declaring nobody dead until it hears from a member again
+        (``_heard``). Declaring them would gain nothing: with no broker or no backup heard
+        from, no recovery can run, and at the heal every healthy broker would be fenced and
+        recovered. A lone member's silence says nothing about this coordinator: it is judged
+        by its own heartbeats."""
+        live = [m for role in self.members for m in self.members[role].values() if m.alive]
+        late = [m for m in live if now - m.last_seen > self.dead_after]
+        if len(live) > 1 and late and now - self.last_heard > self.dead_after / 2:
+            if self.suspect_since is None:
+                self.suspect_since = now
+                log.warning("every member went silent at once (nothing heard for %.1f s): this "
+                            "coordinator is more likely cut off than all of them dead; declaring "
+                            "none dead until one is heard from", now - self.last_heard)
+            return []
+        return late
+
+    def _heard(self) -> None:
+        """A member was heard from: a coordinator that suspected itself is reachable again, and
+        the members still silent get a whole ``dead_after`` from now before they are declared
+        dead (they were silent because of this coordinator, not for long of their own)."""
+        now = self.last_heard = time.monotonic()
+        if self.suspect_since is None:
+            return
+        log.warning("heard from a member after %.1f s of silence from all: no longer suspecting "
+                    "this coordinator", now - self.suspect_since)
+        self.suspect_since = None
+        for role in self.members:
+            for m in self.members[role].values():
+                if m.alive:
+                    m.last_seen = max(m.last_seen, now)
 
     def _nodes(self) -> set[str]:
         return {m.node for role in self.members for m in self.members[role].values() if m.alive}

@@ -24,6 +24,21 @@ cluster restarted. For each orphaned incarnation the coordinator:
    claimed again what they adopted from it). Files that new owners claimed
    (adopted segments read from them, ``kera.repoint``) stay until released.
 
+Nothing is called complete without proof. Before it starts, a recovery
+waits (state ``waiting``) until fewer than ``need`` of the backups that may
+hold the incarnation's copies are down, ``need`` being the number of backup
+copies of its least replicated vlog: every acknowledged chunk is then on at
+least one backup that answers the listing, so no vseg and no vlog holding one
+can be missing from it, and a log that ends there really ends there. The
+backups that may hold copies are those the incarnation was told are alive
+(``Member.told``), or every backup ever known when this coordinator cannot
+know that (it started, or took over, after the incarnation registered). A
+mass failure, or a coordinator cut off from everyone, thus recovers nothing
+until the backups are heard from again. Past the grace period (counted from
+the first attempt) a recovery goes on without that proof: its groups are
+sealed, it is reported as ``unproven`` and no copy of that incarnation is
+dropped.
+
 A log that ends early (no copy holds a chunk intact, a vseg is missing) is
 accepted only once every known backup is up, or the grace period is over: a
 backup that is down may hold the missing bytes. It is then reported loudly
@@ -93,6 +108,15 @@ class LogIncomplete(Unavailable):
     """A log ends early while a backup that may hold the rest is down or failed: try again later."""
 
 
+class BackupsAwaited(LogIncomplete):
+    """Too many of the backups that may hold the incarnation's copies are down to prove its
+    log complete: not started, tried again once one of them is back."""
+
+    def __init__(self, message: str, down: list[int]):
+        super().__init__(message)
+        self.down = down
+
+
 class Recovery:
     def __init__(self, broker: int, epoch: int, streamlets: list):
         self.broker = broker
@@ -121,6 +145,8 @@ class Recovery:
         self.index_rows = 0                 # rows the re-pointing planned from (a row per run of chunks)
         self.index_chunks = 0               # ... the chunks they stand for
         self.reindexed_vsegs = 0            # vsegs asked again for their chunks' own rows
+        # backups that may hold copies, down when the grace ran out: gone on without proof
+        self.unproven: list[int] = []
 
     @contextmanager
     def phase(self, name: str):
@@ -148,7 +174,7 @@ class Recovery:
                 "settle_seconds": round(self.settle_seconds, 4),
                 "deferred_groups": sum(len(gs) for gs, *_ in self.deferred.values()),
                 "index_rows": self.index_rows, "index_chunks": self.index_chunks,
-                "reindexed_vsegs": self.reindexed_vsegs,
+                "reindexed_vsegs": self.reindexed_vsegs, "unproven": self.unproven,
                 "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
 
 
@@ -162,6 +188,9 @@ class RecoveryManager:
         self.losses: list[Recovery] = []  # recoveries that lost data, kept past the short history
         self.not_before: dict[tuple[int, int], float] = {}
         self.first_try: dict[tuple[int, int], float] = {}  # grace for truncations counts from here
+        # incarnations waiting for backups that may hold their copies: its last attempt, and
+        # the backups it waits for (one of them back: tried again at once)
+        self.waiting: dict[tuple[int, int], tuple[Recovery, frozenset[int]]] = {}
 
     def orphans(self) -> dict[tuple[int, int], list]:
         """Streamlets by owning incarnation, of incarnations no longer alive (an index
@@ -189,45 +218,94 @@ class RecoveryManager:
                 now = time.monotonic()
                 if now - self.started < self.coord.rejoin_wait:
                     continue  # after a coordinator restart live brokers rejoin as themselves first
-                for key, sls in self.orphans().items():
-                    if key not in self.active and self.not_before.get(key, 0) <= now:
+                orphans = self.orphans()
+                up = {m.id for m in self.coord.members["backup"].values() if m.alive}
+                for key, sls in orphans.items():
+                    if key not in self.active and (self.not_before.get(key, 0) <= now or (
+                            key in self.waiting and self.waiting[key][1] & up)):
                         self.first_try.setdefault(key, now)
                         rec = self.active[key] = Recovery(key[0], key[1], sls)
                         nursery.start_soon(self._run_one, rec)
+                self._forget(orphans)
+
+    def _forget(self, orphans: dict) -> None:
+        """Drop what is kept of incarnations that own nothing any more (recovered, or their
+        streams deleted): replaced members, waits."""
+        for key in [k for k in self.coord.departed if k not in orphans and k not in self.active]:
+            del self.coord.departed[key]
+        for key in [k for k in self.waiting if k not in orphans]:
+            del self.waiting[key]
 
     async def _run_one(self, rec: Recovery) -> None:
         key = (rec.broker, rec.epoch)
-        log.warning("recovering broker %d epoch %d: %d streamlets", rec.broker, rec.epoch,
-                    len(rec.streamlets))
+        waited = self.waiting.pop(key, (None, None))[1]
+        if waited is None:
+            log.warning("recovering broker %d epoch %d: %d streamlets", rec.broker, rec.epoch,
+                        len(rec.streamlets))
         try:
             await self._recover(rec)
             rec.state = "done"
             self.first_try.pop(key, None)
             self.not_before.pop(key, None)
-            if rec.lost:
-                log.error("recovered broker %d epoch %d WITH DATA LOST (copies kept): %s",
-                          rec.broker, rec.epoch, rec.describe())
+            if rec.lost or rec.unproven:
+                log.error("recovered broker %d epoch %d WITH DATA LOST%s (copies kept): %s",
+                          rec.broker, rec.epoch, "" if rec.lost else " POSSIBLY", rec.describe())
             else:
                 log.warning("recovered broker %d epoch %d: %s", rec.broker, rec.epoch, rec.describe())
         except Exception as e:  # noqa: BLE001 (a failed attempt is planned again, whatever broke)
             while isinstance(e, ExceptionGroup) and e.exceptions:  # the first cause says it best
                 e = e.exceptions[0]
-            rec.state = "failed"
             rec.error = f"{type(e).__name__}: {e}"
-            log.warning("recovery of broker %d epoch %d failed, will retry: %s", rec.broker, rec.epoch, e)
+            if isinstance(e, BackupsAwaited):
+                rec.state = "waiting"
+                self.waiting[key] = (rec, frozenset(e.down))
+                if waited != self.waiting[key][1]:
+                    log.warning("recovery of broker %d epoch %d waits: %s", rec.broker, rec.epoch, e)
+            else:
+                rec.state = "failed"
+                log.warning("recovery of broker %d epoch %d failed, will retry: %s", rec.broker,
+                            rec.epoch, e)
             delay = WAIT_DELAY if isinstance(e, LogIncomplete) else RETRY_DELAY
             self.not_before[key] = time.monotonic() + delay
         finally:
             rec.finished = time.time()
             del self.active[key]
-            self.history = (self.history + [rec])[-20:]
-            if rec.lost:
+            if rec.state != "waiting":   # a wait is shown once, as the incarnation's state
+                self.history = (self.history + [rec])[-20:]
+            if rec.lost or rec.unproven:
                 self.losses = (self.losses + [rec])[-100:]
             self.coord.notify()
+
+    def _need(self, rec: Recovery) -> int:
+        """Backup copies of the incarnation's least replicated vlog: of its streams' (vlogs
+        never mix replication factors), those of streamlets it still owns."""
+        streams = self.coord.streams
+        return min((max(1, streams[n].replication - 1) for n, _ in rec.streamlets if n in streams),
+                   default=1)
+
+    def _prove(self, rec: Recovery, backups: list) -> None:
+        """Raise ``BackupsAwaited`` unless the live ``backups`` hold a copy of every chunk the
+        incarnation had acknowledged (see the module doc); past the grace, note on ``rec``
+        which backups it goes on without."""
+        inc = self.coord.incarnation(rec.broker, rec.epoch)
+        could = inc.told if inc is not None and inc.told_all else set(self.coord.meta["backups"])
+        down = sorted(could - {b.id for b in backups})
+        need = self._need(rec)
+        if len(down) < need:
+            return
+        first = self.first_try.get((rec.broker, rec.epoch), time.monotonic())
+        if time.monotonic() - first < self.grace:
+            raise BackupsAwaited(f"backups {down} may hold its copies and are down ({need} or more "
+                                 f"down: its log cannot be proven complete)", down)
+        rec.unproven = down
+        log.error("recovery of broker %d epoch %d goes on WITHOUT PROOF after %.0f s: backups %s "
+                  "that may hold its copies are still down; its groups are sealed, no copy is "
+                  "dropped", rec.broker, rec.epoch, self.grace, down)
 
     async def _recover(self, rec: Recovery) -> None:
         coord = self.coord
         backups = [m for m in coord.members["backup"].values() if m.alive]
+        self._prove(rec, backups)
         # 1. fence the dead incarnation everywhere it could still write
         with rec.phase("fence"):
             coord.fence(rec.broker, rec.epoch)
@@ -267,17 +345,18 @@ class RecoveryManager:
             raise
         # 4. hand over: the new owners serve, the metadata says so
         # after a loss the groups are sealed: no position of the lost range is ever reused
+        complete = replayed.complete and not rec.unproven
         with rec.phase("handover"):
-            await assign_all(recovering=False, seal=not replayed.complete)
+            await assign_all(recovering=False, seal=not complete)
             # before the owners (etcd stores it first): never owners without it; merged into a
             # record an earlier hand-over of this incarnation left (its commit cut short)
             deferred = rec.deferred or coord.adoptions.has(rec.broker, rec.epoch)
             if deferred:
                 coord.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
-                                       replayed.complete, [(streams[n].id, i) for n, i in plan])
+                                       complete, [(streams[n].id, i) for n, i in plan])
             for (name, i), m in plan.items():
                 coord.set_owner(streams[name], i, m)
-            if replayed.complete and not deferred:  # else what is left may be all there is of
+            if complete and not deferred:  # else what is left may be all there is of
                 # the lost range: kept. Every backup, now or when it is back, drops this
                 # incarnation's files (a claimed one stays until released) and releases its
                 # claims: told once the owners are durable (with a deferred adoption, once done)
@@ -369,8 +448,8 @@ class RecoveryManager:
         Unknown after a coordinator restart (then every known backup is
         waited for before recovering at all).
         """
-        m = self.coord.members["broker"].get(rec.broker)
-        if m is None or m.epoch != rec.epoch or not isinstance(m.stats, dict):
+        m = self.coord.incarnation(rec.broker, rec.epoch)
+        if m is None or not isinstance(m.stats, dict):
             return []
         return [v["vlog"] for v in m.stats.get("vlogs", []) if v.get("durable", 0) > 0]
 
@@ -409,7 +488,9 @@ class RecoveryManager:
             log.info("%s on %s failed: %s", method, addr, e)
 
     def describe(self) -> list[dict]:
-        """Active recoveries, the last five, and every remembered one that lost data."""
+        """Active recoveries, those waiting for backups, the last five, and every remembered
+        one that lost data."""
         recent = self.history[-5:]
         lossy = [r for r in self.losses if r not in recent]
-        return [r.describe() for r in list(self.active.values()) + lossy + recent]
+        waiting = [r for key, (r, _) in self.waiting.items() if key not in self.active]
+        return [r.describe() for r in list(self.active.values()) + waiting + lossy + recent]

@@ -14,8 +14,10 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer, open_producer
 
+from kera import chunk
 from kera.broker.memory import MemoryBudget
-from kera.broker.segment import Segment
+from kera.broker.segment import Segment, buffer_size
+from kera.errors import BrokerFull
 from kera.vlog import VirtualLog
 
 from .test_vlog_core import ack_all, backups
@@ -69,6 +71,25 @@ def test_the_budget_closes_only_the_open_vsegs_its_excess_needs_oldest_first():
     assert m.relieve() == [r1] and b.vsegs[0].closed
 
 
+def test_a_refused_segment_gets_its_room_below_the_low_water_mark():
+    """Sans I/O, segments large against the budget (``python -m kera.sim --seed 72544`` before
+    the fix): 100 B segments in a 250 B budget, a filled one waiting in an idle vlog's open vseg
+    and an active one hold 200 B, below the low-water mark (212 B), and a third is refused. The
+    pass leaves that vseg open until the refusal, then closes it: the filled segment settles,
+    and the allocation tried again evicts it and is taken."""
+    m = MemoryBudget(250)
+    r, a = filled(m, 1)
+    m.reserve(100)  # the active segment
+    assert m.relieve() == [] and not a.vsegs[0].closed
+    with pytest.raises(BrokerFull):
+        m.reserve(100)
+    assert m.relieve() == [r] and a.vsegs[0].closed
+    assert m.relieve() == []   # its close is on its way
+    ack_all(r.log, r.log.poll(0.0))
+    m.reserve(100)
+    assert a.evicted and m.used == 200 and m.relieve() == []
+
+
 def test_a_small_budget_closes_an_idle_vlogs_vseg_instead_of_refusing_for_good(make_cluster):
     """Budget of 3 segments, 2 shared vlogs (a stream's groups alternate between them), vsegs
     larger than a group: group 0 fills 2 segments through vlog 0, which then idles in its open
@@ -116,3 +137,47 @@ def test_a_small_budget_closes_an_idle_vlogs_vseg_instead_of_refusing_for_good(m
     assert b["evictions"] > 0 and b["memory"] <= b["memory_limit"] == 3 * SEGMENT, b
     print(f"{refused} refusals, a batch taken at most {longest:.2f} s after it was first sent, "
           f"{b['evictions']} evictions")
+
+
+SMALL = 3000   # streams holding one record each, three brokers
+
+
+def test_many_streams_of_one_record_fit_a_small_budget(make_cluster):
+    """3 nodes, R=3, a 1 MiB budget per broker and the default 1 MiB segments: a broker used to
+    charge a whole segment for a stream holding one 100-byte record, so the second stream it
+    owned got ``broker_full``. Segments are now sized to what they hold: 3,000 streams of one
+    record each are all acknowledged and read back exactly, and each broker's budget is
+    charged one small buffer per stream it owns, no more."""
+    c = make_cluster(3, broker_args=["--memory", str(1 << 20)])
+    coord = c.coordinator
+    names = [f"small-{i:05d}" for i in range(SMALL)]
+    value = [b"%05d" % i + b"x" * 95 for i in range(SMALL)]
+
+    async def main():
+        async with open_admin(coord) as a:
+            await a.create_streams(names, streamlets=1, replication=3)
+        errors: list = []
+        with trio.fail_after(60):
+            async with open_producer(coord) as p:
+                await p.load_metadata(names)
+                for n, v in zip(names, value, strict=True):
+                    await p.send(n, v, on_delivery=lambda e, r: errors.append(e) if e else None)
+                await p.flush()
+                acked = p.acked
+            assert errors == [] and acked == SMALL, f"{len(errors)} refused: {errors[:1]}"
+            got: dict = {}
+            async with open_consumer(names, coord, start="earliest") as cons:
+                while len(got) < SMALL:
+                    for r in await cons.poll(1.0):
+                        assert r.stream not in got, f"{r.stream} read twice"
+                        got[r.stream] = r.value
+            async with open_admin(coord) as a:
+                stats = await a.broker_stats()
+        return got, stats
+
+    got, stats = trio.run(main)
+    assert got == dict(zip(names, value, strict=True)), "not every record read back exactly"
+    size = buffer_size(len(chunk.build(1, 0, 0, 0, [value[0]])), 1 << 20)
+    assert sum(b["streamlets"] for b in stats) == SMALL
+    for b in stats:   # one small buffer per stream owned, exactly
+        assert b["memory"] == b["streamlets"] * size and b["chunks"] == b["streamlets"], b

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+
 import trio
-from kera_client import open_admin, open_consumer
+from kera_client import open_admin, open_consumer, open_producer
 
 from kera.rpc import open_pool
 
-from .workload import Ledger, consume_all, create, produce_all
+from .workload import Ledger, consume_all, create, produce_all, values
 
 
 async def chunks_appended(coord) -> int:
@@ -141,3 +143,84 @@ async def test_consumer_reading_through_a_crash(make_cluster):
                     for ch in await c.poll_chunks(1.0):
                         ledger.add(ch)
     ledger.check({(s, p): per_pair for s in streams for p in range(producers)})
+
+
+async def cluster_status(coord) -> dict:
+    async with open_admin(coord) as a:
+        return await a.status()
+
+
+async def until(coord, pred, what: str) -> dict:
+    """Poll the coordinator's status until ``pred`` holds (the caller bounds the time)."""
+    while not pred(st := await cluster_status(coord)):
+        await trio.sleep(0.1)
+    return st
+
+
+async def test_recovery_after_a_mass_failure_waits_for_the_backups(make_cluster):
+    """Every backup declared dead, then a broker re-registers (a new incarnation) before any
+    of them: the recovery of its old incarnation must not call a log with no copy in sight
+    complete. It waits, and once the backups are back every acknowledged record is there.
+    (The order a healed partition of the coordinator once gave: the streamlets were handed
+    over empty.)"""
+    cluster = make_cluster(3)
+    coord = cluster.coordinator
+    streams = [f"m{i:02d}" for i in range(24)]
+    await create(coord, streams, replication=3)
+    producers, per_pair = 2, 60
+    with trio.fail_after(150):
+        await produce_all(coord, streams, producers, per_pair, 3)
+        old = {b["id"]: b["epoch"] for b in (await cluster_status(coord))["brokers"]}
+        victim = next(b["id"] for b in (await cluster_status(coord))["brokers"]
+                      if b["addr"] == cluster.addrs["node1-broker"])
+        backups = [f"node{i}-backup" for i in (1, 2, 3)]
+        for name in backups:
+            cluster.kill(name, signal.SIGSTOP)
+        await until(coord, lambda st: not any(b["alive"] for b in st["backups"]), "backups dead")
+        cluster.kill("node1-broker")
+        cluster.restart("node1-broker")   # a new incarnation, registered before any backup
+        st = await until(coord, lambda st: any(
+            r["broker"] == victim and r["epoch"] == old[victim] and r["state"] in ("waiting", "done")
+            for r in st["recoveries"]), "the old incarnation's recovery")
+        rec = next(r for r in st["recoveries"] if r["broker"] == victim)
+        for name in backups:
+            cluster.kill(name, signal.SIGCONT)
+        ledger = await consume_all(coord, streams, producers * per_pair * len(streams))
+    ledger.check({(s, p): per_pair for s in streams for p in range(producers)})
+    assert rec["state"] == "waiting" and "may hold its copies" in rec["error"], rec
+    done = [r for r in (await cluster_status(coord))["recoveries"]
+            if r["broker"] == victim and r["state"] == "done"]
+    assert done and done[-1]["vlogs"] > 0 and not done[-1]["unproven"], done
+
+
+async def test_a_coordinator_hearing_nobody_suspects_itself(make_cluster):
+    """Every server silent at once for three times the failure timeout (all stopped, as a
+    coordinator cut off from everyone sees it): nobody is declared dead, nothing is
+    recovered, every incarnation carries on, and writes go on once they are heard again."""
+    cluster = make_cluster(3)
+    coord = cluster.coordinator
+    streams = [f"q{i:02d}" for i in range(12)]
+    await create(coord, streams, replication=3)
+    with trio.fail_after(120):
+        await produce_all(coord, streams, 1, 30, 1)
+        before = await cluster_status(coord)
+        servers = [f"node{i}-{r}" for i in (1, 2, 3) for r in ("backup", "broker")]
+        for name in servers:
+            cluster.kill(name, signal.SIGSTOP)
+        await trio.sleep(6.0)   # the failure timeout is 2 s: three of them without a word
+        for name in servers:
+            cluster.kill(name, signal.SIGCONT)
+        async with open_producer(coord) as prod:   # a second producer, once they are heard
+            for s in streams:
+                await prod.send_many(s, values(1, 0, 30))
+            await prod.flush()
+        after = await cluster_status(coord)
+        ledger = await consume_all(coord, streams, 60 * len(streams))
+
+    def incarnations(st):
+        return sorted((role, m["id"], m["epoch"], m["alive"]) for role in ("brokers", "backups")
+                      for m in st[role])
+    assert incarnations(after) == incarnations(before), (before, after)
+    assert after["recoveries"] == [], after["recoveries"]
+    assert "went silent at once" in cluster.log("coordinator")
+    ledger.check({(s, p): 30 for s in streams for p in range(2)})

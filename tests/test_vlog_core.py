@@ -149,6 +149,29 @@ def test_a_restarted_backup_is_asked_what_it_kept():
     assert s.offset == 200 and v.durable == 2
 
 
+def test_an_answer_from_before_a_backups_restart_is_not_about_its_copy():
+    """``python -m kera.sim --seed 1002713`` before the fix: the close of a vseg reached a
+    backup, which then restarted with that chunk torn off its file; the answer its process
+    before had sent came after the restart was known and counted the new one's copy whole
+    and closed. It is ignored; the copy is asked from offset 0 and said short."""
+    bs = backups({1: "n1"})
+    v = VirtualLog(1, 2, 1 << 20, bs)
+    append(v, 2)
+    v.close_open(durable=False)
+    (s,) = v.poll(0.0)
+    bs.set_live({1: ("n1", 2)})                    # restarted, its file cut after 100 bytes
+    (again,) = v.poll(0.5)
+    assert again.offset == 0 and again.close
+    assert not v.on_reply(s.token, s.end, 0.6)     # the process before's answer: not this copy
+    c = v.vsegs[0].copies[1]
+    assert (c.acked, c.closed, v.durable) == (0, False, 0)
+    v.on_error(again.token, 0.7, length=100)
+    (rest,) = v.poll(0.7)
+    assert rest.offset == 100 and rest.close
+    v.on_reply(rest.token, rest.end, 0.8)
+    assert (c.acked, c.closed, v.durable) == (200, True, 2)
+
+
 def test_fenced_stops_everything():
     bs = backups({1: "n1"})
     v = VirtualLog(1, 2, 1 << 20, bs)

@@ -11,7 +11,9 @@ in the order they were sent; those of unknown streams fail with
 ``UnknownStream`` (their delivery report, or ``flush``). A lookup that fails
 (the coordinator away) is tried again with backoff; parked records older
 than ``delivery.timeout.ms`` then fail. Calls that need the stream itself
-(``send_many``, ``send_columns``) wait for the lookup (``stream``).
+(``send_many``, ``send_columns``) wait for the lookup (``stream``), and they
+and ``load_metadata`` wait for an unreachable coordinator up to
+``delivery.timeout.ms`` too (``Sender._patient``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, RecordTooLarge, UnknownStream
+from kera.errors import KeraError, RecordTooLarge, Unavailable, UnknownStream
 from kera.limits import MAX_CHUNK
 
 from .accumulator import check_record
@@ -49,6 +51,19 @@ class Round:
         self.error: KeraError | None = None
 
 
+class Patient:
+    """The coordinator as ``fetch`` calls it, each call waiting while it is unreachable, up to
+    ``delivery.timeout.ms`` (``Sender._patient``)."""
+
+    __slots__ = ("producer",)
+
+    def __init__(self, producer):
+        self.producer = producer
+
+    async def call(self, method: str, meta: dict, timeout: float | None = None):
+        return await self.producer._patient(method, meta)
+
+
 class Lookups:
     """``AsyncProducer``'s metadata side: ``streams`` (name -> ``StreamView``), ``by_id`` and
     ``room``, and the lookups that fill them. Shares the producer's lock and counters."""
@@ -62,6 +77,7 @@ class Lookups:
         self.lookup_at = math.inf               # when it starts (a linger after the first)
         self.looking = False                    # one lookup at a time
         self.lookup_backoff = RETRY_MIN
+        self.retry_after = 0.0                  # no lookup before this (a failed one's backoff)
         self.metadata_requests = 0              # metadata requests sent (one per page)
 
     def _known(self, s: StreamView) -> None:
@@ -73,9 +89,10 @@ class Lookups:
         self.by_id[s.id] = s
         self.room[s.id] = chunkfmt.record_room(min(MAX_CHUNK, s.segment_size))
 
-    async def _fetch(self, names, unpark: bool = False) -> list:
+    async def _fetch(self, names, unpark: bool = False, patient: bool = False) -> list:
         """The metadata of ``names``, a page per request (with ``unpark``, their parked records
-        join their chunks as each page comes); returns the names that do not exist."""
+        join their chunks as each page comes; ``patient``: waiting for an unreachable
+        coordinator); returns the names that do not exist."""
         missing: list = []
 
         def take(streams, gone):
@@ -87,22 +104,25 @@ class Lookups:
                         self._unpark(s)
             missing.extend(gone)
 
-        await fetch(self.coordinator, names, on_page=take, timeout=self.request_timeout)
+        await fetch(Patient(self) if patient else self.coordinator, names, on_page=take,
+                    timeout=self.request_timeout)
         return missing
 
-    async def _load(self, names) -> None:
+    async def _load(self, names, patient: bool = False) -> None:
         """The metadata of ``names``; UnknownStream (``missing``) for those that do not exist,
         once the others are known."""
-        missing = await self._fetch(names)
+        missing = await self._fetch(names, patient=patient)
         if missing:
             raise unknown(missing)
 
     async def load_metadata(self, names) -> None:
         """Fetch where many streams live up front (else they are looked up as they are met)."""
-        await self._load([n for n in names if n not in self.streams])
+        await self._load([n for n in names if n not in self.streams], patient=True)
 
     async def stream(self, name: str) -> StreamView:
-        """The stream's metadata, waiting for its lookup if need be (UnknownStream if none)."""
+        """The stream's metadata, waiting for its lookup if need be (UnknownStream if none),
+        and for an unreachable coordinator up to ``delivery.timeout.ms``."""
+        deadline = time.monotonic() + self.delivery_timeout
         while True:
             s = self.streams.get(name)
             if s is not None:
@@ -112,7 +132,8 @@ class Lookups:
             await r.done.wait()
             if name in r.missing:
                 raise unknown([name])
-            if r.error is not None and name not in self.streams:
+            if r.error is not None and name not in self.streams and (
+                    not isinstance(r.error, Unavailable) or time.monotonic() >= deadline):
                 raise r.error
 
     # -- parking (any thread, producer lock held) ---------------------------------------------
@@ -121,7 +142,7 @@ class Lookups:
         if name not in r.names:
             r.names[name] = None
             if self.lookup_at == math.inf:
-                self.lookup_at = time.monotonic() + self.linger
+                self.lookup_at = max(time.monotonic() + self.linger, self.retry_after)
                 self._notify()
         return r
 
@@ -169,19 +190,21 @@ class Lookups:
         try:
             missing = await self._fetch(names, unpark=True)
             self.lookup_backoff = RETRY_MIN
+            self.retry_after = 0.0
         except KeraError as e:
             r.error = e
             if self.lookup_backoff == RETRY_MIN:
                 log.warning("metadata lookup of %d streams failed (retrying with backoff): %s",
                             len(names), e)
             with self.lock:
+                self.retry_after = time.monotonic() + self.lookup_backoff
                 left = [n for n in names if n not in self.streams]
                 self._expire(left)
                 for n in left:
                     if n in self.parked:
                         self._ask(n)
                 if self.lookup_at != math.inf:
-                    self.lookup_at = time.monotonic() + self.lookup_backoff
+                    self.lookup_at = max(self.lookup_at, self.retry_after)
             self.lookup_backoff = min(self.lookup_backoff * 2, RETRY_MAX)
         finally:
             self.looking = False

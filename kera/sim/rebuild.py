@@ -148,10 +148,14 @@ class SimRebuild:
 
     def lose(self) -> None:
         """Backups lost for good one after the other, each once the copies are whole again:
-        more losses over time than copies at once, evicted data included."""
+        more losses over time than copies at once, evicted data included. The first one too
+        waits for the faults' own losses to be repaired: a backup destroyed late in the faults
+        may not even be declared dead yet, and losing another holder of its frozen vsegs then
+        would be two losses at once, which R-1 copies of evicted data cannot survive."""
         w = self.w
         if min(v.need for v in w.vlogs) < 2:
             return   # one backup copy: losing its backup loses it (the broker's memory aside)
+        self._whole_again("the faults healed")
         for _ in range(2):
             live = [b for b in w.backups.values() if b.up and not b.destroyed]
             if len(live) <= max(v.need for v in w.vlogs):
@@ -163,9 +167,22 @@ class SimRebuild:
             b.replicas.clear()
             w.stats["lost_for_good"] += 1
             w.at(w.now + self.dead_after, w._declare_dead, b, b.incarnation)
-            w.run_until(w.now + self.dead_after + 60.0,
-                        lambda b=b: b.declared_dead and not self.short() and all(
-                            v.durable == v.appended for v in w.vlogs))
-            if self.short():
-                w.fail(f"copies not made again after backup {b.id} was lost: (vlog, vseg, whole "
-                       f"copies) {self.short()[:5]}")
+            self._whole_again(f"backup {b.id} was lost")
+
+    def _whole_again(self, after: str) -> None:
+        """Run until every backup is back as a member, or declared dead if it was lost, and
+        every vseg is whole again on ``need`` live backups (and every chunk durable); fail if
+        that takes over a minute."""
+        w = self.w
+        w.run_until(w.now + self.dead_after + 60.0, lambda: not self._astray() and all(
+            v.durable == v.appended for v in w.vlogs) and not self.short())
+        if self._astray():
+            w.fail(f"after {after}, backups neither back nor declared dead: {self._astray()}")
+        if self.short():
+            w.fail(f"copies not made again after {after}: (vlog, vseg, whole copies) "
+                   f"{self.short()[:5]}")
+
+    def _astray(self) -> list[int]:
+        """Backups neither back as members nor, lost for good, declared dead."""
+        return [b.id for b in self.w.backups.values()
+                if (not b.declared_dead if b.destroyed else not b.up or b.declared_dead)]

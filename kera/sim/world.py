@@ -16,7 +16,8 @@ A run has three phases: ingest under faults, heal (faults stop; every
 appended chunk must become durable: progress; and the memory budget must
 take a new segment again, its filled segments settling and evicted; in half the runs
 without rot, backups are then lost for good one after the other, each once every
-closed vseg is whole again), then the broker dies, its
+vseg is whole again, the first too: a backup destroyed late in the faults is repaired
+first), then the broker dies, its
 settled history is re-pointed and the rest of its vlogs replayed from the
 backups (every acknowledged chunk must come back exactly once, adopted or
 replayed, in order). Invariants are checked after every step; the first one
@@ -326,7 +327,11 @@ class World:
         the oldest filled segments wait in while memory stays above its low-water mark."""
         if self.broker_dead:
             return
-        closed = self.placement.memory.relieve()
+        p = self.placement
+        if p.memory.used != p.charged():
+            self.fail(f"the memory budget counts {p.memory.used} bytes, its segments' buffers "
+                      f"take {p.charged()}")
+        closed = p.memory.relieve()
         self.stats["budget_closes"] += len(closed)
         for r in closed:
             self._poll(r.log)
@@ -411,7 +416,8 @@ class World:
             rep.known_bad = {i for i in rep.known_bad if i < cut}
             rep.headers = {i for i in rep.headers if i < cut}
             b.reload()
-            b.incarnation += 1  # it restarted: a new incarnation, as after a crash
+            b.incarnation += 1  # it restarted: a new incarnation, as after a crash, which
+            b.declared_dead, b.paused_until = False, 0.0   # registers even if paused or dead before
             self._membership_changed()
 
     def _declare_dead(self, b: Backup, incarnation: int) -> None:

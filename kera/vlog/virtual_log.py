@@ -15,7 +15,8 @@ an avoidance ends.
   or failed ``MAX_FAILS`` times in a row, is given up: the vseg gets another
   backup (from offset 0) and avoids that one for ``timeout`` seconds, after
   which it is a candidate again. A backup that left the membership is
-  replaced at once (a frozen vseg's copy is kept, see ``done``).
+  replaced at once (a frozen vseg's copy is kept, see ``done``); one that
+  restarted is asked from offset 0, the answers of its process before ignored.
 - A backup that answers with its copy's length (a resend after a timeout,
   or a copy it kept from before) is taken at that length when it is a chunk
   boundary of ours: copies are prefixes of the same bytes.
@@ -195,10 +196,7 @@ class VirtualLog:
                     elif c.incarnation != self.backups.incarnation(b) and vs.frozen:
                         c.incarnation = self.backups.incarnation(b)  # it reloads its file; reads check
                     elif c.incarnation != self.backups.incarnation(b):
-                        # restarted: it says how much it kept when asked from offset 0
-                        c.incarnation = self.backups.incarnation(b)
-                        c.acked, c.closed, c.fails, c.retry_at = 0, False, 0, 0.0
-                        self.active[vs.id] = vs
+                        self._restarted(vs, c)
         out = []
         for vs in list(self.active.values()):
             if vs.frozen or self._done(vs):  # frozen: its bytes left memory, its copies are all
@@ -314,6 +312,17 @@ class VirtualLog:
         if avoid:
             self.give_ups += 1
             vs.avoid[backup] = now + self.timeout
+        self.active[vs.id] = vs
+
+    def _restarted(self, vs: VirtualSegment, c: Copy) -> None:
+        """``c``'s backup restarted: it says how much it kept (its file may hold less than it
+        acknowledged) when asked from offset 0. An answer still to come from the process
+        before is not about this copy: its message is forgotten, as a given-up one."""
+        c.incarnation = self.backups.incarnation(c.backup)
+        c.acked, c.closed, c.fails, c.retry_at = 0, False, 0, 0.0
+        if c.inflight:
+            self.sent.pop(c.inflight, None)
+            c.inflight = 0
         self.active[vs.id] = vs
 
     def _confirm(self, vs: VirtualSegment) -> bool:
