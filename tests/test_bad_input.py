@@ -275,13 +275,15 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
         assert await code(backup["addr"], "replicate", {**key, "offset": 0}, b"garbage") in (
             "invalid_argument", "checksum")
         # replays of a replica that is not there, or from an offset past its end, or without routes
-        assert await code(backup["addr"], "replay", {**key, "routes": []}) == "backup"
+        assert await code(backup["addr"], "replay", {**key, "owners": []}) == "backup"
         for b in st["backups"]:
             r, _ = await pool.call(b["addr"], "list", {}, timeout=5)
             if r["segments"]:
                 holder, held = b["addr"], r["segments"][0]
         where = {k: held[k] for k in ("broker", "vlog", "vseg")}
-        assert await code(holder, "replay", {**where, "routes": [],
+        assert await code(holder, "replay", {**where, "owners": [],
                                              "offset": held["length"] + 1}) == "invalid_argument"
-        assert await code(holder, "replay", {**where, "routes": "x"}) == "invalid_argument"
+        assert await code(holder, "replay", {**where, "owners": "x"}) == "invalid_argument"
+        assert await code(holder, "replay", {**where, "owners": []}, b"x" * 17) == "invalid_argument"
+        assert await code(holder, "replay", {**where, "owners": []}, b"\0" * 16) == "invalid_argument"
     assert await stored(coord) == before

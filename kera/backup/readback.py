@@ -219,7 +219,7 @@ class ReadBack:
         """
         key = vseg_key(meta)
         rep = self.store.get(key)
-        routes = parse_routes(meta.get("routes"))
+        routes = parse_routes(meta.get("owners"), payload)
         offset = uint(meta, "offset", 0)
         if offset > rep.length:
             raise InvalidArgument(f"offset {offset} beyond replica {key} of length {rep.length}")
