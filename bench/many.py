@@ -13,7 +13,7 @@ the brokers' (summed) from before the creates to after the records are held,
 so a stream holding one record is charged everything it costs a broker.
 
 The peer (Tansu, memory storage, no replication) at 10,000 topics in the same
-run: created with ``AdminClient.create_topics``, one librdkafka producer
+run, first: created with ``AdminClient.create_topics``, one librdkafka producer
 writing one record to each and one consumer reading them (``bench.metadata``'s
 ``peer_side``). ``--quick``: 10,000 streams only.
 """
@@ -88,12 +88,6 @@ def run(args, say) -> dict:
     counts = [int(x) for x in args.counts.split(",")] if args.counts else (
         [10_000] if args.quick else COUNTS)
     rows = []
-    for n in counts:
-        say(f"many: kera R=3, {args.nodes} nodes, {n:,} streams of one record")
-        with KeraRun(args.nodes) as k:
-            out = trio.run(kera_side, k, n)
-        rows.append({"system": "kera R=3", **out})
-        say(f"   {out}")
     say(f"many: peer, {PEER_TOPICS:,} topics of one record")
     p = peer_side([PEER_TOPICS], PEER_TOPICS)
     rows.append({"system": "peer (no replication)", "streams": PEER_TOPICS,
@@ -102,6 +96,12 @@ def run(args, say) -> dict:
                  "produce_per_s": round(PEER_TOPICS / p["fanout_s"]), "consumed": p["consumed"],
                  "consume_s": p["consume_s"], "consume_per_s": round(p["consumed"] / p["consume_s"])})
     say(f"   {rows[-1]}")
+    for n in counts:
+        say(f"many: kera R=3, {args.nodes} nodes, {n:,} streams of one record")
+        with KeraRun(args.nodes) as k:
+            out = trio.run(kera_side, k, n)
+        rows.append({"system": "kera R=3", **out})
+        say(f"   {out}")
     return {"experiment": "many", "nodes": args.nodes, "counts": counts, "rows": rows,
             "targets": TARGETS, "checks": checks(rows),
             "notes": "produce_s: open_producer to flush complete, send() once per stream, no "

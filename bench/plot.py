@@ -58,7 +58,7 @@ def plot(res: dict, path: str) -> None:
                  label="coordinator KiB/stream")
         mem.set_ylabel("KiB per stream")
         mem.set_ylim(bottom=0)
-        mem.legend(fontsize=8, loc="lower right")
+        mem.legend(fontsize=8, loc="center right")
         ax.set_xscale("log")
         ax.set_yscale("log")
     elif res["experiment"] == "latency":
