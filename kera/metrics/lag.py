@@ -50,7 +50,7 @@ class GroupLag:
                     log.info("consumer lag round failed: %s", e)
 
     async def round(self) -> None:
-        from kera_client.streamlet_log import StreamletLog   # the client's reader
+        from kera_client.streamlet_log import StreamletLog  # the client's reader
 
         c = self.coord
         ps = c.streams[gp.NAME]
