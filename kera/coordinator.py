@@ -670,7 +670,7 @@ def main(argv=None) -> None:
     ap.add_argument("--retention-ms", type=int, default=-1,
                     help="default retention.ms of new streams (-1: unbounded)")
     metrics.add_arguments(ap)
-    ap.add_argument("--metrics-lag-interval", type=float, default=5.0, metavar="SECONDS",
+    ap.add_argument("--metrics-lag-interval", type=float, default=2.0, metavar="SECONDS",
                     help="how often consumer groups' lag is measured for the metrics")
     ap.add_argument("--metrics-top-groups", type=int, default=100, metavar="N",
                     help="lag series for the N (group, stream) pairs with the most lag")
