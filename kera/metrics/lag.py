@@ -40,6 +40,7 @@ class GroupLag:
         while True:
             await trio.sleep(self.interval)
             if not self.coord.leading or gp.NAME not in self.coord.streams:
+                self.rows, self.groups = [], 0   # a standby shows no lag (the leader does)
                 continue
             with trio.move_on_after(max(10.0, 2 * self.interval)):
                 try:
