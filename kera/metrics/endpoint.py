@@ -10,8 +10,8 @@ The endpoint is served from the server's own trio loop (``serve``), not from
 ``prometheus_client``'s thread: the collectors then read the server's state between
 two steps of the loop, never while a handler is half-way through changing it (a
 thread would iterate dicts the loop is resizing), and need no lock. A scrape costs
-the loop what building the text costs (a few hundred series: well under a
-millisecond); connections are few, bounded and timed out.
+the loop what building a few hundred lines of text costs; connections are few,
+bounded and timed out.
 """
 
 from __future__ import annotations
