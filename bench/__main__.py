@@ -89,6 +89,9 @@ def exp_streams(args) -> dict:
     from .streams import COUNTS, QUICK_COUNTS, QUICK_SECONDS, SECONDS, run
     n = args.records or (50_000 if args.quick else 300_000)   # the concurrent phase's records
     seconds = args.seconds or (QUICK_SECONDS if args.quick else SECONDS)
+    if args.metrics:
+        from .streams import metrics_cost
+        return metrics_cost(n, seconds, args.repeats, say)
     return run(QUICK_COUNTS if args.quick else COUNTS, n, seconds, args.repeats, args.concurrent, say)
 
 
@@ -108,6 +111,9 @@ def exp_restart(args) -> dict:
 
 
 def table(res: dict) -> str:
+    if res["experiment"] == "streams-metrics":
+        from .streams import metrics_table
+        return metrics_table(res)
     if res["experiment"] == "streams":
         from .streams import table as streams_table
         return streams_table(res)
@@ -157,6 +163,9 @@ def main() -> None:
                                              "restart", "soak"])
     ap.add_argument("--repeats", type=int, default=3, help="streams, throughput: runs per cell, systems alternating")
     ap.add_argument("--concurrent", action="store_true", help="streams: also producer and consumer at once")
+    ap.add_argument("--metrics", action="store_true",
+                    help="streams: kera R=3 at 512 streams with every server's metrics scraped each "
+                         "second against without, paired runs (what metrics cost)")
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
     ap.add_argument("--records", type=int, default=0)
     ap.add_argument("--seconds", type=float, default=0.0, help="streams: length of each producer phase alone")

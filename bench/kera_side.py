@@ -174,11 +174,12 @@ def per_stream(sent: list[int], starts: list[int], n_streams: int) -> list[int]:
 class KeraRun:
     """A cluster for a series of runs (streams are created per run)."""
 
-    def __init__(self, nodes: int, broker_args=(), backup_args=(), coordinators: int = 1):
+    def __init__(self, nodes: int, broker_args=(), backup_args=(), coordinators: int = 1,
+                 metrics_port: int | None = None):
         self.dir = tempfile.mkdtemp(prefix="kera-bench-")
         self.cluster = LocalCluster(os.path.join(self.dir, "data"), nodes, port=0,
                                     broker_args=list(broker_args), backup_args=list(backup_args),
-                                    coordinators=coordinators)
+                                    coordinators=coordinators, metrics_port=metrics_port)
         self.runs = 0
 
     def __enter__(self):

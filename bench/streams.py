@@ -43,8 +43,11 @@ later repeats down).
 from __future__ import annotations
 
 import os
+import socket
 import statistics
+import threading
 import time
+import urllib.request
 
 from .kera_side import KeraRun
 
@@ -201,3 +204,104 @@ def table(res: dict) -> str:
             verdict = {True: "pass", False: "FAIL", None: "n/a"}[a["pass"]]
             lines.append(f"  {name} ({a['bound']}): {a['value']}: {verdict}")
     return "\n".join(lines)
+
+
+# -- what metrics cost: ``python -m bench streams --quick --metrics`` ------------------------------
+METRICS_STREAMS = 512
+
+
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports on the loopback."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            socks = []
+            for p in range(base, base + n):
+                x = socket.socket()
+                socks.append(x)
+                x.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for x in socks:
+                x.close()
+
+
+class Scraper:
+    """Every endpoint of a cluster scraped once a second, as Prometheus would, on a thread of
+    the bench process for as long as it runs."""
+
+    def __init__(self, addrs: list[str], every: float = 1.0):
+        self.addrs, self.every = addrs, every
+        self.stop = threading.Event()
+        self.scrapes = self.failures = 0
+        self.bytes = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every):
+            for a in self.addrs:
+                try:
+                    with urllib.request.urlopen(f"http://{a}/metrics", timeout=5) as r:
+                        self.bytes += len(r.read())
+                    self.scrapes += 1
+                except OSError:
+                    self.failures += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def metrics_cost(n: int, seconds: float, repeats: int, say) -> dict:
+    """kera R=3 at 512 streams on two clusters alive at once, one serving metrics scraped every
+    second and one without endpoints, their runs paired and alternating who goes first."""
+    runs = []
+    with KeraRun(3) as plain, KeraRun(3, metrics_port=_free_ports(7)) as measured:
+        addrs = list(measured.cluster.metrics_addrs().values())
+        with Scraper(addrs) as scraper:
+            for k, mode in ((plain, "without"), (measured, "scraped")):   # warm-up, not reported
+                say(f"metrics: warm-up, {mode}")
+                _run_kera(k, 3, METRICS_STREAMS, n, min(seconds, 1.0), False)
+            for rep in range(repeats):
+                order = [(plain, "without"), (measured, "scraped")]
+                for k, mode in (order if rep % 2 == 0 else order[::-1]):
+                    say(f"metrics: repeat {rep + 1}/{repeats}, {METRICS_STREAMS} streams, R=3, {mode}")
+                    out = _run_kera(k, 3, METRICS_STREAMS, n, seconds, False)
+                    runs.append({"mode": mode, "repeat": rep, **out})
+                    say(f"   produce {out['produce_rps']:,}/s, consume {out.get('consume_rps') or 0:,}/s")
+        scrapes = {"scrapes": scraper.scrapes, "failures": scraper.failures,
+                   "bytes_per_scrape": scraper.bytes // max(1, scraper.scrapes)}
+    cells = {mode: {"produce_rps": _stat([r["produce_rps"] for r in runs if r["mode"] == mode]),
+                    "consume_rps": _stat([r.get("consume_rps") for r in runs if r["mode"] == mode]),
+                    "produce_p99_ms": _stat([r.get("produce_p99_ms") for r in runs if r["mode"] == mode])}
+             for mode in ("without", "scraped")}
+    pairs = []
+    for rep in range(repeats):
+        a = next(r for r in runs if (r["mode"], r["repeat"]) == ("scraped", rep))
+        b = next(r for r in runs if (r["mode"], r["repeat"]) == ("without", rep))
+        pairs.append(round(a["produce_rps"] / b["produce_rps"], 3) if b["produce_rps"] else None)
+    return {"experiment": "streams-metrics", "streams": METRICS_STREAMS, "phase_seconds": seconds,
+            "repeats": repeats, "cells": cells, "paired_produce_ratios": pairs, "scraper": scrapes,
+            "runs": runs}
+
+
+def metrics_table(res: dict) -> str:
+    def fmt(st):
+        return f"{st['median']:,} ({st['min']:,}-{st['max']:,})" if st else ""
+
+    c = res["cells"]
+    return "\n".join([
+        f"kera R=3, {res['streams']} streams, records/s, median (min-max) of {res['repeats']} paired runs",
+        "", "| | produce | consume | produce p99 ms |", "|---|---|---|---|",
+        *(f"| {m} | {fmt(c[m]['produce_rps'])} | {fmt(c[m]['consume_rps'])} | "
+          f"{fmt(c[m]['produce_p99_ms'])} |" for m in ("without", "scraped")),
+        "", f"scraped / without, produce, per pair: {res['paired_produce_ratios']}",
+        f"scrapes: {res['scraper']}"])

@@ -292,10 +292,28 @@ def cmd_status(args) -> None:
         print(f"... {len(shown) - 50} more streams (--json for all)")
     for r in st.get("recoveries", []):
         print(_recovery_line(r))
+    for g, name, lag, _, pos in (st.get("consumer_lag") or [])[:50]:
+        print(f"group {g} stream {name}: lag={lag} records, committed={pos} records")
+    ends = _metrics_endpoints(st)
+    if ends:
+        print("metrics: " + ", ".join(f"{who} http://{addr}/metrics" for who, addr in ends))
     for a in st.get("adoptions", []):
         print(f"adoption of broker {a['broker']} (epoch {a['epoch']})'s closed history after its "
               f"hand-over: {a['groups']} groups of {a['streamlets']} streamlets pending (reads of them "
               f"wait){' ' + a['error'] if a.get('error') else ''}")
+
+
+def _metrics_endpoints(st: dict) -> list[tuple[str, str]]:
+    """(who, HOST:PORT) of every server serving metrics, as they told the coordinator."""
+    out = []
+    if (st.get("coordinators") or {}).get("metrics"):
+        out.append(("coordinator", st["coordinators"]["metrics"]))
+    for role in ("broker", "backup"):
+        for m in st[f"{role}s"]:
+            addr = (m.get("stats") or {}).get("metrics")
+            if addr and m.get("alive"):
+                out.append((f"{role} {m['id']}", addr))
+    return out
 
 
 def _recovery_line(r: dict) -> str:
@@ -308,6 +326,18 @@ def _recovery_line(r: dict) -> str:
                       for x in r.get("lost", []))
             + (f"\n  UNPROVEN: went on without backups {r['unproven']}, which may hold copies"
                if r.get("unproven") else ""))
+
+
+def cmd_top(args) -> None:
+    from .top import run
+
+    try:
+        run(_coordinator(args), args.interval, args.once)
+    except KeraError as e:
+        print(f"error: {e.code}: {e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
 
 
 def cmd_recovery(args) -> None:
@@ -355,7 +385,7 @@ def cmd_up(args) -> None:
     LocalCluster(args.data, args.nodes, args.port, demo=args.demo,
                  broker_args=shlex.split(args.broker_args), backup_args=shlex.split(args.backup_args),
                  coordinator_args=shlex.split(args.coordinator_args),
-                 coordinators=args.coordinators).run()
+                 coordinators=args.coordinators, metrics_port=args.metrics_port).run()
 
 
 def _client(p, coord=True):
@@ -380,6 +410,9 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--coordinators", type=int, default=1,
                     help="run a local etcd and this many coordinators on it (ports P, P+1, ...): "
                          "one leads, the others take over when it dies")
+    up.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                    help="serve Prometheus metrics: the coordinators on P, P+1, ..., then each "
+                         "node's backup and broker on the next ports")
 
     for role in ("coordinator", "broker", "backup"):
         sub.add_parser(role, help=f"run one {role} process (see kera {role} --help)", add_help=False)
@@ -440,6 +473,10 @@ def parser() -> argparse.ArgumentParser:
     co.add_argument("--keys", action="store_true", help="print key<TAB>value lines")
     co.add_argument("--group", default=None, help="consumer group: start where it stopped, commit at the end")
 
+    tp = _client(sub.add_parser("top", help="a live view: records/s per broker, memory, replication "
+                                           "health, consumer groups' lag (q quits)"))
+    tp.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    tp.add_argument("--once", action="store_true", help="print one view and exit")
     s = _client(sub.add_parser("status", help="nodes, streams, per-broker and per-vlog counters"))
     s.add_argument("--json", action="store_true")
     rc = _client(sub.add_parser("recovery", help="recoveries of dead brokers; --wait shows progress"))
@@ -456,7 +493,7 @@ def main(argv=None) -> None:
     args = parser().parse_args(argv)
     try:
         {"up": cmd_up, "stream": cmd_stream, "produce": cmd_produce, "consume": cmd_consume,
-         "status": cmd_status, "recovery": cmd_recovery,
+         "status": cmd_status, "recovery": cmd_recovery, "top": cmd_top,
          "kv": lambda a: kv_cli.cmd_kv(a, _coordinator(a), _run)}[args.command](args)
     except* BrokenPipeError:
         # the reader of our output went away (``kera stream list | head``): stop quietly, as

@@ -54,7 +54,8 @@ class Loopback:
 
 class LocalCluster:
     def __init__(self, data: str, nodes: int, port: int = 0, demo: bool = False, broker_args=(),
-                 backup_args=(), coordinator_args=(), coordinators: int = 1, hosts: Hosts | None = None):
+                 backup_args=(), coordinator_args=(), coordinators: int = 1, hosts: Hosts | None = None,
+                 metrics_port: int | None = None):
         if nodes < 1:
             raise SystemExit("kera up: --nodes must be at least 1")
         if coordinators < 1:
@@ -69,6 +70,7 @@ class LocalCluster:
         self.backup_args = list(backup_args)
         self.coordinator_args = list(coordinator_args)
         self.hosts = hosts or Loopback()
+        self.metrics_port = metrics_port   # P: coordinators on P, P+1, ..., then each node's backup, broker
         self.coordinator = f"{self.hosts.address('coordinator')}:{port}"
         self.logs = os.path.join(self.data, "logs")
         self.specs: dict[str, list[str]] = {}
@@ -147,6 +149,17 @@ class LocalCluster:
     def _host(self, name: str) -> list[str]:
         return ["--host", self.hosts.address(name)]
 
+    def _metrics(self, at: int) -> list[str]:
+        """The metrics port of the ``at``-th process (in ``names`` order, etcd aside)."""
+        return [] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port + at)]
+
+    def metrics_addrs(self) -> dict[str, str]:
+        """Process name -> its metrics endpoint's HOST:PORT (``--metrics-port`` given)."""
+        if self.metrics_port is None:
+            return {}
+        names = [n for n in self.names() if n != "etcd"]
+        return {n: f"{self.hosts.address(n)}:{self.metrics_port + i}" for i, n in enumerate(names)}
+
     def start(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
         extra = []
@@ -159,7 +172,7 @@ class LocalCluster:
             port = self.port + i if self.port else 0
             self.spawn(name, ["coordinator", "--data", os.path.join(self.data, name), *self._host(name),
                               "--port", str(port), "--expect-nodes", str(self.nodes), *extra,
-                              *self.coordinator_args])
+                              *self._metrics(i), *self.coordinator_args])
         self.coordinator = ",".join(self.wait_ready(n) for n in self.coordinator_names())
         for i in range(1, self.nodes + 1):
             self.add_node(i, wait=False)
@@ -170,10 +183,13 @@ class LocalCluster:
     def add_node(self, i: int, wait: bool = True) -> None:
         node = f"node{i}"
         coord = ["--coordinator", self.coordinator, "--node", node]
+        at = self.coordinators + 2 * (i - 1)
         self.spawn(f"{node}-backup", ["backup", "--dir", os.path.join(self.data, f"{node}-backup"),
-                                      *self._host(f"{node}-backup"), *coord, *self.backup_args])
+                                      *self._host(f"{node}-backup"), *coord, *self._metrics(at),
+                                      *self.backup_args])
         self.spawn(f"{node}-broker", ["broker", "--data", os.path.join(self.data, f"{node}-broker"),
-                                      *self._host(f"{node}-broker"), *coord, *self.broker_args])
+                                      *self._host(f"{node}-broker"), *coord, *self._metrics(at + 1),
+                                      *self.broker_args])
         if wait:
             self.wait_ready(f"{node}-backup")
             self.wait_ready(f"{node}-broker")
@@ -215,6 +231,11 @@ class LocalCluster:
                     else f"coordinator {self.coordinator}")
             print(f"kera is up: {what}, {self.nodes} nodes "
                   f"(broker + backup each), data in {self.data}, logs in {self.logs}", flush=True)
+            if self.metrics_port is not None:
+                m = list(self.metrics_addrs().values())
+                print(f"metrics at http://{m[0]}/metrics ... http://{m[-1]}/metrics "
+                      f"({len(m)} endpoints: coordinators, then each node's backup and broker)",
+                      flush=True)
             if self.demo:
                 self._demo()
             print("next, in another terminal (kera is in .venv/bin: source .venv/bin/activate):\n"

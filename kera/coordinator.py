@@ -19,7 +19,7 @@ import time
 
 import trio
 
-from . import etcd, group_positions, limits
+from . import etcd, group_positions, limits, metrics
 from .adoption import Adoptions
 from .catalog import Catalog, Page
 from .errors import (
@@ -183,6 +183,7 @@ class Coordinator(Membership, Service):
         self.log = None
         self.leading = False
         self.terms = 0                    # times this process became the leader
+        self.metrics = None               # kera.metrics.coordinator, with --metrics-port
         self.metadata = metadata or f"local:{os.path.abspath(data_dir)}"
         if metadata:
             endpoints, prefix = etcd.parse_url(metadata)
@@ -241,7 +242,10 @@ class Coordinator(Membership, Service):
     async def commit(self) -> None:
         """Until every metadata change made so far is on disk."""
         recovered = self.meta["recovered_version"]
+        t0 = time.perf_counter()
         await self.log.commit()
+        if self.metrics is not None:
+            self.metrics.commit.observe(time.perf_counter() - t0)
         self.recovered.durable(recovered)
 
     def fence(self, broker: int, epoch: int) -> None:
@@ -585,7 +589,9 @@ class Coordinator(Membership, Service):
                 "streams": len(self.streams), "recoveries": self.recovery.describe(),
                 "recovered": self.recovered.describe(), "adoptions": self.adoptions.describe(),
                 "coordinators": {"leader": self.addr, "standbys": standbys, "store": self.metadata,
-                                 "terms": self.terms}}
+                                 "terms": self.terms,
+                                 **({"metrics": self.metrics.addr} if self.metrics else {})},
+                **({"consumer_lag": self.metrics.lag.rows} if self.metrics else {})}
 
     # -- leading ----------------------------------------------------------
     async def _lead(self, hold=None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -680,6 +686,11 @@ def main(argv=None) -> None:
                     help="default retention.bytes of new streams (-1: unbounded)")
     ap.add_argument("--retention-ms", type=int, default=-1,
                     help="default retention.ms of new streams (-1: unbounded)")
+    metrics.add_arguments(ap)
+    ap.add_argument("--metrics-lag-interval", type=float, default=2.0, metavar="SECONDS",
+                    help="how often consumer groups' lag is measured for the metrics")
+    ap.add_argument("--metrics-top-groups", type=int, default=100, metavar="N",
+                    help="lag series for the N (group, stream) pairs with the most lag")
     args = ap.parse_args(argv)
     if args.chunk_rows_newest < 0:   # before anything is created
         ap.error("--chunk-rows-newest is a number of bytes, 0 or more")
@@ -691,8 +702,14 @@ def main(argv=None) -> None:
     coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,
                                            "retention_ms": args.retention_ms})
 
+    if args.metrics_port is not None:
+        from .metrics.coordinator import CoordinatorMetrics
+        coord.metrics = CoordinatorMetrics(coord, args.metrics_lag_interval, args.metrics_top_groups)
+
     async def run():
         async with trio.open_nursery() as n:
+            if coord.metrics is not None:
+                await n.start(coord.metrics.run, args.metrics_host or args.host, args.metrics_port)
             port = await n.start(coord.run, args.host, args.port)
             print(f"coordinator listening on {args.host}:{port}", flush=True)
 

@@ -271,6 +271,8 @@ class RecoveryManager:
         finally:
             rec.finished = time.time()
             del self.active[key]
+            if self.coord.metrics is not None and rec.state != "waiting":
+                self.coord.metrics.recovery_ended(rec, rec.state == "done")
             if rec.state != "waiting":   # a wait is shown once, as the incarnation's state
                 self.history = (self.history + [rec])[-20:]
             if rec.lost or rec.unproven:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import trio
 
@@ -65,8 +66,11 @@ class Flushing:
         if not (due or dir_sync):
             return
         self._dir_dirty = False
+        t0 = time.perf_counter()
         results, extra = await trio.to_thread.run_sync(
             disk.sync_round, [rep.path for rep, _, _ in due], self.segdir, dir_sync)
+        if self.metrics is not None:
+            self.metrics.fsync.observe(time.perf_counter() - t0)
         store = self.store
         for (rep, upto, trailer), err in zip(due, results, strict=True):
             if rep.dropped:
@@ -89,7 +93,10 @@ class Flushing:
             work = self._round_work(fsync)
             if work is None:
                 return
+            t0 = time.perf_counter()
             done = await trio.to_thread.run_sync(disk.write_round, *work[1:])
+            if fsync and self.metrics is not None:
+                self.metrics.fsync.observe(time.perf_counter() - t0)
         self._round_outcome(work, *done)
 
     def _write_now(self) -> bool:

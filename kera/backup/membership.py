@@ -135,7 +135,8 @@ async def _heartbeat(service, coordinator, epoch: int, let_go: LetGo) -> None:
         try:
             r, _ = await coordinator.call("heartbeat", {"role": "backup", "id": service.id, "epoch": epoch,
                                                         "recovered": let_go.applied,
-                                                        "damage": service.counters["damage"]},
+                                                        "damage": service.counters["damage"],
+                                                        **_metrics(service)},
                                           timeout=RPC_TIMEOUT)
             service.apply_fences(r.get("fences"))
             let_go.offer(r)
@@ -144,3 +145,8 @@ async def _heartbeat(service, coordinator, epoch: int, let_go: LetGo) -> None:
         except KeraError as e:
             log.warning("coordinator refused heartbeat (%s: %s): registering again", e.code, e)
             return
+
+
+def _metrics(service) -> dict:
+    """Where the backup's metrics are served, for ``kera status`` (nothing without them)."""
+    return {"stats": {"metrics": service.metrics.addr}} if service.metrics is not None else {}

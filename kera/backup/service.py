@@ -38,7 +38,7 @@ from bisect import bisect_left
 
 import trio
 
-from .. import metafile
+from .. import metafile, metrics
 from ..coordinator_link import CoordinatorLink
 from ..errors import BackupError, InvalidArgument, KeraError, LimitExceeded
 from ..limits import REPLICATE_ENTRIES
@@ -129,6 +129,7 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
              "bytes_flushed", "fsyncs", "errors", "write_errors", "reads", "bytes_read", "drops",
              "trims", "tiered_reads", "tiered_bytes", "claims", "releases", "scrubbed_bytes",
              "scrub_passes", "damage"), 0)
+        self.metrics = None   # kera.metrics.backup, with --metrics-port
         self._io: trio.Lock | None = None
         self._kick: trio.Event | None = None
         self._round_done: trio.Event | None = None
@@ -424,6 +425,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--scrub-every", type=float, default=DEFAULT_EVERY, metavar="SECONDS",
                    help="a scrubbing pass starts at most this often")
     p.add_argument("--log-level", default="INFO")
+    metrics.add_arguments(p)
     return p
 
 
@@ -433,14 +435,21 @@ async def _main(args) -> bool:
                         max_memory=args.max_memory, coordinator=args.coordinator, node=args.node,
                         scrub_rate=args.scrub_rate, scrub_every=args.scrub_every,
                         advertise=args.advertise)
+    if args.metrics_port is not None:
+        from ..metrics.backup import install
+        install(svc)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(svc.run, args.host, args.port)
-            print(f"backup {svc.id if svc.id is not None else '-'} listening on {svc.addr}", flush=True)
-            async for sig in signals:
-                log.info("signal %d: flushing and exiting", sig)
-                svc.stop()
-                break
+        async with trio.open_nursery() as outer:
+            if svc.metrics is not None:   # served until the backup has flushed and stopped
+                await outer.start(svc.metrics.serve, args.metrics_host or args.host, args.metrics_port)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(svc.run, args.host, args.port)
+                print(f"backup {svc.id if svc.id is not None else '-'} listening on {svc.addr}", flush=True)
+                async for sig in signals:
+                    log.info("signal %d: flushing and exiting", sig)
+                    svc.stop()
+                    break
+            outer.cancel_scope.cancel()
     return not svc.store.dirty
 
 

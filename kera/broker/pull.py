@@ -15,6 +15,7 @@ import trio
 
 from .. import limits
 from ..errors import InvalidArgument, KeraError, LimitExceeded, OutOfRange, Recovering
+from ..position import DONE, unpack
 from .pull_sessions import PullSession
 
 MAX_PULL_BYTES = limits.MAX_PULL
@@ -42,6 +43,7 @@ class Pulls:
         if not isinstance(max_bytes, int) or not isinstance(wait, (int, float)):
             raise InvalidArgument("max_bytes and max_wait_ms must be numbers")
         max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
+        self.pulls += 1
         # no lease needed: only durable data is served, a prefix of what any successor holds
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
         if meta.get("session") is not None:
@@ -133,6 +135,8 @@ class Pulls:
                 # an evicted segment: read back from a backup before the reply goes
                 part = seg.part(off, n)
                 parts.append(part if part is not None else (seg, gid, off, n))
+                self.bytes_out += n
+                self.records_out += seg.records_in(off, off + n) or 0
             else:
                 moved = True
         return moved
@@ -216,3 +220,49 @@ class Pulls:
             except KeraError as e:
                 errors.append([stream_id, index, e.code])
         return {"positions": out, "errors": errors}
+
+    def rpc_lag(self, meta, payload):
+        """How far committed positions are behind the durable end of their streamlets:
+        ``positions`` [[stream_id, streamlet, low, {group: position}]] answered as ``lag``
+        [[stream_id, streamlet, records behind, bytes behind, records held]] (a consumer
+        group's lag, measured where the data is: ``kera.metrics.lag``). Costs a bisection per
+        segment held, nothing per record."""
+        out, errors = [], []
+        entries = meta.get("positions")
+        if not isinstance(entries, list):
+            raise InvalidArgument("lag needs positions [[stream_id, streamlet, low, {group: position}]]")
+        for e in entries:
+            try:
+                sid, index, low, positions = e
+                sl = self._streamlet(sid, index)
+                out.append([sid, index, *self._behind(sl, int(low),
+                                                      {int(g): int(p) for g, p in positions.items()})])
+            except KeraError as err:
+                errors.append([e[0] if isinstance(e, list) and e else None, err.code])
+            except (TypeError, ValueError, AttributeError):
+                errors.append([None, InvalidArgument.code])
+        return {"lag": out, "errors": errors}
+
+    def _behind(self, sl, low: int, positions: dict) -> tuple[int, int, int]:
+        per_byte = self.records_in / self.bytes_in if self.bytes_in else 0.0
+
+        def records(seg, start, end):
+            n = seg.records_in(start, end)
+            return round((end - start) * per_byte) if n is None else n
+
+        behind = nbytes = held = 0
+        for gid, g in sl.groups.items():
+            segs = g.segments[g.start:]
+            held += sum(records(seg, 0, seg.durable) for seg in segs)
+            pos = positions.get(gid)
+            if gid < low or pos == DONE:
+                continue
+            si, off = unpack(pos) if pos is not None else (g.start, 0)
+            if si < g.start:
+                si, off = g.start, 0
+            for seg in g.segments[si:]:
+                start = off if seg.id == si else 0
+                if seg.durable > start:
+                    behind += records(seg, start, seg.durable)
+                    nbytes += seg.durable - start
+        return behind, nbytes, held

@@ -40,6 +40,12 @@ import mmap
 import time
 from array import array
 from bisect import bisect_left, bisect_right
+from struct import Struct
+
+from ..chunk import HEADER_DTYPE
+
+RECORD_COUNT = HEADER_DTYPE.fields["record_count"][1]   # its offset in a chunk's header
+_RECORDS = Struct("<I")
 
 MIN_BUFFER = 256         # bytes of the smallest buffer (a chunk of one small record fits)
 MMAP_BUFFER = 256 << 10  # buffers from this size up are mmaps, smaller ones bytearrays
@@ -59,7 +65,8 @@ def _buffer(size: int):
 
 class Segment:
     __slots__ = ("id", "capacity", "buf", "view", "held", "head", "durable", "ends", "vlog", "vsegs",
-                 "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed", "opened_at", "compacted")
+                 "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed", "opened_at", "compacted",
+                 "records")
 
     def __init__(self, id: int, capacity: int, size: int | None = None):
         """``size``: the first buffer's (``buffer_size``; by default the whole capacity)."""
@@ -71,6 +78,7 @@ class Segment:
         self.head = 0
         self.durable = 0
         self.ends: list[int] = []  # end offset of each chunk, to cut reads at chunk boundaries
+        self.records = array("Q")  # records in the chunks up to each one (lag and records out)
         self.vlog = None           # the replicator its chunks went to (one per group)
         self.vsegs: list = []      # the distinct virtual segments holding its chunks, in order
         self.vseg_ids = array("Q")   # per chunk: its virtual segment id ...
@@ -88,6 +96,7 @@ class Segment:
         seg.id, seg.capacity, seg.buf, seg.view = id, 0, None, None
         seg.held = seg.head = seg.durable = 0
         seg.ends, seg.vlog, seg.vsegs = [], None, []
+        seg.records = array("Q")
         seg.vseg_ids, seg.vseg_offs = array("Q"), array("Q")
         seg.filled_at, seg.evicted, seg.freed = 0.0, False, True
         seg.opened_at, seg.compacted = 0.0, None
@@ -117,7 +126,21 @@ class Segment:
         self.view[off:end] = chunk
         self.head = end
         self.ends.append(end)
+        rec = self.records
+        rec.append((rec[-1] if rec else 0) + _RECORDS.unpack_from(chunk, RECORD_COUNT)[0])
         return off
+
+    def records_in(self, start: int, end: int) -> int | None:
+        """Records of the chunks between offsets ``start`` and ``end`` (chunk boundaries); None
+        when they were not counted (chunks adopted from an index: the caller estimates)."""
+        rec = self.records
+        if len(rec) != len(self.ends):
+            return None
+        i = bisect_right(self.ends, start)
+        j = bisect_right(self.ends, end)
+        if j <= i:
+            return 0
+        return rec[j - 1] - (rec[i - 1] if i else 0)
 
     def noted(self, vlog, vs, vseg_offset: int) -> None:
         """Where the vlog put the chunk just appended (O(1); one new entry per new vseg)."""

@@ -21,7 +21,7 @@ import time
 
 import trio
 
-from .. import chunk, limits, metafile
+from .. import chunk, limits, metafile, metrics
 from ..coordinator_link import CoordinatorLink
 from ..errors import (
     Conflict,
@@ -99,6 +99,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.unsettled: dict[Replicator, int] = {}   # vlog -> its last adoption not yet settled
         self.freed_segments = 0    # by retention or deletion
         self.freed_bytes = 0
+        # what producers sent and consumers read (per request and per pull entry, never per record)
+        self.records_in = self.bytes_in = self.records_out = self.bytes_out = self.pulls = 0
+        self.recoveries_served = 0  # assignments of a dead broker's streamlets to rebuild here
+        self.metrics = None        # kera.metrics.broker, with --metrics-port
 
     # -- virtual logs ----------------------------------------------------------------
     def notify_durable(self) -> None:
@@ -152,6 +156,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         entries = [(StreamMeta.from_wire(s), streamlets) for s, streamlets in entries]
         recovering = meta.get("recovering") is True
         seal = meta.get("seal") is True
+        self.recoveries_served += recovering
         backups = meta.get("backups")
         if backups is not None and not (isinstance(backups, list) and all(
                 isinstance(b, dict) and {"id", "addr", "node", "epoch"} <= b.keys() for b in backups)):
@@ -296,6 +301,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         if touched:
             self._touch_when_durable(touched, waits)
         result = {"errors": errors} if placed is None else {"errors": errors, "placed": placed}
+        counts = heads["record_count"]
+        self.records_in += int(counts.sum()) - sum(int(counts[e[0]]) for e in errors)
+        self.bytes_in += len(payload)
         if acks != "all" or not waits:
             return result
         return self._acked_when_durable(waits, result)
@@ -408,7 +416,11 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
                 "replication": self.hub.stats() if self.hub else {},
                 "rebuild": self.rebuilder.stats() if self.rebuilder else {},
-                "compaction": self.compactor.stats()}
+                "compaction": self.compactor.stats(),
+                "records_in": self.records_in, "bytes_in": self.bytes_in,
+                "records_out": self.records_out, "bytes_out": self.bytes_out, "pulls": self.pulls,
+                "recoveries_served": self.recoveries_served,
+                **({"metrics": self.metrics.addr} if self.metrics else {})}
 
     def rpc_vsegs(self, meta, payload):
         """Every virtual segment: [vlog, id, size, closed, the backups holding it (the broker's
@@ -493,6 +505,10 @@ def main(argv=None) -> None:
                          "RAM; 0: no limit)")
     ap.add_argument("--replicate-timeout", type=float, default=5.0,
                     help="seconds before a silent backup is replaced")
+    metrics.add_arguments(ap)
+    ap.add_argument("--metrics-top-streams", type=int, default=0, metavar="N",
+                    help="per-stream series for the N streams with the most bytes in (default 0: "
+                         "none; finding them walks the broker's streamlets at each scrape)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
     svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
@@ -500,6 +516,15 @@ def main(argv=None) -> None:
                         args.replicate_timeout,
                         default_budget() if args.memory is None else args.memory)
     svc.advertise = args.advertise
+    if args.metrics_port is not None:
+        from ..metrics.broker import install
+        install(svc, args.metrics_top_streams)
+
+    async def run():
+        async with trio.open_nursery() as n:
+            if svc.metrics is not None:
+                await n.start(svc.metrics.serve, args.metrics_host or args.host, args.metrics_port)
+            await svc.run(args.host, args.port)
 
     from ..process import run_until_signal
-    run_until_signal(svc.run, args.host, args.port)
+    run_until_signal(run)
