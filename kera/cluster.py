@@ -19,13 +19,17 @@ import sys
 import time
 
 from .etcd import LocalEtcd
+from .security import secret as secret_
+from .security.credentials import Credentials
 
 _LISTENING = re.compile(rb"listening on ([0-9.]+):(\d+)")
 
 
 class LocalCluster:
+    """``auth``: user authentication and ACLs on every server."""
+
     def __init__(self, data: str, nodes: int, port: int = 0, demo: bool = False, broker_args=(),
-                 backup_args=(), coordinator_args=(), coordinators: int = 1):
+                 backup_args=(), coordinator_args=(), coordinators: int = 1, auth: bool = False):
         if nodes < 1:
             raise SystemExit("kera up: --nodes must be at least 1")
         if coordinators < 1:
@@ -40,6 +44,9 @@ class LocalCluster:
         self.backup_args = list(backup_args)
         self.coordinator_args = list(coordinator_args)
         self.coordinator = f"127.0.0.1:{port}"
+        self.auth = auth
+        # made at the first start, kept with the data (mode 0600): every server proves it
+        self.secret_file = os.path.join(self.data, secret_.SECRET_FILE)
         self.logs = os.path.join(self.data, "logs")
         self.specs: dict[str, list[str]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -107,14 +114,23 @@ class LocalCluster:
     def coordinator_names(self) -> list[str]:
         return ["coordinator"] + [f"coordinator{i}" for i in range(2, self.coordinators + 1)]
 
+    def server_args(self) -> list[str]:
+        """What every server of this cluster is started with: the secret, the modes."""
+        return ["--cluster-secret-file", self.secret_file, *(["--auth"] if self.auth else [])]
+
+    def credentials(self, role: str = "coordinator", mid: int | None = None) -> Credentials:
+        """A member's credentials, for a pool that must speak as one (tests, tools)."""
+        return Credentials.member(secret_.load(self.secret_file), role, mid)
+
     def start(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
-        extra = []
+        secret_.ensure(self.secret_file)
+        extra = [*self.server_args()]
         if self.coordinators > 1:
             self.etcd = LocalEtcd(os.path.join(self.data, "etcd"))
             self.spawn("etcd", [])
             self.wait_ready("etcd")
-            extra = ["--metadata", self.etcd.url]
+            extra += ["--metadata", self.etcd.url]
         for i, name in enumerate(self.coordinator_names()):
             port = self.port + i if self.port else 0
             self.spawn(name, ["coordinator", "--data", os.path.join(self.data, name), "--port", str(port),
@@ -128,7 +144,7 @@ class LocalCluster:
 
     def add_node(self, i: int, wait: bool = True) -> None:
         node = f"node{i}"
-        coord = ["--coordinator", self.coordinator, "--node", node]
+        coord = ["--coordinator", self.coordinator, "--node", node, *self.server_args()]
         self.spawn(f"{node}-backup", ["backup", "--dir", os.path.join(self.data, f"{node}-backup"),
                                       *coord, *self.backup_args])
         self.spawn(f"{node}-broker", ["broker", "--data", os.path.join(self.data, f"{node}-broker"),

@@ -19,9 +19,10 @@ import time
 
 import trio
 
-from . import etcd, group_positions, limits
+from . import door, etcd, group_positions, limits, wire
 from .adoption import Adoptions
 from .catalog import NameIndex
+from .door import Door
 from .errors import (
     InvalidArgument,
     InvalidName,
@@ -41,7 +42,12 @@ from .names import check_stream_name, is_internal
 from .recovered import Recovered
 from .recovery import RecoveryManager
 from .repoint import CHUNK_ROWS_NEWEST
-from .rpc import Pool, Service
+from .rpc import Pool
+from .security import secret as secret_
+from .security.credentials import Credentials
+from .security.gate import Gate
+from .security.mechanisms import COORDINATOR, MEMBER
+from .server import Service
 from .stream_meta import StreamMeta
 
 log = logging.getLogger("kera.coordinator")
@@ -147,9 +153,15 @@ class Coordinator(Membership, Service):
     leads only while it holds the election there (``addr`` is what it advertises);
     otherwise it stands by, answering ``not_leader`` with the leader's address."""
 
+    rpcs = wire.COORDINATOR_RPCS
+
     def __init__(self, data_dir: str, dead_after: float = 2.0, expect_nodes: int = 0,
-                 metadata: str | None = None, addr: str = ""):
+                 metadata: str | None = None, addr: str = "", *, cluster_secret: bytes,
+                 auth: bool = False, door: Door | None = None):
         self.data_dir = data_dir
+        self.cluster_secret = cluster_secret
+        self.gate = Gate(cluster_secret, auth=auth)
+        self.door = door or Door()
         self.dead_after = dead_after
         self.repoint_evicted = True  # recovery re-points settled history (kera.repoint)
         self.chunk_rows_newest = CHUNK_ROWS_NEWEST   # bytes per vlog indexed per chunk (the rest as runs)
@@ -202,10 +214,17 @@ class Coordinator(Membership, Service):
         self.terms += 1
 
     def lookup(self, method):
-        fn = super().lookup(method)
-        if not self.leading and method != "ping":
+        h = super().lookup(method)
+        if not self.leading and method not in ("ping", "authenticate"):
             raise NotLeader(f"coordinator {self.addr} stands by", leader=self._leader_hint())
-        return fn
+        return h
+
+    def rpc_authenticate(self, meta, payload, peer):
+        """A standby admits members (they are sent on as any request is); users, whose keys
+        only the leader holds, are sent to the leader at once."""
+        if not self.leading and peer.handshake is None and meta.get("mechanism") != MEMBER:
+            raise NotLeader(f"coordinator {self.addr} stands by", leader=self._leader_hint())
+        return super().rpc_authenticate(meta, payload, peer)
 
     def _leader_hint(self) -> str:
         hint = self.election.leader if self.election is not None else ""
@@ -284,12 +303,18 @@ class Coordinator(Membership, Service):
         s, = await self._create([meta])
         return {"stream": self._describe(s)}
 
-    async def rpc_create_streams(self, meta, payload):
+    async def rpc_create_streams(self, meta, payload, peer):
         """Many streams in one request, all or none: ``{"streams": [spec, ...]}``, each spec
-        shaped like ``create_stream``'s request. Answers their ids, in order."""
-        specs = meta.get("streams")
-        if not isinstance(specs, list) or not specs:
-            raise InvalidArgument("create_streams needs a non-empty list of streams")
+        shaped like ``create_stream``'s request. Answers their ids, in order. A client must
+        be allowed to create every one of them (else none is)."""
+        specs = meta["streams"]
+        for i, spec in enumerate(specs):
+            if isinstance(spec.get("name"), str) and not peer.may("create", "stream", spec["name"]):
+                try:
+                    peer.require("create", "stream", spec["name"])
+                except KeraError as e:
+                    e.index, e.stream = i, spec["name"]
+                    raise
         return {"ids": [s.id for s in await self._create(specs)]}
 
     def _config(self, spec, nodes: int, internal: bool = False) -> tuple[str, dict]:
@@ -328,9 +353,6 @@ class Coordinator(Membership, Service):
         a refused batch leaves no trace; the error carries ``index`` and ``stream`` (the
         entry's name) and, in a batch of several, says which entry it is.
         """
-        if len(specs) > limits.MAX_BATCH_STREAMS:
-            raise LimitExceeded(f"{len(specs)} streams exceed MAX_BATCH_STREAMS ({limits.MAX_BATCH_STREAMS})",
-                                limit="MAX_BATCH_STREAMS", bound=limits.MAX_BATCH_STREAMS, size=len(specs))
         await self.wait_ready()
         if not any(m.alive for m in self.members["broker"].values()):
             raise NotEnoughBackups("no live broker to place the stream on")
@@ -428,27 +450,19 @@ class Coordinator(Membership, Service):
             for (bid, epoch), entries in by_broker.items():
                 n.start_soon(one, bid, epoch, entries)
 
-    def rpc_list_streams(self, meta, payload):
-        """One page of the streams matching ``pattern`` (all if None), in name order, from just
-        after ``after``: at most ``limit`` (``MAX_LIST_PAGE``) streams and
-        ``MAX_LIST_PAGE_STREAMLETS`` streamlets. ``next`` is the ``after`` of the next page,
-        None once the listing is complete (a page may be empty and still have a next)."""
+    def rpc_list_streams(self, meta, payload, peer):
+        """One page of the streams matching ``pattern`` (all if None) that the caller may
+        describe, in name order, from just after ``after``: at most ``limit``
+        (``MAX_LIST_PAGE``) streams and ``MAX_LIST_PAGE_STREAMLETS`` streamlets. ``next`` is
+        the ``after`` of the next page, None once the listing is complete (a page may be
+        empty and still have a next)."""
         pattern, after, limit = meta.get("pattern"), meta.get("after"), meta.get("limit")
-        for key, v in (("pattern", pattern), ("after", after)):
-            if v is not None and not isinstance(v, str):
-                raise InvalidArgument(f"list_streams: {key} must be a string")
-        if limit is None:
-            limit = limits.MAX_LIST_PAGE
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-            raise InvalidArgument("list_streams: limit must be a positive integer")
-        if limit > limits.MAX_LIST_PAGE:
-            raise LimitExceeded(f"limit {limit} exceeds MAX_LIST_PAGE ({limits.MAX_LIST_PAGE})",
-                                limit="MAX_LIST_PAGE", bound=limits.MAX_LIST_PAGE, size=limit)
+        limit = limit or limits.MAX_LIST_PAGE
         out: list[dict] = []
         streamlets = scanned = 0
         last = None   # the name of out[-1]
         for name, match in self.names.scan(pattern, after):
-            if match:
+            if match and peer.may("describe", "stream", name):
                 s = self.streams[name]
                 if out and (len(out) == limit
                             or streamlets + s.streamlets > limits.MAX_LIST_PAGE_STREAMLETS):
@@ -464,20 +478,20 @@ class Coordinator(Membership, Service):
     def rpc_describe_stream(self, meta, payload):
         return {"stream": self._describe(self._stream(meta.get("name")))}
 
-    def rpc_metadata(self, meta, payload):
-        """Where streams live: by names (missing ones are reported) and/or a pattern."""
+    def rpc_metadata(self, meta, payload, peer):
+        """Where streams live: by names (missing ones are reported; one the caller may not
+        describe is refused) and/or a pattern (those it may describe)."""
         names = meta.get("names") or []
         pattern = meta.get("pattern")
-        if pattern is not None and not isinstance(pattern, str):
-            raise InvalidArgument("metadata: pattern must be a string")
         out, missing = [], []
         for n in names:
+            peer.require("describe", "stream", n)
             s = self.streams.get(n)
             (out.append(self._describe(s)) if s else missing.append(n))
         if pattern:
             given = set(names)
             out += [self._describe(self.streams[n]) for n, match in self.names.scan(pattern)
-                    if match and n not in given]
+                    if match and n not in given and peer.may("describe", "stream", n)]
         return {"streams": out, "missing": missing}
 
     async def rpc_delete_stream(self, meta, payload):
@@ -496,7 +510,8 @@ class Coordinator(Membership, Service):
             m = self.live_broker(bid, epoch)
             if m is not None:
                 try:
-                    await self.pool.call(m.addr, "unassign", {"stream_id": s.id}, timeout=10)
+                    await self.pool.call(m.addr, "unassign", {"epoch": epoch, "stream_id": s.id},
+                                         timeout=10)
                 except KeraError as e:
                     log.warning("unassign on broker %d failed: %s", bid, e)
 
@@ -535,10 +550,12 @@ class Coordinator(Membership, Service):
         log.info("stream %s: %s", s.name, changes)
         return {"stream": self._describe(s)}
 
-    async def rpc_producer_id(self, meta, payload):
+    async def rpc_producer_id(self, meta, payload, peer):
+        """A new producer id, never given before, and its token: bound to the caller's
+        principal, so that no one else may write under it (``Peer.bind_producer``)."""
         pid = self._take("next_producer_id")
         await self.commit()
-        return {"id": pid}
+        return {"id": pid, "token": self.gate.producer_token(pid, peer.principal)}
 
     # -- consumer positions ----------------------------------------------
     async def rpc_positions_stream(self, meta, payload):
@@ -619,7 +636,7 @@ class Coordinator(Membership, Service):
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED):
         try:
             async with trio.open_nursery() as nursery:
-                self.pool = Pool(nursery)
+                self.pool = Pool(nursery, credentials=Credentials.member(self.cluster_secret, COORDINATOR))
                 if self.election is None:
                     await nursery.start(self._lead)
                     bound = await nursery.start(self.serve, host, port)
@@ -663,12 +680,16 @@ def main(argv=None) -> None:
                     help="default retention.bytes of new streams (-1: unbounded)")
     ap.add_argument("--retention-ms", type=int, default=-1,
                     help="default retention.ms of new streams (-1: unbounded)")
+    secret_.add_arguments(ap)
+    door.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.chunk_rows_newest < 0:   # before anything is created
         ap.error("--chunk-rows-newest is a number of bytes, 0 or more")
+    cluster_secret = secret_.from_args(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
-    coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr)
+    coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr,
+                        cluster_secret=cluster_secret, auth=args.auth, door=Door(door.from_args(args)))
     coord.repoint_evicted = args.repoint_evicted
     coord.chunk_rows_newest = args.chunk_rows_newest
     coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,

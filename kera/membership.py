@@ -56,15 +56,16 @@ class Member:
 class Membership:
     """Registration, heartbeats, failure detection and readiness (see the module doc)."""
 
-    async def rpc_register(self, meta, payload):
-        role = meta.get("role")
-        if role not in self.members:
-            raise InvalidArgument(f"unknown role {role!r}")
-        addr, node = meta.get("addr"), str(meta.get("node") or "")
-        if not isinstance(addr, str):
-            raise InvalidArgument("register needs addr")
+    async def rpc_register(self, meta, payload, peer):
+        """A member joins (its connection proved it is one, and names the id it asks for:
+        none for a new one). Answers its id and epoch; a member that runs with user
+        authentication on or off unlike this coordinator is refused."""
+        role, addr, node = meta["role"], meta["addr"], meta.get("node") or ""
+        if meta.get("auth", self.gate.auth) != self.gate.auth:
+            raise InvalidArgument(f"this cluster runs {'with' if self.gate.auth else 'without'} "
+                                  f"user authentication (--auth): so must every server")
         mid = meta.get("id")
-        if not isinstance(mid, int) or mid <= 0:
+        if not mid:
             mid = self.meta["next_id"][role]
             self.log.set(("next_id", role), mid + 1)
         elif mid >= self.meta["next_id"][role]:
@@ -124,10 +125,10 @@ class Membership:
         m = self._member(meta)
         m.last_seen = time.monotonic()
         self._heard()
-        if isinstance(meta.get("stats"), dict):
+        if meta.get("stats") is not None:
             m.stats = meta["stats"]
         if m.role == "backup":
-            if type(meta.get("damage")) is int:
+            if meta.get("damage") is not None:
                 m.damage = meta["damage"]
             return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered"))}
         return {"backups": self.tell_backups(m)}

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import trio
 
+from kera import wire
 from kera.errors import Fenced, InvalidArgument, KeraError, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
-from kera.rpc import VECTOR_FROM, Later, Service, open_pool, send_frame
+from kera.rpc import VECTOR_FROM, Later, open_pool, send_frame
+from kera.server import Service
 
 
 class SlowReader:
@@ -41,6 +43,13 @@ class SlowReader:
 
 class TestService(Service):
     __test__ = False
+    rpcs = wire._named({
+        "echo": wire.Rpc(wire.ANYONE, {"n?": wire.ANY}),
+        "slow": wire.Rpc(wire.ANYONE),
+        "echo_parts": wire.Rpc(wire.ANYONE, {"cuts": wire.ANY}),
+        "big": wire.Rpc(wire.ANYONE),
+        "later": wire.Rpc(wire.ANYONE, {"n?": wire.ANY, "now?": wire.ANY, "now_error?": wire.ANY}),
+    })
 
     def __init__(self):
         self.release = trio.Event()    # lets rpc_slow go on

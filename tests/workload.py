@@ -163,3 +163,11 @@ async def status(coord) -> dict:
                 return await a.status()
         except Unavailable:
             await trio.sleep(0.1)
+
+
+async def producer_id(coord) -> dict:
+    """A producer id issued to this (anonymous) client, and its token: the meta of a produce
+    request sent by hand (``{"producer": id, "token": token}``)."""
+    async with open_admin(coord) as a:
+        r = await a.call("producer_id")
+    return {"producer": r["id"], "token": r["token"]}

@@ -28,7 +28,7 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera.coordinator_link import CoordinatorLink
-from kera.errors import KeraError, OutOfRange, Unavailable, UnknownStream
+from kera.errors import KeraError, OutOfRange, Unauthorized, Unavailable, UnknownStream
 from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
 
@@ -98,7 +98,7 @@ class AsyncConsumer:
             raise ValueError("auto_offset_reset must be earliest, latest or none")
         self.auto_offset_reset = auto_offset_reset
         self.resets = 0
-        self._out_of_range: OutOfRange | None = None
+        self._refused: KeraError | None = None   # raised by the next poll
         self.pool = pool
         self.coordinator = CoordinatorLink(pool, coordinator)
         self.names = list(streams or [])
@@ -230,8 +230,8 @@ class AsyncConsumer:
             async with trio.open_nursery() as n:
                 for addr, sls in by_addr.items():
                     n.start_soon(self._pull, addr, sls, wait, out, stale)
-            if self._out_of_range is not None:  # auto_offset_reset='none'
-                err, self._out_of_range = self._out_of_range, None
+            if self._refused is not None:  # auto_offset_reset='none', or an ACL
+                err, self._refused = self._refused, None
                 raise err
             if stale[0]:
                 try:
@@ -259,6 +259,9 @@ class AsyncConsumer:
             for e in r["errors"]:
                 if len(e) > 3 and e[2] == OutOfRange.code:
                     await self._reset(e[0], e[1], e[3])
+                elif e[2] == Unauthorized.code:
+                    s = self.by_id.get(e[0])
+                    self._refused = Unauthorized(f"may not read stream {s.name if s else e[0]}")
         self._absorb(r["entries"], payload, out)
 
     async def _reset(self, sid: int, i: int, starts: dict) -> None:
@@ -268,7 +271,7 @@ class AsyncConsumer:
             return
         p = self.positions[(s.name, i)]
         if self.auto_offset_reset == "none":
-            self._out_of_range = OutOfRange(f"stream {s.name} streamlet {i}: position {p} is "
+            self._refused = OutOfRange(f"stream {s.name} streamlet {i}: position {p} is "
                                             f"before the retained data")
             return
         self.resets += 1

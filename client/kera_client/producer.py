@@ -67,6 +67,7 @@ class AsyncProducer(Accumulator, Columnar, Sender):
         self.coordinator = CoordinatorLink(pool, coordinator)
         self.cfg = cfg
         self.producer_id = 0
+        self.producer_token = b""   # issued with the id: proves it is ours to the brokers
         self.streams: dict[str, StreamView] = {}
         self.by_id: dict[int, StreamView] = {}
         self.room: dict[int, int] = {}         # stream id -> record bytes one chunk holds

@@ -25,27 +25,12 @@ from __future__ import annotations
 import trio
 
 from .. import chunk as chunkfmt
-from ..errors import DataLoss, InvalidArgument, KeraError
+from ..errors import DataLoss, KeraError
 from ..limits import REPLAY_READ
 
 RECOVER_TIMEOUT = 120.0
 
 END, CORRUPT, REFUSED = "end", "corrupt", "refused"
-
-
-def parse_routes(routes) -> dict[tuple[int, int], tuple[str, int]]:
-    try:
-        return {(int(sid), int(i)): (str(addr), int(epoch)) for sid, i, addr, epoch in routes}
-    except (TypeError, ValueError):
-        raise InvalidArgument("routes must be [[stream_id, streamlet, addr, epoch], ...]") from None
-
-
-def parse_replay_from(entries) -> dict[tuple[int, int, int], int]:
-    """[[stream_id, streamlet, group, segment], ...]: the segments below were re-pointed."""
-    try:
-        return {(int(sid), int(i), int(g)): int(s) for sid, i, g, s in entries or []}
-    except (TypeError, ValueError):
-        raise InvalidArgument("replay_from must be [[stream_id, streamlet, group, segment], ...]") from None
 
 
 async def replay(read, pool, routes: dict, offset: int, length: int, replay_from=None) -> dict:

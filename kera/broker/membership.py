@@ -31,13 +31,14 @@ class Membership:
                 r, _ = await self.coord.call("register", {
                     "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
                     "epoch": self.epoch or None,  # claimed back after a coordinator restart
-                }, timeout=5)
+                    "auth": self.gate.auth}, timeout=5)
                 break
             except KeraError as e:
                 log.info("coordinator not reachable yet: %s", e)
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self.broker_id, self.epoch = r["id"], r["epoch"]
+        self.credentials.set_id(self.broker_id)   # our connections open again, as this broker
         self.heartbeat = r.get("heartbeat", HEARTBEAT)
         self.lease = r.get("lease", 3 * HEARTBEAT)
         self.lease_until = time.monotonic() + self.lease

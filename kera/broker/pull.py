@@ -10,7 +10,7 @@ from __future__ import annotations
 import trio
 
 from .. import limits
-from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering
+from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering, Unauthorized
 
 MAX_PULL_BYTES = limits.MAX_PULL
 MAX_PULL_WAIT = 30.0
@@ -19,20 +19,16 @@ MAX_PULL_WAIT = 30.0
 class Pulls:
     """``BrokerService``'s consume side (its state: streamlets, durable_event, tiered)."""
 
-    async def rpc_pull(self, meta, payload):
-        reqs = meta.get("streamlets")
-        if not isinstance(reqs, list):
-            raise InvalidArgument("pull needs a list of streamlets")
+    async def rpc_pull(self, meta, payload, peer):
+        reqs = meta["streamlets"]
         max_bytes = meta.get("max_bytes", 1 << 20)
         wait = meta.get("max_wait_ms", 0)
-        if not isinstance(max_bytes, int) or not isinstance(wait, (int, float)):
-            raise InvalidArgument("max_bytes and max_wait_ms must be numbers")
         max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
         # no lease needed: only durable data is served, a prefix of what any successor holds
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
         while True:
             event = self.durable_event
-            entries, parts, errors, moved = self._collect(reqs, max_bytes)
+            entries, parts, errors, moved = self._collect(reqs, max_bytes, peer)
             if parts or errors or moved or trio.current_time() >= deadline:
                 if any(isinstance(p, tuple) for p in parts):
                     parts = await self._read_evicted(parts)
@@ -40,7 +36,7 @@ class Pulls:
             with trio.move_on_at(deadline):
                 await event.wait()
 
-    def _collect(self, reqs, max_bytes):
+    def _collect(self, reqs, max_bytes, peer):
         entries, parts, errors = [], [], []
         moved = False
         budget = max_bytes
@@ -49,6 +45,8 @@ class Pulls:
                 stream_id, index, low, positions = r
                 if not isinstance(positions, dict) or not isinstance(low, int):
                     raise InvalidArgument("pull entry is [stream_id, streamlet, low, {group: position}]")
+                if not self._may(peer, "read", stream_id):
+                    raise Unauthorized()
                 sl = self._streamlet(stream_id, index)
             except KeraError as e:
                 errors.append([r[0] if isinstance(r, list) and r else None,
@@ -95,23 +93,27 @@ class Pulls:
                 n.start_soon(one, seg, gid)
         return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
 
-    def rpc_offsets(self, meta, payload):
+    def rpc_offsets(self, meta, payload, peer):
         """Latest durable positions of streamlets: where a consumer 'from latest' starts."""
         out, errors = [], []
         for stream_id, index in meta.get("streamlets") or []:
             try:
+                if not self._may(peer, "describe", stream_id):
+                    raise Unauthorized()
                 low, pos = self._streamlet(stream_id, index).latest()
                 out.append([stream_id, index, low, pos])
             except KeraError as e:
                 errors.append([stream_id, index, e.code])
         return {"offsets": out, "errors": errors}
 
-    def rpc_seek(self, meta, payload):
+    def rpc_seek(self, meta, payload, peer):
         """The first chunk boundary at or after each position, so a reader (Spark's admission
         control) may end a batch at any byte: ``seeks`` [[stream_id, streamlet, group, pos]]."""
         out, errors = [], []
         for stream_id, index, gid, pos in meta.get("seeks") or []:
             try:
+                if not self._may(peer, "describe", stream_id):
+                    raise Unauthorized()
                 g = self._streamlet(stream_id, index).groups.get(gid)
                 out.append([stream_id, index, gid, g.align(pos) if g is not None else pos])
             except KeraError as e:

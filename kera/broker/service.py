@@ -21,8 +21,9 @@ import time
 
 import trio
 
-from .. import chunk, limits, metafile
+from .. import chunk, door, group_positions, limits, metafile, wire
 from ..coordinator_link import CoordinatorLink
+from ..door import Door
 from ..errors import (
     Conflict,
     Fenced,
@@ -30,9 +31,15 @@ from ..errors import (
     KeraError,
     NotOwner,
     Recovering,
+    Unauthorized,
     Unavailable,
 )
-from ..rpc import Later, Pool, Service
+from ..rpc import Later, Pool
+from ..security import secret as secret_
+from ..security.credentials import Credentials
+from ..security.gate import Gate
+from ..security.mechanisms import BROKER, CLIENT
+from ..server import Service
 from ..stream_meta import StreamMeta
 from ..vlog import BackupSet, VirtualLog, VlogMapping, vlog_id
 from .adopted import Claims
@@ -57,10 +64,15 @@ TIERED_CACHE = 32 << 20   # bytes of evicted segments read back, kept for the ne
 
 
 class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
+    rpcs = wire.BROKER_RPCS
+
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
                  vseg_size: int = limits.DEFAULT_VSEG_SIZE, replicate_timeout: float = 5.0,
-                 memory: int = 0):
+                 memory: int = 0, *, cluster_secret: bytes, auth: bool = False,
+                 door: Door | None = None):
         self.coordinator = coordinator
+        self.gate = Gate(cluster_secret, auth=auth)
+        self.door = door or Door()
         self.data_dir = data_dir
         self.node = node
         self.mapping = mapping
@@ -71,6 +83,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.id_path = os.path.join(data_dir, "broker.id")
         ident = metafile.load(self.id_path) or {}
         self.broker_id: int | None = ident.get("id")
+        # what this broker's connections present to the others: a broker, as itself
+        self.credentials = Credentials.member(cluster_secret, BROKER, self.broker_id)
         self.epoch = 0
         self.addr = ""
         self.streams: dict[int, StreamMeta] = {}
@@ -140,17 +154,13 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self._check_epoch(meta)
         entries = meta.get("streams")
         if entries is None:
-            entries = [[meta.get("stream"), meta.get("streamlets")]]
-        if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 2 and isinstance(e[1], list) for e in entries):
-            raise InvalidArgument("assign needs a stream and streamlets")
+            if meta.get("stream") is None or meta.get("streamlets") is None:
+                raise InvalidArgument("assign needs a stream and streamlets, or streams")
+            entries = [[meta["stream"], meta["streamlets"]]]
         entries = [(StreamMeta.from_wire(s), streamlets) for s, streamlets in entries]
         recovering = meta.get("recovering") is True
         seal = meta.get("seal") is True
         backups = meta.get("backups")
-        if backups is not None and not (isinstance(backups, list) and all(
-                isinstance(b, dict) and {"id", "addr", "node", "epoch"} <= b.keys() for b in backups)):
-            raise InvalidArgument("assign: backups must be [{id, addr, node, epoch}, ...]")
         if backups is not None:
             # the coordinator's view as of this stream: its first vsegs get copies on every
             # node, not only on the backups our last heartbeat answer knew of
@@ -206,13 +216,12 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
         many (``streams``: [[stream id, streamlets or None], ...]). Costs what is dropped,
         not what this broker holds."""
+        self._check_epoch(meta)
         entries = meta.get("streams")
         if entries is None:
-            entries = [[meta.get("stream_id"), meta.get("streamlets")]]
-        if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 2 and (e[1] is None or isinstance(e[1], list))
-                for e in entries):
-            raise InvalidArgument("unassign needs [[stream id, streamlets or None], ...]")
+            if meta.get("stream_id") is None:
+                raise InvalidArgument("unassign needs a stream_id, or streams")
+            entries = [[meta["stream_id"], meta.get("streamlets")]]
         for sid, only in entries:
             s = self.streams.get(sid)
             if s is None:
@@ -245,15 +254,54 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             raise Recovering(f"stream {stream_id} streamlet {index} is being recovered")
         return sl
 
-    def rpc_produce(self, meta, payload):
+    def _writer(self, meta, peer):
+        """Who may write what in a produce: None if anything goes (a member, or user
+        authentication off), else a function of (stream id, producer, chunk offset) that says
+        why not (``unauthorized``) or None. Producer ids are bound to the connection for any
+        client (``Peer.bind_producer``: the token issued with the id)."""
+        if peer.role != CLIENT:
+            return None
+        if meta.get("producer") is not None:
+            peer.bind_producer(meta["producer"], meta.get("token"))
+        bound, acl = peer.producers, peer.gate.auth
+        streams = self.streams
+
+        def refusal(sid: int, producer: int, payload, off: int) -> str | None:
+            if producer not in bound:
+                return Unauthorized.code
+            s = streams.get(sid)
+            if acl and s is not None and not (
+                    self._may_commit(peer, payload, off) if s.name == group_positions.NAME
+                    else peer.may("write", "stream", s.name)):
+                return Unauthorized.code
+            return None
+        return refusal
+
+    @staticmethod
+    def _may_commit(peer, payload, off: int) -> bool:
+        """A chunk of consumer-group positions: its every record names a group the principal
+        may read (Kafka's offset commit), its key being [group, stream]."""
+        h = chunk.parse_header(payload, off)
+        for key in chunk.ChunkView(payload, off, h).keys():
+            group = group_positions.group_of(key)
+            if group is None or not peer.may("read", "group", group):
+                return False
+        return True
+
+    def _may(self, peer, op: str, stream_id) -> bool:
+        """Whether ``peer`` may ``op`` the stream of this id (one this broker does not hold is
+        left to the caller's own error)."""
+        s = self.streams.get(stream_id)
+        return s is None or peer.may(op, "stream", s.name)
+
+    def rpc_produce(self, meta, payload, peer):
         if self.fenced:
             raise Fenced("this broker was fenced")
         self._check_lease()
         acks = meta.get("acks", "all")
-        if acks not in ("all", "leader", "none"):
-            raise InvalidArgument(f"acks must be all, leader or none, not {acks!r}")
         # every checksum verified before anything is stored; header fields as arrays
         heads, offs = chunk.scan_headers(payload)
+        refusal = self._writer(meta, peer)
         self.requests += 1
         errors = []
         placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
@@ -268,6 +316,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             try:
                 if flags & BROKER_FLAGS:
                     raise _broker_flags(flags)
+                if refusal is not None and (why := refusal(sid, producer, payload, off)):
+                    errors.append([i, why])
+                    continue
                 sl = streamlets.get((sid, index))
                 if sl is None or sl.recovering:
                     sl = self._streamlet(sid, index)  # raises the right error
@@ -294,11 +345,13 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         return self._acked_when_durable(waits, result)
 
     # -- compare-and-append: a streamlet as one linearizable register sequence -----------------
-    async def rpc_tail(self, meta, payload):
+    async def rpc_tail(self, meta, payload, peer):
         """A linearizable read's barrier: once everything appended to the streamlet so far is
         durable, its durable end positions and a ``token`` naming that state for ``append_if``.
         Served only under a live lease, so no successor can have taken writes before it."""
-        sl = self._streamlet(meta.get("stream_id"), meta.get("streamlet"))
+        if not self._may(peer, "read", meta["stream_id"]):
+            raise Unauthorized(f"{peer.principal} may not read stream {meta['stream_id']}")
+        sl = self._streamlet(meta["stream_id"], meta["streamlet"])
         self._check_lease()
         token = [self.epoch, sl.appended_chunks]
         for vlog, idx in list(sl.tails.items()):
@@ -306,7 +359,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         low, groups = sl.latest()
         return {"token": token, "low": low, "groups": groups}
 
-    def rpc_append_if(self, meta, payload):
+    def rpc_append_if(self, meta, payload, peer):
         """One chunk of one keyed record, appended only if no record with that key (and no
         produced chunk) was appended since the state ``expect`` (a ``tail`` token) names,
         else ``conflict``: the compare-and-set a key-value map's writes need. A write
@@ -325,6 +378,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         h, off = chunks[0]
         if h.flags & BROKER_FLAGS:
             raise _broker_flags(h.flags)
+        refusal = self._writer(meta, peer)
+        if refusal is not None and refusal(h.stream_id, h.producer_id, payload, off):
+            raise Unauthorized(f"{peer.principal} may not write stream {h.stream_id} as producer "
+                               f"{h.producer_id}")
         if h.record_count != 1:
             raise InvalidArgument("append_if takes a chunk of exactly one record")
         sl = self._streamlet(h.stream_id, h.streamlet)
@@ -394,7 +451,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
                 "replication": self.hub.stats() if self.hub else {},
                 "rebuild": self.rebuilder.stats() if self.rebuilder else {},
-                "compaction": self.compactor.stats()}
+                "compaction": self.compactor.stats(), "door": self.door.describe()}
 
     def rpc_vsegs(self, meta, payload):
         """Every virtual segment: [vlog, id, size, closed, the backups holding it (the broker's
@@ -411,7 +468,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self.pool = Pool(nursery)
+            self.pool = Pool(nursery, credentials=self.credentials)
             self.coord = CoordinatorLink(self.pool, self.coordinator)
             self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
             self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.backup_addr,
@@ -476,12 +533,17 @@ def main(argv=None) -> None:
                          "RAM; 0: no limit)")
     ap.add_argument("--replicate-timeout", type=float, default=5.0,
                     help="seconds before a silent backup is replaced")
+    secret_.add_arguments(ap)
+    door.add_arguments(ap)
     args = ap.parse_args(argv)
+    cluster_secret = secret_.from_args(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
     svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
                         VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
                         args.replicate_timeout,
-                        default_budget() if args.memory is None else args.memory)
+                        default_budget() if args.memory is None else args.memory,
+                        cluster_secret=cluster_secret, auth=args.auth,
+                        door=Door(door.from_args(args)))
 
     from ..process import run_until_signal
     run_until_signal(svc.run, args.host, args.port)
