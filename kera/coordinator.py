@@ -44,6 +44,8 @@ from .recovery import RecoveryManager
 from .repoint import CHUNK_ROWS_NEWEST
 from .rpc import Pool
 from .security import secret as secret_
+from .security import tls as tls_
+from .security.accounts import Accounts
 from .security.credentials import Credentials
 from .security.gate import Gate
 from .security.mechanisms import COORDINATOR, MEMBER
@@ -60,6 +62,9 @@ INITIAL = {   # the metadata of a new cluster
     "recovered": [],  # [[broker, epoch, version], ...] recovered with nothing lost (kera.recovered)
     "recovered_version": 0,
     "deferred": {},   # "broker:epoch" -> closed history adopted after its hand-over (kera.adoption)
+    "users": {},      # name -> salted SCRAM keys (kera.security.accounts)
+    "acls": [],       # [principal, permission, operation, resource, name, pattern], ...
+    "security_version": 0,
 }
 
 DEFAULTS = {
@@ -157,10 +162,12 @@ class Coordinator(Membership, Service):
 
     def __init__(self, data_dir: str, dead_after: float = 2.0, expect_nodes: int = 0,
                  metadata: str | None = None, addr: str = "", *, cluster_secret: bytes,
-                 auth: bool = False, door: Door | None = None):
+                 auth: bool = False, super_users=(), door: Door | None = None, tls=(None, None)):
+        """``tls``: (the listener's context, the context to open TLS to members with)."""
         self.data_dir = data_dir
         self.cluster_secret = cluster_secret
-        self.gate = Gate(cluster_secret, auth=auth)
+        self.tls, self.member_tls = tls
+        self.gate = Gate(cluster_secret, auth=auth, super_users=super_users)
         self.door = door or Door()
         self.dead_after = dead_after
         self.repoint_evicted = True  # recovery re-points settled history (kera.repoint)
@@ -210,6 +217,7 @@ class Coordinator(Membership, Service):
         self.recovery = RecoveryManager(self, grace=max(30.0, 10 * self.dead_after))
         self.recovered = Recovered(self)
         self.adoptions = Adoptions(self)
+        self.accounts = Accounts(store, self.gate, self.commit, self._member_addrs, lambda: self.pool)
         self.leading = True
         self.terms += 1
 
@@ -225,6 +233,28 @@ class Coordinator(Membership, Service):
         if not self.leading and peer.handshake is None and meta.get("mechanism") != MEMBER:
             raise NotLeader(f"coordinator {self.addr} stands by", leader=self._leader_hint())
         return super().rpc_authenticate(meta, payload, peer)
+
+    def _member_addrs(self) -> list[str]:
+        return [m.addr for role in ("broker", "backup") for m in self.members[role].values() if m.alive]
+
+    # -- users and ACLs (kera.security.accounts) -----------------------------------
+    async def rpc_user_add(self, meta, payload):
+        return await self.accounts.user_add(meta)
+
+    async def rpc_user_delete(self, meta, payload):
+        return await self.accounts.user_delete(meta)
+
+    def rpc_user_list(self, meta, payload):
+        return self.accounts.user_list(meta)
+
+    async def rpc_acl_add(self, meta, payload):
+        return await self.accounts.acl_add(meta)
+
+    async def rpc_acl_remove(self, meta, payload):
+        return await self.accounts.acl_remove(meta)
+
+    def rpc_acl_list(self, meta, payload):
+        return self.accounts.acl_list(meta)
 
     def _leader_hint(self) -> str:
         hint = self.election.leader if self.election is not None else ""
@@ -636,7 +666,8 @@ class Coordinator(Membership, Service):
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED):
         try:
             async with trio.open_nursery() as nursery:
-                self.pool = Pool(nursery, credentials=Credentials.member(self.cluster_secret, COORDINATOR))
+                self.pool = Pool(nursery, credentials=Credentials.member(
+                    self.cluster_secret, COORDINATOR, tls=self.member_tls))
                 if self.election is None:
                     await nursery.start(self._lead)
                     bound = await nursery.start(self.serve, host, port)
@@ -681,6 +712,9 @@ def main(argv=None) -> None:
     ap.add_argument("--retention-ms", type=int, default=-1,
                     help="default retention.ms of new streams (-1: unbounded)")
     secret_.add_arguments(ap)
+    ap.add_argument("--super-users", default="", metavar="PRINCIPALS",
+                    help="User:NAME[,User:NAME...]: principals that bypass ACLs (with --auth)")
+    tls_.add_arguments(ap)
     door.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.chunk_rows_newest < 0:   # before anything is created
@@ -689,7 +723,9 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
     coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr,
-                        cluster_secret=cluster_secret, auth=args.auth, door=Door(door.from_args(args)))
+                        cluster_secret=cluster_secret, auth=args.auth,
+                        super_users=[p for p in args.super_users.split(",") if p],
+                        door=Door(door.from_args(args)), tls=tls_.from_args(ap, args))
     coord.repoint_evicted = args.repoint_evicted
     coord.chunk_rows_newest = args.chunk_rows_newest
     coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,

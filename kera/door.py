@@ -71,7 +71,8 @@ class Door:
         self.receiving = 0          # bytes of large frames still arriving, all connections
         self._room = trio.Event()   # set when ``receiving`` went down
         self.stats = dict.fromkeys(("accepted", "refused", "idle_cut", "frame_cut", "handshake_cut",
-                                    "send_cut", "budget_cut", "auth_failed", "requests_refused"), 0)
+                                    "send_cut", "budget_cut", "auth_failed", "requests_refused",
+                                    "tls_refused"), 0)
 
     def describe(self) -> dict:
         """Counters and what is held now (a server's ``stats`` carry it)."""

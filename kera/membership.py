@@ -89,7 +89,7 @@ class Membership:
         self._notify()
         await self.commit()   # its id and epoch are never handed out again
         out = {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
-               "lease": self.lease, "fences": self.meta["fences"]}
+               "lease": self.lease, "fences": self.meta["fences"], **self.accounts.heartbeat(None)}
         if role == "backup":
             out.update(self.recovered.answer(m, meta.get("recovered")))
         return out
@@ -122,6 +122,9 @@ class Membership:
         return m
 
     def rpc_heartbeat(self, meta, payload):
+        """A member is alive; the answer carries what it needs and lacks: live backups (a
+        broker), fences and recovered incarnations (a backup), users and ACLs (if it holds
+        another version of them)."""
         m = self._member(meta)
         m.last_seen = time.monotonic()
         self._heard()
@@ -130,8 +133,9 @@ class Membership:
         if m.role == "backup":
             if meta.get("damage") is not None:
                 m.damage = meta["damage"]
-            return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered"))}
-        return {"backups": self.tell_backups(m)}
+            return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered")),
+                    **self.accounts.heartbeat(meta.get("security"))}
+        return {"backups": self.tell_backups(m), **self.accounts.heartbeat(meta.get("security"))}
 
     def tell_backups(self, m: Member) -> list[dict]:
         """The live backups, as told to broker ``m``: remembered as backups it may use."""

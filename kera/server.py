@@ -21,6 +21,8 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import socket
+import ssl
 from functools import partial
 
 import trio
@@ -41,6 +43,8 @@ from .limits import MAX_FRAME
 from .rpc import MAX_INFLIGHT, RECV_SIZE, FrameWriter, Later, error_frame, result_frame
 from .security.acl import ANONYMOUS
 from .security.gate import Gate
+from .security.mechanisms import CLIENT, Identity
+from .security.tls import peer_principal
 
 log = logging.getLogger("kera.rpc")
 
@@ -78,6 +82,7 @@ class Service:
     rpcs: dict[str, wire.Rpc] = {}
     gate: Gate | None = None
     door: Door | None = None
+    tls: ssl.SSLContext | None = None   # set: the listener speaks TLS only
 
     def _handlers(self) -> dict:
         h = self.__dict__.get("_handler_map")
@@ -140,7 +145,12 @@ class Service:
                 await stream.aclose()
             return
         try:
-            await self._serve_connection(stream, self.gate.peer(addr, not hasattr(stream, "socket")))
+            if self.tls is not None:
+                tls = await self._tls(stream)
+                if tls is None:
+                    return
+                stream = tls
+            await self._serve_connection(stream, self._peer(stream, addr))
         except Exception as e:  # noqa: BLE001 (groups included; cancellation still propagates)
             if not _disconnect(e):
                 log.warning("connection closed after an error", exc_info=e)
@@ -149,6 +159,39 @@ class Service:
             with trio.move_on_after(1) as cs:
                 cs.shield = True
                 await stream.aclose()
+
+    def _peer(self, stream, addr: str):
+        """A new connection's ``Peer``: on TLS, a verified client certificate names its user
+        (with user authentication on)."""
+        peer = self.gate.peer(addr, self.tls is not None)
+        if self.tls is not None and self.gate.auth:
+            principal = peer_principal(stream)
+            if principal is not None:
+                peer.authenticated(Identity(CLIENT, None, principal))
+        return peer
+
+    async def _tls(self, stream):
+        """TLS on an accepted connection: its handshake within the handshake timeout, or
+        None (the connection is closed). A peer that speaks our frames in the clear is told,
+        in the clear, that this listener takes TLS only."""
+        door = self.door
+        with trio.move_on_after(door.limits.handshake_timeout):
+            head = await stream.socket.recv(2, socket.MSG_PEEK)
+            if head == frame.MAGIC:
+                door.stats["tls_refused"] += 1
+                await stream.send_all(error_frame(0, ProtocolError(
+                    "this listener takes TLS only: connect with security.protocol SSL or SASL_SSL")))
+                return None
+            tls = trio.SSLStream(stream, self.tls, server_side=True, https_compatible=True)
+            try:
+                await tls.do_handshake()
+                return tls
+            except trio.BrokenResourceError as e:
+                door.stats["tls_refused"] += 1
+                log.info("TLS handshake with %s failed: %s", _peer_addr(stream), e.__cause__ or e)
+                return None
+        door.stats["handshake_cut"] += 1
+        return None
 
     async def _serve_connection(self, stream, peer) -> None:
         door = self.door

@@ -23,7 +23,7 @@ from . import limits
 from .errors import InvalidArgument, LimitExceeded, Unauthenticated, Unauthorized
 from .names import MAX_NAME
 from .security.acl import CLUSTER
-from .security.mechanisms import BACKUP, BROKER, CLIENT, COORDINATOR
+from .security.mechanisms import BACKUP, BROKER, CLIENT, COORDINATOR, SCRAM
 
 U63 = 1 << 63
 
@@ -355,6 +355,10 @@ ALTER_SETTINGS = {k: v for k, v in STREAM_SETTINGS.items() if k.startswith(("ret
                                                                              "delete", "segment_ms",
                                                                              "segment.ms"))}
 HANDSHAKE = {"mechanism?": Str(64, 1), "auth_bytes": Bytes(limits.MAX_AUTH_BYTES)}
+USER = Str(255, 1)
+ACL = Tuple(*[Str(255, 1)] * 6)   # principal, permission, operation, resource, name, pattern
+SECURITY = {"version": UINT, "users": MapOf(USER, MAP, MANY), "acls": ListOf(ACL, MANY),
+            "super_users": ListOf(Str(260, 1), MANY)}
 PRODUCER = {"producer?": UINT, "token?": Bytes(64)}
 STATS = Struct({"vlogs?": ListOf(Struct({"vlog": UINT, "durable": UINT}, extra=True), MANY)}, extra=True)
 
@@ -371,7 +375,14 @@ COORDINATOR_RPCS = _named({
         "auth?": BOOL}, peer=True),
     "heartbeat": Rpc(Members(BROKER, BACKUP, as_self="id", role_field="role"), {
         "role": ROLE, "id": UINT, "epoch": UINT, "stats?": STATS, "recovered?": UINT,
-        "damage?": UINT}),
+        "damage?": UINT, "security?": INT}),
+    "user_add": Rpc(Client("alter"), {"name": USER, "credentials": MapOf(
+        OneOf(*SCRAM), ListOf(ANY, 4, 4), 2)}),
+    "user_delete": Rpc(Client("alter"), {"name": USER}),
+    "user_list": Rpc(Client("describe")),
+    "acl_add": Rpc(Client("alter"), {"acl": ACL}),
+    "acl_remove": Rpc(Client("alter"), {"acl": ACL}),
+    "acl_list": Rpc(Client("describe"), {"principal?": Str(260, 1)}),
     "suspect": Rpc(AUTHENTICATED, {"addr": ADDR}),
     "create_stream": Rpc(Client("create", "stream", "name"), {"name?": ANY, **STREAM_SETTINGS}),
     "create_streams": Rpc(Client("create", "stream", per_entry=True), {
@@ -428,6 +439,7 @@ BROKER_RPCS = _named({
         "entries": ListOf(Tuple(UINT, UINT, ListOf(PAIR, MANY), ListOf(PAIR, MANY),
                                 ListOf(PAIR, limits.MAX_GROUPS)), MANY)}),
     "settle": Rpc(Members(COORDINATOR), EPOCH),
+    "security": Rpc(Members(COORDINATOR), SECURITY),
 })
 
 BACKUP_RPCS = _named({
@@ -451,6 +463,7 @@ BACKUP_RPCS = _named({
                                                      "claims": ListOf(VSEG, MANY)}),
     "release": Rpc(Members(BROKER, as_self="owner"), {"owner": UINT, "epoch": UINT,
                                                        "claims?": ListOf(VSEG, MANY)}),
+    "security": Rpc(Members(COORDINATOR), SECURITY),
 })
 
 TABLES = {COORDINATOR: COORDINATOR_RPCS, BROKER: BROKER_RPCS, BACKUP: BACKUP_RPCS}

@@ -36,6 +36,7 @@ def plausible(st: dict, s, replica: tuple, vlog: int) -> dict:
     rb, rv, rs = replica
     rep = {"broker": rb, "vlog": rv, "vseg": rs}
     data = chunk.build(s.id, 0, 1, HUGE, [b"evil"])
+    evil = {"version": HUGE, "users": {}, "acls": [], "super_users": ["User:ANONYMOUS"]}
     return {
         "coordinator": {
             "register": ({"role": "broker", "addr": "127.0.0.1:1", "node": "evil", "id": bid,
@@ -50,6 +51,7 @@ def plausible(st: dict, s, replica: tuple, vlog: int) -> dict:
             "adopt": ({"epoch": ep}, chunk.build(s.id, 0, 1, 0, [b"x"], flags=chunk.INDEX)),
             "pend": ({"epoch": ep, "source": [bid, ep], "entries": [[s.id, 0, [[0, 9]], [], []]]}, b""),
             "settle": ({"epoch": ep}, b""),
+            "security": (evil, b""),
         },
         "backup": {
             "replicate": ({"broker": rb, "epoch": HUGE, "entries": [[vlog, 99, 0, False, len(data)]]}, data),
@@ -62,6 +64,7 @@ def plausible(st: dict, s, replica: tuple, vlog: int) -> dict:
             "trim": ({"broker": rb, "vlog": rv, "floor": HUGE}, b""),
             "claim": ({"owner": rb, "epoch": HUGE, "claims": [[rb, rv, rs]]}, b""),
             "release": ({"owner": rb, "epoch": ep}, b""),
+            "security": (evil, b""),
         },
     }
 
@@ -110,7 +113,7 @@ async def test_a_stranger_changes_nothing_and_a_member_speaks_only_for_itself(ma
                 for addr in addrs[role]:
                     for method, (meta, payload) in rpcs.items():
                         answers[(addr, method)] = await refused(stranger, addr, method, meta, payload)
-        assert len(answers) == 2 + 3 * 7 + 3 * 10
+        assert len(answers) == 2 + 3 * 8 + 3 * 11
         wrong = {k: v for k, v in answers.items() if v not in ("unauthenticated", "unauthorized")}
         assert not wrong, wrong
 
@@ -130,6 +133,9 @@ async def test_a_stranger_changes_nothing_and_a_member_speaks_only_for_itself(ma
                                                              "epoch": b1["epoch"]}) == "unauthorized"
             assert await refused(as_b2, coord, "heartbeat", {"role": "backup", "id": b2["id"],
                                                              "epoch": b2["epoch"]}) == "unauthorized"
+            # a member, as itself, with an address nobody can reach: refused at the door
+            assert await refused(as_backup, coord, "register", {"role": "backup", "addr": "x",
+                                                                "id": bk["id"]}) == "invalid_argument"
 
         # 3. producer-id poisoning: chunks under the ids the next producers will get, with huge
         # sequences (and resets), with no token or a forged one

@@ -31,6 +31,7 @@ from kera.coordinator_link import CoordinatorLink
 from kera.errors import KeraError, OutOfRange, Unauthorized, Unavailable, UnknownStream
 from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
+from kera.security.client_config import credentials
 
 from .admin import default_coordinator, suspect
 from .portal import Synced
@@ -329,9 +330,11 @@ def _copy(p):
 
 
 @asynccontextmanager
-async def open_consumer(streams=None, coordinator: str | None = None, **kw):
-    """``async with open_consumer(["s"], start="earliest") as c: chunks = await c.poll_chunks()``."""
-    async with unwrapped(), open_pool() as pool:
+async def open_consumer(streams=None, coordinator: str | None = None, config: dict | None = None,
+                        **kw):
+    """``async with open_consumer(["s"], start="earliest") as c: chunks = await c.poll_chunks()``;
+    ``config``: the security settings (``kera.security.client_config``; default ``KERA_CONFIG``)."""
+    async with unwrapped(), open_pool(credentials=credentials(config)) as pool:
         c = AsyncConsumer(pool, coordinator or default_coordinator(), streams, **kw)
         await c._metadata()
         yield c

@@ -45,6 +45,7 @@ from kera.coordinator_link import CoordinatorLink
 from kera.errors import UnknownStream
 from kera.limits import MAX_CHUNK
 from kera.rpc import open_pool, unwrapped
+from kera.security.client_config import credentials
 
 from .accumulator import Accumulator
 from .admin import default_coordinator
@@ -115,7 +116,8 @@ async def open_producer(coordinator: str | None = None, config: dict | None = No
     """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``;
     ``on_delivery(error, report)``: the default delivery callback of ``send``."""
     cfg = producer_config(config, kw)
-    async with unwrapped(), open_pool() as pool, trio.open_nursery() as nursery:
+    async with unwrapped(), open_pool(credentials=credentials(config)) as pool, \
+            trio.open_nursery() as nursery:
         p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg, Deliveries(on_delivery))
         await nursery.start(p.run)
         try:
@@ -146,7 +148,7 @@ class Producer:
 
     async def _serve(self, coordinator, config, kw, task_status):
         cfg = producer_config(config, kw)
-        async with open_pool() as pool:
+        async with open_pool(credentials=credentials(config)) as pool:
             async with trio.open_nursery() as nursery:
                 p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
                                   Deliveries(self._default, queued=True))

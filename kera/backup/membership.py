@@ -123,6 +123,8 @@ async def _register(service, coordinator, addr: str, node: str | None, let_go: L
         service.credentials.set_id(bid)   # our connections open again, as this backup
         log.info("registered with %s as backup %d, epoch %d", coordinator, bid, epoch)
         service.apply_fences(r.get("fences"))
+        if r.get("security") is not None:
+            service.gate.apply(r["security"])
         let_go.offer(r)
         service.epoch = epoch
         service.registered.set()
@@ -136,9 +138,12 @@ async def _heartbeat(service, coordinator, epoch: int, let_go: LetGo) -> None:
         try:
             r, _ = await coordinator.call("heartbeat", {"role": "backup", "id": service.id, "epoch": epoch,
                                                         "recovered": let_go.applied,
-                                                        "damage": service.counters["damage"]},
+                                                        "damage": service.counters["damage"],
+                                                        "security": service.gate.version},
                                           timeout=RPC_TIMEOUT)
             service.apply_fences(r.get("fences"))
+            if r.get("security") is not None:   # a push it missed
+                service.gate.apply(r["security"])
             let_go.offer(r)
         except Unavailable as e:
             log.debug("heartbeat to %s failed: %s", coordinator, e)

@@ -44,8 +44,9 @@ from ..errors import BackupError, InvalidArgument, KeraError, LimitExceeded
 from ..recovery_plan import PLAIN_COLUMNS
 from ..rpc import open_pool
 from ..security import secret as secret_
+from ..security import tls as tls_
 from ..security.credentials import Credentials
-from ..security.gate import Gate
+from ..security.gate import Gate, take_state
 from ..security.mechanisms import BACKUP
 from ..server import Service
 from . import disk, segment_file
@@ -103,7 +104,8 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
                  fsync_interval: float = 1.0, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
                  coordinator: str | None = None, node: str | None = None,
                  scrub_rate: int = DEFAULT_RATE, scrub_every: float = DEFAULT_EVERY,
-                 cluster_secret: bytes, auth: bool = False, door: Door | None = None):
+                 cluster_secret: bytes, auth: bool = False, door: Door | None = None,
+                 tls=(None, None)):
         if fsync not in ("periodic", "write", "always"):
             raise ValueError("fsync must be 'periodic', 'write' or 'always'")
         if flush_interval <= 0 or fsync_interval <= 0 or max_bytes < 0 or max_memory <= 0:
@@ -126,7 +128,8 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         self.gate = Gate(cluster_secret, auth=auth)
         self.door = door or Door()
         # what this backup's connections present to the others: a backup, as itself
-        self.credentials = Credentials.member(cluster_secret, BACKUP, self.id)
+        self.credentials = Credentials.member(cluster_secret, BACKUP, self.id, tls=tls[1])
+        self.tls = tls[0]   # the listener's TLS context (None: plaintext)
         self.epoch: int | None = None
         self.port: int | None = None
         self._dir_dirty = False
@@ -391,6 +394,10 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         self.store.apply_fences({meta["broker"]: meta["epoch"]})
         return {}
 
+    def rpc_security(self, meta: dict, payload):
+        """The users and ACLs, pushed by the coordinator when they change."""
+        return take_state(self.gate, meta)
+
     def rpc_stats(self, meta: dict, payload):
         s = self.store
         return {"backup": self.id, **self.counters, "segments": len(s.replicas),
@@ -424,16 +431,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="a scrubbing pass starts at most this often")
     p.add_argument("--log-level", default="INFO")
     secret_.add_arguments(p)
+    tls_.add_arguments(p)
     door.add_arguments(p)
     return p
 
 
-async def _main(args, cluster_secret: bytes) -> bool:
+async def _main(args, cluster_secret: bytes, tls) -> bool:
     svc = BackupService(args.dir, fsync=args.fsync, flush_interval=args.flush_interval,
                         fsync_interval=args.fsync_interval, max_bytes=args.max_bytes,
                         max_memory=args.max_memory, coordinator=args.coordinator, node=args.node,
                         scrub_rate=args.scrub_rate, scrub_every=args.scrub_every,
-                        cluster_secret=cluster_secret, auth=args.auth, door=Door(door.from_args(args)))
+                        cluster_secret=cluster_secret, auth=args.auth, door=Door(door.from_args(args)),
+                        tls=tls)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(svc.run, args.host, args.port)
@@ -450,10 +459,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     cluster_secret = secret_.from_args(ap, args)
+    tls = tls_.from_args(ap, args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.makedirs(args.dir, exist_ok=True)
-    return 0 if trio.run(_main, args, cluster_secret) else 1
+    return 0 if trio.run(_main, args, cluster_secret, tls) else 1
 
 
 if __name__ == "__main__":

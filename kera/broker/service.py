@@ -36,8 +36,9 @@ from ..errors import (
 )
 from ..rpc import Later, Pool
 from ..security import secret as secret_
+from ..security import tls as tls_
 from ..security.credentials import Credentials
-from ..security.gate import Gate
+from ..security.gate import Gate, take_state
 from ..security.mechanisms import BROKER, CLIENT
 from ..server import Service
 from ..stream_meta import StreamMeta
@@ -69,8 +70,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
                  vseg_size: int = limits.DEFAULT_VSEG_SIZE, replicate_timeout: float = 5.0,
                  memory: int = 0, *, cluster_secret: bytes, auth: bool = False,
-                 door: Door | None = None):
+                 door: Door | None = None, tls=(None, None)):
         self.coordinator = coordinator
+        self.tls = tls[0]   # the listener's TLS context (None: plaintext)
         self.gate = Gate(cluster_secret, auth=auth)
         self.door = door or Door()
         self.data_dir = data_dir
@@ -84,7 +86,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         ident = metafile.load(self.id_path) or {}
         self.broker_id: int | None = ident.get("id")
         # what this broker's connections present to the others: a broker, as itself
-        self.credentials = Credentials.member(cluster_secret, BROKER, self.broker_id)
+        self.credentials = Credentials.member(cluster_secret, BROKER, self.broker_id, tls=tls[1])
         self.epoch = 0
         self.addr = ""
         self.streams: dict[int, StreamMeta] = {}
@@ -238,6 +240,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self._reclaim_once()
         return {}
 
+    def rpc_security(self, meta, payload):
+        """The users and ACLs, pushed by the coordinator when they change."""
+        return take_state(self.gate, meta)
+
     def rpc_ping(self, meta, payload):
         return {"broker": self.broker_id, "epoch": self.epoch}
 
@@ -254,28 +260,37 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             raise Recovering(f"stream {stream_id} streamlet {index} is being recovered")
         return sl
 
-    def _writer(self, meta, peer):
-        """Who may write what in a produce: None if anything goes (a member, or user
-        authentication off), else a function of (stream id, producer, chunk offset) that says
-        why not (``unauthorized``) or None. Producer ids are bound to the connection for any
-        client (``Peer.bind_producer``: the token issued with the id)."""
+    @staticmethod
+    def _writer(meta, peer) -> tuple[set | None, bool]:
+        """What a produce's chunks are checked against: the producer ids bound to a client's
+        connection (None: a member's, unchecked), and whether ACLs apply. A client's ids are
+        bound with the token issued with them (``Peer.bind_producer``)."""
         if peer.role != CLIENT:
-            return None
+            return None, False
         if meta.get("producer") is not None:
             peer.bind_producer(meta["producer"], meta.get("token"))
-        bound, acl = peer.producers, peer.gate.auth
-        streams = self.streams
+        return peer.producers, peer.gate.auth
 
-        def refusal(sid: int, producer: int, payload, off: int) -> str | None:
-            if producer not in bound:
-                return Unauthorized.code
-            s = streams.get(sid)
-            if acl and s is not None and not (
-                    self._may_commit(peer, payload, off) if s.name == group_positions.NAME
-                    else peer.may("write", "stream", s.name)):
-                return Unauthorized.code
-            return None
-        return refusal
+    def _allowed(self, allowed: dict, peer, sid: int, payload, off: int) -> bool:
+        """``_may_write``, judged once per stream of a request (but per chunk for commits of
+        consumer-group positions, which depend on the chunk's records)."""
+        ok = allowed.get(sid)
+        if ok is None:
+            ok = self._may_write(peer, sid, payload, off)
+            s = self.streams.get(sid)
+            if s is None or s.name != group_positions.NAME:
+                allowed[sid] = ok
+        return ok
+
+    def _may_write(self, peer, sid: int, payload, off: int) -> bool:
+        """Whether a client may write this chunk, by the ACLs (its stream's, or for a commit
+        of consumer-group positions, its records' groups')."""
+        s = self.streams.get(sid)
+        if s is None:
+            return True   # not held here: its own error follows
+        if s.name == group_positions.NAME:
+            return self._may_commit(peer, payload, off)
+        return peer.may("write", "stream", s.name)
 
     @staticmethod
     def _may_commit(peer, payload, off: int) -> bool:
@@ -301,7 +316,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         acks = meta.get("acks", "all")
         # every checksum verified before anything is stored; header fields as arrays
         heads, offs = chunk.scan_headers(payload)
-        refusal = self._writer(meta, peer)
+        bound, acl = self._writer(meta, peer)
+        allowed: dict[int, bool] = {}   # stream id -> may write (this request's chunks)
         self.requests += 1
         errors = []
         placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
@@ -316,8 +332,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             try:
                 if flags & BROKER_FLAGS:
                     raise _broker_flags(flags)
-                if refusal is not None and (why := refusal(sid, producer, payload, off)):
-                    errors.append([i, why])
+                if bound is not None and (producer not in bound or acl and not self._allowed(
+                        allowed, peer, sid, payload, off)):
+                    errors.append([i, Unauthorized.code])
                     continue
                 sl = streamlets.get((sid, index))
                 if sl is None or sl.recovering:
@@ -378,8 +395,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         h, off = chunks[0]
         if h.flags & BROKER_FLAGS:
             raise _broker_flags(h.flags)
-        refusal = self._writer(meta, peer)
-        if refusal is not None and refusal(h.stream_id, h.producer_id, payload, off):
+        bound, acl = self._writer(meta, peer)
+        if bound is not None and (h.producer_id not in bound or
+                                  acl and not self._may_write(peer, h.stream_id, payload, off)):
             raise Unauthorized(f"{peer.principal} may not write stream {h.stream_id} as producer "
                                f"{h.producer_id}")
         if h.record_count != 1:
@@ -534,16 +552,18 @@ def main(argv=None) -> None:
     ap.add_argument("--replicate-timeout", type=float, default=5.0,
                     help="seconds before a silent backup is replaced")
     secret_.add_arguments(ap)
+    tls_.add_arguments(ap)
     door.add_arguments(ap)
     args = ap.parse_args(argv)
     cluster_secret = secret_.from_args(ap, args)
+    tls = tls_.from_args(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
     svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
                         VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
                         args.replicate_timeout,
                         default_budget() if args.memory is None else args.memory,
                         cluster_secret=cluster_secret, auth=args.auth,
-                        door=Door(door.from_args(args)))
+                        door=Door(door.from_args(args)), tls=tls)
 
     from ..process import run_until_signal
     run_until_signal(svc.run, args.host, args.port)

@@ -4,8 +4,8 @@ An ACL: principal (``User:NAME`` or ``User:*``), allow or deny, an operation, a
 resource (stream, consumer group, or the cluster) named literally or by prefix.
 A request is allowed when an allow matches and no deny does (deny wins); super users
 bypass ACLs; with user authentication on, anything not allowed is denied. As in Kafka,
-read, write, delete and alter imply describe, alter-configs implies describe-configs,
-and ``all`` stands for every operation. The literal name ``*`` matches every name;
+an allow of read, write, delete or alter allows describe, alter-configs allows
+describe-configs, and ``all`` stands for every operation; a deny denies its operation only. The literal name ``*`` matches every name;
 create on the cluster allows creating any stream.
 """
 
@@ -48,7 +48,10 @@ class Acl:
         return check(cls(*v))
 
     def matches(self, op: str, resource: str, name: str) -> bool:
-        if self.resource != resource or self.operation not in _GRANTS[op]:
+        """Whether this ACL speaks of ``op`` on the resource: an allow by implication too
+        (read allows describe), a deny only of that operation (or all), as in Kafka."""
+        if self.resource != resource or self.operation not in (
+                _GRANTS[op] if self.permission == "allow" else (op, "all")):
             return False
         if self.pattern == "prefixed":
             return name.startswith(self.name)
@@ -90,8 +93,13 @@ class Authorizer:
             self._by.setdefault((a.principal, a.resource), []).append(a)
 
     def allowed(self, principal: str, op: str, resource: str, name: str) -> bool:
+        """Whether ``principal`` may ``op`` the resource; the group name ``*any*`` asks
+        whether it may read some consumer group."""
         if principal in self.super_users:
             return True
+        if resource == "group" and name == "*any*":
+            return any(a.permission == "allow" and a.operation in _GRANTS["read"]
+                       for p in (principal, "User:*") for a in self._by.get((p, "group"), ()))
         if op == "create" and resource == "stream" and self.allowed(principal, op, "cluster", CLUSTER):
             return True   # as Kafka: create on the cluster allows creating any stream
         allow = False

@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from ..errors import Unauthenticated, Unauthorized, UnsupportedMechanism
+from ..errors import InvalidArgument, Unauthenticated, Unauthorized, UnsupportedMechanism
+from ..group_positions import NAME as POSITIONS
 from . import secret as secrets_
-from .acl import ANONYMOUS, Authorizer
+from .acl import ANONYMOUS, Acl, Authorizer
 from .mechanisms import (
     CLIENT,
     MEMBER,
@@ -32,6 +33,7 @@ from .mechanisms import (
     MemberServer,
     PlainServer,
     ScramServer,
+    check_credentials,
 )
 
 
@@ -47,13 +49,37 @@ class Gate:
         self.super_users = frozenset(super_users)
         self.users: dict[str, dict] = {}   # name -> stored keys (mechanisms.credentials)
         self.authorizer = Authorizer(super_users=self.super_users)
-        self.version = 0                    # of the users and ACLs held
+        self.version = -1                   # of the users and ACLs held (-1: none yet)
 
-    def replace(self, version: int, users: dict, acls) -> None:
-        """A newer copy of the users and ACLs (brokers and backups pull it when it moves)."""
+    def replace(self, version: int, users: dict, acls, super_users=None) -> None:
+        """The users and ACLs as of ``version`` (the coordinator's, or a copy of them)."""
+        if super_users is not None:
+            self.super_users = frozenset(super_users)
         self.users = users
         self.authorizer = Authorizer(acls, self.super_users, version)
         self.version = version
+
+    def state(self) -> dict:
+        """The users and ACLs as the coordinator sends them to members (``apply``)."""
+        return {"version": self.version, "users": self.users,
+                "acls": [a.to_wire() for a in self.authorizer.acls],
+                "super_users": sorted(self.super_users)}
+
+    def apply(self, state) -> bool:
+        """A member takes the coordinator's users and ACLs (pushed, or in a heartbeat
+        answer) if newer than what it holds; a malformed state changes nothing."""
+        if not isinstance(state, dict) or type(state.get("version")) is not int:
+            raise InvalidArgument("a security state is {version, users, acls, super_users}")
+        if state["version"] <= self.version:
+            return False
+        try:
+            users = {n: check_credentials(c) for n, c in state["users"].items() if isinstance(n, str)}
+            acls = [Acl.from_wire(a) for a in state["acls"]]
+            supers = [p for p in state["super_users"] if isinstance(p, str)]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidArgument(f"a malformed security state: {e}") from None
+        self.replace(state["version"], users, acls, supers)
+        return True
 
     def peer(self, addr: str, tls: bool = False) -> Peer:
         return Peer(self, addr, tls)
@@ -84,6 +110,12 @@ class Gate:
         return hmac.new(self.producer_key, f"{pid}/{principal}".encode(), hashlib.sha256).digest()
 
 
+def take_state(gate: Gate, meta: dict) -> dict:
+    """A member's ``security`` RPC: the coordinator pushes its users and ACLs."""
+    gate.apply({k: meta[k] for k in ("version", "users", "acls", "super_users")})
+    return {}
+
+
 class Peer:
     """One connection: ``role`` None until it authenticates (CLIENT at once, anonymous,
     when user authentication is off), its member ``id``, its ``principal``."""
@@ -112,6 +144,10 @@ class Peer:
         if self.role != CLIENT or not self.gate.auth:
             return self.role is not None
         az = self.gate.authorizer
+        if resource == "stream" and name == POSITIONS:
+            # consumer-group positions: a principal allowed on a group reads them (they are
+            # positions, never records); a write is checked per record against its group
+            resource, name = "group", "*any*"
         if self.version != az.version:
             self.cache.clear()
             self.version = az.version
