@@ -7,6 +7,11 @@ leads, the others stand by. Each process's command line names its role, so
 an operator (or a test) can find and kill exactly one. Children that die are reported, not restarted: the
 cluster's own failure handling is what should carry on. Tests drive the same
 class (``kill``, ``restart``) to fail processes for real.
+
+Every process runs on this machine's loopback unless ``hosts`` says otherwise:
+``hosts.address(name)`` is the address the process ``name`` binds and advertises
+(``--host``), ``hosts.command(name, argv)`` how it is started there (the partition
+tests give each server a network namespace of its own).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Protocol
 
 import trio
 
@@ -36,13 +42,36 @@ ADMIN = "admin"   # the super user ``kera up --auth`` makes
 _LISTENING = re.compile(rb"listening on ([0-9.]+):(\d+)")
 
 
+class Hosts(Protocol):
+    """Where each process of a ``LocalCluster`` runs, by its name (``coordinator``,
+    ``coordinator2``, ``etcd``, ``node1-broker``, ``node1-backup``, ...)."""
+
+    def address(self, name: str) -> str:
+        """The address the process binds and advertises."""
+        ...
+
+    def command(self, name: str, argv: list[str]) -> list[str]:
+        """``argv`` as started where the process runs."""
+        ...
+
+
+class Loopback:
+    """Every process on this machine's loopback."""
+
+    def address(self, name: str) -> str:
+        return "127.0.0.1"
+
+    def command(self, name: str, argv: list[str]) -> list[str]:
+        return argv
+
+
 class LocalCluster:
     """``auth``: user authentication and ACLs on every server, an ``admin`` super user, and
     ``client.conf`` in the data dir; ``tls``: TLS on every listener (a local CA)."""
 
     def __init__(self, data: str, nodes: int, port: int = 0, demo: bool = False, broker_args=(),
                  backup_args=(), coordinator_args=(), coordinators: int = 1, auth: bool = False,
-                 tls: bool = False):
+                 tls: bool = False, hosts: Hosts | None = None):
         if nodes < 1:
             raise SystemExit("kera up: --nodes must be at least 1")
         if coordinators < 1:
@@ -56,7 +85,8 @@ class LocalCluster:
         self.broker_args = list(broker_args)
         self.backup_args = list(backup_args)
         self.coordinator_args = list(coordinator_args)
-        self.coordinator = f"127.0.0.1:{port}"
+        self.hosts = hosts or Loopback()
+        self.coordinator = f"{self.hosts.address('coordinator')}:{port}"
         self.auth, self.tls = auth, tls
         # made at the first start, kept with the data (mode 0600): every server proves it
         self.secret_file = os.path.join(self.data, secret_.SECRET_FILE)
@@ -75,6 +105,7 @@ class LocalCluster:
         path = os.path.join(self.logs, f"{name}.log")
         self._log_start[name] = os.path.getsize(path) if os.path.exists(path) else 0
         program = self.etcd.argv() if name == "etcd" else [sys.executable, "-m", "kera", *self.specs[name]]
+        program = self.hosts.command(name, program)
         with open(path, "ab") as log:
             p = subprocess.Popen(program, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         self.procs[name] = p
@@ -139,27 +170,37 @@ class LocalCluster:
 
     @property
     def tls_files(self) -> dict[str, str]:
-        """The local CA and the servers' certificate (made at the first start with --tls)."""
-        return tls_.local_ca(os.path.join(self.data, "tls"))
+        """The local CA and the servers' certificate (made at the first start with --tls), naming
+        every address the cluster's hosts give."""
+        return tls_.local_ca(os.path.join(self.data, "tls"), {self.hosts.address(n) for n in self.names()})
 
     def credentials(self, role: str = "coordinator", mid: int | None = None) -> Credentials:
         """A member's credentials, for a pool that must speak as one (tests, tools)."""
         return Credentials.member(secret_.load(self.secret_file), role, mid,
                                   tls=tls_.client_context(self.tls_files["ca"]) if self.tls else None)
 
+    def names(self) -> list[str]:
+        """Every process ``start`` runs: etcd (with several coordinators), the coordinators,
+        then each node's backup and broker."""
+        return ((["etcd"] if self.coordinators > 1 else []) + self.coordinator_names()
+                + [f"node{i}-{role}" for i in range(1, self.nodes + 1) for role in ("backup", "broker")])
+
+    def _host(self, name: str) -> list[str]:
+        return ["--host", self.hosts.address(name)]
+
     def start(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
         secret_.ensure(self.secret_file)
         extra = [*self.server_args()]
         if self.coordinators > 1:
-            self.etcd = LocalEtcd(os.path.join(self.data, "etcd"))
+            self.etcd = LocalEtcd(os.path.join(self.data, "etcd"), host=self.hosts.address("etcd"))
             self.spawn("etcd", [])
             self.wait_ready("etcd")
             extra += ["--metadata", self.etcd.url]
         for i, name in enumerate(self.coordinator_names()):
             port = self.port + i if self.port else 0
-            self.spawn(name, ["coordinator", "--data", os.path.join(self.data, name), "--port", str(port),
-                              "--expect-nodes", str(self.nodes), *extra,
+            self.spawn(name, ["coordinator", "--data", os.path.join(self.data, name), *self._host(name),
+                              "--port", str(port), "--expect-nodes", str(self.nodes), *extra,
                               *(["--super-users", f"User:{ADMIN}"] if self.auth else []),
                               *self.coordinator_args])
         self.coordinator = ",".join(self.wait_ready(n) for n in self.coordinator_names())
@@ -213,9 +254,9 @@ class LocalCluster:
         node = f"node{i}"
         coord = ["--coordinator", self.coordinator, "--node", node, *self.server_args()]
         self.spawn(f"{node}-backup", ["backup", "--dir", os.path.join(self.data, f"{node}-backup"),
-                                      *coord, *self.backup_args])
+                                      *self._host(f"{node}-backup"), *coord, *self.backup_args])
         self.spawn(f"{node}-broker", ["broker", "--data", os.path.join(self.data, f"{node}-broker"),
-                                      *coord, *self.broker_args])
+                                      *self._host(f"{node}-broker"), *coord, *self.broker_args])
         if wait:
             self.wait_ready(f"{node}-backup")
             self.wait_ready(f"{node}-broker")

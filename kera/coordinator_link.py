@@ -7,6 +7,16 @@ asked first, a standby answers ``not_leader`` naming the leader when it knows
 it, and an address that does not answer is skipped. Only transport failures
 and ``not_leader`` move the call on; any other answer, ``unavailable``
 included, is the leader's and is raised as is.
+
+An address that went silent (its host cut off, or paused) never fails a
+connection: with several addresses, one attempt gets at most its share of the
+call's time (``timeout / len(addrs)``, connecting included), and an address that
+failed stops being the first one asked, so a call (a heartbeat) reaches a
+standby that took over within the call instead of spending all its time on
+the silent one, call after call. A request that may have reached an address
+that did not answer (sent, then silence or a broken connection) is never sent
+there again within the call (the coordinator may have applied it: a stream
+created twice is ``stream_exists``); the call then ends with that failure.
 """
 
 from __future__ import annotations
@@ -47,22 +57,26 @@ class CoordinatorLink:
                    timeout: float = 30.0, **kw):
         """Until an answer or ``timeout``, going round the addresses with a capped backoff."""
         deadline = trio.current_time() + timeout
-        delay, last = 0.02, None
+        share = timeout / len(self.addrs)   # an attempt's time at most, several addresses given
+        delay, last, silent = 0.02, None, None
+        unanswered: set[str] = set()   # may hold the request: not asked again in this call
         while True:
-            todo = [self.leader, *(a for a in self.addrs if a != self.leader)]
+            todo = [a for a in [self.leader, *(a for a in self.addrs if a != self.leader)]
+                    if a not in unanswered]
             tried: set[str] = set()
             while todo and deadline > trio.current_time():
                 addr = todo.pop(0)
                 tried.add(addr)
+                left = deadline - trio.current_time()
                 try:
                     out = await self.pool.call(addr, method, meta, payload,
-                                               timeout=deadline - trio.current_time(), **kw)
+                                               timeout=left if self.single else min(left, share), **kw)
                     self.leader = addr
                     return out
                 except NotLeader as e:
                     last = e
                     hint = getattr(e, "leader", "")
-                    if hint and hint not in tried:
+                    if hint and hint not in tried and hint not in unanswered:
                         if hint not in self.addrs:
                             self.addrs.append(hint)
                         self.leader = hint
@@ -75,8 +89,13 @@ class CoordinatorLink:
                     if getattr(e, "_peer", None) or self.single:
                         raise   # the coordinator answered, or there is nowhere else to go
                     last = e
+                    if not getattr(e, "_unsent", False):
+                        unanswered.add(addr)
+                        silent = e
+                    if addr == self.leader:   # asked first no more: the others are
+                        self.leader = self.addrs[(self.addrs.index(addr) + 1) % len(self.addrs)]
             left = deadline - trio.current_time()
             if left <= 0:
-                raise last or Unavailable(f"no coordinator of {self} answered {method}")
+                raise silent or last or Unavailable(f"no coordinator of {self} answered {method}")
             await trio.sleep(min(delay, left))
             delay = min(delay * 2, self.MAX_BACKOFF)

@@ -250,11 +250,12 @@ def _free_port() -> int:
 
 
 class LocalEtcd:
-    """One etcd member on 127.0.0.1, its data in ``data_dir``; ports of its own choosing
-    (kept in ``data_dir/ports`` so a restart on the same directory reuses them)."""
+    """One etcd member on ``host`` (default 127.0.0.1), its data in ``data_dir``; ports of its
+    own choosing (kept in ``data_dir/ports`` so a restart on the same directory reuses them)."""
 
-    def __init__(self, data_dir: str, client_port: int = 0, peer_port: int = 0):
+    def __init__(self, data_dir: str, client_port: int = 0, peer_port: int = 0, host: str = "127.0.0.1"):
         self.data_dir = data_dir
+        self.host = host
         os.makedirs(data_dir, exist_ok=True)
         saved = os.path.join(data_dir, "ports")
         if not client_port and os.path.exists(saved):
@@ -268,15 +269,15 @@ class LocalEtcd:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
     @property
     def url(self) -> str:
         return f"etcd://{self.endpoint}"
 
     def argv(self) -> list[str]:
-        client = f"http://127.0.0.1:{self.client_port}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         return [etcd_binary(), "--name", "kera", "--data-dir", os.path.join(self.data_dir, "member-data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,

@@ -228,10 +228,11 @@ class Membership:
         suspects itself first, declaring nobody dead until it hears from a member again
         (``_heard``). Declaring them would gain nothing: with no broker or no backup heard
         from, no recovery can run, and at the heal every healthy broker would be fenced and
-        recovered."""
-        late = [m for role in self.members for m in self.members[role].values()
-                if m.alive and now - m.last_seen > self.dead_after]
-        if late and now - self.last_heard > self.dead_after / 2:
+        recovered. A lone member's silence says nothing about this coordinator: it is judged
+        by its own heartbeats."""
+        live = [m for role in self.members for m in self.members[role].values() if m.alive]
+        late = [m for m in live if now - m.last_seen > self.dead_after]
+        if len(live) > 1 and late and now - self.last_heard > self.dead_after / 2:
             if self.suspect_since is None:
                 self.suspect_since = now
                 log.warning("every member went silent at once (nothing heard for %.1f s): this "

@@ -8,7 +8,13 @@ pool's credentials (``kera.security.credentials``: a member's proof, a user's lo
 or nothing), once, before any request. A send that was cancelled or
 timed out may have left part of a frame on the wire, so its connection is
 closed (the next call opens a new one); a reply or error for a request no
-longer waited for is dropped and the connection stays. ``Connection.post``
+longer waited for is dropped and the connection stays, unless nothing at all
+came back on it while that request waited and no request sent after it still
+waits (that one decides when its own time is up): a peer silent for a whole
+timeout is gone or cut off (a partition fails no connection), and its
+connection would resume only at the kernel's next retransmission, seconds after
+the peer is back, so it is closed and the next call connects afresh.
+``Connection.post``
 sends a request with no task waiting for it: the reader hands its answer to
 a callback.
 """
@@ -35,11 +41,30 @@ VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg)
 VECTOR_PART = 1 << 12  # when its parts average this much: many tiny parts cost less joined
 
 
+def unsent(err: Unavailable) -> Unavailable:
+    """``err``, marked as raised before any byte of its request left (a failed connect, a
+    closed connection): the peer cannot have it, so it may be sent elsewhere or again."""
+    err._unsent = True
+    return err
+
+
 def parse_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"address must be HOST:PORT, not {addr!r}")
     return host, int(port)
+
+
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def advertised(host: str, port: int, advertise: str = "") -> str:
+    """The address others reach a server at: ``advertise`` (HOST:PORT, or HOST with the port it
+    bound), else the host it binds and that port (127.0.0.1 for a wildcard host, which no peer
+    can dial)."""
+    if advertise:
+        return advertise if ":" in advertise else f"{advertise}:{port}"
+    return f"{'127.0.0.1' if host in WILDCARDS else host}:{port}"
 
 
 def _parts_frame(kind: int, rid: int, meta: dict, parts) -> bytes | list:
@@ -262,7 +287,7 @@ class _Posted:
 
     def __init__(self, conn: Connection, done):
         self.conn, self.done = conn, done
-        self.slot = [self, None]
+        self.slot = [self, None, trio.current_time()]   # (whom to tell, the answer, when sent)
 
     def set(self) -> None:
         try:
@@ -287,6 +312,7 @@ class Connection:
         self.generation = 0     # of the pool's credentials it presented
         self.closed = False
         self.error: Exception | None = None
+        self.heard = trio.current_time()   # when bytes last arrived
 
     async def reader(self) -> None:
         try:
@@ -294,6 +320,7 @@ class Connection:
                 data = await self.stream.receive_some(RECV_SIZE)
                 if not data:
                     raise Unavailable(f"{self.addr} closed the connection")
+                self.heard = trio.current_time()
                 self.decoder.feed(data)
                 while (f := self.decoder.next()) is not None:
                     slot = self.pending.pop(f.request_id, None)
@@ -314,7 +341,7 @@ class Connection:
         if not self.closed:
             self.closed = True
             self.error = err
-        for ev, _ in list(self.pending.values()):
+        for ev, *_ in list(self.pending.values()):
             ev.set()
         self.pending.clear()
 
@@ -351,28 +378,41 @@ class Connection:
         self.pending[rid] = _Posted(self, done).slot
         return rid
 
-    def forget(self, rid: int) -> None:
-        """A posted request given up on (timed out): its answer is dropped when it comes; if
-        its frame is still being written, the connection is closed (nothing may follow it)."""
-        self.pending.pop(rid, None)
+    def forget(self, rid: int, timed_out: bool = False) -> None:
+        """A posted request given up on: its answer is dropped when it comes; if its frame is
+        still being written, or it ``timed_out`` with nothing heard on the connection since it
+        was sent (``_silent``), the connection is closed."""
+        slot = self.pending.pop(rid, None)
         if self.writer.finishing == rid:
-            self._tear("a request timed out while being sent")
+            self._tear("a request was given up on while being sent")
+        elif timed_out and slot is not None:
+            self._silent(slot[2])
+
+    def _silent(self, since: float) -> None:
+        """A request sent at ``since`` timed out: if nothing arrived since, the peer is gone or
+        cut off, and the connection is closed, unless a request sent later still waits (it
+        closes the connection when its own time is up, if still nothing came)."""
+        if self.heard < since and not any(w[2] > since for w in self.pending.values()):
+            self._tear(f"nothing heard for {trio.current_time() - since:.1f} s")
 
     async def call(self, method: str, meta: dict | None = None, payload=b"", *,
                    timeout: float | None = None, parts=None):
         """Send a request and wait for its response: returns (meta, payload)."""
         if self.closed:
-            raise Unavailable(str(self.error))
+            raise unsent(Unavailable(str(self.error)))
         rid, data = self._request(method, meta, payload, parts)
-        slot = [trio.Event(), None]
+        sent = trio.current_time()
+        slot = [trio.Event(), None, sent]   # (whom to tell, the answer, when sent)
         self.pending[rid] = slot
+        sending = False
         try:
             with trio.fail_after(timeout if timeout is not None else math.inf):
                 await _take(self.writer.lock)
                 try:
                     if self.closed:
-                        raise Unavailable(str(self.error))
+                        raise unsent(Unavailable(str(self.error)))
                     try:
+                        sending = True
                         await self.writer._out(_views(data), 0)
                     except BaseException as e:
                         # part of the frame may be on the wire: nothing more may follow it
@@ -383,7 +423,10 @@ class Connection:
                 await slot[0].wait()
         except trio.TooSlowError:
             self.pending.pop(rid, None)
-            raise Unavailable(f"{method} to {self.addr} timed out after {timeout} s") from None
+            if not sending:   # still waiting for its turn to send
+                raise unsent(Unavailable(f"{method} to {self.addr} not sent within {timeout:.3g} s")) from None
+            self._silent(sent)
+            raise Unavailable(f"{method} to {self.addr} timed out after {timeout:.3g} s") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             self.pending.pop(rid, None)
             self._fail(Unavailable(f"{self.addr}: {e}"))
@@ -426,7 +469,9 @@ class Pool:
         self.conns: dict[str, Connection] = {}
         self._locks: dict[str, trio.Lock] = {}
 
-    async def get(self, addr: str) -> Connection:
+    async def get(self, addr: str, timeout: float | None = None) -> Connection:
+        """The open connection to ``addr``, or a new one (within ``connect_timeout``, or
+        ``timeout`` if shorter)."""
         c = self.conns.get(addr)
         if c is not None and not c.closed and c.generation == self.credentials.generation:
             return c
@@ -437,19 +482,22 @@ class Pool:
                 if c.generation == self.credentials.generation:
                     return c
                 self.drop(addr)   # opened as what we no longer are (a member given its id)
-            c = await self._open(addr)
+            c = await self._open(addr, timeout)
             self.conns[addr] = c
             return c
 
-    async def _open(self, addr: str) -> Connection:
-        """A new connection to ``addr``, TLS if the credentials say so, authenticated."""
+    async def _open(self, addr: str, timeout: float | None = None) -> Connection:
+        """A new connection to ``addr``, TLS if the credentials say so, authenticated, within
+        ``connect_timeout`` (or ``timeout`` if shorter). A failure here is ``unsent``: no
+        request has left yet."""
         creds = self.credentials
         try:
             host, port = parse_addr(addr)
         except ValueError as e:
-            raise Unavailable(f"cannot connect to {addr!r}: {e}") from None
+            raise unsent(Unavailable(f"cannot connect to {addr!r}: {e}")) from None
+        limit = min(self.connect_timeout, math.inf if timeout is None else timeout)
         try:
-            with trio.fail_after(self.connect_timeout):
+            with trio.fail_after(limit):
                 stream = await trio.open_tcp_stream(host, port)
                 stream.setsockopt(6, 1, 1)  # TCP_NODELAY
                 if creds.tls is not None:
@@ -457,32 +505,41 @@ class Pool:
                                             https_compatible=True)
                     await stream.do_handshake()
         except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
-            raise Unavailable(f"cannot connect to {addr}: {_why(e)}") from None
+            raise unsent(Unavailable(f"cannot connect to {addr}: {_why(e)}")) from None
         c = Connection(addr, stream, self.max_frame, self.nursery)
         c.generation = creds.generation
         self.nursery.start_soon(c.reader)
         mech = creds.mechanism()
         if mech is not None:
             try:
-                await self._authenticate(c, mech)
+                await self._authenticate(c, mech, limit)
+            except Unavailable as e:
+                c._tear("authentication failed")
+                unsent(e)   # no request of the caller's left
+                raise
             except BaseException:
                 c._tear("authentication failed")
                 raise
         return c
 
-    async def _authenticate(self, c: Connection, mech) -> None:
+    async def _authenticate(self, c: Connection, mech, timeout: float) -> None:
         """The handshake: the mechanism's messages until the server says it is done."""
         meta = {"mechanism": mech.name, "auth_bytes": mech.first()}
         while True:
-            r, _ = await c.call("authenticate", meta, timeout=self.connect_timeout)
+            r, _ = await c.call("authenticate", meta, timeout=timeout)
             if r.get("done"):
                 mech.finish(r.get("auth_bytes", b""))
                 return
             meta = {"auth_bytes": mech.step(r.get("auth_bytes", b""))}
 
-    async def call(self, addr: str, method: str, meta: dict | None = None, payload=b"", **kw):
-        conn = await self.get(addr)
-        return await conn.call(method, meta, payload, **kw)
+    async def call(self, addr: str, method: str, meta: dict | None = None, payload=b"", *,
+                   timeout: float | None = None, **kw):
+        """``Connection.call`` on ``addr``'s connection; ``timeout`` bounds connecting as well."""
+        start = trio.current_time()
+        conn = await self.get(addr, timeout)
+        if timeout is not None:
+            timeout = max(0.0, timeout - (trio.current_time() - start))
+        return await conn.call(method, meta, payload, timeout=timeout, **kw)
 
     def drop(self, addr: str) -> None:
         c = self.conns.pop(addr, None)

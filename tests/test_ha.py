@@ -20,41 +20,11 @@ from kera.errors import InvalidArgument, NotLeader, Unavailable
 from kera.etcd_meta import Election, EtcdMeta
 from kera.rpc import open_pool
 
-from .workload import Ledger, create, read_values, send_and_flush, status, values
+from .workload import Ledger, TimedIngest, create, read_values, send_and_flush, status, values
 
 pytestmark = pytest.mark.timeout(180)
 
 STREAMS = [f"ha{i}" for i in range(4)]
-
-
-class TimedIngest:
-    """Batches sent and flushed one after another: the longest flush is the longest stall."""
-
-    def __init__(self, coord, streams, batch: int = 20):
-        self.coord, self.streams, self.batch = coord, streams, batch
-        self.sent = 0
-        self.longest = 0.0
-        self.stop = trio.Event()
-        self.acked = trio.Event()   # set after each acknowledged batch
-
-    async def run(self) -> None:
-        async with open_producer(self.coord, **{"linger.ms": 2}) as prod:
-            await prod.load_metadata(self.streams)
-            while not self.stop.is_set():
-                t0 = time.monotonic()
-                for s in self.streams:
-                    await prod.send_many(s, values(1, self.sent, self.batch))
-                await prod.flush()
-                self.longest = max(self.longest, time.monotonic() - t0)
-                self.sent += self.batch
-                self.acked.set()
-                self.acked = trio.Event()
-            assert prod.acked == self.sent * len(self.streams)
-
-    async def more(self, batches: int = 5) -> None:
-        """Until ``batches`` more batches were acknowledged."""
-        for _ in range(batches):
-            await self.acked.wait()
 
 
 async def consume_until(coord, streams, ledger: Ledger, ingest: TimedIngest, done: trio.Event):

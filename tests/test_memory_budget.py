@@ -14,8 +14,9 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer, open_producer
 
+from kera import chunk
 from kera.broker.memory import MemoryBudget
-from kera.broker.segment import Segment
+from kera.broker.segment import Segment, buffer_size
 from kera.errors import BrokerFull
 from kera.vlog import VirtualLog
 
@@ -136,3 +137,47 @@ def test_a_small_budget_closes_an_idle_vlogs_vseg_instead_of_refusing_for_good(m
     assert b["evictions"] > 0 and b["memory"] <= b["memory_limit"] == 3 * SEGMENT, b
     print(f"{refused} refusals, a batch taken at most {longest:.2f} s after it was first sent, "
           f"{b['evictions']} evictions")
+
+
+SMALL = 3000   # streams holding one record each, three brokers
+
+
+def test_many_streams_of_one_record_fit_a_small_budget(make_cluster):
+    """3 nodes, R=3, a 1 MiB budget per broker and the default 1 MiB segments: a broker used to
+    charge a whole segment for a stream holding one 100-byte record, so the second stream it
+    owned got ``broker_full``. Segments are now sized to what they hold: 3,000 streams of one
+    record each are all acknowledged and read back exactly, and each broker's budget is
+    charged one small buffer per stream it owns, no more."""
+    c = make_cluster(3, broker_args=["--memory", str(1 << 20)])
+    coord = c.coordinator
+    names = [f"small-{i:05d}" for i in range(SMALL)]
+    value = [b"%05d" % i + b"x" * 95 for i in range(SMALL)]
+
+    async def main():
+        async with open_admin(coord) as a:
+            await a.create_streams(names, streamlets=1, replication=3)
+        errors: list = []
+        with trio.fail_after(60):
+            async with open_producer(coord) as p:
+                await p.load_metadata(names)
+                for n, v in zip(names, value, strict=True):
+                    await p.send(n, v, on_delivery=lambda e, r: errors.append(e) if e else None)
+                await p.flush()
+                acked = p.acked
+            assert errors == [] and acked == SMALL, f"{len(errors)} refused: {errors[:1]}"
+            got: dict = {}
+            async with open_consumer(names, coord, start="earliest") as cons:
+                while len(got) < SMALL:
+                    for r in await cons.poll(1.0):
+                        assert r.stream not in got, f"{r.stream} read twice"
+                        got[r.stream] = r.value
+            async with open_admin(coord) as a:
+                stats = await a.broker_stats()
+        return got, stats
+
+    got, stats = trio.run(main)
+    assert got == dict(zip(names, value, strict=True)), "not every record read back exactly"
+    size = buffer_size(len(chunk.build(1, 0, 0, 0, [value[0]])), 1 << 20)
+    assert sum(b["streamlets"] for b in stats) == SMALL
+    for b in stats:   # one small buffer per stream owned, exactly
+        assert b["memory"] == b["streamlets"] * size and b["chunks"] == b["streamlets"], b

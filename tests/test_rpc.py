@@ -1,19 +1,22 @@
 """RPC hygiene against a real server on 127.0.0.1: a late reply or error for a request
-nobody waits for any more is dropped (the connection stays), and a send cut in the
-middle of a frame closes its connection (the server never reads the rest as a request)."""
+nobody waits for any more is dropped (the connection stays, unless the peer said nothing
+at all while the request waited), and a send cut in the middle of a frame closes its
+connection (the server never reads the rest as a request)."""
 
 from __future__ import annotations
 
 import socket
+from functools import partial
 
 import numpy as np
 import pytest
 import trio
 
 from kera import wire
-from kera.errors import Fenced, InvalidArgument, KeraError, Unavailable, UnknownMethod
+from kera.coordinator_link import CoordinatorLink
+from kera.errors import Fenced, InvalidArgument, KeraError, NotLeader, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
-from kera.rpc import VECTOR_FROM, Later, open_pool, send_frame
+from kera.rpc import VECTOR_FROM, Later, advertised, open_pool, send_frame
 from kera.server import Service
 
 
@@ -59,6 +62,7 @@ class TestService(Service):
         self.connections = 0
         self.closed = 0
         self.big_calls = 0
+        self.slow_calls = 0
         self.laters: dict[int, Later] = {}
 
     def set_reading(self, on: bool) -> None:
@@ -79,6 +83,7 @@ class TestService(Service):
         return {"n": meta.get("n")}, bytes(payload)
 
     async def rpc_slow(self, meta, payload):
+        self.slow_calls += 1
         await self.release.wait()
         self.raised.set()
         raise InvalidArgument("answered after the caller gave up")
@@ -110,6 +115,14 @@ async def _poll(cond) -> None:
         await trio.sleep(0.01)
 
 
+async def _call_into(failed: list, pool, addr: str, method: str, timeout: float, meta=None) -> None:
+    """``pool.call``, its Unavailable appended to ``failed`` instead of raised."""
+    try:
+        await pool.call(addr, method, meta or {}, timeout=timeout)
+    except Unavailable as e:
+        failed.append(e)
+
+
 @pytest.fixture
 async def server(nursery):
     svc = TestService()
@@ -123,8 +136,12 @@ async def test_late_error_is_dropped_and_the_connection_stays(server):
         async with open_pool() as pool:
             assert (await pool.call(addr, "echo", {"n": 0}, timeout=5))[0] == {"n": 0}
             conn = pool.conns[addr]
-            with pytest.raises(Unavailable, match="timed out"):
-                await pool.call(addr, "slow", {}, timeout=0.2)
+            failed = []
+            async with trio.open_nursery() as n:   # the peer answers others meanwhile
+                n.start_soon(_call_into, failed, pool, addr, "slow", 0.5)
+                await _poll(lambda: conn.pending)
+                await pool.call(addr, "echo", {"n": 0}, timeout=5)
+            assert "timed out" in str(failed[0])
             assert not conn.pending, "the abandoned request is forgotten"
             svc.release.set()
             await svc.raised.wait()
@@ -134,6 +151,34 @@ async def test_late_error_is_dropped_and_the_connection_stays(server):
                 assert meta == {"n": n} and bytes(payload) == b"x" * n
             assert pool.conns[addr] is conn and not conn.closed
             assert svc.connections == 1
+
+
+async def test_a_peer_silent_for_a_whole_timeout_loses_its_connection(server):
+    """Nothing heard while requests waited (a partition, a peer gone): the connection is closed
+    once the last request sent on it timed out, failing what else waited on it, and the next
+    call connects afresh. An older one timing out while a newer one waits leaves it to the
+    newer one's deadline (a replicate posted after a trim gets its whole time). A posted
+    request given up on as timed out does the same."""
+    svc, addr = server
+    with trio.fail_after(20):
+        async with open_pool() as pool, trio.open_nursery() as n:
+            assert (await pool.call(addr, "echo", {"n": 0}, timeout=5))[0] == {"n": 0}
+            conn = pool.conns[addr]
+            failed = []
+            for i, timeout in enumerate((10, 0.3, 1.0)):
+                n.start_soon(_call_into, failed, pool, addr, "slow", timeout)
+                await _poll(lambda i=i: len(conn.pending) == i + 1)
+            await _poll(lambda: failed)
+            assert "timed out after 0.3 s" in str(failed[0]) and not conn.closed
+            await _poll(lambda: len(failed) == 3)
+            assert "timed out after 1 s" in str(failed[1]) and conn.closed
+            assert "nothing heard" in str(failed[2])
+            assert (await pool.call(addr, "echo", {"n": 1}, timeout=5))[0] == {"n": 1}
+            assert pool.conns[addr] is not conn and svc.connections == 2
+            conn = pool.conns[addr]
+            conn.forget(conn.post("slow", {}, lambda answer: None, parts=[]), timed_out=True)
+            assert conn.closed
+            svc.release.set()
 
 
 async def test_later_is_answered_when_settled_by_anyone(server):
@@ -230,9 +275,16 @@ async def test_late_reply_is_dropped_and_the_connection_stays(server):
         async with open_pool() as pool:
             await pool.call(addr, "echo", {"n": 0}, timeout=5)
             conn = pool.conns[addr]
-            svc.set_reading(False)   # the request sits unread past the caller's timeout
-            with pytest.raises(Unavailable, match="timed out"):
-                await pool.call(addr, "echo", {"n": 1}, timeout=0.2)
+            failed = []
+            async with trio.open_nursery() as n:
+                n.start_soon(partial(pool.call, addr, "later", {"n": 9}, timeout=5))
+                await _poll(lambda: 9 in svc.laters)
+                svc.set_reading(False)   # the request sits unread past the caller's timeout,
+                n.start_soon(_call_into, failed, pool, addr, "echo", 0.5, {"n": 1})
+                await _poll(lambda: len(conn.pending) == 2)
+                svc.laters[9].done({})   # while the peer answers another one
+                await _poll(lambda: failed)
+            assert "timed out" in str(failed[0])
             svc.set_reading(True)
             meta, _ = await pool.call(addr, "echo", {"n": 2}, timeout=5)
             assert meta == {"n": 2}
@@ -326,3 +378,61 @@ async def test_cancel_while_waiting_to_send_keeps_the_connection(server):
             assert not conn.closed
             assert (await pool.call(addr, "echo", {"n": 2}, timeout=5))[0] == {"n": 2}
             assert pool.conns[addr] is conn
+
+
+async def test_coordinator_link_moves_past_a_silent_address(server):
+    """Several coordinator addresses, the first silent (its host cut off: connections are
+    taken, nothing is answered): a call reaches the next within its share of the time, and
+    the next call asks that one first."""
+    svc, addr = server
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()   # never accepted nor read: the kernel takes the connection and the bytes
+    try:
+        with trio.fail_after(20):
+            async with open_pool() as pool:
+                link = CoordinatorLink(pool, f"127.0.0.1:{silent.getsockname()[1]},{addr}")
+                t0 = trio.current_time()
+                r, _ = await link.call("echo", {"n": 1}, timeout=2.0)
+                assert r == {"n": 1} and trio.current_time() - t0 < 2.0 and link.leader == addr
+                t0 = trio.current_time()
+                await link.call("echo", {"n": 2}, timeout=2.0)
+                assert trio.current_time() - t0 < 0.5, "the silent address was asked first again"
+    finally:
+        silent.close()
+
+
+def test_advertised_addresses():
+    """What a server tells others to dial: --advertise (HOST, or HOST:PORT), else the host it
+    binds, never a wildcard."""
+    assert advertised("10.1.2.3", 7000) == "10.1.2.3:7000"
+    assert advertised("0.0.0.0", 7000) == advertised("", 7000) == "127.0.0.1:7000"
+    assert advertised("0.0.0.0", 7000, "node1.example") == "node1.example:7000"
+    assert advertised("10.1.2.3", 7000, "203.0.113.9:9000") == "203.0.113.9:9000"
+
+
+class Standby(Service):
+    """A coordinator standing by: it names ``leader``."""
+
+    rpcs = wire._named({"slow": wire.Rpc(wire.ANYONE)})
+
+    def __init__(self, leader: str):
+        self.leader = leader
+
+    def rpc_slow(self, meta, payload):
+        raise NotLeader("stands by", leader=self.leader)
+
+
+async def test_coordinator_link_never_sends_a_request_twice_where_it_may_have_landed(server, nursery):
+    """The leader took the request and said nothing (its store is down, or it was cut off
+    after reading it): the standby still names it, but it is not asked again within the
+    call (it may have applied the request), and the call ends with its silence."""
+    svc, addr = server
+    port = await nursery.start(Standby(addr).serve, "127.0.0.1", 0)
+    with trio.fail_after(20):
+        async with open_pool() as pool:
+            link = CoordinatorLink(pool, f"{addr},127.0.0.1:{port}")
+            with pytest.raises(Unavailable, match="timed out"):
+                await link.call("slow", {}, timeout=1.5)
+    assert svc.slow_calls == 1
+    svc.release.set()

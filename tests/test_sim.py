@@ -164,8 +164,8 @@ def test_catches_a_filled_segment_taking_another_chunk(monkeypatch):
     """The broker's ``Group.append`` before its fix: a segment noted filled, the next one
     refused by the budget, took a smaller chunk, into its dropped buffer once evicted."""
     monkeypatch.setattr(placement.Segment, "filled_at", property(lambda seg: 0.0, lambda seg, v: None))
-    seed, why = first_failing(range(770, 780))
-    assert seed == 776 and "evicted segment" in why, why
+    seed, why = first_failing(range(2085, 2095))
+    assert seed == 2090 and "evicted segment" in why, why
 
 
 def test_catches_a_budget_spent_on_segments_waiting_in_idle_vlogs(monkeypatch):

@@ -3,6 +3,8 @@ consumer can check exactly-once delivery and per-producer order with numpy."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import trio
 from kera_client import open_admin, open_consumer, open_producer
@@ -171,3 +173,34 @@ async def producer_id(coord) -> dict:
     async with open_admin(coord) as a:
         r = await a.call("producer_id")
     return {"producer": r["id"], "token": r["token"]}
+
+
+class TimedIngest:
+    """Batches sent and flushed one after another, until stopped: the longest flush is the
+    longest produce stall. The values carry producer ``who`` and counters 0, 1, ... per stream."""
+
+    def __init__(self, coord, streams, batch: int = 20, who: int = 1):
+        self.coord, self.streams, self.batch, self.who = coord, streams, batch, who
+        self.sent = 0
+        self.longest = 0.0
+        self.stop = trio.Event()
+        self.acked = trio.Event()   # set after each acknowledged batch
+
+    async def run(self) -> None:
+        async with open_producer(self.coord, **{"linger.ms": 2}) as prod:
+            await prod.load_metadata(self.streams)
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                for s in self.streams:
+                    await prod.send_many(s, values(self.who, self.sent, self.batch))
+                await prod.flush()
+                self.longest = max(self.longest, time.monotonic() - t0)
+                self.sent += self.batch
+                self.acked.set()
+                self.acked = trio.Event()
+            assert prod.acked == self.sent * len(self.streams)
+
+    async def more(self, batches: int = 5) -> None:
+        """Until ``batches`` more batches were acknowledged."""
+        for _ in range(batches):
+            await self.acked.wait()

@@ -85,9 +85,12 @@ class AsyncProducer(Accumulator, Columnar, Sender):
         Sender.__init__(self, cfg)
 
     # -- metadata ----------------------------------------------------------------
-    async def _load(self, names) -> None:
-        r, _ = await self.coordinator.call("metadata", {"names": list(names)},
-                                    timeout=self.request_timeout)
+    async def _load(self, names, patient: bool = False) -> None:
+        """Where ``names`` live; ``patient``: waiting for an unreachable coordinator (``_patient``)
+        rather than failing at once (the sender's refreshes have a backoff of their own)."""
+        meta = {"names": list(names)}
+        r, _ = await (self._patient("metadata", meta) if patient else
+                      self.coordinator.call("metadata", meta, timeout=self.request_timeout))
         with self.lock:
             for d in r["streams"]:
                 s = StreamView.from_wire(d)
@@ -101,12 +104,12 @@ class AsyncProducer(Accumulator, Columnar, Sender):
 
     async def load_metadata(self, names) -> None:
         """Fetch where many streams live in one call (else each first send asks alone)."""
-        await self._load([n for n in names if n not in self.streams])
+        await self._load([n for n in names if n not in self.streams], patient=True)
 
     async def stream(self, name: str) -> StreamView:
         s = self.streams.get(name)
         if s is None:
-            await self._load([name])
+            await self._load([name], patient=True)
             s = self.streams[name]
         return s
 

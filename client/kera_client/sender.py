@@ -9,6 +9,18 @@ of its queue to be retried in sequence order (``RETRIABLE``: the owner moved,
 the broker died, a timeout), or given up on (``_give_up``), which leaves a hole
 the next chunk of its streamlet closes with ``SEQ_RESET``. Owners that moved
 are found again by ``_refresh``, with backoff while the coordinator is away.
+
+A broker cut off by a partition never answers and never fails the connection:
+a request unanswered for ``CHECK_AFTER`` makes the producer ask the coordinator
+where its streamlets live, and again every ``CHECK_AFTER`` while it waits; once
+one of them has another owner, or none alive (its broker was declared dead), the
+request is abandoned (``_abandon_moved``: its answer, if it ever comes, is
+dropped with the connection) and its chunks are sent to the new owners as any
+retry is: the same producer id and sequences, so a chunk the old broker made
+durable before it was fenced is recovered once and taken as a duplicate.
+Calls to the coordinator a producer cannot do without (its id, the metadata of
+the streams it is asked to write) wait for it while it is unreachable, up to
+``delivery.timeout.ms`` (``_patient``).
 """
 
 from __future__ import annotations
@@ -21,7 +33,7 @@ from collections import deque
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, UnknownProducer, UnknownStream
+from kera.errors import KeraError, NotOwner, Unavailable, UnknownProducer, UnknownStream
 from kera.limits import MAX_REQUEST
 
 from .accumulator import pack
@@ -31,6 +43,12 @@ from .delivery import TIMEOUT
 log = logging.getLogger("kera.producer")
 
 REFRESH_MIN, REFRESH_MAX = 0.05, 2.0  # metadata refresh backoff, seconds
+# seconds a request waits for its answer before the producer asks whether its streamlets still
+# live on that broker, and again each as long while it waits: under a broker's lease (0.75 of the
+# coordinator's --dead-after, 1.5 s by default), so a silent broker costs the failure detector's
+# time plus at most this, not the request timeout; a broker merely slow costs a metadata request
+# per period, nothing more
+CHECK_AFTER = 1.0
 
 RETRIABLE = {"not_owner", "recovering", "fenced", "out_of_order_sequence", "unavailable",
              "not_enough_backups", "backup", "internal", "unknown_producer"}
@@ -40,6 +58,17 @@ class ProduceError(KeraError):
     """Records failed that no delivery report told of (raised by ``flush``)."""
 
     code = "produce"
+
+
+class Flight:
+    """A request in flight: its broker, the owner of each of its streamlets when it left, when
+    to check them next, and the scope that abandons it."""
+
+    __slots__ = ("addr", "owners", "check_at", "scope")
+
+    def __init__(self, addr: str, owners: dict, check_at: float):
+        self.addr, self.owners, self.check_at = addr, owners, check_at
+        self.scope = trio.CancelScope()
 
 
 class Sender:
@@ -57,6 +86,7 @@ class Sender:
         self.gaps: dict[tuple, int] = {}       # streamlet -> highest sequence given up, not yet reset
         self.inflight_keys: set = set()
         self.inflight: dict[str, int] = {}
+        self.flights: set[Flight] = set()
         self.retry_at: dict[tuple, float] = {}
         self.stale: set[str] = set()
         self.refresh_at = 0.0                  # no metadata refresh before this time
@@ -132,7 +162,13 @@ class Sender:
             for addr, items in plans.items():
                 if items:
                     self.inflight[addr] = self.inflight.get(addr, 0) + 1
-                    self.nursery.start_soon(self._request, addr, items)
+                    by_id = self.by_id
+                    f = Flight(addr, {c.key: by_id[c.key[0]].owners[c.key[1]] for c in items},
+                               now + CHECK_AFTER)
+                    self.flights.add(f)
+                    self.nursery.start_soon(self._request, f, items)
+            if self.flights:
+                next_retry = min(next_retry, self._check(now))
         if self.delivery.ready:
             self.delivery.hand()
         if self.stale:
@@ -143,6 +179,28 @@ class Sender:
                 next_retry = min(next_retry, self.refresh_at)
         return next_retry
 
+    def _check(self, now: float) -> float:
+        """Requests waiting past their check time: their streams' owners are asked for again
+        (``_refresh``, which then abandons those whose streamlets moved). Returns the next
+        check time."""
+        nearest = math.inf
+        for f in self.flights:
+            if f.check_at <= now:
+                f.check_at = now + CHECK_AFTER
+                self.stale.update(self.by_id[k[0]].name for k in f.owners if k[0] in self.by_id)
+            nearest = min(nearest, f.check_at)
+        return nearest
+
+    def _abandon_moved(self) -> None:
+        """Abandon every request one of whose streamlets has another owner now, or none alive
+        (its broker declared dead): its chunks go to the new owners (``_request``)."""
+        for f in self.flights:
+            for k, owner in f.owners.items():
+                s = self.by_id.get(k[0])
+                if s is None or s.owners[k[1]] != owner or s.addrs[k[1]] != f.addr:
+                    f.scope.cancel()
+                    break
+
     async def _refresh(self) -> None:
         """Metadata of streams whose owners moved; backs off while the coordinator is away."""
         names, self.stale = self.stale, set()
@@ -151,6 +209,7 @@ class Sender:
                 await self._load(names)
             except UnknownStream as e:  # deleted: its chunks fail with the error, others were loaded
                 self._forget(set(e.missing))
+            self._abandon_moved()
             self.refresh_backoff = REFRESH_MIN
             self.refresh_at = 0.0
         except KeraError as e:
@@ -172,27 +231,36 @@ class Sender:
                 self.streams.pop(name, None)
         self.delivery.hand()
 
-    async def _request(self, addr: str, items: list) -> None:
+    async def _request(self, flight: Flight, items: list) -> None:
+        addr = flight.addr
         meta = {"producer": self.producer_id, "token": self.producer_token, "acks": self.acks}
         if self.delivery.used and any(c.reports is not None for c in items):
             meta["positions"] = True  # where each chunk was placed, for its delivery reports
         where = {}
+        results = None
         try:
             whole = pack(items, self.producer_id)
-            r, _ = await self.pool.call(addr, "produce", meta,
-                                        parts=[whole] if whole is not None else [c.chunk() for c in items],
-                                        timeout=self.request_timeout)
-            results = [None] * len(items)  # the broker names only the chunks it refused
-            for i, code in r["errors"]:
-                results[i] = code
-            for i, g, seg, off in r.get("placed") or ():
-                where[i] = (g, seg, off)
+            with flight.scope:
+                r, _ = await self.pool.call(addr, "produce", meta,
+                                            parts=[whole] if whole is not None else [c.chunk() for c in items],
+                                            timeout=self.request_timeout)
+                results = [None] * len(items)  # the broker names only the chunks it refused
+                for i, code in r["errors"]:
+                    results[i] = code
+                for i, g, seg, off in r.get("placed") or ():
+                    where[i] = (g, seg, off)
+            if results is None:   # abandoned (``_abandon_moved``): the owners moved
+                log.info("produce to %s abandoned: its streamlets live elsewhere now", addr)
+                results = [NotOwner.code] * len(items)
+                self.pool.drop(addr)
         except KeraError as e:
             log.info("produce to %s failed: %s", addr, e)
             results = [e.code] * len(items)
             self.pool.drop(addr)
             if e.code == "unavailable":
                 self.nursery.start_soon(suspect, self.coordinator, addr)
+        finally:
+            self.flights.discard(flight)
         now = time.monotonic()
         with self.lock:
             self.inflight[addr] -= 1
@@ -251,8 +319,26 @@ class Sender:
                 self.delivery.failed_silently(c, why)
         self.space.notify_all()
 
+    async def _patient(self, method: str, meta: dict):
+        """A call to the coordinator, retried with backoff while it is unreachable or not
+        serving (``unavailable``), up to ``delivery.timeout.ms``."""
+        deadline = time.monotonic() + self.delivery_timeout
+        delay = REFRESH_MIN
+        while True:
+            try:
+                return await self.coordinator.call(
+                    method, meta, timeout=max(0.001, min(self.request_timeout, deadline - time.monotonic())))
+            except Unavailable as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if delay == REFRESH_MIN:
+                    log.warning("%s: coordinator unavailable (retrying for %.0f s more): %s", method, left, e)
+                await trio.sleep(min(delay, left))
+                delay = min(delay * 2, REFRESH_MAX)
+
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        r, _ = await self.coordinator.call("producer_id", {}, timeout=self.request_timeout)
+        r, _ = await self._patient("producer_id", {})
         self.producer_id, self.producer_token = r["id"], r["token"]
         task_status.started()
         while True:

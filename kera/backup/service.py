@@ -23,7 +23,8 @@ from ``readback``, deleting released ones (trims, claims, let-go) from
 
 Run: ``python -m kera.backup.service --dir DIR [--port 0] ...`` (the CLI's
 ``kera backup ...`` calls ``main(argv)``). When listening it prints one line
-``backup <id> listening on HOST:PORT`` (``-`` while it has no id yet).
+``backup <id> listening on HOST:PORT`` (``-`` while it has no id yet), the address it
+advertises (``--advertise``, else ``--host`` and the port bound).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ..coordinator_link import CoordinatorLink
 from ..door import Door
 from ..errors import BackupError, InvalidArgument, KeraError, LimitExceeded
 from ..recovery_plan import PLAIN_COLUMNS
-from ..rpc import open_pool
+from ..rpc import advertised, open_pool
 from ..security import secret as secret_
 from ..security import tls as tls_
 from ..security.credentials import Credentials
@@ -105,7 +106,7 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
                  coordinator: str | None = None, node: str | None = None,
                  scrub_rate: int = DEFAULT_RATE, scrub_every: float = DEFAULT_EVERY,
                  cluster_secret: bytes, auth: bool = False, door: Door | None = None,
-                 tls=(None, None)):
+                 tls=(None, None), advertise: str = ""):
         if fsync not in ("periodic", "write", "always"):
             raise ValueError("fsync must be 'periodic', 'write' or 'always'")
         if flush_interval <= 0 or fsync_interval <= 0 or max_bytes < 0 or max_memory <= 0:
@@ -124,6 +125,8 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         self._claims_changed = self._claims_saved = 0   # changes made, changes on disk
         self.coordinator = coordinator
         self.node = node
+        self.advertise = advertise   # HOST[:PORT] brokers reach us at (default: the bound host and port)
+        self.addr = ""
         self.id: int | None = load_id(directory) if os.path.isdir(directory) else None
         self.gate = Gate(cluster_secret, auth=auth)
         self.door = door or Door()
@@ -158,15 +161,15 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         async with open_pool(credentials=self.credentials) as pool, trio.open_nursery() as nursery:
             self.pool = pool
             self.port = await nursery.start(self.serve, host, port)
+            self.addr = advertised(host, self.port, self.advertise)
             nursery.start_soon(self._flusher)
             if not self.always:
                 nursery.start_soon(self._syncer)
             if self.scrub_rate:
                 nursery.start_soon(self._scrubber)
             if self.coordinator:
-                adv = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
                 nursery.start_soon(run_membership, self, CoordinatorLink(pool, self.coordinator),
-                                   f"{adv}:{self.port}", self.node)
+                                   self.addr, self.node)
             task_status.started(self.port)
             await self._stop.wait()
             with trio.CancelScope(shield=True):
@@ -412,8 +415,11 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kera backup", description="Run a kera backup service.")
     p.add_argument("--dir", required=True, help="data directory (segment files, backup.id)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                   help="address brokers and the coordinator reach this backup at (default: "
+                        "--host and the port bound)")
     p.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR"),
                    help="HOST:PORT[,HOST:PORT...] of the coordinators to register with")
     p.add_argument("--node", help="node name (backups and brokers of one node share it)")
@@ -442,12 +448,11 @@ async def _main(args, cluster_secret: bytes, tls) -> bool:
                         max_memory=args.max_memory, coordinator=args.coordinator, node=args.node,
                         scrub_rate=args.scrub_rate, scrub_every=args.scrub_every,
                         cluster_secret=cluster_secret, auth=args.auth, door=Door(door.from_args(args)),
-                        tls=tls)
+                        tls=tls, advertise=args.advertise)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(svc.run, args.host, args.port)
-            print(f"backup {svc.id if svc.id is not None else '-'} listening on {args.host}:{port}",
-                  flush=True)
+            await nursery.start(svc.run, args.host, args.port)
+            print(f"backup {svc.id if svc.id is not None else '-'} listening on {svc.addr}", flush=True)
             async for sig in signals:
                 log.info("signal %d: flushing and exiting", sig)
                 svc.stop()

@@ -154,8 +154,9 @@ def compact(segments: list, now_ms: int, delete_retention_ms: int, drop_tombston
 class Compactor:
     """The background passes of one broker incarnation (``run`` lives in its nursery)."""
 
-    def __init__(self, streamlets: dict, memory, free):
+    def __init__(self, streamlets: dict, compacted: dict, memory, free):
         self.streamlets = streamlets  # (stream id, index) -> Streamlet, the broker's own dict
+        self.compacted = compacted    # the streamlets of compacted streams (the broker's ledger)
         self.memory = memory
         self.free = free              # the broker's: segments gone for good (memory, vseg lives)
         self.passes = 0
@@ -174,7 +175,7 @@ class Compactor:
         """Roll and compact every compacted streamlet that needs it; returns segments rewritten."""
         done = 0
         now = time.time()
-        for sl in [sl for sl in self.streamlets.values() if sl.compact and not sl.recovering]:
+        for sl in [sl for sl in self.compacted if not sl.recovering]:
             sl.roll(now)
             job = self._job(sl, now)
             if job is None:
@@ -241,11 +242,14 @@ class Compactor:
 
     def _swap(self, seg, new: Compacted) -> None:
         """One assignment: readers see the old bytes or the new. The vsegs are frozen (the
-        buffer their copies were made from is gone) and the memory charge shrinks."""
+        buffer their copies were made from is gone) and the memory charge becomes what the new
+        bytes take (the old buffer itself when nothing was dropped: a view of it)."""
         for vs in seg.vsegs:
             vs.frozen = True
         self.memory.resident.pop(seg, None)
-        self.memory.release(seg.capacity - len(new.buf))
+        held = len(new.buf.obj)
+        self.memory.release(seg.held - held)
+        seg.held = held
         seg.capacity = len(new.buf)
         seg.compacted = new
         seg.buf = seg.view = None

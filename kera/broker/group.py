@@ -14,7 +14,7 @@ from bisect import bisect_left
 
 from ..errors import DataLoss, OutOfRange
 from ..position import DONE, pack, unpack
-from .segment import Segment
+from .segment import Segment, buffer_size
 
 
 class Group:
@@ -29,7 +29,7 @@ class Group:
         self.segments: list[Segment] = []
         self.closed = False
         self.vlog = None  # the virtual log its chunks go to (one per group, fixed once chosen)
-        self.memory = memory  # the broker's budget, charged for every segment allocated
+        self.memory = memory  # the broker's budget, charged for every buffer allocated
         self.start = 0        # segments below were freed by retention
         self.on_filled = None  # called with (group, segment) when a segment takes no more chunks
 
@@ -50,7 +50,9 @@ class Group:
                 return None
             if seg is not None:
                 self._filled(seg)
-            seg = self._segment()
+            seg = self._segment(n)
+        elif seg.held - seg.head < n:   # its buffer is full: it grows
+            self._grow(seg, n)
         return seg, seg.append(chunk)
 
     def place(self, segment: int, offset: int, chunk, late_start: bool = False) -> Segment | None:
@@ -85,17 +87,35 @@ class Group:
         if segment == n:
             if n > self.start and not self.segments[-1].evicted:  # adopted ones were noted filled
                 self._filled(self.segments[-1])
-            self._segment()
+            self._segment(len(chunk))
         seg = self.segments[segment]
+        if seg.space() < len(chunk):
+            self._grow(seg, len(chunk))
         seg.append(chunk)
         return seg
 
-    def _segment(self) -> Segment:
+    def _segment(self, first: int) -> Segment:
+        """A new segment, its buffer (charged) sized for its ``first`` chunk or for what the
+        segment before it in the group held: a group filling its segments keeps its pace
+        without growing each one from small (and copying its bytes again)."""
+        before = self.segments[-1].head if self.segments else 0
+        size = buffer_size(max(first, before), self.segment_size)
         if self.memory is not None:
-            self.memory.reserve(self.segment_size)
-        seg = Segment(len(self.segments), self.segment_size)
+            self.memory.reserve(size)
+        seg = self.new_segment(len(self.segments), size)
         self.segments.append(seg)
         return seg
+
+    def new_segment(self, id: int, size: int) -> Segment:
+        return Segment(id, self.segment_size, size)
+
+    def _grow(self, seg: Segment, n: int) -> None:
+        """``seg``'s buffer doubles (or more, for a large chunk) to take ``n`` bytes more; the
+        budget is charged the difference first (``BrokerFull``: nothing changed)."""
+        size = buffer_size(max(seg.head + n, 2 * seg.held), self.segment_size)
+        if self.memory is not None:
+            self.memory.reserve(size - seg.held)
+        seg.grow(size)
 
     def free_front(self) -> Segment:
         """Retention: the oldest segment held goes (the caller frees its bytes)."""

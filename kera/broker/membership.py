@@ -98,6 +98,7 @@ class Membership:
         """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
         self.streams.clear()
         self.streamlets.clear()
+        self.ledger.clear()
         self.memory.used = 0
         self.memory.resident.clear()
         if self.tiered is not None:

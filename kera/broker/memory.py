@@ -1,8 +1,11 @@
 """MemoryBudget: the bound on what a broker's segments may take, and eviction.
 
-Segments are charged at their full capacity when allocated (an mmap costs
-address space, and will cost pages as it fills) and credited back when they
-are evicted, freed by retention, or their stream leaves the broker.
+Segments are charged what their buffers take (``Segment.held``): a buffer
+starts sized to its first chunk and grows with what it holds (``Group``
+charges each growth before it happens), so a stream holding one small record
+costs a few hundred bytes, not a segment. The charge is credited back when a
+segment is evicted, freed by retention, or its stream leaves the broker;
+``used`` is always the sum of the charges of the segments held.
 
 Brokers are a cache of the recent data: a segment that takes no more chunks
 (*filled*) and whose chunks are settled on their backups (every vseg holding
@@ -64,7 +67,7 @@ class MemoryBudget:
                     self.wanted = max(self.wanted, n)
                 raise BrokerFull(f"broker memory budget of {self.limit} bytes is spent "
                                  f"({self.used} in segments not replicated yet or of compacted "
-                                 f"streams, which are not evicted); no new segment")
+                                 f"streams, which are not evicted); no room for {n} bytes more")
         self.used += n
         self.wanted = 0
 
@@ -88,9 +91,9 @@ class MemoryBudget:
             for vs in seg.vsegs:
                 vs.frozen = True  # its bytes are not all in memory any more
             seg.evicted = True
+            self.used -= seg.held
+            freed += seg.held
             seg.drop_buffer()
-            self.used -= seg.capacity
-            freed += seg.capacity
             self.evictions += 1
             self.evicted_bytes += seg.head
         return freed
@@ -112,7 +115,7 @@ class MemoryBudget:
                 break
             if never_settles(seg):  # never evictable: closing vsegs for its sake frees nothing
                 continue
-            need -= seg.capacity  # settles: by itself, or once the open vseg it waits in closes
+            need -= seg.held  # settles: by itself, or once the open vseg it waits in closes
             if close_waiting(seg):
                 closed.append(seg.vlog)
         return closed
@@ -120,5 +123,5 @@ class MemoryBudget:
     def free(self, seg) -> None:
         """``seg`` is gone for good (retention, deletion): its memory, if it still has any."""
         self.resident.pop(seg, None)
-        if not seg.evicted and seg.capacity:
-            self.release(seg.capacity)
+        self.release(seg.held)
+        seg.held = 0

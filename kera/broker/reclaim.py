@@ -49,14 +49,18 @@ class Reclaim:
         released (their backups are told), memory is brought down to the low-water mark (the
         vlogs whose open vseg the budget closed are poked, so the close reaches the copies)."""
         now = time.time()
-        for sl in self.streamlets.values():
-            if sl.filled and not sl.recovering and not sl.pending and (
-                    sl.retention_bytes >= 0 or sl.retention_ms >= 0):
-                freed = sl.expired(now)
-                if freed:
-                    self._free(freed)
-                if sl.waiting is not None and close_waiting(sl.waiting):
-                    sl.waiting.vlog.poke()
+        expiring = self.ledger.expiring
+        for sl in list(expiring):   # under retention with filled segments, not every streamlet
+            if not sl.filled or (sl.retention_bytes < 0 and sl.retention_ms < 0):
+                del expiring[sl]    # back when a segment of it fills (or retention is set)
+                continue
+            if sl.recovering or sl.pending:
+                continue
+            freed = sl.expired(now)
+            if freed:
+                self._free(freed)
+            if sl.waiting is not None and close_waiting(sl.waiting):
+                sl.waiting.vlog.poke()
         for v in self.vlogs.values():
             if v.log.advance_floor() or v.log.floor > v.trimmed:
                 v.poke()

@@ -116,7 +116,7 @@ class ReplicationHub:
                         nursery.start_soon(self._send, backup, sends)
                 for backup, (t, conn, rid, batch) in list(self.posted.items()):
                     if t <= now:
-                        conn.forget(rid)
+                        conn.forget(rid, timed_out=True)
                         self._done(backup, batch, Unavailable(
                             f"replicate to {conn.addr} timed out after {self.timeout} s"))
                     else:

@@ -1,11 +1,27 @@
-"""Segment: a fixed-capacity in-memory buffer of back-to-back chunks.
+"""Segment: a buffer of back-to-back chunks, of a fixed *logical* capacity.
 
-Backed by an anonymous mmap, so capacity costs address space only until it
-is written: idle streams stay cheap. The mapping is private: the kernel merges
-adjacent private anonymous mappings into one area, while shared ones (mmap's
-default) each take one of the process's ``vm.max_map_count`` areas (65,530
-by default), which capped a broker at about that many segments. ``head`` is where the next chunk goes,
-``durable`` how far chunks are on all copies (consumers stop there).
+Chunk positions [group, segment, offset] and everything computed from them
+(recovery, replay, re-pointing, eviction, tiered reads, retention,
+compaction) see a segment of ``capacity`` bytes. Its *physical* buffer is
+sized to what it holds: it starts at its first chunk (rounded up to a power of
+two, at least ``MIN_BUFFER``), or at what the segment before it in its group
+held, and doubles, up to ``capacity``, as chunks arrive (``grow``, driven by
+``Group``, which charges the broker's budget for it). A stream holding one
+small record costs a few hundred bytes, not a segment; growing costs at most
+one more copy of each byte, and a group filling its segments grows only its
+first. ``held`` is what the buffer takes: the budget charges exactly that.
+
+A grown buffer is a new buffer: the old one is never resized, since slices
+of it (a pull's reply, a replicate in flight) may still be out; they stay
+valid on the old buffer until dropped. Bytes once appended never change, so
+the old buffer's slices and the new buffer agree. Buffers from ``MMAP_BUFFER``
+up are private anonymous mmaps, given back to the kernel at once when dropped
+(the allocator would keep a freed large block in its heap); the kernel merges
+adjacent private anonymous mappings into one area, while shared ones
+(mmap's default) each take one of the process's ``vm.max_map_count`` areas
+(65,530 by default). Smaller ones are bytearrays. ``head`` is where the next
+chunk goes, ``durable`` how far chunks are on all copies (consumers stop
+there).
 
 Each chunk also records where its vlog put it (virtual segment id, byte
 offset there): once the segment is full and its virtual segments are fully
@@ -25,16 +41,33 @@ import time
 from array import array
 from bisect import bisect_left, bisect_right
 
+MIN_BUFFER = 256         # bytes of the smallest buffer (a chunk of one small record fits)
+MMAP_BUFFER = 256 << 10  # buffers from this size up are mmaps, smaller ones bytearrays
+
+
+def buffer_size(need: int, capacity: int) -> int:
+    """The buffer for ``need`` bytes: the next power of two (at least ``MIN_BUFFER``), at
+    most ``capacity``."""
+    return min(capacity, max(MIN_BUFFER, 1 << (need - 1).bit_length()))
+
+
+def _buffer(size: int):
+    if size >= MMAP_BUFFER:
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return bytearray(size)
+
 
 class Segment:
-    __slots__ = ("id", "capacity", "buf", "view", "head", "durable", "ends", "vlog", "vsegs",
+    __slots__ = ("id", "capacity", "buf", "view", "held", "head", "durable", "ends", "vlog", "vsegs",
                  "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed", "opened_at", "compacted")
 
-    def __init__(self, id: int, capacity: int):
+    def __init__(self, id: int, capacity: int, size: int | None = None):
+        """``size``: the first buffer's (``buffer_size``; by default the whole capacity)."""
         self.id = id
         self.capacity = capacity
-        self.buf = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.buf = _buffer(capacity if size is None else size)
         self.view = memoryview(self.buf)
+        self.held = len(self.buf)  # bytes its buffer takes: what the budget charges for it
         self.head = 0
         self.durable = 0
         self.ends: list[int] = []  # end offset of each chunk, to cut reads at chunk boundaries
@@ -53,7 +86,7 @@ class Segment:
         """A placeholder for a segment freed before this broker held its group (recovery)."""
         seg = cls.__new__(cls)
         seg.id, seg.capacity, seg.buf, seg.view = id, 0, None, None
-        seg.head = seg.durable = 0
+        seg.held = seg.head = seg.durable = 0
         seg.ends, seg.vlog, seg.vsegs = [], None, []
         seg.vseg_ids, seg.vseg_offs = array("Q"), array("Q")
         seg.filled_at, seg.evicted, seg.freed = 0.0, False, True
@@ -61,13 +94,26 @@ class Segment:
         return seg
 
     def room(self) -> int:
+        """Bytes it may still take (of its capacity)."""
         return self.capacity - self.head
+
+    def space(self) -> int:
+        """Bytes its buffer can still take before it must grow."""
+        return len(self.view) - self.head
+
+    def grow(self, size: int) -> None:
+        """Move the bytes into a new buffer of ``size`` (the caller charged the budget). The old
+        buffer is left to the slices still out of it."""
+        buf = _buffer(size)
+        view = memoryview(buf)
+        view[:self.head] = self.view[:self.head]
+        self.buf, self.view, self.held = buf, view, size
 
     def append(self, chunk) -> int:
         """One memcpy; returns the chunk's offset."""
         off = self.head
         end = off + len(chunk)
-        assert end <= self.capacity, "caller checks room()"
+        assert end <= len(self.view) and end <= self.capacity, "caller checks room() and space()"
         self.view[off:end] = chunk
         self.head = end
         self.ends.append(end)
@@ -95,6 +141,7 @@ class Segment:
         self.view = None
         self.buf = None
         self.compacted = None
+        self.held = 0
 
     def readable(self, offset: int, max_bytes: int) -> int:
         """Bytes of whole durable chunks from ``offset``, at most ``max_bytes`` (but >= 1 chunk)."""

@@ -34,7 +34,7 @@ from ..errors import (
     Unauthorized,
     Unavailable,
 )
-from ..rpc import Later, Pool
+from ..rpc import Later, Pool, advertised
 from ..security import secret as secret_
 from ..security import tls as tls_
 from ..security.credentials import Credentials
@@ -53,7 +53,7 @@ from .rebuild import Rebuilder
 from .reclaim import Reclaim
 from .replicator import ReplicationHub, Replicator
 from .segment import VlogChunk
-from .streamlet import Streamlet
+from .streamlet import Ledger, Streamlet
 from .takeover import Takeover
 from .tiered import TieredReader
 
@@ -89,9 +89,12 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.credentials = Credentials.member(cluster_secret, BROKER, self.broker_id, tls=tls[1])
         self.epoch = 0
         self.addr = ""
+        self.advertise = ""        # HOST[:PORT] others reach us at (default: the bound host and port)
         self.streams: dict[int, StreamMeta] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
-        self.compactor = Compactor(self.streamlets, self.memory, self._free)  # key compaction
+        self.ledger = Ledger()     # what is kept over all of them (kera.broker.streamlet)
+        self.compactor = Compactor(self.streamlets, self.ledger.compacted, self.memory,
+                                   self._free)  # key compaction
         self.vlogs: dict[tuple, Replicator] = {}
         self.backups: dict[int, dict] = {}
         self.backup_set = BackupSet(node)
@@ -179,12 +182,11 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             if sl is not None:
                 sl.configure(s)
             if sl is None:
-                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory)
+                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory, self.ledger)
                 sl.on_close = self._close_group
                 sl.recovering = recovering
             elif sl.recovering and recovering:   # an attempt again: it tells what is pending anew
-                sl.pending.clear()
-                sl.pending_tops.clear()
+                sl.forget_pending()
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
                 if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)
@@ -200,8 +202,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         s = StreamMeta.from_wire(meta.get("stream"))
         if s.id in self.streams:
             self.streams[s.id] = s
-            for (sid, _), sl in self.streamlets.items():
-                if sid == s.id:
+            for i in range(s.streamlets):
+                sl = self.streamlets.get((s.id, i))
+                if sl is not None:
                     sl.configure(s)
         return {}
 
@@ -232,9 +235,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             for i in every if only is None else only:
                 sl = self.streamlets.pop((sid, i), None)
                 if sl is not None:
-                    self._free(sl.everything())
-                    sl.groups.clear()
-                    sl.producers.clear()
+                    self._free(sl.leave())
             if not any((sid, i) in self.streamlets for i in every):
                 self.streams.pop(sid, None)
         self._reclaim_once()
@@ -350,9 +351,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 if placed is not None:
                     placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
-                idx = vlog.append(seg, soff, size, checksum)
+                idx = waits[vlog] = vlog.append(seg, soff, size, checksum)
                 sl.note_producer(producer, seq, vlog, idx, seg, soff + size)
-                waits[vlog] = sl.tails[vlog] = idx
                 sl.plain_last = sl.appended_chunks
             except KeraError as e:
                 errors.append([i, e.code])
@@ -414,9 +414,9 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
         chunk.place(seg.view, soff, g.id, seg.id, soff)
         vlog = g.vlog or self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
-        idx = sl.tails[vlog] = vlog.append(seg, soff, h.size, h.body_checksum)
+        idx = vlog.append(seg, soff, h.size, h.body_checksum)
         sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)
-        sl.key_last[bytes(key)] = sl.appended_chunks
+        sl.note_key(bytes(key))
         return self._acked_when_durable({vlog: idx}, {"duplicate": False})
 
     @staticmethod
@@ -464,8 +464,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "tiered_cache": t.cached if t else 0,
                 "foreign_vsegs": len(self.claims.vsegs) if self.claims else 0,
                 "foreign_released": self.claims.released if self.claims else 0,
-                "chunks": sum(s.appended_chunks for s in self.streamlets.values()),
-                "bytes": sum(s.appended_bytes for s in self.streamlets.values()),
+                "chunks": self.ledger.chunks, "bytes": self.ledger.bytes,
                 "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
                 "replication": self.hub.stats() if self.hub else {},
                 "rebuild": self.rebuilder.stats() if self.rebuilder else {},
@@ -493,7 +492,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                                        min(TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
                                        if self.memory.limit else TIERED_CACHE)
             bound = await nursery.start(self.serve, host, port)
-            self.addr = f"{host}:{bound}"
+            self.addr = advertised(host, bound, self.advertise)
             while True:
                 await self._register()
                 print(f"broker {self.broker_id} listening on {self.addr} (epoch {self.epoch})", flush=True)
@@ -539,8 +538,11 @@ def main(argv=None) -> None:
     ap.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR", "127.0.0.1:7700"))
     ap.add_argument("--data", default="kera-data/broker")
     ap.add_argument("--node", default="")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    ap.add_argument("--advertise", default="", metavar="HOST[:PORT]",
+                    help="address clients and the coordinator reach this broker at (default: "
+                         "--host and the port bound)")
     ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
     ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
     ap.add_argument("--vseg-size", type=_vseg_size, default=limits.DEFAULT_VSEG_SIZE,
@@ -564,6 +566,7 @@ def main(argv=None) -> None:
                         default_budget() if args.memory is None else args.memory,
                         cluster_secret=cluster_secret, auth=args.auth,
                         door=Door(door.from_args(args)), tls=tls)
+    svc.advertise = args.advertise
 
     from ..process import run_until_signal
     run_until_signal(svc.run, args.host, args.port)

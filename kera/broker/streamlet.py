@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from types import MappingProxyType
 
 from ..errors import (
     DataLoss,
@@ -32,6 +33,26 @@ from .segment import Segment
 DELETE_RETENTION_MS = 86_400_000  # Kafka's delete.retention.ms default: tombstones kept a day
 SEGMENT_MS = 60_000  # segment.ms of compacted streams: their newest segment is compacted a minute on
 SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
+NONE: MappingProxyType = MappingProxyType({})  # what a streamlet has none of yet (its maps made on first use)
+
+
+class Ledger:
+    """What a broker keeps over all its streamlets, updated as they change, so that nothing
+    periodic or per request walks every streamlet: the chunks and bytes appended (stats),
+    the streamlets under retention holding filled segments (the reclaim pass) and those of
+    compacted streams (the compactor). The sets are dicts, in the order streamlets joined."""
+
+    __slots__ = ("chunks", "bytes", "expiring", "compacted")
+
+    def __init__(self):
+        self.chunks = self.bytes = 0
+        self.expiring: dict[Streamlet, None] = {}
+        self.compacted: dict[Streamlet, None] = {}
+
+    def clear(self) -> None:
+        self.chunks = self.bytes = 0
+        self.expiring.clear()
+        self.compacted.clear()
 
 
 class ProducerState:
@@ -42,21 +63,53 @@ class ProducerState:
     durable up to its ref (conservative, and the list is short: vlogs whose
     refs are all durable are forgotten when the producer moves to a new one).
     Each ref comes with its chunk's segment and end, which say it is durable.
+    The refs are one flat list, [vlog, ref, segment or None, end, ...]: most
+    producers use one vlog of a streamlet at a time, and a list of four costs a
+    third of a dict of tuples.
     """
 
     __slots__ = ("last_seq", "refs")
 
-    def __init__(self, last_seq: int, refs: dict):
+    def __init__(self, last_seq: int, refs: list):
         self.last_seq = last_seq
-        self.refs = refs  # vlog -> (ref, segment or None, end of the chunk in it)
+        self.refs = refs  # [vlog, ref, segment or None, end of the chunk in it, ...]
 
     def waits(self):
         """(vlog, ref) pairs that must be durable before a duplicate is acknowledged."""
-        return [(v, r) for v, (r, seg, end) in self.refs.items() if seg is None or seg.durable < end]
+        r = self.refs
+        return [(r[i], r[i + 1]) for i in range(0, len(r), 4)
+                if r[i + 2] is None or r[i + 2].durable < r[i + 3]]
+
+    def note(self, vlog, ref: int, segment, end: int) -> None:
+        """The producer's chunk ``ref`` in ``vlog``: kept if it is that vlog's newest."""
+        r = self.refs
+        for i in range(0, len(r), 4):
+            if r[i] == vlog:
+                if ref > r[i + 1]:
+                    r[i + 1:i + 4] = ref, segment, end
+                return
+        # a new group's vlog (rare): forget the vlogs already durable
+        keep = []
+        for i in range(0, len(r), 4):
+            seg = r[i + 2]
+            if seg is None or seg.durable < r[i + 3]:
+                keep += r[i:i + 4]
+        self.refs = [*keep, vlog, ref, segment, end]
 
 
 class Streamlet:
-    def __init__(self, stream: StreamMeta, index: int, memory=None):
+    """A broker holds one per streamlet it owns, most of them idle or holding a few records:
+    slots, and the maps and queues it has none of yet are the shared ``NONE`` (or an empty
+    tuple) until first used."""
+
+    __slots__ = ("stream_id", "index", "q", "segment_size", "max_segments", "groups", "active",
+                 "next_group", "producers", "appended_chunks", "appended_bytes", "tails",
+                 "plain_last", "key_last", "recovering", "pending", "pending_tops", "memory",
+                 "ledger", "filled", "freed_bytes", "freed_segments", "waiting", "on_close",
+                 "retention_bytes", "retention_ms", "compact", "delete_retention_ms", "segment_ms",
+                 "tombstone_due")
+
+    def __init__(self, stream: StreamMeta, index: int, memory=None, ledger: Ledger | None = None):
         self.stream_id = stream.id
         self.index = index
         self.q = stream.groups
@@ -65,22 +118,23 @@ class Streamlet:
         self.groups: dict[int, Group] = {}
         self.active: list[Group | None] = [None] * self.q
         self.next_group = 0
-        self.producers: dict[int, ProducerState] = {}
+        self.producers: dict[int, ProducerState] = NONE
         self.appended_chunks = 0
         self.appended_bytes = 0
-        self.tails: dict = {}    # vlog -> ref of this streamlet's last chunk in it (a tail's barrier)
+        self.tails: dict = NONE  # vlog -> ref of this streamlet's last chunk in it (a tail's barrier)
         # for append_if: appended_chunks after the last chunk appended by produce, and after
         # the last append_if of each key (a conditional write conflicts only with its key)
         self.plain_last = 0
-        self.key_last: dict[bytes, int] = {}
+        self.key_last: dict[bytes, int] = NONE
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
         # dead incarnation -> its groups still to be adopted here after the hand-over (closed
         # history, kera.adoption), as [lo, hi] ranges of ids: reads that reach them wait,
         # retention waits
-        self.pending: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        self.pending_tops: dict[tuple[int, int], dict[int, int]] = {}   # per source: slot -> newest
+        self.pending: dict[tuple[int, int], list[tuple[int, int]]] = NONE
+        self.pending_tops: dict[tuple[int, int], dict[int, int]] = NONE   # per source: slot -> newest
         self.memory = memory     # the broker's budget (see MemoryBudget)
-        self.filled: deque = deque()  # (group, segment) that take no more chunks, oldest first
+        self.ledger = ledger     # the broker's, over all its streamlets
+        self.filled: deque = ()  # (group, segment) that take no more chunks, oldest first
         self.freed_bytes = 0     # chunk bytes freed by retention
         self.freed_segments = 0
         self.waiting = None      # an expired segment whose vsegs are still open (idle vlog)
@@ -101,6 +155,17 @@ class Streamlet:
                                     else stream.delete_retention_ms)
         self.segment_ms = SEGMENT_MS if stream.segment_ms is None else stream.segment_ms
         self.tombstone_due = None  # wall time (s) the oldest tombstone kept by compaction expires
+        if self.ledger is not None:
+            if self.compact:
+                self.ledger.compacted[self] = None
+            else:
+                self.ledger.compacted.pop(self, None)
+            self._expiring()
+
+    def _expiring(self) -> None:
+        """Under retention and holding filled segments: the reclaim pass looks at it."""
+        if self.filled and (self.retention_bytes >= 0 or self.retention_ms >= 0):
+            self.ledger.expiring[self] = None
 
     @property
     def retained_bytes(self) -> int:
@@ -110,7 +175,11 @@ class Streamlet:
         if seg.filled_at:  # rolled by segment.ms already
             return
         seg.filled_at = time.time()
+        if not self.filled:
+            self.filled = deque()
         self.filled.append((g, seg))
+        if self.ledger is not None:
+            self._expiring()
         # a compacted stream's segments are not evicted: compaction rewrites them in memory
         if self.memory is not None and not self.compact:
             self.memory.filled(seg)
@@ -124,8 +193,6 @@ class Streamlet:
                 continue
             seg = g.segments[-1]
             if seg.head and not seg.filled_at and now - seg.opened_at >= self.segment_ms / 1000:
-                if self.memory is not None:
-                    self.memory.release(seg.capacity - seg.head)
                 seg.capacity = seg.head
                 self._on_filled(g, seg)
 
@@ -155,6 +222,28 @@ class Streamlet:
             out.append(self._free_first())
         return out
 
+    def _count(self, chunks: int, nbytes: int) -> None:
+        """Chunks appended here (and counted by the broker): appended, placed or adopted."""
+        self.appended_chunks += chunks
+        self.appended_bytes += nbytes
+        if self.ledger is not None:
+            self.ledger.chunks += chunks
+            self.ledger.bytes += nbytes
+
+    def leave(self) -> list:
+        """The stream leaves this broker: every segment still held (the caller frees them),
+        and it leaves the broker's ledger."""
+        segs = [seg for g in self.groups.values() for seg in g.segments[g.start:]]
+        if self.ledger is not None:
+            self.ledger.chunks -= self.appended_chunks
+            self.ledger.bytes -= self.appended_bytes
+            self.ledger.expiring.pop(self, None)
+            self.ledger.compacted.pop(self, None)
+            self.ledger = None
+        self.groups = {}
+        self.producers = NONE
+        return segs
+
     def _free_first(self):
         """The oldest filled segment, first of its group, goes (the caller frees its bytes)."""
         g, seg = self.filled.popleft()
@@ -176,10 +265,6 @@ class Streamlet:
                 break
             out.append(self._free_first())
         return out
-
-    def everything(self) -> list:
-        """Every segment still held (the stream leaves this broker)."""
-        return [seg for g in self.groups.values() for seg in g.segments[g.start:]]
 
     def starts(self) -> dict:
         """Where a reader may restart: each group's first position, and the next group id."""
@@ -252,8 +337,7 @@ class Streamlet:
             if self.on_close is not None:  # its close chunk goes before this one (group_close)
                 self.on_close(self, g, producer)
         seg, off = placed
-        self.appended_chunks += 1
-        self.appended_bytes += len(chunk)
+        self._count(1, len(chunk))
         return g, seg, off
 
     def place(self, chunk, producer: int, group: int, segment: int, offset: int):
@@ -280,8 +364,7 @@ class Streamlet:
             e.stream_id, e.streamlet = self.stream_id, self.index
             raise
         if seg is not None:
-            self.appended_chunks += 1
-            self.appended_bytes += len(chunk)
+            self._count(1, len(chunk))
         return g, seg
 
     def adopt(self, group: int, producer: int, seg) -> bool:
@@ -301,8 +384,7 @@ class Streamlet:
                            f"{seg.id} of group {group} after {n} segments")
         g.segments.append(seg)
         self._on_filled(g, seg)
-        self.appended_chunks += len(seg.ends)
-        self.appended_bytes += seg.head
+        self._count(len(seg.ends), seg.head)
         return True
 
     def pend(self, source: tuple[int, int], ranges, highest: dict[int, int], tops: dict[int, int]) -> None:
@@ -313,6 +395,8 @@ class Streamlet:
         or older than a pending group of their slot take no more chunks; the producers'
         highest sequences in them are noted now, so a resend of one of their chunks stays a
         duplicate."""
+        if not self.pending:
+            self.pending, self.pending_tops = {}, {}
         self.pending[source] = sorted((lo, hi) for lo, hi in ranges)
         self.pending_tops[source] = dict(tops)
         self.next_group = max(self.next_group, self.pending_top() + 1)
@@ -344,10 +428,15 @@ class Streamlet:
 
     def unpend(self, source: tuple[int, int]) -> None:
         """``source``'s groups are adopted (durable, claimed): served like any other."""
-        self.pending_tops.pop(source, None)
-        if self.pending.pop(source, None) is not None:
+        if source in self.pending:
+            del self.pending[source]
+            del self.pending_tops[source]
             self._closed_last()
             self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
+
+    def forget_pending(self) -> None:
+        """A recovery attempt again: it tells what is pending anew."""
+        self.pending = self.pending_tops = NONE
 
     def _check_pending(self, low: int, positions: dict) -> None:
         """``Recovering`` if the reader may reach a pending group: one at or past ``low`` it
@@ -368,31 +457,36 @@ class Streamlet:
         for p, q in highest.items():
             st = self.producers.get(p)
             if st is None:
-                self.producers[p] = ProducerState(q, {})
+                if not self.producers:
+                    self.producers = {}
+                self.producers[p] = ProducerState(q, [])
             elif q > st.last_seq:
                 st.last_seq = q
 
     def note_producer(self, producer: int, sequence: int, vlog, ref: int, segment=None,
                       end: int = 0) -> None:
-        """Remember a producer's chunk: its sequence (replayed vlogs may come in any order:
-        keep the highest) and, per vlog, its highest ref (with the chunk's segment and end)."""
+        """Remember a producer's chunk just appended to ``vlog`` as ``ref``: its sequence
+        (replayed vlogs may come in any order: keep the highest), per vlog its highest ref
+        (with the chunk's segment and end), and the streamlet's tail in that vlog."""
+        tails = self.tails
+        if not tails:
+            tails = self.tails = {}
+        tails[vlog] = ref
         st = self.producers.get(producer)
         if st is None:
-            self.producers[producer] = ProducerState(sequence, {vlog: (ref, segment, end)})
+            if not self.producers:
+                self.producers = {}
+            self.producers[producer] = ProducerState(sequence, [vlog, ref, segment, end])
             return
         if sequence > st.last_seq:
             st.last_seq = sequence
-        refs = st.refs
-        old = refs.get(vlog)
-        if old is None:  # a new group's vlog (rare): forget the vlogs already durable
-            for v in [v for v, (_, seg, e) in refs.items() if seg is not None and seg.durable >= e]:
-                del refs[v]
-            refs[vlog] = (ref, segment, end)
-        elif ref > old[0]:
-            refs[vlog] = (ref, segment, end)
+        st.note(vlog, ref, segment, end)
 
-    def allocated(self) -> int:
-        return sum(len(g.segments) for g in self.groups.values()) * self.segment_size
+    def note_key(self, key: bytes) -> None:
+        """An append_if of ``key`` was just appended."""
+        if not self.key_last:
+            self.key_last = {}
+        self.key_last[key] = self.appended_chunks
 
     def finish_recovery(self) -> None:
         """Rebuilt: the newest group of each slot is active again, older ones are closed."""

@@ -81,7 +81,7 @@ class Takeover:
             vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
             idx = vlog.append(seg, h.offset, h.size, h.body_checksum)
             sl.note_producer(h.producer_id, h.sequence, vlog, idx)
-            waits[vlog] = sl.tails[vlog] = idx
+            waits[vlog] = idx
             placed += 1
         return await self._claimed_and_durable(claim, waits, {"placed": placed, "duplicates": dup})
 

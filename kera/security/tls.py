@@ -72,8 +72,9 @@ def _write(path: str, data: bytes, private: bool) -> None:
         f.write(data)
 
 
-def local_ca(directory: str) -> dict[str, str]:
-    """A CA and a server certificate for this machine in ``directory`` (kept if there):
+def local_ca(directory: str, addresses=()) -> dict[str, str]:
+    """A CA and a server certificate for this machine in ``directory`` (kept if there), also
+    naming ``addresses`` (host names or IPs the servers are reached at besides loopback):
     the paths of ``ca``, ``cert`` and ``key``."""
     paths = {k: os.path.join(directory, n) for k, n in
              (("ca", "ca.pem"), ("cert", "server.pem"), ("key", "server.key"))}
@@ -100,6 +101,11 @@ def local_ca(directory: str) -> dict[str, str]:
           .sign(ca_key, hashes.SHA256()))
     names = [x509.DNSName("localhost"), x509.DNSName(socket.gethostname()),
              x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1"))]
+    for a in sorted(set(addresses) - {"localhost", socket.gethostname(), "127.0.0.1", "::1"}):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(a)))
+        except ValueError:
+            names.append(x509.DNSName(a))
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kera server")]))
             .issuer_name(ca_name).public_key(key.public_key())

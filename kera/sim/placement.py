@@ -7,8 +7,9 @@ closes the group when its last allowed one has none, its close chunk
 (``group_close``) then going to its vlog before the chunk that did not fit,
 which opens the next group; a group's vlog is chosen once, by the broker's
 own ``VlogMapping``. The memory bound is the real
-``MemoryBudget``: a segment is charged when opened, noted filled when it
-takes no more chunks, and evicted by the budget's rule with the broker's own
+``MemoryBudget``: a segment's buffer is sized and grown by the broker's own
+``Group`` (charged when opened and at each growth), a segment is noted filled
+when it takes no more chunks, and evicted by the budget's rule with the broker's own
 ``Segment.replicated`` (its vsegs closed and done on all copies), which
 freezes those vsegs in the real ``VirtualLog``; its background pass
 (``MemoryBudget.relieve``) also closes the open vsegs the oldest filled
@@ -68,13 +69,14 @@ class Segment:
     length) as the broker's and moves its ``durable``; eviction drops ``buf`` as the broker
     drops the bytes, after which a replicate could not be built from it."""
 
-    __slots__ = ("id", "capacity", "head", "durable", "chunks", "at", "vlog", "vsegs", "vseg_ids",
+    __slots__ = ("id", "capacity", "held", "head", "durable", "chunks", "at", "vlog", "vsegs", "vseg_ids",
                  "vseg_offs", "buf", "evicted", "filled_at")
     replicated = BrokerSegment.replicated  # the broker's own rule for what may be evicted
     noted = BrokerSegment.noted            # ... and its own record of the vsegs holding its chunks
 
-    def __init__(self, id: int, capacity: int):
+    def __init__(self, id: int, capacity: int, size: int):
         self.id, self.capacity = id, capacity
+        self.held = size   # its buffer's bytes, as the broker's: what the budget charges
         self.head = self.durable = 0
         self.chunks: list[Chunk] = []
         self.at: dict[int, Chunk] = {}   # offset -> chunk
@@ -88,6 +90,12 @@ class Segment:
 
     def room(self) -> int:
         return self.capacity - self.head
+
+    def space(self) -> int:
+        return self.held - self.head
+
+    def grow(self, size: int) -> None:
+        self.held = size
 
     def append(self, c: Chunk) -> int:
         off = c.offset = self.head
@@ -103,6 +111,7 @@ class Segment:
 
     def drop_buffer(self) -> None:
         self.buf = None
+        self.held = 0
 
 
 class Group(BrokerGroup):
@@ -113,11 +122,8 @@ class Group(BrokerGroup):
         self.on_filled = placement.filled
         self.close: Chunk | None = None   # its close chunk, once full
 
-    def _segment(self) -> Segment:
-        self.memory.reserve(self.segment_size)
-        seg = Segment(len(self.segments), self.segment_size)
-        self.segments.append(seg)
-        return seg
+    def new_segment(self, id: int, size: int) -> Segment:
+        return Segment(id, self.segment_size, size)
 
 
 class Streamlet:
@@ -193,6 +199,10 @@ class Placement:
         self.chunks.append(c)
         self.by_vlog[v.id].append(c)
         return c
+
+    def charged(self) -> int:
+        """What the budget should be charged: every segment's buffer still in memory."""
+        return sum(seg.held for sl in self.streamlets for g in sl.groups for seg in g.segments)
 
     def takes_segment(self) -> bool:
         """Whether the budget would take a new segment now (evicting what it may)."""

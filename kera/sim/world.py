@@ -327,7 +327,11 @@ class World:
         the oldest filled segments wait in while memory stays above its low-water mark."""
         if self.broker_dead:
             return
-        closed = self.placement.memory.relieve()
+        p = self.placement
+        if p.memory.used != p.charged():
+            self.fail(f"the memory budget counts {p.memory.used} bytes, its segments' buffers "
+                      f"take {p.charged()}")
+        closed = p.memory.relieve()
         self.stats["budget_closes"] += len(closed)
         for r in closed:
             self._poll(r.log)
