@@ -76,7 +76,9 @@ def test_a_refused_segment_gets_its_room_below_the_low_water_mark():
     the fix): 100 B segments in a 250 B budget, a filled one waiting in an idle vlog's open vseg
     and an active one hold 200 B, below the low-water mark (212 B), and a third is refused. The
     pass leaves that vseg open until the refusal, then closes it: the filled segment settles,
-    and the allocation tried again evicts it and is taken."""
+    and the allocation tried again evicts it and is taken. (The simulator's seed no longer
+    reaches this shape since segments are charged by the buffer they hold: this test is the
+    one that fails with the fix taken out.)"""
     m = MemoryBudget(250)
     r, a = filled(m, 1)
     m.reserve(100)  # the active segment

@@ -177,17 +177,6 @@ def test_catches_a_budget_spent_on_segments_waiting_in_idle_vlogs(monkeypatch):
     assert seed == 59 and "refuses a new segment" in why, why
 
 
-def test_catches_a_refused_segment_whose_room_is_held_below_the_low_water_mark(monkeypatch):
-    """The broker's ``MemoryBudget.relieve`` before its second fix: a refused allocation did
-    not count in its excess, so with segments large against the budget, the room one needed
-    held by a filled segment waiting in an idle vlog's open vseg, below the low-water mark,
-    was refused for good, with every chunk durable."""
-    monkeypatch.setattr(memory.MemoryBudget, "wanted", property(lambda m: 0, lambda m, n: None),
-                        raising=False)
-    seed, why = first_failing(range(72540, 72550))
-    assert seed == 72544 and "refuses a new segment" in why, why
-
-
 def test_catches_an_answer_from_before_a_backups_restart_taken(monkeypatch):
     """``VirtualLog`` before its fix: a replicate answered by a backup's process before a
     restart, the answer arriving once the restart was known, counted the restarted one's copy
