@@ -39,6 +39,7 @@ MAX_INFLIGHT = 256
 RECV_SIZE = 1 << 20
 VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg), not joined first,
 VECTOR_PART = 1 << 12  # when its parts average this much: many tiny parts cost less joined
+TLS_PIECE = 1 << 18    # bytes a TLS stream is handed per send_all (a frame's buffers joined up to it)
 
 
 def unsent(err: Unavailable) -> Unavailable:
@@ -116,6 +117,21 @@ async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
     await _send_rest(stream.socket, _views(data), 0)
 
 
+def _pieces(vs: list[memoryview], i: int):
+    """``vs[i:]`` in pieces of about ``TLS_PIECE`` bytes for a TLS stream: each ``send_all``
+    encrypts into records and sends them in one go, so a frame of many small buffers (a
+    produce's or a replicate's chunks) costs a few calls, not one (and a record) per buffer."""
+    run, size = [], 0
+    for v in vs[i:]:
+        if size and size + len(v) > TLS_PIECE:
+            yield run[0] if len(run) == 1 else b"".join(run)
+            run, size = [], 0
+        run.append(v)
+        size += len(v)
+    if run:
+        yield run[0] if len(run) == 1 else b"".join(run)
+
+
 async def _take(lock: trio.Semaphore) -> None:
     """Take ``lock``: at once when it is free (no trip through the scheduler), else in turn."""
     try:
@@ -185,8 +201,8 @@ class FrameWriter:
             await _send_rest(self.sock, vs, i, self.timeout)
             return
         with trio.move_on_after(self.timeout) as cs:
-            for v in vs[i:]:
-                await self.stream.send_all(v)
+            for piece in _pieces(vs, i):
+                await self.stream.send_all(piece)
         if cs.cancelled_caught:
             raise PeerTooSlow(f"the peer took no reply for {self.timeout} s")
 
