@@ -9,6 +9,10 @@
     python -m bench latency [--quick]    # p50/p99 ack latency vs offered load, fractions of kera R=3's
                                          # maximum, target checked at half of it (bench/latency.py)
     python -m bench metadata [--quick]   # 100k streams: create rate, RSS per stream, fan-out (bench/metadata.py)
+    python -m bench many [--quick]       # 10k, 100k, 1M streams of one record each: produce, consume by
+                                         # pattern, memory per stream, targets checked (bench/many.py)
+    python -m bench restart [--quick]    # kill -9 of a whole cluster of 1M streams, 100k holding data:
+                                         # time to serving again, every record read back (bench/restart.py)
     python -m bench soak [--quick]       # retention: ingest 8 GiB past a 256 MiB broker budget
     python -m bench hops [--label L]     # CPU us per 1-record chunk and per 1-chunk request on each hop (bench/hops.py)
 
@@ -95,10 +99,25 @@ def exp_metadata(args) -> dict:
     return run(args, say)
 
 
+def exp_many(args) -> dict:
+    from .many import run
+    return run(args, say)
+
+
+def exp_restart(args) -> dict:
+    from .restart import run
+    return run(args, say)
+
+
 def table(res: dict) -> str:
     if res["experiment"] == "streams":
         from .streams import table as streams_table
         return streams_table(res)
+    if res["experiment"] == "many":
+        from .many import table as many_table
+        return many_table(res)
+    if res["experiment"] == "restart":
+        return "\n".join(f"{k}: {v}" for k, v in res["rows"][0].items())
     if res["experiment"] == "throughput":
         from .throughput import table as throughput_table
         return throughput_table(res)
@@ -136,7 +155,8 @@ def main() -> None:
         hops(sys.argv[2:])
         return
     ap = argparse.ArgumentParser(prog="python -m bench")
-    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency", "metadata", "soak"])
+    ap.add_argument("experiment", choices=["streams", "throughput", "vlogs", "latency", "metadata", "many",
+                                             "restart", "soak"])
     ap.add_argument("--repeats", type=int, default=3, help="streams, throughput: runs per cell, systems alternating")
     ap.add_argument("--concurrent", action="store_true", help="streams: also producer and consumer at once")
     ap.add_argument("--quick", action="store_true", help="a smaller run (under ~2 minutes)")
@@ -145,6 +165,7 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=1)
     ap.add_argument("--consumers", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--counts", default="", help="many: stream counts; restart: streams and those with data; comma-separated")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--auth", action="store_true",
                     help="streams: also a cluster with user authentication and ACLs (an admin client)")
@@ -152,7 +173,8 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     res = {"streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,
-           "latency": exp_latency, "metadata": exp_metadata}[args.experiment](args)
+           "latency": exp_latency, "metadata": exp_metadata, "many": exp_many,
+           "restart": exp_restart}[args.experiment](args)
     res["machine"] = machine()
     res["seconds"] = round(time.monotonic() - t0, 1)
     print(table(res))
@@ -161,6 +183,9 @@ def main() -> None:
         path = os.path.join(args.out, f"{res['experiment']}.json")
         with open(path, "w") as f:
             json.dump(res, f, indent=1)
+        if res["experiment"] == "restart":   # one row: its table says it all
+            print(f"wrote {path}")
+            return
         from .plot import plot
         plot(res, os.path.join(args.out, f"{res['experiment']}.png"))
         print(f"wrote {path} and its plot")

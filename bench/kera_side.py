@@ -31,6 +31,7 @@ from kera.cluster import LocalCluster
 from .peer import LATENCY_SAMPLE_EVERY
 from .stage import TIME_CHECK, WARM_SECONDS_RATE, run_stage, split, summarize
 
+BATCH_FROM = 10_000    # streams: created in create_streams batches, deleted 32 at a time
 COLUMN_SLICE = 65536  # records per send_columns call: big enough to amortise the call, small
                       # enough that the first chunks leave while later slices are packed
 
@@ -201,13 +202,19 @@ class KeraRun:
         return trio.run(self.acreate, n_streams, streamlets, groups, replication, vlogs)
 
     async def acreate(self, n_streams, streamlets=1, groups=1, replication=1, vlogs=None) -> list[str]:
-        """Fresh streams for one run, created 32 at a time."""
+        """Fresh streams for one run, created 32 at a time (``create_streams`` batches past
+        ``BATCH_FROM``)."""
         from kera_client import open_admin
 
         self.runs += 1
         names = [f"b{self.runs}-{i:04d}" for i in range(n_streams)]
         limit = trio.CapacityLimiter(32)
         async with open_admin(self.cluster.coordinator, self.security) as a:
+            if n_streams >= BATCH_FROM:
+                for i in range(0, n_streams, 4096):
+                    await a.create_streams(names[i:i + 4096], streamlets=streamlets, groups=groups,
+                                           replication=replication, vlogs=vlogs)
+                return names
             async def one(n):
                 async with limit:
                     await a.create_stream(n, streamlets=streamlets, groups=groups,
@@ -243,9 +250,13 @@ class KeraRun:
         from kera_client import open_admin
 
         async def go():
-            async with open_admin(self.cluster.coordinator, self.security) as a:
+            limit = trio.CapacityLimiter(1 if len(streams) < BATCH_FROM else 32)
+            async with open_admin(self.cluster.coordinator, self.security) as a, trio.open_nursery() as nursery:
+                async def one(n):
+                    async with limit:
+                        await a.delete_stream(n)
                 for n in streams:
-                    await a.delete_stream(n)
+                    nursery.start_soon(one, n)
 
         trio.run(go)
 

@@ -42,6 +42,25 @@ def plot(res: dict, path: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=r["system"])
         ax.set_xscale("log")
         ax.set_yscale("log")
+    elif res["experiment"] == "many":
+        x, title = "streams", "one record per stream: records/s (solid) and KiB per stream (dashed), R=3"
+        kera = sorted((r for r in rows if r["system"] == "kera R=3"), key=lambda r: r["streams"])
+        xs = [r["streams"] for r in kera]
+        ax.plot(xs, [r["produce_per_s"] for r in kera], marker="o", label="kera produce/s")
+        ax.plot(xs, [r["consume_per_s"] for r in kera], marker="o", label="kera consume/s")
+        for r in rows:
+            if r["system"] != "kera R=3":
+                ax.plot([r["streams"]], [r["produce_per_s"]], marker="s", linestyle="", label="peer produce/s")
+                ax.plot([r["streams"]], [r["consume_per_s"]], marker="D", linestyle="", label="peer consume/s")
+        mem = ax.twinx()
+        mem.plot(xs, [r["broker_kib_per_stream"] for r in kera], "k--", marker="x", label="brokers KiB/stream")
+        mem.plot(xs, [r["coordinator_kib_per_stream"] for r in kera], "g--", marker="x",
+                 label="coordinator KiB/stream")
+        mem.set_ylabel("KiB per stream")
+        mem.set_ylim(bottom=0)
+        mem.legend(fontsize=8, loc="center right")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
     elif res["experiment"] == "latency":
         x, title = "offered", "produce-ack latency vs offered load, 128 streams (p50 solid, p99 dashed)"
         for system in ("peer", "kera R=1", "kera R=3"):

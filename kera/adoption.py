@@ -121,7 +121,8 @@ class Adoptions:
 
     def _tops(self, stream_id: int, producers: dict[int, int]) -> list[list[int]]:
         """[[slot, newest group], ...] of pending groups (``producers``: group -> a producer)."""
-        q = next((s.groups for s in self.coord.streams.values() if s.id == stream_id), 1)
+        s = self.coord.streams.by_id(stream_id)
+        q = s.groups if s is not None else 1
         tops: dict[int, int] = {}
         for g, p in producers.items():
             tops[p % q] = max(tops.get(p % q, -1), g)
@@ -194,7 +195,8 @@ class Adoptions:
         coord = self.coord
         if coord.holdings.count((r["broker"], r["epoch"])):
             return False
-        live = {s.id: s for s in coord.streams.values()}
+        live = {sid: s for sid in {e[0] for e in r["streamlets"]}
+                if (s := coord.streams.by_id(sid)) is not None}
         kept = [e for e in r["streamlets"] if e[0] in live]
         if len(kept) != len(r["streamlets"]):
             coord.log.set(("deferred", k), {**r, "streamlets": kept})
@@ -207,7 +209,7 @@ class Adoptions:
     async def _adopt(self, k: str, r: dict) -> None:
         coord = self.coord
         broker, epoch = r["broker"], r["epoch"]
-        live = {s.id: s for s in coord.streams.values()}
+        live = {sid: coord.streams.by_id(sid) for sid in {e[0] for e in r["streamlets"]}}
         owners, only, pending = {}, {}, {}
         for sid, i, rs, tops in r["streamlets"]:
             owners[(sid, i)] = coord.live_broker(*live[sid].owners[i])

@@ -1,10 +1,18 @@
-"""Stream names in order, for listing a page at a time and matching a pattern.
+"""The coordinator's streams: their maps as the store keeps them, their names in order, their
+ids and owners indexed.
 
-A page of a 100,000-stream listing must not cost a sort of every name: the
-sorted list is built once (and again only after a create or a delete) and a
-page starts with a binary search. A pattern with a literal prefix (``orders-*``)
-scans only the names under that prefix; any other pattern scans at most
-``limits.MAX_LIST_SCAN`` names per page and says where to go on.
+A million streams must fit a coordinator: as dicts (the store's map plus a
+``StreamMeta`` per stream) they cost several KiB each. Here a stream is the
+msgpack bytes of its map, as the metadata store holds and writes it (a
+*packed* entry, ``kera.metalog``), decoded into a ``StreamMeta`` only when a
+request needs that stream; beside it, per stream, a slot in the name index,
+the id index and the holdings (``kera.holdings``): a few hundred bytes in all.
+
+Nothing here walks every stream but the loading: a page of a listing starts
+with a binary search in the sorted names (re-sorted only after creates or
+deletes), a pattern with a literal prefix (``orders-*``) scans only the names
+under that prefix, and any other pattern scans at most ``limits.MAX_LIST_SCAN``
+names per page and says where to go on.
 """
 
 from __future__ import annotations
@@ -12,7 +20,14 @@ from __future__ import annotations
 import bisect
 import fnmatch
 import re
-from collections.abc import Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+
+from . import limits
+from .holdings import Holdings
+from .metalog import pack, unpack
+from .names import is_internal
+from .stream_meta import Owner, StreamMeta
 
 _WILD = re.compile(r"[*?\[]")
 
@@ -26,26 +41,44 @@ def literal_prefix(pattern: str | None) -> str:
 
 
 class NameIndex:
+    """Names in order. Names added since the last scan are merged in at the next one: in
+    place one by one if they are few, else by one sort of two sorted runs (linear)."""
+
     def __init__(self, names: Iterable[str] = ()):
-        self._names = set(names)
-        self._sorted: list[str] | None = None
+        self._sorted = sorted(names)
+        self._added: list[str] = []
 
     def add(self, name: str) -> None:
-        self._names.add(name)
-        self._sorted = None
+        self._added.append(name)
 
     def discard(self, name: str) -> None:
-        self._names.discard(name)
-        self._sorted = None
+        self._merge()
+        i = bisect.bisect_left(self._sorted, name)
+        if i < len(self._sorted) and self._sorted[i] == name:
+            del self._sorted[i]
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._sorted) + len(self._added)
+
+    def _merge(self) -> None:
+        added, names = self._added, self._sorted
+        if not added:
+            return
+        added.sort()
+        if not names or added[0] > names[-1]:
+            names += added
+        elif len(added) <= 64:
+            for n in added:
+                bisect.insort(names, n)
+        else:
+            names += added
+            names.sort()
+        self._added = []
 
     def scan(self, pattern: str | None = None, after: str | None = None) -> Iterator[tuple[str, bool]]:
         """(name, matches) in name order, from just after ``after``, over the names that can
         match ``pattern`` (all with its literal prefix); a caller stops when it has enough."""
-        if self._sorted is None:
-            self._sorted = sorted(self._names)
+        self._merge()
         names = self._sorted
         prefix = literal_prefix(pattern)
         start = max(after or "", prefix)
@@ -57,3 +90,145 @@ class NameIndex:
             if not name.startswith(prefix):
                 return
             yield name, pattern is None or (name == pattern if exact else fnmatch.fnmatchcase(name, pattern))
+
+
+class Page:
+    """The streams of one metadata or list answer: at most ``limit`` of them and
+    ``MAX_LIST_PAGE_STREAMLETS`` streamlets (its first stream always fits)."""
+
+    def __init__(self, limit: int = limits.MAX_LIST_PAGE):
+        self.limit = limit
+        self.streams: list[dict] = []
+        self.streamlets = 0
+
+    def fits(self, streamlets: int) -> bool:
+        return not self.streams or (len(self.streams) < self.limit and
+                                    self.streamlets + streamlets <= limits.MAX_LIST_PAGE_STREAMLETS)
+
+    def add(self, d: dict) -> None:
+        self.streams.append(d)
+        self.streamlets += d["streamlets"]
+
+
+class Catalog:
+    """The streams of ``store`` (a ``MetaLog`` or ``EtcdMeta`` whose ``streams`` map is
+    packed): every change to a stream goes through here, so the indexes stay in step."""
+
+    def __init__(self, store):
+        self.store = store
+        self._maps: dict[str, bytes] = store.state["streams"]
+        self.holdings = Holdings()                 # incarnation -> streamlets
+        self.names = NameIndex(n for n in self._maps if not is_internal(n))   # listed, in order
+        pairs = []
+        for name, b in self._maps.items():
+            d = unpack(b)
+            pairs.append((d["id"], name))
+            self.holdings.add(name, d["owners"])
+        pairs.sort()
+        self._ids = array("q", [i for i, _ in pairs])   # ascending, beside the names they are
+        self._id_names = [n for _, n in pairs]
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def __contains__(self, name) -> bool:
+        return name in self._maps
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._maps)
+
+    def get(self, name) -> StreamMeta | None:
+        b = self._maps.get(name) if isinstance(name, str) else None
+        return None if b is None else StreamMeta.from_wire(unpack(b))
+
+    def __getitem__(self, name) -> StreamMeta:
+        s = self.get(name)
+        if s is None:
+            raise KeyError(name)
+        return s
+
+    def wire(self, name: str) -> dict | None:
+        """The stream's map as stored (a fresh dict, the caller's to change), None if none."""
+        b = self._maps.get(name)
+        return None if b is None else unpack(b)
+
+    def created_after(self, sid: int) -> Iterator[tuple[int, str]]:
+        """(id, name) of the streams whose id is above ``sid`` (created since), in id order."""
+        ids, names = self._ids, self._id_names
+        for k in range(bisect.bisect_right(ids, sid), len(ids)):
+            yield ids[k], names[k]
+
+    def by_id(self, sid: int) -> StreamMeta | None:
+        k = bisect.bisect_left(self._ids, sid)
+        if k < len(self._ids) and self._ids[k] == sid:
+            return self.get(self._id_names[k])
+        return None
+
+    # -- pages -----------------------------------------------------------------------------
+    def listing(self, page: Page, describe: Callable[[dict], dict], pattern: str | None,
+                after: str | None, skip=(), visible=None) -> str | None:
+        """Add ``describe(map)`` of the listed streams matching ``pattern`` (all if None), in
+        name order from just after ``after``, to ``page`` while it has room; returns the
+        ``after`` of the rest, None if none is left. ``visible(name)``: whether the caller may
+        see it (all if None)."""
+        return self._fill(page, describe, after, ((name, name, match and name not in skip)
+                                                  for name, match in self.names.scan(pattern, after)),
+                          visible)
+
+    def created(self, page: Page, describe: Callable[[dict], dict], pattern: str,
+                since: int, visible=None) -> int | None:
+        """``listing`` of the streams created after id ``since``, in id order; returns the
+        ``since`` of the rest, None if none is left."""
+        return self._fill(page, describe, since, (
+            (sid, name, not is_internal(name) and fnmatch.fnmatchcase(name, pattern))
+            for sid, name in self.created_after(since)), visible)
+
+    def _fill(self, page: Page, describe, start, items, visible=None):
+        """``items``: (cursor, name, wanted) in order; at most ``MAX_LIST_SCAN`` are looked at.
+        Returns the cursor to go on from, None once ``items`` is exhausted."""
+        last, scanned = start, 0
+        for cursor, name, wanted in items:
+            if wanted and (visible is None or visible(name)):
+                d = self.wire(name)
+                if not page.fits(d["streamlets"]):
+                    return last
+                page.add(describe(d))
+            last = cursor
+            scanned += 1
+            if scanned == limits.MAX_LIST_SCAN:
+                return cursor
+        return None
+
+    # -- changes (each recorded in the store) ----------------------------------------------
+    def create(self, s: StreamMeta, listed: bool = True) -> None:
+        """A new stream; ``listed``: a user's (kera's internal streams are not listed)."""
+        self.store.set(("streams", s.name), pack(s.to_wire()))
+        self.holdings.add(s.name, s.owners)
+        if listed:
+            self.names.add(s.name)
+        if not self._ids or s.id > self._ids[-1]:
+            self._ids.append(s.id)
+            self._id_names.append(s.name)
+        else:
+            k = bisect.bisect_left(self._ids, s.id)
+            self._ids.insert(k, s.id)
+            self._id_names.insert(k, s.name)
+
+    def set_owner(self, s: StreamMeta, i: int, owner: Owner) -> StreamMeta:
+        """Streamlet ``i`` of ``s`` (as it is now) is served by ``owner``; returns the stream."""
+        self.store.set(("streams", s.name, "owners", i), list(owner))
+        self.holdings.move(s.name, i, s.owners[i], owner)
+        return s.with_owner(i, tuple(owner))
+
+    def alter(self, s: StreamMeta, changes: dict) -> StreamMeta:
+        for key, v in changes.items():
+            self.store.set(("streams", s.name, key), v)
+        return s.altered(changes)
+
+    def delete(self, s: StreamMeta) -> None:
+        self.store.delete(("streams", s.name))
+        self.holdings.remove(s.name, s.owners)
+        self.names.discard(s.name)
+        k = bisect.bisect_left(self._ids, s.id)
+        if k < len(self._ids) and self._ids[k] == s.id:
+            del self._ids[k], self._id_names[k]

@@ -21,7 +21,7 @@ import trio
 
 from . import door, etcd, group_positions, limits, wire
 from .adoption import Adoptions
-from .catalog import NameIndex
+from .catalog import Catalog, Page
 from .door import Door
 from .errors import (
     InvalidArgument,
@@ -35,7 +35,6 @@ from .errors import (
     UnknownStream,
 )
 from .etcd_meta import Election, EtcdMeta
-from .holdings import Holdings
 from .membership import Member, Membership
 from .metalog import MetaLog
 from .names import check_stream_name, is_internal
@@ -74,6 +73,7 @@ DEFAULTS = {
     "segment_size": 1 << 20,
     "group_segments": 8,
 }
+PACKED = ("streams",)   # kept as each entry's msgpack bytes by the store (kera.catalog)
 VLOG_POLICIES = ("shared", "per-stream", "per-group")
 # retention, Kafka's names and meaning (-1: unbounded); the cluster's defaults are the
 # coordinator's --retention-bytes / --retention-ms. retention_bytes is the stream's total.
@@ -152,6 +152,11 @@ def _check_stream_limits(cfg: dict) -> None:
                             bound=limits.MIN_SEGMENT_SIZE, size=cfg["segment_size"])
 
 
+def _describes(peer):
+    """Whether ``peer`` may describe a stream of this name: a listing's filter."""
+    return lambda name: peer.may("describe", "stream", name)
+
+
 class Coordinator(Membership, Service):
     """``metadata``: None for the embedded store (a ``MetaLog`` in ``data_dir``), or
     ``etcd://HOST:PORT[,...][/prefix]``: the state lives in etcd and this coordinator
@@ -184,22 +189,22 @@ class Coordinator(Membership, Service):
             endpoints, prefix = etcd.parse_url(metadata)
             self.etcd = etcd.Etcd(endpoints)
             self.election = Election(self.etcd, prefix, addr)
-            self.store = lambda: EtcdMeta(self.etcd, prefix, self.election, INITIAL)
+            self.store = lambda: EtcdMeta(self.etcd, prefix, self.election, INITIAL, packed=PACKED)
             self.rejoin_wait = 2 * dead_after   # after a takeover, brokers find the new leader
         else:
             os.makedirs(data_dir, exist_ok=True)
             self.etcd = self.election = None
             self.rejoin_wait = dead_after
-            self._begin_term(MetaLog(data_dir, INITIAL, legacy=os.path.join(data_dir, "coordinator.meta")))
+            self._begin_term(MetaLog(data_dir, INITIAL, legacy=os.path.join(data_dir, "coordinator.meta"),
+                                     packed=PACKED))
 
     def _begin_term(self, store) -> None:
         """Lead with ``store``'s state: membership starts empty, servers (re)register."""
         self.log = store
         self.meta = store.state   # changed only through self.log
-        # the typed view of meta["streams"], kept in step with it (the store keeps wire maps)
-        self.streams = {n: StreamMeta.from_wire(d) for n, d in self.meta["streams"].items()}
-        self.holdings = Holdings(self.streams.values())   # incarnation -> streamlets
-        self.names = NameIndex(n for n in self.streams if not is_internal(n))  # listed, in order
+        # meta["streams"] (each stream's map, packed), decoded on demand, and its indexes
+        self.streams = Catalog(store)
+        self.holdings = self.streams.holdings   # incarnation -> streamlets
         if "positions" in self.meta:   # group positions of an older version: they start afresh
             log.warning("dropping the positions of %d consumer groups committed by an older "
                         "version: those groups start afresh", len(self.meta["positions"] or {}))
@@ -284,9 +289,7 @@ class Coordinator(Membership, Service):
             if s.id in self._deleting:      # (a delete still committing unassigns it from m too)
                 self._deleting[s.id][i] = (m.id, m.epoch)
             return
-        self.holdings.move(s.name, i, now.owners[i], (m.id, m.epoch))
-        self.streams[s.name] = now.with_owner(i, (m.id, m.epoch))
-        self.log.set(("streams", s.name, "owners", i), [m.id, m.epoch])
+        self.streams.set_owner(now, i, (m.id, m.epoch))
 
     def _take(self, counter: str) -> int:
         v = self.meta[counter]
@@ -296,9 +299,12 @@ class Coordinator(Membership, Service):
     # -- streams -----------------------------------------------------------
     def _describe(self, s: StreamMeta) -> dict:
         """A stream with the address of each streamlet's owner (None while it is recovered)."""
-        d = dict(self._wire(s))
+        return self._addressed(self._wire(s))
+
+    def _addressed(self, d: dict) -> dict:
+        """Stream map ``d`` (the caller's), with ``addrs``: each streamlet's owner's address."""
         addrs = []
-        for b, e in s.owners:
+        for b, e in d["owners"]:
             m = self.live_broker(b, e)
             addrs.append(m.addr if m is not None else None)
         d["addrs"] = addrs
@@ -310,10 +316,10 @@ class Coordinator(Membership, Service):
         return now if now is not None and now.id == s.id else s
 
     def _wire(self, s: StreamMeta) -> dict:
-        """``s``'s map as it is now: the one the store holds (its changes keep it in step with
-        ``self.streams``; sent as it is, not built again), or ``s.to_wire()`` once deleted."""
-        now = self._now(s)
-        return self.meta["streams"][s.name] if self.streams.get(s.name) is now else s.to_wire()
+        """``s``'s map as it is now (altered or moved since it was read: as the store holds
+        it), or ``s.to_wire()`` once deleted."""
+        d = self.streams.wire(s.name)
+        return d if d is not None and d["id"] == s.id else s.to_wire()
 
     def _stream(self, name) -> StreamMeta:
         s = self.streams.get(name) if isinstance(name, str) else None
@@ -412,11 +418,8 @@ class Coordinator(Membership, Service):
         for name, cfg in checked.items():
             sid = self._take("next_stream_id")
             owners = tuple([(m.id, m.epoch) for m in self.spread(cfg["streamlets"], sid, loads)])
-            s = self.streams[name] = StreamMeta(name=name, id=sid, **cfg, owners=owners, created=now)
-            self.log.set(("streams", name), s.to_wire())
-            self.holdings.add(s)
-            if not internal:
-                self.names.add(name)
+            s = StreamMeta(name=name, id=sid, **cfg, owners=owners, created=now)
+            self.streams.create(s, listed=not internal)
             created.append(s)
         await self.commit()
         await self._assign(created)
@@ -482,54 +485,56 @@ class Coordinator(Membership, Service):
 
     def rpc_list_streams(self, meta, payload, peer):
         """One page of the streams matching ``pattern`` (all if None) that the caller may
-        describe, in name order, from just after ``after``: at most ``limit``
-        (``MAX_LIST_PAGE``) streams and ``MAX_LIST_PAGE_STREAMLETS`` streamlets. ``next`` is
-        the ``after`` of the next page, None once the listing is complete (a page may be
-        empty and still have a next)."""
-        pattern, after, limit = meta.get("pattern"), meta.get("after"), meta.get("limit")
-        limit = limit or limits.MAX_LIST_PAGE
-        out: list[dict] = []
-        streamlets = scanned = 0
-        last = None   # the name of out[-1]
-        for name, match in self.names.scan(pattern, after):
-            if match and peer.may("describe", "stream", name):
-                s = self.streams[name]
-                if out and (len(out) == limit
-                            or streamlets + s.streamlets > limits.MAX_LIST_PAGE_STREAMLETS):
-                    return {"streams": out, "next": last}
-                out.append(self._describe(s))
-                streamlets += s.streamlets
-                last = name
-            scanned += 1
-            if scanned == limits.MAX_LIST_SCAN:
-                return {"streams": out, "next": name}
-        return {"streams": out, "next": None}
+        describe, in name order, from just after ``after``: at most ``limit`` (``MAX_LIST_PAGE``) streams and
+        ``MAX_LIST_PAGE_STREAMLETS`` streamlets. ``next`` is the ``after`` of the next page,
+        None once the listing is complete (a page may be empty and still have a next)."""
+        pattern, after = meta.get("pattern"), meta.get("after")
+        page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
+        nxt = self.streams.listing(page, self._addressed, pattern, after, visible=_describes(peer))
+        return {"streams": page.streams, "next": nxt}
+
+    def rpc_metadata(self, meta, payload, peer):
+        """Where streams live, a page (as ``list_streams``'s) at a time: the streams ``names``
+        (at most ``MAX_LIST_PAGE``; the unknown ones in ``missing``), then those matching
+        ``pattern``: from just after ``after`` in name order or, with ``since`` (a stream id),
+        those created after it, in id order (a subscription's new streams: what was created
+        since, not every name again). ``more``: how many names (the last ones) did not fit,
+        to ask again; the pattern is begun only once every name is answered, and ``next`` is
+        the ``after`` (or ``since``) of its next page (None once complete, or with no
+        pattern). Only the streams the caller may describe are answered (a name it may not is
+        refused). ``top``: the newest stream id, where a later ``since`` may start. Every
+        answer fits a frame, however many streams are asked for (``kera_client.metadata``)."""
+        names = meta.get("names") or []
+        pattern, after, since = meta.get("pattern"), meta.get("after"), meta.get("since")
+        for name in names:
+            peer.require("describe", "stream", name)
+        visible = _describes(peer)
+        page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
+        out = {"streams": page.streams, "missing": [], "more": 0, "next": None,
+               "top": self.meta["next_stream_id"] - 1}
+        for k, name in enumerate(names):
+            d = self.streams.wire(name)
+            if d is None:
+                out["missing"].append(name)
+            elif page.fits(d["streamlets"]):
+                page.add(self._addressed(d))
+            else:
+                out["more"] = len(names) - k
+                out["next"] = (after if since is None else since) if pattern else None
+                return out
+        if pattern and since is not None:
+            out["next"] = self.streams.created(page, self._addressed, pattern, since, visible)
+        elif pattern:
+            out["next"] = self.streams.listing(page, self._addressed, pattern, after,
+                                               skip=set(names), visible=visible)
+        return out
 
     def rpc_describe_stream(self, meta, payload):
         return {"stream": self._describe(self._stream(meta.get("name")))}
 
-    def rpc_metadata(self, meta, payload, peer):
-        """Where streams live: by names (missing ones are reported; one the caller may not
-        describe is refused) and/or a pattern (those it may describe)."""
-        names = meta.get("names") or []
-        pattern = meta.get("pattern")
-        out, missing = [], []
-        for n in names:
-            peer.require("describe", "stream", n)
-            s = self.streams.get(n)
-            (out.append(self._describe(s)) if s else missing.append(n))
-        if pattern:
-            given = set(names)
-            out += [self._describe(self.streams[n]) for n, match in self.names.scan(pattern)
-                    if match and n not in given and peer.may("describe", "stream", n)]
-        return {"streams": out, "missing": missing}
-
     async def rpc_delete_stream(self, meta, payload):
         s = self._user_stream(meta.get("name"))
-        self.log.delete(("streams", s.name))
-        del self.streams[s.name]
-        self.holdings.remove(s)
-        self.names.discard(s.name)
+        self.streams.delete(s)
         owners = self._deleting[s.id] = list(s.owners)
         try:
             await self.commit()
@@ -560,9 +565,7 @@ class Coordinator(Membership, Service):
         if not changes:
             raise InvalidArgument("alter_stream needs retention_bytes, retention_ms, cleanup_policy, "
                                   "delete_retention_ms and/or segment_ms")
-        for key, v in changes.items():
-            self.log.set(("streams", s.name, key), v)
-        altered = self.streams[s.name] = s.altered(changes)
+        altered = self.streams.alter(s, changes)
         await self.commit()
         s = self._now(altered)   # moved meanwhile: its owners now
 

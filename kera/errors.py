@@ -168,6 +168,13 @@ class DataLoss(KeraError):
     code = "data_loss"
 
 
+class UnknownSession(KeraError):
+    """A pull session the broker does not hold (it restarted, or the session expired or was
+    evicted): the reader opens a new one, naming its streamlets again."""
+
+    code = "unknown_session"
+
+
 class OutOfRange(KeraError):
     """A reader's position is before the start of what is retained (expired or deleted
     segments): it may restart from the earliest retained position (Kafka's

@@ -11,6 +11,8 @@ Keys under the prefix P (values are msgpack):
 
 Why one key per entry: a change costs O(that entry), never O(all metadata),
 and a new leader reads the whole state with a few paged range requests.
+The entries of ``packed`` maps (the coordinator's ``streams``) stay the bytes
+etcd holds, decoded only by whoever reads one (``kera.metalog`` says why).
 
 ``EtcdMeta`` has ``MetaLog``'s interface: changes apply to ``state`` at once
 and mark their entry dirty; ``commit()`` returns once every entry changed so
@@ -31,6 +33,7 @@ import trio
 
 from . import etcd as e
 from .errors import NotLeader
+from .metalog import apply
 
 log = logging.getLogger("kera.etcd_meta")
 
@@ -149,11 +152,12 @@ class Election:
 class EtcdMeta:
     """The coordinator's state, kept in etcd while ``election`` holds the leadership."""
 
-    def __init__(self, client: e.Etcd, prefix: str, election: Election, initial: dict):
+    def __init__(self, client: e.Etcd, prefix: str, election: Election, initial: dict, packed=()):
         self.etcd, self.election = client, election
         self.prefix = (prefix + "m/").encode()
         self.initial = initial
         self.maps = {k for k, v in initial.items() if isinstance(v, dict)}
+        self.packed = frozenset(packed)
         self.state: dict = {}
         self._dirty: dict[tuple, None] = {}
         self._recorded = 0
@@ -169,7 +173,9 @@ class EtcdMeta:
         rows = await self.etcd.range_prefix(self.prefix)
         for k, v in rows:
             top, _, sub = k[len(self.prefix):].decode().partition("/")
-            if top in self.maps:
+            if top in self.packed:
+                state.setdefault(top, {})[sub] = v
+            elif top in self.maps:
                 state.setdefault(top, {})[sub] = _unpack(v)
             else:
                 state[top] = _unpack(v)
@@ -188,24 +194,15 @@ class EtcdMeta:
         self._wake.set()
 
     def set(self, path: tuple, value) -> None:
-        d = self.state
-        for k in path[:-1]:
-            d = d[k]
-        d[path[-1]] = value
+        apply(self.state, ("set", path, value), self.packed)
         self._record(path)
 
     def delete(self, path: tuple) -> None:
-        d = self.state
-        for k in path[:-1]:
-            d = d[k]
-        d.pop(path[-1], None)
+        apply(self.state, ("del", path), self.packed)
         self._record(path)
 
     def merge(self, path: tuple, mapping: dict) -> None:
-        d = self.state
-        for k in path[:-1]:
-            d = d[k]
-        d.setdefault(path[-1], {}).update(mapping)
+        apply(self.state, ("merge", path, mapping), self.packed)
         self._record(path)
 
     async def commit(self) -> None:
@@ -236,7 +233,8 @@ class EtcdMeta:
         txns, ops, size = [], [], 0
         for en in entries:
             v = self._value(en)
-            op = e.delete(self._key(en)) if v is None else e.put(self._key(en), _pack(v))
+            raw = type(v) is bytes and en[0] in self.packed   # packed already
+            op = e.delete(self._key(en)) if v is None else e.put(self._key(en), v if raw else _pack(v))
             n = len(str(op))
             if ops and (len(ops) >= MAX_TXN_OPS or size + n > MAX_TXN_BYTES):
                 txns.append(ops)

@@ -71,6 +71,9 @@ def decode(group: str, latest: dict[bytes, bytes], ids: dict[str, int] | None = 
     ``ids`` (name -> id), only of those streams, as they are now (a stream re-created
     since the commit has another id)."""
     out = {}
+    if ids is not None and len(ids) < len(latest):   # only those streams' keys are read
+        latest = {k: v for k in (msgpack.packb([group, name]) for name in ids)
+                  if (v := latest.get(k)) is not None}
     for key, value in latest.items():
         try:
             g, name = msgpack.unpackb(key)

@@ -75,6 +75,11 @@ REPLAY_READ = 4 * MiB             # a replay step: one read, one recover request
 # entry packs to 4 bytes at least), so the bound costs no request that would fit
 MAX_PULL_STREAMLETS = MAX_META // 4
 MAX_PULL = 32 * MiB               # a pull reply: up to this, plus at most one chunk beyond it
+# a pull names at most this many streamlets (a plain pull's list, a session's additions and
+# drops) and answers at most this many entries (so its meta fits a frame whatever it reads)
+MAX_PULL_STREAMLETS = 32768
+PULL_ENTRY_BYTES = 64             # packed size of a streamlet named in a pull, or of an entry
+MAX_PULL_SESSIONS = 1024          # pull sessions a broker keeps (the least recently used goes)
 
 # -- connections, at the door of every listener (kera.rpc) -------------------------------
 MAX_CONNECTIONS = 10_000          # open connections per listener
@@ -103,6 +108,8 @@ assert MAX_PRODUCE_PAYLOAD <= MAX_PAYLOAD, "every producer request must fit a fr
 assert max(MAX_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every read reply must fit a frame"
 assert max(REPLAY_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every recover request must fit a frame"
 assert MAX_PULL + MAX_CHUNK <= MAX_PAYLOAD, "every pull reply must fit a frame"
+assert 2 * MAX_PULL_STREAMLETS * PULL_ENTRY_BYTES <= MAX_META, \
+    "every pull request and its answer must fit a frame's meta"
 assert MIN_SEGMENT_SIZE <= MAX_SEGMENT_SIZE
 assert MAX_STREAMLETS <= MAX_BATCH_STREAMLETS, "a stream of the most streamlets must fit a batch"
 assert (MAX_BATCH_STREAMS * BATCH_STREAM_BYTES + MAX_BATCH_STREAMLETS * BATCH_STREAMLET_BYTES

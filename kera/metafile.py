@@ -47,14 +47,20 @@ def fsync_path(path: str) -> None:
 
 def load(path: str, default=None):
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        body = load_body(path)
     except FileNotFoundError:
         return default
+    return msgpack.unpackb(body, raw=False, strict_map_key=False)
+
+
+def load_body(path: str) -> bytes:
+    """The file's msgpack body, checked (``CorruptMetaFile`` otherwise), not decoded."""
+    with open(path, "rb") as f:
+        data = f.read()
     if len(data) < _HEAD.size:
         raise CorruptMetaFile(f"{path}: truncated")
     magic, n, check = _HEAD.unpack_from(data)
     body = data[_HEAD.size:]
     if magic != _MAGIC or n != len(body) or xxhash.xxh64_intdigest(body) != check:
         raise CorruptMetaFile(f"{path}: checksum mismatch")
-    return msgpack.unpackb(body, raw=False, strict_map_key=False)
+    return body

@@ -57,6 +57,7 @@ from contextlib import contextmanager
 
 import trio
 
+from .backup.replay import pack_routes
 from .errors import KeraError, Unavailable
 from .recovery_plan import (
     CORRUPT,
@@ -373,7 +374,7 @@ class RecoveryManager:
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
             replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
-        routes = [[streams[n].id, i, m.addr, m.epoch] for (n, i), m in plan.items()]
+        owners_of, routes = pack_routes([(streams[n].id, i, m.addr, m.epoch) for (n, i), m in plan.items()])
         rec.vlogs = len(replay_plan.vlogs)
         rec.total = replay_plan.total_bytes
         replay_from: list = []
@@ -397,7 +398,8 @@ class RecoveryManager:
                 try:
                     r = await self._call(addrs[step.backup], "replay", {
                         "broker": rec.broker, "vlog": vlog, "vseg": step.vseg, "offset": step.offset,
-                        "routes": routes, "replay_from": replay_from}, timeout=REPLAY_TIMEOUT)
+                        "owners": owners_of, "replay_from": replay_from}, timeout=REPLAY_TIMEOUT,
+                        payload=routes)
                 except KeraError as e:
                     if getattr(e, "target", None):  # a new owner failed, not the copy: plan again
                         raise
@@ -477,8 +479,8 @@ class RecoveryManager:
         except KeraError as e:
             log.info("unassign after a failed recovery: %s", e)
 
-    async def _call(self, addr, method, meta, timeout=30.0):
-        r, _ = await self.coord.pool.call(addr, method, meta, timeout=timeout)
+    async def _call(self, addr, method, meta, timeout=30.0, payload=b""):
+        r, _ = await self.coord.pool.call(addr, method, meta, payload, timeout=timeout)
         return r
 
     async def _quiet(self, addr, method, meta) -> None:

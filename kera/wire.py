@@ -392,8 +392,9 @@ COORDINATOR_RPCS = _named({
         "limit?": UInt(limits.MAX_LIST_PAGE, "MAX_LIST_PAGE", low=1)}, peer=True),
     "describe_stream": Rpc(Client("describe", "stream", "name"), {"name": NAME}),
     "metadata": Rpc(Client("describe", "stream", per_entry=True), {
-        "names?": ListOf(NAME, limits.MAX_LIST_SCAN, limit="MAX_LIST_SCAN"), "pattern?": Str(1024)},
-        peer=True),
+        "names?": ListOf(NAME, limits.MAX_LIST_PAGE, limit="MAX_LIST_PAGE"), "pattern?": Str(1024),
+        "after?": Str(MAX_NAME), "since?": UINT,
+        "limit?": UInt(limits.MAX_LIST_PAGE, "MAX_LIST_PAGE", low=1)}, peer=True),
     "delete_stream": Rpc(Client("delete", "stream", "name"), {"name": NAME}),
     "alter_stream": Rpc(Client("alter-configs", "stream", "name"), {"name": NAME, **ALTER_SETTINGS}),
     "producer_id": Rpc(AUTHENTICATED, peer=True),
@@ -421,8 +422,10 @@ BROKER_RPCS = _named({
                      peer=True),
     "tail": Rpc(Client("read", "stream", per_entry=True), {"stream_id": UINT, "streamlet": UINT},
                 peer=True),
-    "pull": Rpc(Client("read", "stream", per_entry=True), {
-        "streamlets": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+    "pull": Rpc(Client("read", "stream", per_entry=True), {   # streamlets, or a session's changes
+        "streamlets?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+        "session?": UINT, "add?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+        "drop?": ListOf(PAIR, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
         "max_bytes?": INT, "max_wait_ms?": NUMBER}, peer=True),
     "offsets": Rpc(Client("describe", "stream", per_entry=True), {
         "streamlets?": ListOf(PAIR, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS")},
@@ -456,7 +459,7 @@ BACKUP_RPCS = _named({
         "broker": UINT, "vsegs": ListOf(Tuple(UINT, UINT, BOOL, least=2), limits.INDEX_VSEGS, 1)}),
     "read": Rpc(Members(COORDINATOR, BROKER), {**REPLICA, "offset?": UINT, "max_bytes?": UINT}),
     "replay": Rpc(Members(COORDINATOR), {
-        **REPLICA, "offset?": UINT, "routes": ListOf(Tuple(UINT, UINT, ADDR, UINT), MANY),
+        **REPLICA, "offset?": UINT, "owners": ListOf(Tuple(ADDR, UINT), MANY),   # routes: payload
         "replay_from?": ListOf(Tuple(UINT, UINT, UINT, UINT), MANY)}),
     "trim": Rpc(Members(BROKER, as_self="broker"), {"broker": UINT, "vlog": UINT, "floor": UINT}),
     "claim": Rpc(Members(BROKER, as_self="owner"), {"owner": UINT, "epoch": UINT,

@@ -37,6 +37,7 @@ async def main(coord, stream, first, count, seconds, out):
         while True:
             n += 1
             c.positions[(stream, 0)] = {"low": 0, "groups": {0: n}}
+            c._moved((stream, 0))   # (a commit stores the positions moved since the last)
             t0 = time.monotonic()
             await c.commit()
             if n > 1:   # the first one also finds the positions stream

@@ -147,9 +147,13 @@ async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
             await a.describe_stream("nope")
         with pytest.raises(UnknownStream):
             await a.delete_stream("nope")
-    with pytest.raises(UnknownStream):
+    # a record to a stream that does not exist: looked up with the others met, it fails
+    with pytest.raises(ProduceError, match="1 records failed: unknown_stream"):
         async with open_producer(coord) as p:
             await p.send("nope", b"x")
+    async with open_producer(coord) as p:
+        with pytest.raises(UnknownStream):
+            await p.load_metadata(["nope"])
     assert await stored(coord) == before
 
 
@@ -274,13 +278,15 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
             "invalid_argument", "checksum")
         # replays of a replica that is not there, or from an offset past its end, or without routes
         where = {k: key[k] for k in ("broker", "vlog", "vseg")}
-        assert await code(backup["addr"], "replay", {**where, "routes": []}) == "backup"
+        assert await code(backup["addr"], "replay", {**where, "owners": []}) == "backup"
         for b in st["backups"]:
             r, _ = await pool.call(b["addr"], "list", {}, timeout=5)
             if r["segments"]:
                 holder, held = b["addr"], r["segments"][0]
         where = {k: held[k] for k in ("broker", "vlog", "vseg")}
-        assert await code(holder, "replay", {**where, "routes": [],
+        assert await code(holder, "replay", {**where, "owners": [],
                                              "offset": held["length"] + 1}) == "invalid_argument"
-        assert await code(holder, "replay", {**where, "routes": "x"}) == "invalid_argument"
+        assert await code(holder, "replay", {**where, "owners": "x"}) == "invalid_argument"
+        assert await code(holder, "replay", {**where, "owners": []}, b"x" * 17) == "invalid_argument"
+        assert await code(holder, "replay", {**where, "owners": []}, b"\0" * 16) == "invalid_argument"
     assert await stored(coord) == before

@@ -139,11 +139,14 @@ async def test_without_callbacks_flush_raises_for_the_failed(make_cluster):
     def produce():
         p = Producer(coord, **{"delivery.timeout.ms": 1000, "linger.ms": 1})
         try:
-            with pytest.raises(RecordTooLarge):        # no callback: refused at once, as before
+            p.send("quiet", b"x" * 5000)   # no callback, and the stream not known yet: flush says
+            with pytest.raises(ProduceError, match="1 records failed: record_too_large"):
+                p.flush(30)
+            with pytest.raises(RecordTooLarge):        # a known stream's: refused at once
                 p.send("quiet", b"x" * 5000)
             cluster.kill("node1-broker")
             p.send("quiet", b"lost")
-            with pytest.raises(ProduceError, match="1 records failed: delivery timeout"):
+            with pytest.raises(ProduceError, match="2 records failed: record_too_large; delivery timeout"):
                 p.flush(30)
         finally:
             p.portal.close()

@@ -172,6 +172,9 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
     with trio.fail_after(60):
         async with open_producer(coord, **{"request.size": 1 << 40, "chunk.size": 1 << 40}) as p:
             assert p.request_size == limits.MAX_REQUEST and p.chunk_size == limits.MAX_CHUNK
+            # known streams (one not known yet refuses what no chunk holds at once, and what
+            # its segments cannot hold once its lookup answers: test_delivery)
+            await p.load_metadata(["big", "small", "other"])
             await p.send("big", b"before")
             with trio.fail_after(5):  # at once: no waiting for an answer that never comes
                 with pytest.raises(RecordTooLarge) as e:

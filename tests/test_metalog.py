@@ -162,6 +162,24 @@ async def test_snapshot_then_log_goes_on(tmp_path):
     assert again.state["next"] == 400 and len(again.state["positions"]["g"]) == 50
 
 
+async def test_packed_entries_leave_the_files_as_they_were(tmp_path):
+    """A packed map's entries are its msgpack bytes in memory and plain maps on disk: a
+    store that packs and one that does not read each other's logs and snapshots, a change
+    below an entry repacks it, and the writer's snapshot copy shares the entries."""
+    batches = [[("set", ("streams", f"s{i}"), stream(i)), ("set", ("next",), i + 1)] for i in range(300)]
+    batches += [[("set", ("streams", f"s{i}", "owners", 0), [2, i])] for i in range(0, 300, 7)]
+    batches += [[("delete", ("streams", f"s{i}"))] for i in range(0, 300, 5)]
+    plain = await write(tmp_path / "plain", batches)
+    packed = await write(tmp_path / "packed", batches, packed=("streams",), min_log=4000, ratio=1.0)
+    assert any(f.endswith(".snap") for f in log_files(tmp_path / "packed"))
+    unpacked = {n: msgpack.unpackb(b) for n, b in packed.state["streams"].items()}
+    assert unpacked == plain.state["streams"] and {**packed.state, "streams": unpacked} == plain.state
+    assert all(packed._shadow["streams"][n] is b for n, b in packed.state["streams"].items())
+    for d in ("plain", "packed"):
+        assert reopen(tmp_path / d).state == plain.state
+        assert reopen(tmp_path / d, packed=("streams",)).state == packed.state
+
+
 def test_interrupted_snapshot_replays_both_logs(tmp_path):
     """Log G+1 was started but snapshot G+1 never finished: both logs are replayed."""
     def put(gen, changes):

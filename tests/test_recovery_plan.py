@@ -392,3 +392,27 @@ def test_the_settled_prefix_follows_its_copies_once_a_step_changed_them():
     plan.step_done(VLOG, 0, s.backup, 0, FAILED)
     other = 2 if s.backup == 1 else 1
     assert plan.settled(VLOG) == [(0, [other])]   # the failed copy is named no more
+
+
+def test_a_replays_routes_fit_a_frame_whatever_the_streamlets_recovered():
+    """The routes of a replay (a streamlet -> its new owner) go in the request's payload,
+    packed: a broker of 333,334 streamlets (a million streams on three nodes) made 8 MB of
+    them in the meta, over MAX_META, and its recovery lost every copy as unreadable."""
+    import msgpack
+
+    from kera.backup.replay import ROUTE, pack_routes, parse_routes
+    from kera.errors import InvalidArgument
+    from kera.limits import MAX_META, MAX_PAYLOAD
+
+    n = 400_000   # streamlets of the broker recovered
+    routes = [(sid, 0, f"127.0.0.1:{4000 + sid % 3}", 7 + sid % 3) for sid in range(n)]
+    owners, rows = pack_routes(routes)
+    assert len(owners) == 3 and len(msgpack.packb({"owners": owners})) < 100
+    assert len(rows) == n * ROUTE.itemsize <= MAX_PAYLOAD
+    assert len(msgpack.packb([list(r) for r in routes])) > MAX_META   # as they were sent
+    back = parse_routes(owners, rows)
+    assert len(back) == n and all(back[(s, i)] == (a, e) for s, i, a, e in routes[::997])
+    for bad_owners, payload in (("x", b""), ([["a", "b"]], b""), ([], rows[:ROUTE.itemsize]),
+                                (owners, rows[:-1])):
+        with pytest.raises(InvalidArgument):
+            parse_routes(bad_owners, payload)

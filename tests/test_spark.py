@@ -597,3 +597,47 @@ def test_source_and_sink_take_the_clients_security_settings(make_cluster, spark,
     with pytest.raises(Exception, match="unauthorized"):   # no right to write there
         (read(**user).select("value").write.format("kera").option("coordinator", c.coordinator)
          .option("stream", "sec-in").options(**user).mode("append").save())
+
+
+ACTIVE = 100_000
+
+
+@pytest.mark.timeout(240)
+def test_one_record_to_each_of_100k_streams_read_by_a_pattern_and_by_spark(cluster, spark):
+    """100,000 new streams of one streamlet, R=3, default broker settings (the memory budget
+    on): one producer sends one record to each (``send``, no preloading) and every one is
+    acknowledged (a stream holding one record used to be charged a whole segment: 81,922 of
+    them were refused ``broker_full``); a consumer subscribed with a pattern reads each back
+    exactly once, and so does the Spark source."""
+    from pyspark.sql import functions as F
+
+    coord = cluster.coordinator
+    names = [f"act-{i:06d}" for i in range(ACTIVE)]
+
+    def value(name: str) -> bytes:
+        return name.encode().ljust(100, b".")
+
+    with Admin(coord) as a:
+        for i in range(0, ACTIVE, 4096):
+            a.create_streams(names[i:i + 4096], streamlets=1, replication=3)
+    with Producer(coord) as p:
+        for n in names:
+            p.send(n, value(n))
+        p.flush()   # ProduceError if any record failed
+        assert p.acked == ACTIVE and p.failed == 0
+    got: dict[str, bytes] = {}
+    with Consumer(None, coordinator=coord, pattern="act-*", start="earliest") as c:
+        deadline = time.monotonic() + 90
+        while len(got) < ACTIVE and time.monotonic() < deadline:
+            for ch in c.poll_chunks(1.0):
+                for v in ch.values():
+                    assert ch.stream not in got, f"{ch.stream} read twice"
+                    got[ch.stream] = v
+        assert c.poll_chunks(0.2) == []
+    assert len(got) == ACTIVE and all(got[n] == value(n) for n in names), "not read back exactly"
+
+    df = spark.read.format("kera").option("coordinator", coord).option("pattern", "act-*").load()
+    row = df.agg(F.count("*").alias("n"), F.countDistinct("stream").alias("streams"),
+                 F.sum((F.col("value").cast("string") != F.rpad("stream", 100, ".")).cast("int"))
+                 .alias("wrong")).collect()[0]
+    assert (row["n"], row["streams"], row["wrong"]) == (ACTIVE, ACTIVE, 0)

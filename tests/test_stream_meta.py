@@ -93,7 +93,7 @@ async def test_a_coordinator_loads_streams_and_changes_written_as_dicts(tmp_path
         assert s.owners == ((1, 1), (3, 4)) and s.retention_ms == 60_000 and s.id == 7
         assert coord.holdings.count((3, 4)) == 1 and coord.holdings.count((1, 1)) == 2
         assert coord.streams["old"].groups == 2
-        assert coord.meta["streams"]["orders"] == {**WRITTEN, "owners": [[1, 1], [3, 4]],
+        assert coord.streams.wire("orders") == {**WRITTEN, "owners": [[1, 1], [3, 4]],
                                                    "retention_ms": 60_000}
     finally:
         coord.log.close()

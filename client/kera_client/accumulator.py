@@ -25,7 +25,7 @@ import numpy as np
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import RecordTooLarge, UnknownStream
+from kera.errors import RecordTooLarge
 from kera.limits import MAX_CHUNK
 
 from .delivery import Pending
@@ -103,6 +103,16 @@ def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
 _BYTES = (bytes, bytearray, memoryview)
 
 
+def check_record(value, key, timestamp) -> None:
+    """TypeError unless the value and key are bytes and the timestamp int milliseconds."""
+    if (type(value) is not bytes and not isinstance(value, _BYTES)
+            or key is not None and not isinstance(key, _BYTES)):
+        raise TypeError(f"a record's value and key are bytes, not {type(value).__name__} / "
+                        f"{type(key).__name__}")
+    if timestamp is not None and type(timestamp) is not int:
+        raise TypeError(f"a record's timestamp is int milliseconds, not {type(timestamp).__name__}")
+
+
 def wall_ms(monotonic: float) -> int:
     """Wall-clock milliseconds of a moment taken with time.monotonic()."""
     return int((time.time() - (time.monotonic() - monotonic)) * 1000)
@@ -171,12 +181,7 @@ class Accumulator:
         allocation but the list slots; chunks are packed when sealed. A record
         that no chunk of its stream could hold is refused here, at once.
         """
-        if (type(value) is not bytes and not isinstance(value, _BYTES)
-                or key is not None and not isinstance(key, _BYTES)):
-            raise TypeError(f"a record's value and key are bytes, not {type(value).__name__} / "
-                            f"{type(key).__name__}")
-        if timestamp is not None and type(timestamp) is not int:
-            raise TypeError(f"a record's timestamp is int milliseconds, not {type(timestamp).__name__}")
+        check_record(value, key, timestamp)
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
         room = self.room[s.id]
         if n > room:
@@ -266,21 +271,18 @@ class Accumulator:
     async def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
                    on_delivery=None, report: bool = False) -> Pending | None:
         """Queue one record. ``on_delivery(error, DeliveryReport)`` is called once with its
-        outcome (default: the producer's); ``report=True`` returns a ``Pending`` to await instead."""
+        outcome (default: the producer's); ``report=True`` returns a ``Pending`` to await instead.
+        A record to a stream not known yet waits for its lookup (``lookups``), not the caller:
+        if the stream does not exist, its report (or ``flush``) says so."""
         cb = Pending() if report else on_delivery or self.delivery.default
-        try:
-            s = self.streams.get(stream) or await self.stream(stream)
-        except UnknownStream as e:
-            if cb is None:
-                raise
-            with self.lock:
-                self.delivery.refused(stream, key, value, cb, e)
-            self.delivery.hand()
-            return cb if report else None
         while self.buffered >= self.buffer_memory:
             await self._progress.wait()
+        s = self.streams.get(stream)
         with self.lock:
-            self._append(s, value, key, timestamp, cb)
+            if s is None:   # looked up with the other streams met meanwhile (``lookups``)
+                self._park(stream, value, key, timestamp, cb)
+            else:
+                self._append(s, value, key, timestamp, cb)
         if self.delivery.ready:
             self.delivery.hand()
         return cb if report else None

@@ -13,6 +13,7 @@ from kera.security.acl import Acl
 from kera.security.client_config import credentials
 from kera.security.mechanisms import credentials as scram_credentials
 
+from .metadata import describe, pages
 from .portal import Synced
 from .stream_view import StreamView
 
@@ -98,17 +99,17 @@ class AsyncAdmin:
     async def iter_streams(self, pattern: str | None = None, page: int | None = None):
         """The same, a page (``page`` streams, at most ``MAX_LIST_PAGE``) per request, so a
         caller can show the first ones before the last are fetched."""
-        after = None
-        while True:
-            r = await self.call("list_streams", pattern=pattern, after=after, limit=page)
-            for s in r["streams"]:
-                yield StreamView.from_wire(s)
-            after = r.get("next")
-            if after is None:
-                return
+        async for streams in pages(self.coordinator, pattern or "*", timeout=self.timeout, limit=page):
+            for s in streams:
+                yield s
 
     async def describe_stream(self, name: str) -> StreamView:
         return StreamView.from_wire((await self.call("describe_stream", name=name))["stream"])
+
+    async def describe_streams(self, names) -> dict[str, StreamView]:
+        """Many streams by name, a page per request: ``{name: StreamView}``; UnknownStream
+        (its ``missing`` lists them) if some do not exist."""
+        return await describe(self.coordinator, names, timeout=self.timeout)
 
     async def delete_stream(self, name: str) -> None:
         await self.call("delete_stream", name=name)

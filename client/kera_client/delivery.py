@@ -143,6 +143,10 @@ class Deliveries:
         """A chunk without reports was given up on: counted for ``flush``."""
         self._silent(c.records, why)
 
+    def lost(self, records: int, why: str) -> None:
+        """Records without reports failed before they joined a chunk: counted for ``flush``."""
+        self._silent(records, why)
+
     def _silent(self, records: int, why: str) -> None:
         self.silent += records
         if len(self.silent_why) < 100:

@@ -25,9 +25,10 @@ joins its open chunk, where a sealed chunk is acknowledged and where one is
 given up on; records sent without a callback carry nothing.
 
 The producer is made of: ``producer_config`` (options), ``accumulator`` (records
-into chunks, linger), ``columnar`` (batch calls), ``sender`` (requests, retries,
-give-ups) and ``delivery`` (reports); this module joins them into
-``AsyncProducer`` and wraps that in the synchronous ``Producer``.
+into chunks, linger), ``columnar`` (batch calls), ``lookups`` (streams' metadata,
+looked up together), ``sender`` (requests, retries, give-ups) and ``delivery``
+(reports); this module joins them into ``AsyncProducer`` and wraps that in the
+synchronous ``Producer``.
 """
 
 from __future__ import annotations
@@ -40,10 +41,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from kera import chunk as chunkfmt
 from kera.coordinator_link import CoordinatorLink
-from kera.errors import UnknownStream
-from kera.limits import MAX_CHUNK
 from kera.rpc import open_pool, unwrapped
 from kera.security.client_config import credentials
 
@@ -51,15 +49,15 @@ from .accumulator import Accumulator
 from .admin import default_coordinator
 from .columnar import Columnar
 from .delivery import Deliveries
+from .lookups import Lookups
 from .portal import Portal
 from .producer_config import DEFAULTS, producer_config
 from .sender import RETRIABLE, ProduceError, Sender
-from .stream_view import StreamView
 
 __all__ = ["DEFAULTS", "RETRIABLE", "AsyncProducer", "ProduceError", "Producer", "open_producer"]
 
 
-class AsyncProducer(Accumulator, Columnar, Sender):
+class AsyncProducer(Accumulator, Columnar, Lookups, Sender):
     """The trio-native producer. Use ``open_producer`` (or ``Producer`` from sync code)."""
 
     def __init__(self, pool, nursery, coordinator: str, cfg: dict, deliveries: Deliveries | None = None):
@@ -69,9 +67,6 @@ class AsyncProducer(Accumulator, Columnar, Sender):
         self.cfg = cfg
         self.producer_id = 0
         self.producer_token = b""   # issued with the id: proves it is ours to the brokers
-        self.streams: dict[str, StreamView] = {}
-        self.by_id: dict[int, StreamView] = {}
-        self.room: dict[int, int] = {}         # stream id -> record bytes one chunk holds
         # shared by the accumulating side (any thread) and the sender (the loop), under lock
         self.ready: dict[tuple, deque] = {}    # streamlet -> sealed chunks, in sequence order
         self.buffered = 0        # bytes counted against buffer.memory
@@ -82,36 +77,8 @@ class AsyncProducer(Accumulator, Columnar, Sender):
         self._wake = trio.Event()       # the sender's next round
         self._progress = trio.Event()   # set (and replaced) when a request's answer is settled
         Accumulator.__init__(self, cfg)
+        Lookups.__init__(self)
         Sender.__init__(self, cfg)
-
-    # -- metadata ----------------------------------------------------------------
-    async def _load(self, names, patient: bool = False) -> None:
-        """Where ``names`` live; ``patient``: waiting for an unreachable coordinator (``_patient``)
-        rather than failing at once (the sender's refreshes have a backoff of their own)."""
-        meta = {"names": list(names)}
-        r, _ = await (self._patient("metadata", meta) if patient else
-                      self.coordinator.call("metadata", meta, timeout=self.request_timeout))
-        with self.lock:
-            for d in r["streams"]:
-                s = StreamView.from_wire(d)
-                self.streams[s.name] = s
-                self.by_id[s.id] = s
-                self.room[s.id] = chunkfmt.record_room(min(MAX_CHUNK, s.segment_size))
-        if r.get("missing"):
-            e = UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
-            e.missing = r["missing"]
-            raise e
-
-    async def load_metadata(self, names) -> None:
-        """Fetch where many streams live in one call (else each first send asks alone)."""
-        await self._load([n for n in names if n not in self.streams], patient=True)
-
-    async def stream(self, name: str) -> StreamView:
-        s = self.streams.get(name)
-        if s is None:
-            await self._load([name], patient=True)
-            s = self.streams[name]
-        return s
 
 
 @asynccontextmanager
@@ -158,19 +125,6 @@ class Producer:
                 await nursery.start(p.run)
                 task_status.started(p)
 
-    def _stream(self, name: str, value, key, cb) -> dict | None:
-        s = self._p.streams.get(name)
-        if s is None:
-            try:
-                self.portal.call(self._p.stream, name)
-            except UnknownStream as e:
-                if cb is None:
-                    raise
-                self._d.refused(name, key, value, cb, e)  # told by the next poll
-                return None
-            s = self._p.streams[name]
-        return s
-
     def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
              on_delivery=None) -> None:
         """Queue one record; first serve any delivery reports waiting. ``on_delivery(error,
@@ -179,13 +133,14 @@ class Producer:
         if self._d.ready:
             self._d.serve()
         cb = on_delivery or self._default
-        s = p.streams.get(stream) or self._stream(stream, value, key, cb)
-        if s is None:
-            return
+        s = p.streams.get(stream)
         with p.lock:
             if p.buffered >= p.buffer_memory:
                 p._wait_space()
-            p._append(s, value, key, timestamp, cb)
+            if s is None:   # looked up with the other streams met meanwhile (``lookups``)
+                p._park(stream, value, key, timestamp, cb)
+            else:
+                p._append(s, value, key, timestamp, cb)
 
     def send_many(self, stream: str, values, keys=None, streamlet: int | None = None, on_delivery=None) -> None:
         """See ``AsyncProducer.send_many``; ``on_delivery(error, BatchReport)`` once for the call."""

@@ -220,17 +220,6 @@ class Sender:
             self.refresh_backoff = min(self.refresh_backoff * 2, REFRESH_MAX)
         self._wake.set()
 
-    def _forget(self, names: set) -> None:
-        """Streams that no longer exist: their queued chunks fail with UnknownStream."""
-        with self.lock:
-            for k in list(self.ready):
-                s = self.by_id.get(k[0])
-                if s is not None and s.name in names and k not in self.inflight_keys:
-                    self._give_up(list(self.ready.pop(k)), UnknownStream.code)
-            for name in names:
-                self.streams.pop(name, None)
-        self.delivery.hand()
-
     async def _request(self, flight: Flight, items: list) -> None:
         addr = flight.addr
         meta = {"producer": self.producer_id, "token": self.producer_token, "acks": self.acks}
@@ -346,15 +335,19 @@ class Sender:
             now = time.monotonic()
             with self.lock:
                 self._seal_expired(now)
-            next_retry = self._dispatch(now)
+            next_retry = min(self._dispatch(now), self._lookup_due(now))
             deadline = min(next_retry, self.linger_q[0].deadline if self.linger_q else math.inf)
             with trio.move_on_after(max(0.0, deadline - time.monotonic())):
                 await self._wake.wait()
             self._wake = trio.Event()
 
     def kick(self) -> None:
-        """Seal every open chunk and wake the sender (what ``flush`` starts with)."""
+        """Seal every open chunk, look up the streams met without waiting out the linger, and
+        wake the sender (what ``flush`` starts with)."""
         self.seal_all()
+        with self.lock:
+            if self.lookup_at != math.inf:
+                self.lookup_at = 0.0
         self._wake.set()
 
     def check(self) -> None:

@@ -20,7 +20,7 @@ from .. import limits
 from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, ProtocolError
 from . import disk
 from .fields import vseg_key
-from .replay import replay
+from .replay import parse_routes, replay
 from .replica import Replica, VsegIndex, index_rows
 from .store import BackupStore
 
@@ -213,7 +213,7 @@ class ReadBack:
         """
         key = vseg_key(meta)
         rep = self.store.get(key)
-        routes = {(sid, i): (addr, epoch) for sid, i, addr, epoch in meta["routes"]}
+        routes = parse_routes(meta["owners"], payload)
         offset = meta.get("offset") or 0
         if offset > rep.length:
             raise InvalidArgument(f"offset {offset} beyond replica {key} of length {rep.length}")

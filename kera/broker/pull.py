@@ -3,6 +3,10 @@
 A pull waits (up to ``max_wait_ms``) for data, returns slices of the segments held in
 memory and, for segments evicted under the memory budget, chunks read back from a
 backup's copy (``tiered``). Only durable data is served, so no lease is needed.
+
+A plain pull names its streamlets and positions (at most ``MAX_PULL_STREAMLETS``);
+a pull in a session (``pull_sessions``) names only what changed since the last one.
+Either answers at most ``MAX_PULL_STREAMLETS`` entries.
 """
 
 from __future__ import annotations
@@ -11,21 +15,27 @@ import trio
 
 from .. import limits
 from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering, Unauthorized
+from .pull_sessions import PullSession
 
 MAX_PULL_BYTES = limits.MAX_PULL
 MAX_PULL_WAIT = 30.0
 
 
 class Pulls:
-    """``BrokerService``'s consume side (its state: streamlets, durable_event, tiered)."""
+    """``BrokerService``'s consume side (its state: streamlets, durable_event, tiered,
+    pull sessions)."""
 
     async def rpc_pull(self, meta, payload, peer):
-        reqs = meta["streamlets"]
         max_bytes = meta.get("max_bytes", 1 << 20)
         wait = meta.get("max_wait_ms", 0)
         max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
         # no lease needed: only durable data is served, a prefix of what any successor holds
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
+        if meta.get("session") is not None:
+            return await self._pull_session(meta, max_bytes, deadline, peer)
+        reqs = meta.get("streamlets")
+        if reqs is None:
+            raise InvalidArgument("pull needs streamlets, or a session")
         while True:
             event = self.durable_event
             entries, parts, errors, moved = self._collect(reqs, max_bytes, peer)
@@ -36,25 +46,109 @@ class Pulls:
             with trio.move_on_at(deadline):
                 await event.wait()
 
+    async def _pull_session(self, meta, max_bytes: int, deadline: float, peer):
+        """A pull in a session (``pull_sessions``): ``session`` 0 opens one; ``add`` sets
+        positions ([stream id, streamlet, low, {group: position}], as a plain pull's
+        entries), ``drop`` ([stream id, streamlet]) leaves streamlets; the answer names the
+        session and reads its ready streamlets."""
+        sid = meta["session"]
+        # a session is its opener's: another principal naming it is told it does not exist
+        s = self.sessions.open(peer.principal) if sid == 0 else self.sessions.get(sid, peer.principal)
+        errors = []
+        for r in meta.get("drop") or []:
+            s.drop((r[0], r[1]))
+        for r in meta.get("add") or []:
+            e = self._entry(r, errors, peer)
+            if e is not None:
+                s.set((e[0], e[1]), e[2], e[3])
+        while True:
+            s.event = trio.Event()
+            entries, parts, more = self._collect_ready(s, max_bytes, errors, peer)
+            if parts or errors or more or trio.current_time() >= deadline:
+                if any(isinstance(p, tuple) for p in parts):
+                    parts = await self._read_evicted(parts)
+                return {"session": s.id, "entries": entries, "errors": errors}, parts
+            with trio.move_on_at(deadline):
+                await s.event.wait()
+
+    def _collect_ready(self, s: PullSession, max_bytes: int, errors: list, peer):
+        """Read the session's ready streamlets (each once) while the budget lasts; those that
+        gave data stay ready, those that failed leave the session with their error."""
+        entries, parts = [], []
+        moved = False
+        budget = max_bytes
+        for _ in range(len(s.queued)):
+            if budget <= 0 or len(entries) + len(errors) >= limits.MAX_PULL_STREAMLETS - 64:
+                break
+            key = s.take()
+            if key is None:
+                break
+            low, positions = s.positions[key]
+            try:
+                if not self._may(peer, "read", key[0]):   # the ACLs may have changed since
+                    raise Unauthorized()
+                got = self._streamlet(*key).read(low, positions, budget)
+            except OutOfRange:
+                errors.append([key[0], key[1], OutOfRange.code, self._streamlet(*key).starts()])
+                s.drop(key)
+                continue
+            except KeraError as e:
+                errors.append([key[0], key[1], e.code])
+                s.drop(key)
+                continue
+            except (TypeError, ValueError):
+                errors.append([key[0], key[1], InvalidArgument.code])
+                s.drop(key)
+                continue
+            if got:
+                s.mark(key)   # there may be more
+            moved = self._entries(key[0], key[1], got, entries, parts) or moved
+            budget -= sum(e[3] for e in got)
+        return entries, parts, moved
+
+    def _entries(self, stream_id: int, index: int, got: list, entries: list, parts: list) -> bool:
+        """A streamlet's read into a pull's entries and parts; True if it moved with no data."""
+        moved = False
+        sl = self.streamlets[(stream_id, index)]
+        for gid, si, off, n, nxt in got:
+            entries.append([stream_id, index, gid, si, off, n, nxt])
+            if n:
+                seg = sl.groups[gid].segments[si]
+                # an evicted segment: read back from a backup before the reply goes
+                part = seg.part(off, n)
+                parts.append(part if part is not None else (seg, gid, off, n))
+            else:
+                moved = True
+        return moved
+
+    def _entry(self, r, errors: list, peer) -> tuple | None:
+        """A pull entry [stream id, streamlet, low, {group: position}] of a streamlet held
+        here, with the streamlet; None (the error noted in ``errors``) otherwise."""
+        try:
+            stream_id, index, low, positions = r
+            if not isinstance(positions, dict) or not isinstance(low, int):
+                raise InvalidArgument("pull entry is [stream_id, streamlet, low, {group: position}]")
+            if not self._may(peer, "read", stream_id):
+                raise Unauthorized()
+            return stream_id, index, low, positions, self._streamlet(stream_id, index)
+        except KeraError as e:
+            errors.append([r[0] if isinstance(r, list) and r else None,
+                           r[1] if isinstance(r, list) and len(r) > 1 else None, e.code])
+        except (TypeError, ValueError):
+            errors.append([None, None, InvalidArgument.code])
+        return None
+
     def _collect(self, reqs, max_bytes, peer):
         entries, parts, errors = [], [], []
         moved = False
         budget = max_bytes
         for r in reqs:
-            try:
-                stream_id, index, low, positions = r
-                if not isinstance(positions, dict) or not isinstance(low, int):
-                    raise InvalidArgument("pull entry is [stream_id, streamlet, low, {group: position}]")
-                if not self._may(peer, "read", stream_id):
-                    raise Unauthorized()
-                sl = self._streamlet(stream_id, index)
-            except KeraError as e:
-                errors.append([r[0] if isinstance(r, list) and r else None,
-                               r[1] if isinstance(r, list) and len(r) > 1 else None, e.code])
+            if len(entries) + len(errors) >= limits.MAX_PULL_STREAMLETS - 64:
+                break
+            e = self._entry(r, errors, peer)
+            if e is None:
                 continue
-            except (TypeError, ValueError):
-                errors.append([None, None, InvalidArgument.code])
-                continue
+            stream_id, index, low, positions, sl = e
             if budget <= 0:
                 continue
             try:
@@ -68,16 +162,8 @@ class Pulls:
             except (TypeError, ValueError):
                 errors.append([stream_id, index, InvalidArgument.code])
                 continue
-            for gid, si, off, n, nxt in got:
-                entries.append([stream_id, index, gid, si, off, n, nxt])
-                if n:
-                    seg = sl.groups[gid].segments[si]
-                    # an evicted segment: read back from a backup before the reply goes
-                    part = seg.part(off, n)
-                    parts.append(part if part is not None else (seg, gid, off, n))
-                    budget -= n
-                else:
-                    moved = True
+            moved = self._entries(stream_id, index, got, entries, parts) or moved
+            budget -= sum(e[3] for e in got)
         return entries, parts, errors, moved
 
     async def _read_evicted(self, parts: list) -> list:
@@ -94,7 +180,8 @@ class Pulls:
         return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
 
     def rpc_offsets(self, meta, payload, peer):
-        """Latest durable positions of streamlets: where a consumer 'from latest' starts."""
+        """Latest durable positions of streamlets (at most ``MAX_PULL_STREAMLETS``): where a
+        consumer 'from latest' starts."""
         out, errors = [], []
         for stream_id, index in meta.get("streamlets") or []:
             try:

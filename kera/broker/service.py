@@ -49,6 +49,7 @@ from .group_close import close_chunk
 from .membership import HEARTBEAT, Membership
 from .memory import MemoryBudget, default_budget
 from .pull import Pulls
+from .pull_sessions import PullSessions
 from .rebuild import Rebuilder
 from .reclaim import Reclaim
 from .replicator import ReplicationHub, Replicator
@@ -99,6 +100,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.backups: dict[int, dict] = {}
         self.backup_set = BackupSet(node)
         self.durable_event = trio.Event()
+        self.sessions = PullSessions()   # readers' pull sessions (kera.broker.pull_sessions)
         self.pool: Pool | None = None
         self.nursery: trio.Nursery | None = None
         self.hub: ReplicationHub | None = None   # the incarnation's replication (all its vlogs)
@@ -202,7 +204,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         s = StreamMeta.from_wire(meta.get("stream"))
         if s.id in self.streams:
             self.streams[s.id] = s
-            for i in range(s.streamlets):
+            for i in range(s.streamlets):   # its streamlets here, not every one held
                 sl = self.streamlets.get((s.id, i))
                 if sl is not None:
                     sl.configure(s)
@@ -323,6 +325,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         errors = []
         placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
         waits: dict[Replicator, int] = {}
+        touched: dict[Replicator, list] | None = {} if self.sessions else None
         streams, streamlets = self.streams, self.streamlets
         reset = chunk.SEQ_RESET
         for i, (sid, index, producer, seq, flags, off, size, checksum) in enumerate(zip(
@@ -354,8 +357,12 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 idx = waits[vlog] = vlog.append(seg, soff, size, checksum)
                 sl.note_producer(producer, seq, vlog, idx, seg, soff + size)
                 sl.plain_last = sl.appended_chunks
+                if touched is not None:
+                    touched.setdefault(vlog, []).append((sid, index))
             except KeraError as e:
                 errors.append([i, e.code])
+        if touched:
+            self._touch_when_durable(touched, waits)
         result = {"errors": errors} if placed is None else {"errors": errors, "placed": placed}
         if acks != "all" or not waits:
             return result
@@ -417,7 +424,15 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         idx = vlog.append(seg, soff, h.size, h.body_checksum)
         sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)
         sl.note_key(bytes(key))
+        if self.sessions:
+            self._touch_when_durable({vlog: [(h.stream_id, h.streamlet)]}, {vlog: idx})
         return self._acked_when_durable({vlog: idx}, {"duplicate": False})
+
+    def _touch_when_durable(self, touched: dict, waits: dict) -> None:
+        """Once their chunks are durable, streamlets (per vlog) are ready in the pull sessions
+        reading them."""
+        for vlog, keys in touched.items():
+            vlog.when_durable(waits[vlog], lambda error, keys=keys: error or self.sessions.touch(keys))
 
     @staticmethod
     def _acked_when_durable(waits: dict, reply: dict) -> Later:

@@ -22,13 +22,15 @@ from collections import deque
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, UnknownStream
+from kera.coordinator_link import CoordinatorLink
+from kera.errors import KeraError
+from kera.limits import MAX_PULL_STREAMLETS
 from kera.rpc import open_pool
 from kera.security import client_config
 
+from ..metadata import describe
 from ..portal import Portal
 from ..positions import GroupPositions
-from ..stream_view import StreamView
 from .arrow import ChunkBatch
 from .positions import DONE, Offsets, compact, order, pack, unpack
 
@@ -105,12 +107,14 @@ class Runtime:
 
 def metadata(coordinator: str, names=(), pattern: str | None = None, strict: bool = True,
              settings: tuple = ()) -> dict:
-    """``{name: StreamView}`` of the named streams and those matching ``pattern``."""
+    """``{name: StreamView}`` of the named streams and those matching ``pattern`` (a page per
+    request, ``kera_client.metadata``)."""
     rt = Runtime.get(settings)
-    r, _ = rt.call(coordinator, "metadata", {"names": list(names), "pattern": pattern})
-    if r.get("missing") and strict:
-        raise UnknownStream(f"unknown streams: {', '.join(r['missing'])}")
-    return {s.name: s for s in map(StreamView.from_wire, r["streams"])}
+
+    async def go():
+        return await describe(CoordinatorLink(rt.pool, coordinator), names, pattern,
+                              timeout=RPC_TIMEOUT, strict=strict)
+    return rt.run(go)
 
 
 def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0,
@@ -135,7 +139,7 @@ def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0,
             if addr is not None:
                 by_addr.setdefault(addr, []).append([meta[n].id, i])
         by_id = {s.id: s.name for s in meta.values()}
-        for r in rt.run(_offsets_all, rt.pool, by_addr).values():
+        for r in rt.run(_offsets_all, rt.pool, by_addr):
             for sid, i, low, groups in r["offsets"]:
                 name = by_id.get(sid)
                 if name is not None:
@@ -159,20 +163,22 @@ def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0,
             meta[n] = fresh[n]
 
 
-async def _offsets_all(pool, by_addr: dict) -> dict:
-    results = {}
+async def _offsets_all(pool, by_addr: dict) -> list[dict]:
+    """Every broker's answers, ``MAX_PULL_STREAMLETS`` streamlets per request."""
+    results = []
 
     async def one(addr, sls):
         try:
             r, _ = await pool.call(addr, "offsets", {"streamlets": sls}, timeout=RPC_TIMEOUT)
-            results[addr] = r
+            results.append(r)
         except KeraError as e:
             log.warning("offsets from %s failed: %s", addr, e)
             pool.drop(addr)
 
     async with trio.open_nursery() as n:
         for addr, sls in by_addr.items():
-            n.start_soon(one, addr, sls)
+            for k in range(0, len(sls), MAX_PULL_STREAMLETS):
+                n.start_soon(one, addr, sls[k:k + MAX_PULL_STREAMLETS])
     return results
 
 
@@ -326,6 +332,7 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
             queues.setdefault((r.sid, r.streamlet), deque()).append(r)
     addrs = {k: list(v) for k, v in addrs.items()}
     names = {w[1]: w[0] for w in wires}
+    ids = {w[0]: w[1] for w in wires}
     last_progress = time.monotonic()
     batch = ChunkBatch()
 
@@ -347,7 +354,7 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
             return
         for name in stale_streams:
             s = meta.get(name)
-            sid = next((i for i, n in names.items() if n == name), None)
+            sid = ids.get(name)
             if s is None or s.id != sid:
                 log.warning("stream %s was deleted while being read: its records are skipped", name)
                 for key in [k for k in queues if k[0] == sid]:
@@ -385,18 +392,18 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
         cur, by_addr, stale, fut = plan_pull()
         while cur:
             t = time.perf_counter()
-            answers = fut.result() if fut is not None else {}
+            answers = fut.result() if fut is not None else []
             stats.pull += time.perf_counter() - t
             stats.pulls += len(by_addr)
             t = time.perf_counter()
             moved = False
-            for addr, (r, payload) in answers.items():
+            for addr, r, payload in answers:
                 if r is None:
                     stale.update(x.stream for x in by_addr[addr])
                     continue
-                for sid, _i, _code in r["errors"]:
-                    if sid in names:
-                        stale.add(names[sid])
+                for e in r["errors"]:
+                    if e[0] in names:
+                        stale.add(names[e[0]])
                 at = 0
                 for sid, i, gid, seg, off, n, nxt in r["entries"]:
                     buf = payload[at:at + n] if n else None
@@ -425,23 +432,26 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
         stats.dump(stats_file, len(wires))
 
 
-async def _pull_all(pool, reqs: dict, pull_bytes: int) -> dict:
-    """One pull per broker, all at once: ``{addr: (meta, payload)}`` or ``(None, error)``."""
-    out = {}
+async def _pull_all(pool, reqs: dict, pull_bytes: int) -> list:
+    """One pull per broker (per ``MAX_PULL_STREAMLETS`` streamlets), all at once:
+    ``[(addr, meta, payload)]``, meta None (and the error) for a pull that failed."""
+    out = []
 
     async def one(addr, entries):
         try:
-            out[addr] = await pool.call(addr, "pull", {
+            r, payload = await pool.call(addr, "pull", {
                 "streamlets": entries, "max_bytes": pull_bytes, "max_wait_ms": 200},
                 timeout=RPC_TIMEOUT)
+            out.append((addr, r, payload))
         except KeraError as e:
             log.info("pull from %s failed: %s", addr, e)
             pool.drop(addr)
-            out[addr] = (None, e)
+            out.append((addr, None, e))
 
     async with trio.open_nursery() as n:
         for addr, entries in reqs.items():
-            n.start_soon(one, addr, entries)
+            for k in range(0, len(entries), MAX_PULL_STREAMLETS):
+                n.start_soon(one, addr, entries[k:k + MAX_PULL_STREAMLETS])
     return out
 
 

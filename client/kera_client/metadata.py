@@ -1,0 +1,121 @@
+"""Where streams live, however many: the coordinator's ``metadata`` answers a page at a time.
+
+Every client that needs many streams' metadata (the producer's lookups and
+``load_metadata``, a consumer's streams or pattern, the admin's listings, the
+Spark source's planning) asks through ``fetch`` (or ``pages``, a pattern's
+pages in order): names go at most ``MAX_LIST_PAGE`` per request, a few
+requests at once (the coordinator answers one while this process reads
+another), and each answer, bounded in streams and streamlets by the
+coordinator, says which names did not fit (``more``) and where a pattern's
+listing goes on (``next``). So no answer outgrows a frame whatever the number
+of streams, and one request serves up to a page of streams, never one stream.
+
+A pattern is listed in name order, or, with ``since`` (a stream id), only
+the streams created after it: a subscription learns its new streams without
+listing every old one again (``top`` of an answer is where the next
+``since`` may start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import trio
+
+from kera.errors import UnknownStream
+from kera.limits import MAX_LIST_PAGE
+
+from .stream_view import StreamView
+
+PARALLEL = 4   # pages of names asked at once
+
+
+async def _ask(coordinator, meta: dict, timeout: float) -> dict:
+    r, _ = await coordinator.call("metadata", meta, timeout=timeout)
+    return r
+
+
+async def pages(coordinator, pattern: str, *, since: int | None = None, timeout: float = 30.0,
+                limit: int | None = None, tops: list | None = None) -> AsyncIterator[list[StreamView]]:
+    """The streams matching ``pattern``, a page per request: in name order, or those created
+    after stream id ``since`` in id order. ``tops``: each answer's ``top`` is appended."""
+    cursor = None
+    while True:
+        meta = {"pattern": pattern}
+        if since is not None:
+            meta["since"] = since if cursor is None else cursor
+        elif cursor is not None:
+            meta["after"] = cursor
+        if limit is not None:
+            meta["limit"] = limit
+        r = await _ask(coordinator, meta, timeout)
+        if tops is not None and "top" in r:
+            tops.append(r["top"])
+        yield [StreamView.from_wire(d) for d in r["streams"]]
+        cursor = r.get("next")
+        if cursor is None:
+            return
+
+
+async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = None,
+                on_page: Callable[[list[StreamView], list], None] | None = None, *,
+                since: int | None = None, timeout: float = 30.0) -> int | None:
+    """``on_page(streams, missing)`` for every answer: the streams ``names`` (the unknown ones
+    in ``missing``; pages of names in any order), then those matching ``pattern`` (created
+    after ``since`` if given; the named ones may come again). Returns the lowest ``top`` of
+    the answers (streams created since have higher ids), None from an older coordinator."""
+    names = list(names)
+    tops: list = []
+    limiter = trio.CapacityLimiter(PARALLEL)
+
+    async def part(ask: list) -> None:
+        async with limiter:
+            while ask:
+                r = await _ask(coordinator, {"names": ask}, timeout)
+                if "top" in r:
+                    tops.append(r["top"])
+                on_page([StreamView.from_wire(d) for d in r["streams"]], r.get("missing") or [])
+                more = r.get("more") or 0
+                ask = ask[len(ask) - more:] if more else []
+
+    if names:
+        async with trio.open_nursery() as n:
+            for i in range(0, len(names), MAX_LIST_PAGE):
+                n.start_soon(part, names[i:i + MAX_LIST_PAGE])
+    if pattern is not None:
+        async for streams in pages(coordinator, pattern, since=since, timeout=timeout, tops=tops):
+            on_page(streams, [])
+    return min(tops) if tops else None
+
+
+async def describe(coordinator, names: Iterable[str] = (), pattern: str | None = None, *,
+                   timeout: float = 30.0, strict: bool = True, tops: list | None = None) -> dict[str, StreamView]:
+    """``{name: StreamView}`` of ``fetch``'s answers (the named streams in their order);
+    with ``strict``, unknown names raise
+    ``UnknownStream`` (its ``missing`` lists them) once every page is read. ``tops``: what
+    ``fetch`` returns is appended."""
+    out: dict[str, StreamView] = {}
+    missing: list = []
+
+    def take(streams, gone):
+        for s in streams:
+            out[s.name] = s
+        missing.extend(gone)
+
+    names = list(names)
+    top = await fetch(coordinator, names, pattern, take, timeout=timeout)
+    if names:   # the named ones in their order (their pages came in any), then the pattern's
+        out = {**{n: out[n] for n in names if n in out}, **out}
+    if tops is not None:
+        tops.append(top)
+    if missing and strict:
+        raise unknown(missing)
+    return out
+
+
+def unknown(missing: list) -> UnknownStream:
+    """The error for streams that do not exist (``missing`` names them all)."""
+    shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+    e = UnknownStream(f"unknown streams: {shown}")
+    e.missing = missing
+    return e

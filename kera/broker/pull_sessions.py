@@ -1,0 +1,102 @@
+"""Pull sessions: a reader of many streamlets names them once, then asks for what is new.
+
+A plain pull names every streamlet it reads with its position, and the broker
+looks at each: a consumer of a million streams would send and walk a million
+entries per poll. A session (Kafka's incremental fetch sessions, KIP-227) keeps
+the reader's streamlets and positions on the broker: each pull carries only the
+positions that changed (``add``: the reader moved them, or names them for the
+first time) and the streamlets it leaves (``drop``), and the broker reads only
+the *ready* ones: those just added or moved, those whose last read found data
+(there may be more), and those whose newest chunks became durable since
+(``touch``, called by the produce path once they are). A streamlet whose read
+finds nothing leaves the ready set until it is touched again. So a pull costs
+what moved, not what the session holds, and an idle session costs nothing.
+
+The broker never moves a session's positions itself: only the reader's ``add``
+does, so a lost answer is read again, never skipped. A streamlet that fails
+(not owned here, recovering, out of range) is reported and leaves the session;
+the reader adds it again where and when it can. Sessions are soft state: a
+broker keeps at most ``MAX_PULL_SESSIONS`` (the least recently used goes) and
+forgets them when it restarts; a pull naming one it does not hold gets
+``UnknownSession`` and the reader opens a new one.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+import trio
+
+from .. import limits
+from ..errors import UnknownSession
+
+Key = tuple[int, int]   # (stream id, streamlet)
+
+
+class PullSession:
+    __slots__ = ("id", "owner", "positions", "ready", "queued", "event")
+
+    def __init__(self, sid: int, owner: str):
+        self.id, self.owner = sid, owner   # the principal that opened it
+        self.positions: dict[Key, tuple[int, dict]] = {}   # the reader's (low, {group: position})
+        self.ready: deque[Key] = deque()   # to read, oldest first
+        self.queued: set[Key] = set()      # what ``ready`` holds
+        self.event = trio.Event()          # set when a streamlet becomes ready
+
+    def set(self, key: Key, low: int, groups: dict) -> None:
+        self.positions[key] = (low, groups)
+        self.mark(key)
+
+    def drop(self, key: Key) -> None:
+        self.positions.pop(key, None)
+        self.queued.discard(key)   # a stale entry of ``ready`` is skipped when reached
+
+    def mark(self, key: Key) -> None:
+        if key not in self.queued:
+            self.queued.add(key)
+            self.ready.append(key)
+            self.event.set()
+
+    def take(self) -> Key | None:
+        """The next ready streamlet still in the session, out of the ready set."""
+        while self.ready:
+            key = self.ready.popleft()
+            if key in self.queued:
+                self.queued.discard(key)
+                if key in self.positions:
+                    return key
+        return None
+
+
+class PullSessions:
+    """A broker's sessions, least recently used first."""
+
+    def __init__(self):
+        self.by_id: OrderedDict[int, PullSession] = OrderedDict()
+        self._next = 1
+
+    def __bool__(self) -> bool:
+        return bool(self.by_id)
+
+    def open(self, owner: str) -> PullSession:
+        if len(self.by_id) >= limits.MAX_PULL_SESSIONS:
+            self.by_id.popitem(last=False)
+        s = self.by_id[self._next] = PullSession(self._next, owner)
+        self._next += 1
+        return s
+
+    def get(self, sid: int, owner: str) -> PullSession:
+        s = self.by_id.get(sid)
+        if s is None or s.owner != owner:
+            raise UnknownSession(f"no pull session {sid} here (this broker restarted, or it "
+                                 f"expired): open a new one")
+        self.by_id.move_to_end(sid)
+        return s
+
+    def touch(self, keys) -> None:
+        """Streamlets with newly durable chunks: ready in every session reading them."""
+        for s in self.by_id.values():
+            held = s.positions
+            for key in keys:
+                if key in held:
+                    s.mark(key)
