@@ -1,7 +1,8 @@
 """Benchmarks: kera beside a Kafka-protocol broker (Tansu), after the paper's experiments.
 
     python -m bench streams [--quick]    # the headline: 1 -> 2,048 streams like for like beside the peer,
-                                         # 3 runs each, with its targets checked (bench/streams.py)
+                                         # 3 runs each, with its targets checked (bench/streams.py);
+                                         # --auth --tls: also R=3 in those modes (target >= 0.9x at 512)
     python -m bench throughput [--quick] # 1 stream x 32 streamlets x 4 groups, R=3, 2 producers and a
                                          # consumer at once: send_columns beside send() (bench/throughput.py)
     python -m bench vlogs [--quick]      # C: V = 1 -> 32 shared vlogs, 128 and 512 streams, R=3
@@ -92,7 +93,8 @@ def exp_streams(args) -> dict:
     if args.metrics:
         from .streams import metrics_cost
         return metrics_cost(n, seconds, args.repeats, say)
-    return run(QUICK_COUNTS if args.quick else COUNTS, n, seconds, args.repeats, args.concurrent, say)
+    return run(QUICK_COUNTS if args.quick else COUNTS, n, seconds, args.repeats, args.concurrent, say,
+               auth=args.auth, tls=args.tls)
 
 
 def exp_metadata(args) -> dict:
@@ -174,6 +176,9 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--counts", default="", help="many: stream counts; restart: streams and those with data; comma-separated")
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--auth", action="store_true",
+                    help="streams: also a cluster with user authentication and ACLs (an admin client)")
+    ap.add_argument("--tls", action="store_true", help="streams: also a cluster with TLS everywhere")
     args = ap.parse_args()
     t0 = time.monotonic()
     res = {"streams": exp_streams, "throughput": exp_throughput, "vlogs": exp_vlogs,

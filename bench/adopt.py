@@ -53,7 +53,7 @@ class _Nursery:
 
 def owner(data_dir: str) -> BrokerService:
     """A broker recovering stream 1's streamlet 0, not serving (no sockets)."""
-    svc = BrokerService("127.0.0.1:1", data_dir, "bench", VlogMapping())
+    svc = BrokerService("127.0.0.1:1", data_dir, "bench", VlogMapping(), cluster_secret=bytes(32))
     svc.nursery = _Nursery()
     svc.lease_until = float("inf")
     svc.claims = Claims(None, lambda: (1, 1), lambda b: "")

@@ -132,16 +132,17 @@ def produce_worker(coord, streams, n_records, size, cfg, *, mode="send", start_i
 
 
 def consume_worker(coord, streams, n_records, timeout_s, *, start="earliest", skip=0, barrier=None,
-                    touch=False) -> dict:
+                    touch=False, config=None) -> dict:
     """Reads ``n_records`` (of which the first ``skip``, the warm-up, are not reported).
 
     ``touch``: every record's value is taken as a bytes object and its length added up,
     the same per-record work the peer's consumer does (``len(m.value())``); without it
-    records are counted from chunk headers (kera's chunk-level reading, labelled so)."""
+    records are counted from chunk headers (kera's chunk-level reading, labelled so).
+    ``config``: the client's security settings."""
     from kera_client import open_consumer
 
     async def run():
-        async with open_consumer(streams, coord, start=start) as c:
+        async with open_consumer(streams, coord, config, start=start) as c:
             if barrier is not None:
                 await trio.to_thread.run_sync(barrier.wait)
             t0, c0 = time.monotonic(), own_cpu()
@@ -172,18 +173,25 @@ def per_stream(sent: list[int], starts: list[int], n_streams: int) -> list[int]:
 
 
 class KeraRun:
-    """A cluster for a series of runs (streams are created per run)."""
+    """A cluster for a series of runs (streams are created per run); ``auth``, ``tls``: its
+    modes (every client then uses its admin's ``client.conf``)."""
 
     def __init__(self, nodes: int, broker_args=(), backup_args=(), coordinators: int = 1,
-                 metrics_port: int | None = None):
+                 auth: bool = False, tls: bool = False, metrics_port: int | None = None):
         self.dir = tempfile.mkdtemp(prefix="kera-bench-")
         self.cluster = LocalCluster(os.path.join(self.dir, "data"), nodes, port=0,
                                     broker_args=list(broker_args), backup_args=list(backup_args),
-                                    coordinators=coordinators, metrics_port=metrics_port)
+                                    coordinators=coordinators, auth=auth, tls=tls,
+                                    metrics_port=metrics_port)
         self.runs = 0
+        self.security: dict = {}
 
     def __enter__(self):
+        from kera.security import client_config
+
         self.cluster.start()
+        if self.cluster.auth or self.cluster.tls:
+            self.security = client_config.read(self.cluster.client_conf)
         return self
 
     def __exit__(self, *exc):
@@ -202,7 +210,7 @@ class KeraRun:
         self.runs += 1
         names = [f"b{self.runs}-{i:04d}" for i in range(n_streams)]
         limit = trio.CapacityLimiter(32)
-        async with open_admin(self.cluster.coordinator) as a:
+        async with open_admin(self.cluster.coordinator, self.security) as a:
             if n_streams >= BATCH_FROM:
                 for i in range(0, n_streams, 4096):
                     await a.create_streams(names[i:i + 4096], streamlets=streamlets, groups=groups,
@@ -223,7 +231,7 @@ class KeraRun:
         from kera_client import open_admin
 
         async def go():
-            async with open_admin(self.cluster.coordinator) as a:
+            async with open_admin(self.cluster.coordinator, self.security) as a:
                 st = await a.broker_stats()
             return {"rpcs": sum(r.get("replication", {}).get("rpcs", 0) for r in st),
                     "chunks": sum(v["appended"] for r in st for v in r["vlogs"])}
@@ -244,7 +252,7 @@ class KeraRun:
 
         async def go():
             limit = trio.CapacityLimiter(1 if len(streams) < BATCH_FROM else 32)
-            async with open_admin(self.cluster.coordinator) as a, trio.open_nursery() as nursery:
+            async with open_admin(self.cluster.coordinator, self.security) as a, trio.open_nursery() as nursery:
                 async def one(n):
                     async with limit:
                         await a.delete_stream(n)
@@ -273,7 +281,7 @@ class KeraRun:
         before, cpu0 = self.stats(), self.server_cpu()
         counts = split(n_records, producers)
         starts = [(j * len(streams)) // producers for j in range(producers)]
-        jobs = [("p", j, produce_worker, (coord, streams, counts[j], size, cfg),
+        jobs = [("p", j, produce_worker, (coord, streams, counts[j], size, {**cfg, **self.security}),
                  {"mode": mode, "start_index": starts[j], "rate": rate, "warmup": n_warm,
                   "seconds": seconds})
                 for j in range(producers)]
@@ -290,7 +298,8 @@ class KeraRun:
             warm = per_stream([n_warm] * producers, [0] * producers, len(streams))
             wshare = [sum(warm[k::consumers]) for k in range(consumers)]
             return [("c", k, consume_worker, (coord, groups[k], share[k] + wshare[k], timeout_s),
-                     {"skip": wshare[k], "touch": touch}) for k in range(consumers)], sum(share)
+                     {"skip": wshare[k], "touch": touch, "config": self.security})
+                    for k in range(consumers)], sum(share)
 
         settled: dict = {}   # how long the machine took to quiet down before the clock started
         if sequential:

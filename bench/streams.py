@@ -38,6 +38,12 @@ streams / its own 1-stream rate (>= 0.8), kera R=3 at 100,000 streams / its
 own 1-stream rate (>= 0.5), all on medians; and for each kera R=3
 cell its last repeat / its first (within 10%: a cluster that ages slows the
 later repeats down).
+
+``--auth`` and/or ``--tls`` add a row, ``kera R=3 +auth+tls``: a second long-lived
+3-node cluster run in those modes (its clients log in as its admin, over TLS),
+measured in the same rotation as the others, at 512 streams too; its target is
+R=3 in those modes / R=3 by default at 512 streams (>= 0.9: authentication costs
+per connection, not per request).
 """
 
 from __future__ import annotations
@@ -129,42 +135,70 @@ def acceptance(cells: list[dict], runs: list[dict], repeats: int) -> dict:
     return out
 
 
-def run(counts: list[int], n: int, seconds: float, repeats: int, concurrent: bool, say) -> dict:
+def secure_name(auth: bool, tls: bool) -> str:
+    return "kera R=3 " + "".join(m for m, on in (("+auth", auth), ("+tls", tls)) if on)
+
+
+def run(counts: list[int], n: int, seconds: float, repeats: int, concurrent: bool, say,
+        auth: bool = False, tls: bool = False) -> dict:
     runs: list[dict] = []
     phases = ["sequential"] + (["concurrent"] if concurrent else [])
     load_start = os.getloadavg()
-    with KeraRun(3) as k:
+    secure = secure_name(auth, tls) if auth or tls else None
+    systems = SYSTEMS + ((secure,) if secure else ())
+    if secure and 512 not in counts:
+        counts = sorted({*counts, 512})
+    with KeraRun(3) as k, (KeraRun(3, auth=auth, tls=tls) if secure else _Nothing()) as ks:
+        def kera(system, s, secs, conc):
+            return _run_kera(ks if system == secure else k, 3 if system == secure else int(system[-1]),
+                             s, n, secs, conc)
+
         for s in counts:   # warm-up, not reported: the long-lived cluster's first runs pay for
-            for system in SYSTEMS[1:]:   # memory and files that later runs reuse
+            for system in systems[1:]:   # memory and files that later runs reuse
                 say(f"streams: warm-up, {s} streams, {system}")
-                _run_kera(k, int(system[-1]), s, n, min(seconds, 1.0), False)
+                kera(system, s, min(seconds, 1.0), False)
         for rep in range(repeats):
             for s in counts:
                 for phase in phases:
-                    order = SYSTEMS[rep % 3:] + SYSTEMS[:rep % 3]   # rotate who goes first
+                    at = rep % len(systems)
+                    order = systems[at:] + systems[:at]   # rotate who goes first
                     for system in order:
                         if system == "peer" and s > PEER_MAX:
                             continue
                         say(f"streams: repeat {rep + 1}/{repeats}, {s} streams, {phase}, {system}")
                         conc = phase == "concurrent"
                         out = _run_peer(s, n, seconds, conc) if system == "peer" else \
-                            _run_kera(k, int(system[-1]), s, n, seconds, conc)
+                            kera(system, s, seconds, conc)
                         runs.append({"system": system, "streams": s, "phase": phase, "repeat": rep, **out})
                         say(f"   produce {out['produce_rps']:,}/s, consume {out.get('consume_rps') or 0:,}/s")
     cells = []
     for phase in phases:
         for s in counts:
-            for system in SYSTEMS:
+            for system in systems:
                 mine = [r for r in runs if (r["system"], r["streams"], r["phase"]) == (system, s, phase)]
                 cells.append({"system": system, "streams": s, "phase": phase,
                               "produce_rps": _stat([r["produce_rps"] for r in mine]),
                               "consume_rps": _stat([r.get("consume_rps") for r in mine]),
                               "consume_rps_chunks": _stat([r.get("consume_rps_chunks") for r in mine]),
                               "produce_p99_ms": _stat([r.get("produce_p99_ms") for r in mine])})
+    acc = acceptance(cells, runs, repeats)
+    if secure:
+        med = {c["system"]: c["produce_rps"]["median"] for c in cells
+               if c["phase"] == "sequential" and c["streams"] == 512 and c["produce_rps"]}
+        base = med.get("kera R=3")
+        acc["secure_r3_vs_r3@512"] = _check(med[secure] / base if base and secure in med else None, ">=0.9")
     return {"experiment": "streams", "phase_seconds": seconds, "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
-            "producers": 1, "consumers": 1, "nodes": 3, "cells": cells,
-            "acceptance": acceptance(cells, runs, repeats), "runs": runs,
+            "producers": 1, "consumers": 1, "nodes": 3, "cells": cells, "secure": secure,
+            "acceptance": acc, "runs": runs,
             "load": {"start": load_start, "end": os.getloadavg()}}
+
+
+class _Nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
 
 
 def table(res: dict) -> str:
@@ -194,6 +228,16 @@ def table(res: dict) -> str:
                          f"{fmt(k1['consume_rps'])} | {fmt(k3['consume_rps'])} | "
                          f"{fmt(k3['consume_rps_chunks'])} |")
         lines.append("")
+        if res.get("secure"):
+            lines += [f"{what}: kera R=3 by default and {res['secure']}, records/s, median (min-max)", "",
+                      f"| streams | kera R=3 produce | {res['secure']} produce | ratio | kera R=3 consume | "
+                      f"{res['secure']} consume | ratio |", "|---|---|---|---|---|---|---|"]
+            for s in sorted({c["streams"] for c in res["cells"]}):
+                k3, ks = by[("kera R=3", s)], by[(res["secure"], s)]
+                lines.append(f"| {s} | {fmt(k3['produce_rps'])} | {fmt(ks['produce_rps'])} | "
+                             f"{ratio(ks['produce_rps'], k3['produce_rps'])} | {fmt(k3['consume_rps'])} | "
+                             f"{fmt(ks['consume_rps'])} | {ratio(ks['consume_rps'], k3['consume_rps'])} |")
+            lines.append("")
     lines.append("targets, from these runs:")
     for name, a in res["acceptance"].items():
         if "cells" in a:

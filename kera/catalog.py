@@ -166,27 +166,29 @@ class Catalog:
 
     # -- pages -----------------------------------------------------------------------------
     def listing(self, page: Page, describe: Callable[[dict], dict], pattern: str | None,
-                after: str | None, skip=()) -> str | None:
+                after: str | None, skip=(), visible=None) -> str | None:
         """Add ``describe(map)`` of the listed streams matching ``pattern`` (all if None), in
         name order from just after ``after``, to ``page`` while it has room; returns the
-        ``after`` of the rest, None if none is left."""
+        ``after`` of the rest, None if none is left. ``visible(name)``: whether the caller may
+        see it (all if None)."""
         return self._fill(page, describe, after, ((name, name, match and name not in skip)
-                                                  for name, match in self.names.scan(pattern, after)))
+                                                  for name, match in self.names.scan(pattern, after)),
+                          visible)
 
     def created(self, page: Page, describe: Callable[[dict], dict], pattern: str,
-                since: int) -> int | None:
+                since: int, visible=None) -> int | None:
         """``listing`` of the streams created after id ``since``, in id order; returns the
         ``since`` of the rest, None if none is left."""
         return self._fill(page, describe, since, (
             (sid, name, not is_internal(name) and fnmatch.fnmatchcase(name, pattern))
-            for sid, name in self.created_after(since)))
+            for sid, name in self.created_after(since)), visible)
 
-    def _fill(self, page: Page, describe, start, items):
+    def _fill(self, page: Page, describe, start, items, visible=None):
         """``items``: (cursor, name, wanted) in order; at most ``MAX_LIST_SCAN`` are looked at.
         Returns the cursor to go on from, None once ``items`` is exhausted."""
         last, scanned = start, 0
         for cursor, name, wanted in items:
-            if wanted:
+            if wanted and (visible is None or visible(name)):
                 d = self.wire(name)
                 if not page.fits(d["streamlets"]):
                     return last

@@ -1,7 +1,8 @@
 """The ``kera`` command: servers, a local cluster, and client commands.
 
 Every client command takes ``--coordinator HOST:PORT[,HOST:PORT...]`` (env KERA_COORDINATOR,
-default 127.0.0.1:7700). Exit status is non-zero on any error.
+default 127.0.0.1:7700) and ``--config FILE`` (env KERA_CONFIG: the security settings,
+``kera.security.client_config``). Exit status is non-zero on any error.
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ import time
 import numpy as np
 import trio
 
-from . import kv_cli
+from . import access_cli, kv_cli
 from .errors import KeraError, RecordTooLarge
+from .security import client_config
 
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
 
 
 def _coordinator(args) -> str:
     return args.coordinator or os.environ.get("KERA_COORDINATOR") or DEFAULT_COORDINATOR
+
+
+def _config(args) -> dict | None:
+    """The security settings ``--config`` names (None: those of ``KERA_CONFIG``, if set)."""
+    return client_config.read(args.config) if getattr(args, "config", None) else None
 
 
 def _run(afn, *args):
@@ -43,7 +50,7 @@ def cmd_stream(args) -> None:
         sys.exit(2)
 
     async def go():
-        async with open_admin(_coordinator(args)) as a:
+        async with open_admin(_coordinator(args), _config(args)) as a:
             if args.action == "create":
                 shape = {"streamlets": args.streamlets, "groups": args.groups,
                          "replication": args.replication, "vlogs": args.vlogs,
@@ -107,7 +114,7 @@ def cmd_produce(args) -> None:
     try:
         if args.generate is None:
             key = args.key.encode() if args.key is not None else None
-            p = Producer(_coordinator(args), _producer_options(args))
+            p = Producer(_coordinator(args), {**_producer_options(args), **(_config(args) or {})})
             try:
                 for n, line in enumerate(sys.stdin.buffer, 1):
                     value = line.rstrip(b"\n")
@@ -130,7 +137,8 @@ def cmd_produce(args) -> None:
             acked = 0
 
             async def one(i, n, counts):
-                async with open_producer(_coordinator(args), _producer_options(args)) as p:
+                async with open_producer(_coordinator(args),
+                                         {**_producer_options(args), **(_config(args) or {})}) as p:
                     try:
                         rng = np.random.default_rng(i)
                         step = 20_000
@@ -179,7 +187,7 @@ def cmd_consume(args) -> None:
 
     async def go():
         nonlocal count
-        async with open_consumer([args.stream], _coordinator(args), start=args.start,
+        async with open_consumer([args.stream], _coordinator(args), _config(args), start=args.start,
                                  group=args.group) as c:
             idle_since = time.monotonic()
             out = sys.stdout.buffer
@@ -225,7 +233,7 @@ def cmd_status(args) -> None:
     from kera_client import open_admin
 
     async def go():
-        async with open_admin(_coordinator(args)) as a:
+        async with open_admin(_coordinator(args), _config(args)) as a:
             st = await a.status()
             st["broker_stats"] = {b["broker"]: b for b in await a.broker_stats(streams=True, status=st)}
             st["backup_stats"] = {b["backup"]: b for b in await a.backup_stats(status=st)}
@@ -345,7 +353,7 @@ def cmd_recovery(args) -> None:
     from kera_client import open_admin
 
     async def go():
-        async with open_admin(_coordinator(args)) as a:
+        async with open_admin(_coordinator(args), _config(args)) as a:
             waited = False
             while True:
                 recs = (await a.status())["recoveries"]
@@ -385,12 +393,16 @@ def cmd_up(args) -> None:
     LocalCluster(args.data, args.nodes, args.port, demo=args.demo,
                  broker_args=shlex.split(args.broker_args), backup_args=shlex.split(args.backup_args),
                  coordinator_args=shlex.split(args.coordinator_args),
-                 coordinators=args.coordinators, metrics_port=args.metrics_port).run()
+                 coordinators=args.coordinators, auth=args.auth, tls=args.tls,
+                 metrics_port=args.metrics_port).run()
 
 
 def _client(p, coord=True):
     p.add_argument("--coordinator", default=None,
                    help="HOST:PORT[,HOST:PORT...] of the coordinators (env KERA_COORDINATOR)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="security settings, key=value lines with the Kafka client's names "
+                        "(security.protocol, sasl.username, ssl.ca.location...; env KERA_CONFIG)")
     return p
 
 
@@ -413,6 +425,12 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=None, metavar="P",
                     help="serve Prometheus metrics: the coordinators on P, P+1, ..., then each "
                          "node's backup and broker on the next ports")
+    up.add_argument("--auth", action="store_true",
+                    help="user authentication (SCRAM) and ACLs: makes an admin super user, prints "
+                         "its password once and writes DATA/client.conf")
+    up.add_argument("--tls", action="store_true",
+                    help="TLS on every listener: makes a local CA and certificates in DATA/tls "
+                         "and writes the CA into DATA/client.conf")
 
     for role in ("coordinator", "broker", "backup"):
         sub.add_parser(role, help=f"run one {role} process (see kera {role} --help)", add_help=False)
@@ -482,6 +500,7 @@ def parser() -> argparse.ArgumentParser:
     rc = _client(sub.add_parser("recovery", help="recoveries of dead brokers; --wait shows progress"))
     rc.add_argument("--wait", action="store_true", help="until no recovery is in progress")
     kv_cli.add_parser(sub, _client)
+    access_cli.add_parsers(sub, _client)
     return ap
 
 
@@ -494,7 +513,9 @@ def main(argv=None) -> None:
     try:
         {"up": cmd_up, "stream": cmd_stream, "produce": cmd_produce, "consume": cmd_consume,
          "status": cmd_status, "recovery": cmd_recovery, "top": cmd_top,
-         "kv": lambda a: kv_cli.cmd_kv(a, _coordinator(a), _run)}[args.command](args)
+         "kv": lambda a: kv_cli.cmd_kv(a, _coordinator(a), _config(a), _run),
+         "user": lambda a: access_cli.cmd_user(a, _coordinator(a), _config(a), _run),
+         "acl": lambda a: access_cli.cmd_acl(a, _coordinator(a), _config(a), _run)}[args.command](args)
     except* BrokenPipeError:
         # the reader of our output went away (``kera stream list | head``): stop quietly, as
         # Unix tools do; stdout goes to /dev/null so the interpreter's final flush cannot fail

@@ -18,13 +18,26 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Protocol
 
+import trio
+
+from .coordinator_link import CoordinatorLink
 from .etcd import LocalEtcd
+from .rpc import open_pool
+from .security import client_config
+from .security import secret as secret_
+from .security import tls as tls_
+from .security.credentials import Credentials
+from .security.mechanisms import credentials as scram_credentials
+
+ADMIN = "admin"   # the super user ``kera up --auth`` makes
 
 _LISTENING = re.compile(rb"listening on ([0-9.]+):(\d+)")
 
@@ -53,8 +66,12 @@ class Loopback:
 
 
 class LocalCluster:
+    """``auth``: user authentication and ACLs on every server, an ``admin`` super user, and
+    ``client.conf`` in the data dir; ``tls``: TLS on every listener (a local CA)."""
+
     def __init__(self, data: str, nodes: int, port: int = 0, demo: bool = False, broker_args=(),
-                 backup_args=(), coordinator_args=(), coordinators: int = 1, hosts: Hosts | None = None,
+                 backup_args=(), coordinator_args=(), coordinators: int = 1, auth: bool = False,
+                 tls: bool = False, hosts: Hosts | None = None,
                  metrics_port: int | None = None):
         if nodes < 1:
             raise SystemExit("kera up: --nodes must be at least 1")
@@ -72,6 +89,11 @@ class LocalCluster:
         self.hosts = hosts or Loopback()
         self.metrics_port = metrics_port   # P: coordinators on P, P+1, ..., then each node's backup, broker
         self.coordinator = f"{self.hosts.address('coordinator')}:{port}"
+        self.auth, self.tls = auth, tls
+        # made at the first start, kept with the data (mode 0600): every server proves it
+        self.secret_file = os.path.join(self.data, secret_.SECRET_FILE)
+        self.client_conf = os.path.join(self.data, "client.conf")
+        self.admin_password: str | None = None   # of a new admin: shown once by ``run``
         self.logs = os.path.join(self.data, "logs")
         self.specs: dict[str, list[str]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -140,6 +162,25 @@ class LocalCluster:
     def coordinator_names(self) -> list[str]:
         return ["coordinator"] + [f"coordinator{i}" for i in range(2, self.coordinators + 1)]
 
+    def server_args(self) -> list[str]:
+        """What every server of this cluster is started with: the secret, the modes."""
+        out = ["--cluster-secret-file", self.secret_file, *(["--auth"] if self.auth else [])]
+        if self.tls:
+            out += ["--tls-cert", self.tls_files["cert"], "--tls-key", self.tls_files["key"],
+                    "--tls-ca", self.tls_files["ca"]]
+        return out
+
+    @property
+    def tls_files(self) -> dict[str, str]:
+        """The local CA and the servers' certificate (made at the first start with --tls), naming
+        every address the cluster's hosts give."""
+        return tls_.local_ca(os.path.join(self.data, "tls"), {self.hosts.address(n) for n in self.names()})
+
+    def credentials(self, role: str = "coordinator", mid: int | None = None) -> Credentials:
+        """A member's credentials, for a pool that must speak as one (tests, tools)."""
+        return Credentials.member(secret_.load(self.secret_file), role, mid,
+                                  tls=tls_.client_context(self.tls_files["ca"]) if self.tls else None)
+
     def names(self) -> list[str]:
         """Every process ``start`` runs: etcd (with several coordinators), the coordinators,
         then each node's backup and broker."""
@@ -162,27 +203,70 @@ class LocalCluster:
 
     def start(self) -> None:
         os.makedirs(self.logs, exist_ok=True)
-        extra = []
+        secret_.ensure(self.secret_file)
+        extra = [*self.server_args()]
         if self.coordinators > 1:
             self.etcd = LocalEtcd(os.path.join(self.data, "etcd"), host=self.hosts.address("etcd"))
             self.spawn("etcd", [])
             self.wait_ready("etcd")
-            extra = ["--metadata", self.etcd.url]
+            extra += ["--metadata", self.etcd.url]
         for i, name in enumerate(self.coordinator_names()):
             port = self.port + i if self.port else 0
             self.spawn(name, ["coordinator", "--data", os.path.join(self.data, name), *self._host(name),
                               "--port", str(port), "--expect-nodes", str(self.nodes), *extra,
-                              *self._metrics(i), *self.coordinator_args])
+                              *self._metrics(i),
+                              *(["--super-users", f"User:{ADMIN}"] if self.auth else []),
+                              *self.coordinator_args])
         self.coordinator = ",".join(self.wait_ready(n) for n in self.coordinator_names())
         for i in range(1, self.nodes + 1):
             self.add_node(i, wait=False)
         for name in list(self.specs):
             if name.startswith("node"):
                 self.wait_ready(name)
+        if (self.auth or self.tls) and not os.path.exists(self.client_conf):
+            self._client_conf()
+
+    def _client_conf(self) -> None:
+        """The first start with --auth or --tls: the admin super user (a random password,
+        shown once by ``run``) and ``client.conf``, the Kafka client's settings to use it."""
+        settings = {"security.protocol": ("SASL_" if self.auth else "") + ("SSL" if self.tls else
+                                                                          "PLAINTEXT")}
+        if self.auth:
+            password = secrets.token_urlsafe(18)
+            self._as_member("user_add", {"name": ADMIN, "credentials": scram_credentials(password)})
+            settings.update({"sasl.mechanism": "SCRAM-SHA-256", "sasl.username": ADMIN,
+                             "sasl.password": password})
+            self.admin_password = password
+        if self.tls:
+            settings["ssl.ca.location"] = self.tls_files["ca"]
+        client_config.write(self.client_conf, settings, "written by kera up: the settings of its "
+                            f"admin user{' and CA' if self.tls else ''}; KERA_CONFIG={self.client_conf}")
+
+    def _as_member(self, method: str, meta: dict) -> dict:
+        """One request to the coordinator as a member (the cluster's own setup), from a
+        thread of its own: this may be called from inside a trio run (tests)."""
+        out: list = []
+
+        async def go():
+            async with open_pool(credentials=self.credentials()) as pool:
+                out.append((await CoordinatorLink(pool, self.coordinator).call(method, meta))[0])
+
+        def run():
+            try:
+                trio.run(go)
+            except BaseException as e:  # noqa: BLE001 (reported to the caller's thread)
+                out.append(e)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        if isinstance(out[0], BaseException):
+            raise RuntimeError(f"{method} failed: {out[0]}") from out[0]
+        return out[0]
 
     def add_node(self, i: int, wait: bool = True) -> None:
         node = f"node{i}"
-        coord = ["--coordinator", self.coordinator, "--node", node]
+        coord = ["--coordinator", self.coordinator, "--node", node, *self.server_args()]
         at = self.coordinators + 2 * (i - 1)
         self.spawn(f"{node}-backup", ["backup", "--dir", os.path.join(self.data, f"{node}-backup"),
                                       *self._host(f"{node}-backup"), *coord, *self._metrics(at),
@@ -236,10 +320,17 @@ class LocalCluster:
                 print(f"metrics at http://{m[0]}/metrics ... http://{m[-1]}/metrics "
                       f"({len(m)} endpoints: coordinators, then each node's backup and broker)",
                       flush=True)
+            if self.admin_password:
+                print(f"user {ADMIN} (super user) made, password: {self.admin_password}\n"
+                      f"  shown once; it is also in {self.client_conf} (mode 0600)", flush=True)
+            if self.auth or self.tls:
+                print(f"clients use {self.client_conf}: export KERA_CONFIG={self.client_conf}",
+                      flush=True)
             if self.demo:
                 self._demo()
+            conf = f"  export KERA_CONFIG={self.client_conf}\n" if self.auth or self.tls else ""
             print("next, in another terminal (kera is in .venv/bin: source .venv/bin/activate):\n"
-                  f"  export KERA_COORDINATOR={self.coordinator}\n"
+                  f"  export KERA_COORDINATOR={self.coordinator}\n{conf}"
                   "  kera stream create events --streamlets 4\n"
                   "  seq 1 1000 | kera produce events\n"
                   "  kera consume events --from earliest --max 1000 --count-only\n"
@@ -258,6 +349,8 @@ class LocalCluster:
 
     def _demo(self) -> None:
         env = dict(os.environ, KERA_COORDINATOR=self.coordinator)
+        if self.auth or self.tls:
+            env["KERA_CONFIG"] = self.client_conf
         kera = [sys.executable, "-m", "kera"]
         steps = [
             ["stream", "create", "demo", "--streamlets", "4"],

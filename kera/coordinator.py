@@ -19,9 +19,10 @@ import time
 
 import trio
 
-from . import etcd, group_positions, limits, metrics
+from . import door, etcd, group_positions, limits, metrics, wire
 from .adoption import Adoptions
 from .catalog import Catalog, Page
+from .door import Door
 from .errors import (
     InvalidArgument,
     InvalidName,
@@ -40,7 +41,14 @@ from .names import check_stream_name, is_internal
 from .recovered import Recovered
 from .recovery import RecoveryManager
 from .repoint import CHUNK_ROWS_NEWEST
-from .rpc import Pool, Service
+from .rpc import Pool
+from .security import secret as secret_
+from .security import tls as tls_
+from .security.accounts import Accounts
+from .security.credentials import Credentials
+from .security.gate import Gate
+from .security.mechanisms import COORDINATOR, MEMBER
+from .server import Service
 from .stream_meta import StreamMeta
 
 log = logging.getLogger("kera.coordinator")
@@ -53,6 +61,9 @@ INITIAL = {   # the metadata of a new cluster
     "recovered": [],  # [[broker, epoch, version], ...] recovered with nothing lost (kera.recovered)
     "recovered_version": 0,
     "deferred": {},   # "broker:epoch" -> closed history adopted after its hand-over (kera.adoption)
+    "users": {},      # name -> salted SCRAM keys (kera.security.accounts)
+    "acls": [],       # [principal, permission, operation, resource, name, pattern], ...
+    "security_version": 0,
 }
 
 DEFAULTS = {
@@ -141,27 +152,9 @@ def _check_stream_limits(cfg: dict) -> None:
                             bound=limits.MIN_SEGMENT_SIZE, size=cfg["segment_size"])
 
 
-def _strings(meta: dict, rpc: str, *keys) -> list:
-    out = []
-    for key in keys:
-        v = meta.get(key)
-        if v is not None and not isinstance(v, str):
-            raise InvalidArgument(f"{rpc}: {key} must be a string")
-        out.append(v)
-    return out
-
-
-def _page_limit(meta: dict, rpc: str) -> int:
-    """A request's ``limit`` of streams per page: ``MAX_LIST_PAGE`` unless it asks for fewer."""
-    limit = meta.get("limit")
-    if limit is None:
-        return limits.MAX_LIST_PAGE
-    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
-        raise InvalidArgument(f"{rpc}: limit must be a positive integer")
-    if limit > limits.MAX_LIST_PAGE:
-        raise LimitExceeded(f"limit {limit} exceeds MAX_LIST_PAGE ({limits.MAX_LIST_PAGE})",
-                            limit="MAX_LIST_PAGE", bound=limits.MAX_LIST_PAGE, size=limit)
-    return limit
+def _describes(peer):
+    """Whether ``peer`` may describe a stream of this name: a listing's filter."""
+    return lambda name: peer.may("describe", "stream", name)
 
 
 class Coordinator(Membership, Service):
@@ -170,9 +163,17 @@ class Coordinator(Membership, Service):
     leads only while it holds the election there (``addr`` is what it advertises);
     otherwise it stands by, answering ``not_leader`` with the leader's address."""
 
+    rpcs = wire.COORDINATOR_RPCS
+
     def __init__(self, data_dir: str, dead_after: float = 2.0, expect_nodes: int = 0,
-                 metadata: str | None = None, addr: str = ""):
+                 metadata: str | None = None, addr: str = "", *, cluster_secret: bytes,
+                 auth: bool = False, super_users=(), door: Door | None = None, tls=(None, None)):
+        """``tls``: (the listener's context, the context to open TLS to members with)."""
         self.data_dir = data_dir
+        self.cluster_secret = cluster_secret
+        self.tls, self.member_tls = tls
+        self.gate = Gate(cluster_secret, auth=auth, super_users=super_users)
+        self.door = door or Door()
         self.dead_after = dead_after
         self.repoint_evicted = True  # recovery re-points settled history (kera.repoint)
         self.chunk_rows_newest = CHUNK_ROWS_NEWEST   # bytes per vlog indexed per chunk (the rest as runs)
@@ -222,14 +223,44 @@ class Coordinator(Membership, Service):
         self.recovery = RecoveryManager(self, grace=max(30.0, 10 * self.dead_after))
         self.recovered = Recovered(self)
         self.adoptions = Adoptions(self)
+        self.accounts = Accounts(store, self.gate, self.commit, self._member_addrs, lambda: self.pool)
         self.leading = True
         self.terms += 1
 
     def lookup(self, method):
-        fn = super().lookup(method)
-        if not self.leading and method != "ping":
+        h = super().lookup(method)
+        if not self.leading and method not in ("ping", "authenticate"):
             raise NotLeader(f"coordinator {self.addr} stands by", leader=self._leader_hint())
-        return fn
+        return h
+
+    def rpc_authenticate(self, meta, payload, peer):
+        """A standby admits members (they are sent on as any request is); users, whose keys
+        only the leader holds, are sent to the leader at once."""
+        if not self.leading and peer.handshake is None and meta.get("mechanism") != MEMBER:
+            raise NotLeader(f"coordinator {self.addr} stands by", leader=self._leader_hint())
+        return super().rpc_authenticate(meta, payload, peer)
+
+    def _member_addrs(self) -> list[str]:
+        return [m.addr for role in ("broker", "backup") for m in self.members[role].values() if m.alive]
+
+    # -- users and ACLs (kera.security.accounts) -----------------------------------
+    async def rpc_user_add(self, meta, payload):
+        return await self.accounts.user_add(meta)
+
+    async def rpc_user_delete(self, meta, payload):
+        return await self.accounts.user_delete(meta)
+
+    def rpc_user_list(self, meta, payload):
+        return self.accounts.user_list(meta)
+
+    async def rpc_acl_add(self, meta, payload):
+        return await self.accounts.acl_add(meta)
+
+    async def rpc_acl_remove(self, meta, payload):
+        return await self.accounts.acl_remove(meta)
+
+    def rpc_acl_list(self, meta, payload):
+        return self.accounts.acl_list(meta)
 
     def _leader_hint(self) -> str:
         hint = self.election.leader if self.election is not None else ""
@@ -312,12 +343,18 @@ class Coordinator(Membership, Service):
         s, = await self._create([meta])
         return {"stream": self._describe(s)}
 
-    async def rpc_create_streams(self, meta, payload):
+    async def rpc_create_streams(self, meta, payload, peer):
         """Many streams in one request, all or none: ``{"streams": [spec, ...]}``, each spec
-        shaped like ``create_stream``'s request. Answers their ids, in order."""
-        specs = meta.get("streams")
-        if not isinstance(specs, list) or not specs:
-            raise InvalidArgument("create_streams needs a non-empty list of streams")
+        shaped like ``create_stream``'s request. Answers their ids, in order. A client must
+        be allowed to create every one of them (else none is)."""
+        specs = meta["streams"]
+        for i, spec in enumerate(specs):
+            if isinstance(spec.get("name"), str) and not peer.may("create", "stream", spec["name"]):
+                try:
+                    peer.require("create", "stream", spec["name"])
+                except KeraError as e:
+                    e.index, e.stream = i, spec["name"]
+                    raise
         return {"ids": [s.id for s in await self._create(specs)]}
 
     def _config(self, spec, nodes: int, internal: bool = False) -> tuple[str, dict]:
@@ -356,9 +393,6 @@ class Coordinator(Membership, Service):
         a refused batch leaves no trace; the error carries ``index`` and ``stream`` (the
         entry's name) and, in a batch of several, says which entry it is.
         """
-        if len(specs) > limits.MAX_BATCH_STREAMS:
-            raise LimitExceeded(f"{len(specs)} streams exceed MAX_BATCH_STREAMS ({limits.MAX_BATCH_STREAMS})",
-                                limit="MAX_BATCH_STREAMS", bound=limits.MAX_BATCH_STREAMS, size=len(specs))
         await self.wait_ready()
         if not any(m.alive for m in self.members["broker"].values()):
             raise NotEnoughBackups("no live broker to place the stream on")
@@ -453,17 +487,17 @@ class Coordinator(Membership, Service):
             for (bid, epoch), entries in by_broker.items():
                 n.start_soon(one, bid, epoch, entries)
 
-    def rpc_list_streams(self, meta, payload):
-        """One page of the streams matching ``pattern`` (all if None), in name order, from just
-        after ``after``: at most ``limit`` (``MAX_LIST_PAGE``) streams and
+    def rpc_list_streams(self, meta, payload, peer):
+        """One page of the streams matching ``pattern`` (all if None) that the caller may
+        describe, in name order, from just after ``after``: at most ``limit`` (``MAX_LIST_PAGE``) streams and
         ``MAX_LIST_PAGE_STREAMLETS`` streamlets. ``next`` is the ``after`` of the next page,
         None once the listing is complete (a page may be empty and still have a next)."""
-        pattern, after = _strings(meta, "list_streams", "pattern", "after")
-        page = Page(_page_limit(meta, "list_streams"))
-        nxt = self.streams.listing(page, self._addressed, pattern, after)
+        pattern, after = meta.get("pattern"), meta.get("after")
+        page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
+        nxt = self.streams.listing(page, self._addressed, pattern, after, visible=_describes(peer))
         return {"streams": page.streams, "next": nxt}
 
-    def rpc_metadata(self, meta, payload):
+    def rpc_metadata(self, meta, payload, peer):
         """Where streams live, a page (as ``list_streams``'s) at a time: the streams ``names``
         (at most ``MAX_LIST_PAGE``; the unknown ones in ``missing``), then those matching
         ``pattern``: from just after ``after`` in name order or, with ``since`` (a stream id),
@@ -471,24 +505,19 @@ class Coordinator(Membership, Service):
         since, not every name again). ``more``: how many names (the last ones) did not fit,
         to ask again; the pattern is begun only once every name is answered, and ``next`` is
         the ``after`` (or ``since``) of its next page (None once complete, or with no
-        pattern). ``top``: the newest stream id, where a later ``since`` may start. Every
+        pattern). Only the streams the caller may describe are answered (a name it may not is
+        refused). ``top``: the newest stream id, where a later ``since`` may start. Every
         answer fits a frame, however many streams are asked for (``kera_client.metadata``)."""
         names = meta.get("names") or []
-        pattern, after = _strings(meta, "metadata", "pattern", "after")
-        since = meta.get("since")
-        if not isinstance(names, list):
-            raise InvalidArgument("metadata: names must be a list")
-        if since is not None and (not isinstance(since, int) or isinstance(since, bool)):
-            raise InvalidArgument("metadata: since must be a stream id")
-        if len(names) > limits.MAX_LIST_PAGE:
-            raise LimitExceeded(f"{len(names)} names exceed MAX_LIST_PAGE ({limits.MAX_LIST_PAGE}): "
-                                f"ask a page at a time", limit="MAX_LIST_PAGE",
-                                bound=limits.MAX_LIST_PAGE, size=len(names))
-        page = Page(_page_limit(meta, "metadata"))
+        pattern, after, since = meta.get("pattern"), meta.get("after"), meta.get("since")
+        for name in names:
+            peer.require("describe", "stream", name)
+        visible = _describes(peer)
+        page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
         out = {"streams": page.streams, "missing": [], "more": 0, "next": None,
                "top": self.meta["next_stream_id"] - 1}
         for k, name in enumerate(names):
-            d = self.streams.wire(name) if isinstance(name, str) else None
+            d = self.streams.wire(name)
             if d is None:
                 out["missing"].append(name)
             elif page.fits(d["streamlets"]):
@@ -498,9 +527,10 @@ class Coordinator(Membership, Service):
                 out["next"] = (after if since is None else since) if pattern else None
                 return out
         if pattern and since is not None:
-            out["next"] = self.streams.created(page, self._addressed, pattern, since)
+            out["next"] = self.streams.created(page, self._addressed, pattern, since, visible)
         elif pattern:
-            out["next"] = self.streams.listing(page, self._addressed, pattern, after, skip=set(names))
+            out["next"] = self.streams.listing(page, self._addressed, pattern, after,
+                                               skip=set(names), visible=visible)
         return out
 
     def rpc_describe_stream(self, meta, payload):
@@ -519,7 +549,8 @@ class Coordinator(Membership, Service):
             m = self.live_broker(bid, epoch)
             if m is not None:
                 try:
-                    await self.pool.call(m.addr, "unassign", {"stream_id": s.id}, timeout=10)
+                    await self.pool.call(m.addr, "unassign", {"epoch": epoch, "stream_id": s.id},
+                                         timeout=10)
                 except KeraError as e:
                     log.warning("unassign on broker %d failed: %s", bid, e)
 
@@ -556,10 +587,12 @@ class Coordinator(Membership, Service):
         log.info("stream %s: %s", s.name, changes)
         return {"stream": self._describe(s)}
 
-    async def rpc_producer_id(self, meta, payload):
+    async def rpc_producer_id(self, meta, payload, peer):
+        """A new producer id, never given before, and its token: bound to the caller's
+        principal, so that no one else may write under it (``Peer.bind_producer``)."""
         pid = self._take("next_producer_id")
         await self.commit()
-        return {"id": pid}
+        return {"id": pid, "token": self.gate.producer_token(pid, peer.principal)}
 
     # -- consumer positions ----------------------------------------------
     async def rpc_positions_stream(self, meta, payload):
@@ -642,7 +675,8 @@ class Coordinator(Membership, Service):
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED):
         try:
             async with trio.open_nursery() as nursery:
-                self.pool = Pool(nursery)
+                self.pool = Pool(nursery, credentials=Credentials.member(
+                    self.cluster_secret, COORDINATOR, tls=self.member_tls))
                 if self.election is None:
                     await nursery.start(self._lead)
                     bound = await nursery.start(self.serve, host, port)
@@ -691,12 +725,21 @@ def main(argv=None) -> None:
                     help="how often consumer groups' lag is measured for the metrics")
     ap.add_argument("--metrics-top-groups", type=int, default=100, metavar="N",
                     help="lag series for the N (group, stream) pairs with the most lag")
+    secret_.add_arguments(ap)
+    ap.add_argument("--super-users", default="", metavar="PRINCIPALS",
+                    help="User:NAME[,User:NAME...]: principals that bypass ACLs (with --auth)")
+    tls_.add_arguments(ap)
+    door.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.chunk_rows_newest < 0:   # before anything is created
         ap.error("--chunk-rows-newest is a number of bytes, 0 or more")
+    cluster_secret = secret_.from_args(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(message)s")
     addr = args.advertise or (f"{args.host}:{args.port}" if args.port else "")
-    coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr)
+    coord = Coordinator(args.data, args.dead_after, args.expect_nodes, args.metadata, addr,
+                        cluster_secret=cluster_secret, auth=args.auth,
+                        super_users=[p for p in args.super_users.split(",") if p],
+                        door=Door(door.from_args(args)), tls=tls_.from_args(ap, args))
     coord.repoint_evicted = args.repoint_evicted
     coord.chunk_rows_newest = args.chunk_rows_newest
     coord.retention_defaults = _retention({"retention_bytes": args.retention_bytes,

@@ -101,6 +101,15 @@ class OutOfOrderSequence(KeraError):
     retriable = True
 
 
+class UnknownProducer(KeraError):
+    """A producer's first chunk on a streamlet (as far as its broker knows) does not start
+    its sequence: at 0, or flagged ``SEQ_RESET`` (Kafka's UNKNOWN_PRODUCER_ID). Its producer
+    sends it again flagged ``SEQ_RESET``: everything before it was acknowledged or given up."""
+
+    code = "unknown_producer"
+    retriable = True
+
+
 class NotEnoughBackups(KeraError):
     code = "not_enough_backups"
     retriable = True
@@ -175,13 +184,60 @@ class OutOfRange(KeraError):
     code = "out_of_range"
 
 
+class Unauthenticated(KeraError):
+    """The connection has not proved who it is (no handshake, or not as what this request
+    needs): authenticate first (``kera.security``)."""
+
+    code = "unauthenticated"
+
+
+class AuthenticationFailed(Unauthenticated):
+    """A handshake failed: a wrong password or proof, an unknown user. The connection closes."""
+
+    code = "authentication_failed"
+
+
+class UnsupportedMechanism(Unauthenticated):
+    """A handshake named a mechanism this server does not take (or not on this listener:
+    PLAIN only over TLS); ``mechanisms`` lists those it takes."""
+
+    code = "unsupported_mechanism"
+
+
+class Unauthorized(KeraError):
+    """The connection is authenticated, but its principal may not do this (an ACL, a member
+    of another role, or a member speaking for another)."""
+
+    code = "unauthorized"
+
+
+class ConnectionLimit(Unavailable):
+    """A listener's cap on connections (in all, or from one address) is reached: the new
+    connection is told so and closed; retry later or elsewhere."""
+
+    code = "connection_limit"
+
+    def __init__(self, message: str = "", *, limit: str = "", bound: int = 0):
+        super().__init__(message)
+        self.limit, self.bound = limit, bound
+
+
+class PeerTooSlow(KeraError):
+    """A connection was cut for holding resources: idle past the idle timeout, a frame not
+    finished within the read timeout, or replies queued past their byte budget (a peer
+    that does not read)."""
+
+    code = "peer_too_slow"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in [
         KeraError, ProtocolError, FrameTooLarge, ChecksumError, InvalidName, InvalidArgument,
         LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
-        OutOfOrderSequence, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader,
-        DataLoss, Conflict, OutOfRange, DeliveryTimeout,
+        OutOfOrderSequence, UnknownProducer, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader,
+        DataLoss, Conflict, OutOfRange, DeliveryTimeout, Unauthenticated, AuthenticationFailed,
+        UnsupportedMechanism, Unauthorized, ConnectionLimit, PeerTooSlow,
     ]
 }
 

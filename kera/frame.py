@@ -94,6 +94,7 @@ class FrameDecoder:
         self._pos = 0
         self._pieces: list | None = None  # a large frame being gathered
         self._need = 0                    # and the bytes it still lacks
+        self.gathered = 0                 # and the bytes it holds
 
     def feed(self, data) -> None:
         mv = memoryview(data).cast("B")
@@ -101,6 +102,7 @@ class FrameDecoder:
             take = min(len(mv), self._need)
             self._pieces.append(mv[:take] if type(data) is bytes else bytes(mv[:take]))
             self._need -= take
+            self.gathered += take
             mv = mv[take:]
             if not mv:
                 return
@@ -111,8 +113,7 @@ class FrameDecoder:
 
     @property
     def pending(self) -> int:
-        gathered = sum(map(len, self._pieces)) if self._pieces is not None else 0
-        return len(self._buf) - self._pos + gathered
+        return len(self._buf) - self._pos + self.gathered
 
     def _prefix(self, buf, pos: int) -> tuple[int, int, int, int]:
         """A frame prefix's (kind, request id, meta length, payload length), checked."""
@@ -135,6 +136,7 @@ class FrameDecoder:
                 return None
             f = b"".join(self._pieces)
             self._pieces = None
+            self.gathered = 0
             kind, rid, mlen, _ = self._prefix(f, 0)
             return Frame(kind, rid, _meta(f, PREFIX_SIZE, mlen), memoryview(f)[PREFIX_SIZE + mlen:])
         buf, pos = self._buf, self._pos
@@ -148,6 +150,7 @@ class FrameDecoder:
                 with memoryview(buf) as m:
                     self._pieces = [bytes(m[pos:])]
                 self._need = end - len(buf)
+                self.gathered = len(buf) - pos
                 buf.clear()
                 self._pos = 0
             return None

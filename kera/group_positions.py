@@ -39,6 +39,15 @@ def check_group(group) -> str:
     return group
 
 
+def group_of(key) -> str | None:
+    """The group a record's key names, None if it is not a key of this stream."""
+    try:
+        k = msgpack.unpackb(key, raw=False)
+    except Exception:  # noqa: BLE001 (msgpack raises several unrelated types)
+        return None
+    return k[0] if isinstance(k, list) and len(k) == 2 and isinstance(k[0], str) else None
+
+
 def streamlet_of(group: str, streamlets: int) -> int:
     """The streamlet all of ``group``'s records go to."""
     return xxhash.xxh32_intdigest(group.encode()) % streamlets

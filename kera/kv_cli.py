@@ -21,11 +21,11 @@ def add_parser(sub, client) -> None:
             p.add_argument(a, type=int if a == "version" else str)
 
 
-def cmd_kv(args, coordinator: str, run) -> None:
+def cmd_kv(args, coordinator: str, config: dict | None, run) -> None:
     from kera_client.kv import open_kv
 
     async def go():
-        async with open_kv(args.map, coordinator) as m:
+        async with open_kv(args.map, coordinator, config=config) as m:
             if args.op == "put":
                 return f"version {await m.put(args.key, args.value)}", True
             if args.op == "get":

@@ -71,12 +71,28 @@ MAX_REPLICA_BYTES = 1 * GiB       # what a backup accepts in one replica's chunk
 # -- reads (backup read/replay, broker pull) ---------------------------------------------
 MAX_READ = 8 * MiB                # a backup read reply, or one chunk if larger
 REPLAY_READ = 4 * MiB             # a replay step: one read, one recover request per broker
+# streamlets one pull (or offsets, seek) names: as many as a frame's meta can hold (an
+# entry packs to 4 bytes at least), so the bound costs no request that would fit
+MAX_PULL_STREAMLETS = MAX_META // 4
 MAX_PULL = 32 * MiB               # a pull reply: up to this, plus at most one chunk beyond it
 # a pull names at most this many streamlets (a plain pull's list, a session's additions and
 # drops) and answers at most this many entries (so its meta fits a frame whatever it reads)
 MAX_PULL_STREAMLETS = 32768
 PULL_ENTRY_BYTES = 64             # packed size of a streamlet named in a pull, or of an entry
 MAX_PULL_SESSIONS = 1024          # pull sessions a broker keeps (the least recently used goes)
+
+# -- connections, at the door of every listener (kera.rpc) -------------------------------
+MAX_CONNECTIONS = 10_000          # open connections per listener
+MAX_CONNECTIONS_PER_ADDR = 1_000  # of those, from one peer address
+IDLE_TIMEOUT = 600.0              # s a connection may sit with nothing in flight (Kafka's 10 min)
+FRAME_TIMEOUT = 60.0              # s a frame begun may take to arrive whole (slow-read bound)
+SEND_TIMEOUT = 60.0               # s a reply begun may wait for the peer to take it
+HANDSHAKE_TIMEOUT = 30.0          # s from accept until a connection that must authenticate has
+REPLY_BUDGET = 2 * MAX_FRAME      # bytes of replies queued for one connection: a peer that does
+#                                   not read is cut off past it
+RECEIVE_BUDGET = 512 * MiB        # bytes of large frames still arriving, over a listener's
+#                                   connections: past it they wait (their FRAME_TIMEOUT runs on)
+MAX_AUTH_BYTES = 4 * KiB          # one handshake message (a SCRAM step, a member's proof)
 
 # coordinator metadata log
 MAX_METALOG_RECORD = 16 * MiB     # one record of the metadata log (a group-commit batch, or a part)
@@ -101,4 +117,9 @@ assert (MAX_BATCH_STREAMS * BATCH_STREAM_BYTES + MAX_BATCH_STREAMLETS * BATCH_ST
 assert MAX_STREAMLETS <= MAX_LIST_PAGE_STREAMLETS, "a stream of the most streamlets must fit a page"
 assert (MAX_LIST_PAGE * BATCH_STREAM_BYTES + MAX_LIST_PAGE_STREAMLETS * LIST_STREAMLET_BYTES
         <= MAX_META), "every list_streams page must fit a frame's meta"
+assert MAX_CONNECTIONS_PER_ADDR <= MAX_CONNECTIONS
+assert REPLY_BUDGET >= MAX_FRAME, "every reply must fit a connection's reply budget"
+assert RECEIVE_BUDGET >= MAX_FRAME, "a frame of the largest size must be receivable"
+assert FRAME_TIMEOUT <= IDLE_TIMEOUT and HANDSHAKE_TIMEOUT <= IDLE_TIMEOUT
+assert MAX_AUTH_BYTES <= MAX_META
 assert MAX_META < MAX_METALOG_RECORD, "every metadata change a request carries must fit a log record"

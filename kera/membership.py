@@ -56,15 +56,16 @@ class Member:
 class Membership:
     """Registration, heartbeats, failure detection and readiness (see the module doc)."""
 
-    async def rpc_register(self, meta, payload):
-        role = meta.get("role")
-        if role not in self.members:
-            raise InvalidArgument(f"unknown role {role!r}")
-        addr, node = meta.get("addr"), str(meta.get("node") or "")
-        if not isinstance(addr, str):
-            raise InvalidArgument("register needs addr")
+    async def rpc_register(self, meta, payload, peer):
+        """A member joins (its connection proved it is one, and names the id it asks for:
+        none for a new one). Answers its id and epoch; a member that runs with user
+        authentication on or off unlike this coordinator is refused."""
+        role, addr, node = meta["role"], meta["addr"], meta.get("node") or ""
+        if meta.get("auth", self.gate.auth) != self.gate.auth:
+            raise InvalidArgument(f"this cluster runs {'with' if self.gate.auth else 'without'} "
+                                  f"user authentication (--auth): so must every server")
         mid = meta.get("id")
-        if not isinstance(mid, int) or mid <= 0:
+        if not mid:
             mid = self.meta["next_id"][role]
             self.log.set(("next_id", role), mid + 1)
         elif mid >= self.meta["next_id"][role]:
@@ -88,7 +89,7 @@ class Membership:
         self._notify()
         await self.commit()   # its id and epoch are never handed out again
         out = {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
-               "lease": self.lease, "fences": self.meta["fences"]}
+               "lease": self.lease, "fences": self.meta["fences"], **self.accounts.heartbeat(None)}
         if role == "backup":
             out.update(self.recovered.answer(m, meta.get("recovered")))
         return out
@@ -121,16 +122,20 @@ class Membership:
         return m
 
     def rpc_heartbeat(self, meta, payload):
+        """A member is alive; the answer carries what it needs and lacks: live backups (a
+        broker), fences and recovered incarnations (a backup), users and ACLs (if it holds
+        another version of them)."""
         m = self._member(meta)
         m.last_seen = time.monotonic()
         self._heard()
-        if isinstance(meta.get("stats"), dict):
+        if meta.get("stats") is not None:
             m.stats = meta["stats"]
         if m.role == "backup":
-            if type(meta.get("damage")) is int:
+            if meta.get("damage") is not None:
                 m.damage = meta["damage"]
-            return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered"))}
-        return {"backups": self.tell_backups(m)}
+            return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered")),
+                    **self.accounts.heartbeat(meta.get("security"))}
+        return {"backups": self.tell_backups(m), **self.accounts.heartbeat(meta.get("security"))}
 
     def tell_backups(self, m: Member) -> list[dict]:
         """The live backups, as told to broker ``m``: remembered as backups it may use."""

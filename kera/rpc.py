@@ -1,16 +1,11 @@
-"""Thin trio transport around the sans-IO frame codec.
-
-Servers: ``serve(service, port)`` runs one task per connection. Requests are
-read in order; a service method ``rpc_<name>`` that is a plain function runs
-right there, in arrival order (appends keep their order), and may return a
-coroutine for the part that waits, which runs concurrently in the
-connection's nursery, or a ``Later`` that whoever settles it answers (a
-produce's durability, settled by the replication's outcomes: no task per
-request). A bounded number of requests per connection may be
-in flight; past that the connection stops being read (backpressure).
+"""Thin trio transport around the sans-IO frame codec: frames out (``FrameWriter``),
+answers given later (``Later``), and the client side (``Pool``, ``Connection``). The
+serving side is ``kera.server``.
 
 Clients: ``Pool`` owns one pipelined connection per address and the reader
-tasks that match responses to requests by id. A send that was cancelled or
+tasks that match responses to requests by id. A new connection first presents the
+pool's credentials (``kera.security.credentials``: a member's proof, a user's login,
+or nothing), once, before any request. A send that was cancelled or
 timed out may have left part of a frame on the wire, so its connection is
 closed (the next call opens a new one); a reply or error for a request no
 longer waited for is dropped and the connection stays, unless nothing at all
@@ -26,18 +21,17 @@ a callback.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import os
 from contextlib import asynccontextmanager
-from functools import partial
 
 import trio
 
 from . import frame, iov
-from .errors import KeraError, ProtocolError, Unavailable, UnknownMethod, from_wire
+from .errors import KeraError, PeerTooSlow, Unavailable, from_wire
 from .limits import MAX_FRAME
+from .security.credentials import ANONYMOUS, Credentials
 
 log = logging.getLogger("kera.rpc")
 
@@ -45,6 +39,7 @@ MAX_INFLIGHT = 256
 RECV_SIZE = 1 << 20
 VECTOR_FROM = 1 << 16  # a frame of parts this large goes out vectored (sendmsg), not joined first,
 VECTOR_PART = 1 << 12  # when its parts average this much: many tiny parts cost less joined
+TLS_PIECE = 1 << 18    # bytes a TLS stream is handed per send_all (a frame's buffers joined up to it)
 
 
 def unsent(err: Unavailable) -> Unavailable:
@@ -85,6 +80,10 @@ def _views(data: bytes | list) -> list[memoryview]:
     return iov.views(data) if isinstance(data, list) else [memoryview(data)]
 
 
+def _size(data: bytes | list) -> int:
+    return len(data) if type(data) is bytes else sum(map(frame.nbytes, data))
+
+
 def _write(sock, vs: list[memoryview], i: int) -> int:
     """Write ``vs[i:]`` while the socket takes it (up to ``iov.IOV_MAX`` buffers a call, each
     call resuming where the last stopped); returns the index of the first buffer not fully
@@ -100,9 +99,14 @@ def _write(sock, vs: list[memoryview], i: int) -> int:
     return i
 
 
-async def _send_rest(sock, vs: list[memoryview], i: int) -> None:
+async def _send_rest(sock, vs: list[memoryview], i: int, timeout: float = math.inf) -> None:
+    """Write what is left, waiting for the socket; ``PeerTooSlow`` if it takes no byte for
+    ``timeout`` seconds (a peer that does not read)."""
     while (i := _write(sock, vs, i)) < len(vs):
-        await trio.lowlevel.wait_writable(sock)
+        with trio.move_on_after(timeout) as cs:
+            await trio.lowlevel.wait_writable(sock)
+        if cs.cancelled_caught:
+            raise PeerTooSlow(f"the peer took no byte for {timeout} s")
 
 
 async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
@@ -111,6 +115,21 @@ async def send_frame(stream: trio.SocketStream, data: bytes | list) -> None:
     and no trip through the scheduler; past a full socket buffer it waits until the socket
     is writable. Callers hold the connection's send lock (``_take``)."""
     await _send_rest(stream.socket, _views(data), 0)
+
+
+def _pieces(vs: list[memoryview], i: int):
+    """``vs[i:]`` in pieces of about ``TLS_PIECE`` bytes for a TLS stream: each ``send_all``
+    encrypts into records and sends them in one go, so a frame of many small buffers (a
+    produce's or a replicate's chunks) costs a few calls, not one (and a record) per buffer."""
+    run, size = [], 0
+    for v in vs[i:]:
+        if size and size + len(v) > TLS_PIECE:
+            yield run[0] if len(run) == 1 else b"".join(run)
+            run, size = [], 0
+        run.append(v)
+        size += len(v)
+    if run:
+        yield run[0] if len(run) == 1 else b"".join(run)
 
 
 async def _take(lock: trio.Semaphore) -> None:
@@ -122,21 +141,30 @@ async def _take(lock: trio.Semaphore) -> None:
 
 
 class FrameWriter:
-    """A connection's sending side: frames go straight to the socket, one at a time under one
-    send lock (a Semaphore, not a Lock: a write begun by one task may be finished by another).
-    ``now`` writes a frame from anywhere on the loop (an answer settled by whoever, a posted
-    request) without a task when nobody else is sending and the socket takes it; a frame it
-    begins but the socket does not take whole is finished by a task of ``nursery``.
-    ``broken(why)`` is told when such a write fails."""
+    """A connection's sending side: frames go out one at a time under one send lock (a
+    Semaphore, not a Lock: a write begun by one task may be finished by another). On a
+    plain socket they are written straight to it (``os.writev``): ``now`` writes a frame
+    from anywhere on the loop (an answer settled by whoever, a posted request) without a
+    task when nobody else is sending and the socket takes it; a frame it begins but the
+    socket does not take whole is finished by a task of ``nursery``. On a TLS stream every
+    frame goes through the stream (``send_all``), by a task when ``now`` is asked.
+    ``broken(why)`` is told when a write fails. ``timeout``: a peer that takes no byte for
+    that long is cut off; ``budget``: bytes of frames that may wait for the lock (or a task)
+    before the connection is cut off as not reading."""
 
-    __slots__ = ("sock", "lock", "nursery", "broken", "finishing")
+    __slots__ = ("stream", "sock", "lock", "nursery", "broken", "finishing", "timeout", "budget",
+                 "queued")
 
-    def __init__(self, sock, nursery: trio.Nursery, broken):
-        self.sock = sock
+    def __init__(self, stream, nursery: trio.Nursery, broken, timeout: float = math.inf,
+                 budget: float = math.inf):
+        self.stream = stream
+        self.sock = getattr(stream, "socket", None)   # None: a TLS stream
         self.lock = trio.Semaphore(1)
         self.nursery = nursery
         self.broken = broken
         self.finishing = None   # the tag ``now`` was given for the frame a task is finishing
+        self.timeout, self.budget = timeout, budget
+        self.queued = 0         # bytes of frames waiting to be sent by a task
 
     @property
     def busy(self) -> bool:
@@ -151,6 +179,10 @@ class FrameWriter:
         except trio.WouldBlock:
             return False
         vs = _views(data)
+        if self.sock is None:
+            self.finishing = tag
+            self.nursery.start_soon(self._rest, vs, 0)
+            return True
         try:
             i = _write(self.sock, vs, 0)
         except trio.BrokenResourceError as e:
@@ -164,9 +196,21 @@ class FrameWriter:
             self.nursery.start_soon(self._rest, vs, i)
         return True
 
+    async def _out(self, vs: list, i: int) -> None:
+        if self.sock is not None:
+            await _send_rest(self.sock, vs, i, self.timeout)
+            return
+        with trio.move_on_after(self.timeout) as cs:
+            for piece in _pieces(vs, i):
+                await self.stream.send_all(piece)
+        if cs.cancelled_caught:
+            raise PeerTooSlow(f"the peer took no reply for {self.timeout} s")
+
     async def _rest(self, vs: list, i: int) -> None:
         try:
-            await _send_rest(self.sock, vs, i)
+            await self._out(vs, i)
+        except PeerTooSlow:
+            self.broken("send_cut")
         except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
             self.broken(f"send failed: {e}")
         except BaseException as e:
@@ -176,13 +220,37 @@ class FrameWriter:
             self.finishing = None
             self.lock.release()
 
+    def _count(self, n: int) -> None:
+        self.queued += n
+        if self.queued > self.budget:
+            self.broken("budget_cut")
+            raise trio.BrokenResourceError("replies queued past the connection's budget")
+
     async def send(self, data: bytes | list) -> None:
         """Send one frame, in turn."""
-        await _take(self.lock)
+        n = _size(data) if self.budget != math.inf else 0
+        self._count(n)
         try:
-            await _send_rest(self.sock, _views(data), 0)
+            await _take(self.lock)
+            try:
+                await self._out(_views(data), 0)
+            except PeerTooSlow:
+                self.broken("send_cut")
+                raise trio.BrokenResourceError("the peer does not read") from None
+            finally:
+                self.lock.release()
         finally:
-            self.lock.release()
+            self.queued -= n
+
+    def queue(self, data: bytes | list) -> None:
+        """Send one frame in turn, by a task: its bytes count against the budget meanwhile."""
+        self.nursery.start_soon(self._queued, data)
+
+    async def _queued(self, data) -> None:
+        try:
+            await self.send(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
 
 
 class Later:
@@ -208,7 +276,7 @@ class Later:
             self._to = to
 
 
-def _result_frame(rid: int, result) -> bytes | list:
+def result_frame(rid: int, result) -> bytes | list:
     if result is None:
         result = {}
     if isinstance(result, tuple):
@@ -219,124 +287,13 @@ def _result_frame(rid: int, result) -> bytes | list:
     return frame.encode(frame.RESPONSE, rid, result)
 
 
-def _error_frame(rid: int, err: Exception) -> bytes:
+def error_frame(rid: int, err: Exception) -> bytes:
     if isinstance(err, KeraError):
         info = err.to_wire()
     else:
         log.exception("internal error", exc_info=err)
         info = {"code": "internal", "message": f"{type(err).__name__}: {err}"}
     return frame.encode(frame.ERROR, rid, info)
-
-
-def _disconnect(e: BaseException) -> bool:
-    """A peer that went away (possibly inside a group): nothing to report."""
-    if isinstance(e, BaseExceptionGroup):
-        return all(_disconnect(x) for x in e.exceptions)
-    return isinstance(e, (trio.BrokenResourceError, trio.ClosedResourceError, OSError))
-
-
-class Service:
-    """Base for servers: subclasses define ``rpc_<method>(meta, payload)``."""
-
-    max_frame = MAX_FRAME
-
-    def lookup(self, method):
-        fn = getattr(self, f"rpc_{method}", None) if isinstance(method, str) else None
-        if fn is None:
-            raise UnknownMethod(f"unknown method {method!r}")
-        return fn
-
-    async def serve_connection(self, stream: trio.SocketStream) -> None:
-        """One client connection. Whatever goes wrong here ends this connection only."""
-        try:
-            await self._serve_connection(stream)
-        except Exception as e:  # noqa: BLE001 (groups included; cancellation still propagates)
-            if not _disconnect(e):
-                log.warning("connection closed after an error", exc_info=e)
-        finally:
-            with trio.move_on_after(1) as cs:
-                cs.shield = True
-                await stream.aclose()
-
-    async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        decoder = frame.FrameDecoder(self.max_frame)
-        slots = trio.Semaphore(MAX_INFLIGHT)
-        live = True
-
-        def answer(rid: int, result) -> None:
-            """A ``Later``'s answer, from whoever settled it: written at once if the socket is
-            free and takes it, else by a task of this connection (a failed write: the reader
-            sees the connection end)."""
-            slots.release()
-            if not live:
-                return
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                out = _result_frame(rid, result)
-            except Exception as e:
-                out = _error_frame(rid, e)
-            if not writer.now(out):
-                nursery.start_soon(writer.send, out)  # after the frame being written
-
-        async def finish(rid: int, coro) -> None:
-            try:
-                try:
-                    out = _result_frame(rid, await coro)
-                except (KeraError, Exception) as e:
-                    out = _error_frame(rid, e)
-                await writer.send(out)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            finally:
-                slots.release()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                writer = FrameWriter(stream.socket, nursery, lambda why: None)
-                try:
-                    while True:
-                        data = await stream.receive_some(RECV_SIZE)
-                        if not data:
-                            if decoder.pending:  # a client whose send was cut: never a request
-                                log.info("connection closed inside a frame (%d bytes dropped)",
-                                         decoder.pending)
-                            break
-                        decoder.feed(data)
-                        while (f := decoder.next()) is not None:
-                            if f.kind != frame.REQUEST:
-                                raise ProtocolError("expected a request frame")
-                            try:  # no scheduling point while requests are queued: appends batch up
-                                slots.acquire_nowait()
-                            except trio.WouldBlock:
-                                await slots.acquire()
-                            try:
-                                res = self.lookup(f.meta.get("m"))(f.meta, f.payload)
-                                if inspect.iscoroutine(res):
-                                    nursery.start_soon(finish, f.request_id, res)
-                                    continue
-                                if type(res) is Later:
-                                    res._bind(partial(answer, f.request_id))
-                                    continue
-                                out = _result_frame(f.request_id, res)  # a reply too large: its error
-                            except Exception as e:
-                                out = _error_frame(f.request_id, e)
-                            slots.release()
-                            await writer.send(out)
-                except ProtocolError as e:
-                    # garbage: say why (best effort), then drop this connection only
-                    with trio.move_on_after(1):
-                        await writer.send(_error_frame(0, e))
-                finally:
-                    live = False
-                    nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-
-    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
-        task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self.serve_connection, listeners)
 
 
 class _Posted:
@@ -367,7 +324,8 @@ class Connection:
         self.pending: dict[int, list] = {}
         self.next_id = 1
         # a posted frame's rest is finished by a task of the pool's nursery
-        self.writer = FrameWriter(stream.socket, nursery, self._tear)
+        self.writer = FrameWriter(stream, nursery, self._tear)
+        self.generation = 0     # of the pool's credentials it presented
         self.closed = False
         self.error: Exception | None = None
         self.heard = trio.current_time()   # when bytes last arrived
@@ -471,7 +429,7 @@ class Connection:
                         raise unsent(Unavailable(str(self.error)))
                     try:
                         sending = True
-                        await send_frame(self.stream, data)
+                        await self.writer._out(_views(data), 0)
                     except BaseException as e:
                         # part of the frame may be on the wire: nothing more may follow it
                         self._tear(f"send of {method} interrupted ({type(e).__name__})")
@@ -501,7 +459,7 @@ class Connection:
         """Close at once (no checkpoint: the caller may be cancelled): the peer sees the
         end of the stream after a partial frame and never reads it as a request."""
         self._fail(Unavailable(f"connection to {self.addr} closed: {why}"))
-        self.stream.socket.close()  # wakes the reader, which ends
+        raw_socket(self.stream).close()  # wakes the reader, which ends
 
     async def aclose(self) -> None:
         self._fail(Unavailable(f"connection to {self.addr} closed"))
@@ -509,14 +467,21 @@ class Connection:
             await self.stream.aclose()
 
 
+def raw_socket(stream):
+    """The socket under a stream, TLS or not."""
+    return stream.socket if hasattr(stream, "socket") else stream.transport_stream.socket
+
+
 class Pool:
-    """Connections by address, their reader tasks owned by this pool's nursery."""
+    """Connections by address, their reader tasks owned by this pool's nursery; each
+    presents ``credentials`` once, when it opens."""
 
     def __init__(self, nursery: trio.Nursery, max_frame: int = MAX_FRAME,
-                 connect_timeout: float = 5.0):
+                 connect_timeout: float = 5.0, credentials: Credentials | None = None):
         self.nursery = nursery
         self.max_frame = max_frame
         self.connect_timeout = connect_timeout
+        self.credentials = credentials or ANONYMOUS
         self.conns: dict[str, Connection] = {}
         self._locks: dict[str, trio.Lock] = {}
 
@@ -524,24 +489,64 @@ class Pool:
         """The open connection to ``addr``, or a new one (within ``connect_timeout``, or
         ``timeout`` if shorter)."""
         c = self.conns.get(addr)
-        if c is not None and not c.closed:
+        if c is not None and not c.closed and c.generation == self.credentials.generation:
             return c
         lock = self._locks.setdefault(addr, trio.Lock())
         async with lock:
             c = self.conns.get(addr)
             if c is not None and not c.closed:
-                return c
-            host, port = parse_addr(addr)
-            try:
-                with trio.fail_after(min(self.connect_timeout, math.inf if timeout is None else timeout)):
-                    stream = await trio.open_tcp_stream(host, port)
-            except (OSError, trio.TooSlowError) as e:
-                raise unsent(Unavailable(f"cannot connect to {addr}: {str(e) or 'timed out'}")) from None
-            stream.setsockopt(6, 1, 1)  # TCP_NODELAY
-            c = Connection(addr, stream, self.max_frame, self.nursery)
+                if c.generation == self.credentials.generation:
+                    return c
+                self.drop(addr)   # opened as what we no longer are (a member given its id)
+            c = await self._open(addr, timeout)
             self.conns[addr] = c
-            self.nursery.start_soon(c.reader)
             return c
+
+    async def _open(self, addr: str, timeout: float | None = None) -> Connection:
+        """A new connection to ``addr``, TLS if the credentials say so, authenticated, within
+        ``connect_timeout`` (or ``timeout`` if shorter). A failure here is ``unsent``: no
+        request has left yet."""
+        creds = self.credentials
+        try:
+            host, port = parse_addr(addr)
+        except ValueError as e:
+            raise unsent(Unavailable(f"cannot connect to {addr!r}: {e}")) from None
+        limit = min(self.connect_timeout, math.inf if timeout is None else timeout)
+        try:
+            with trio.fail_after(limit):
+                stream = await trio.open_tcp_stream(host, port)
+                stream.setsockopt(6, 1, 1)  # TCP_NODELAY
+                if creds.tls is not None:
+                    stream = trio.SSLStream(stream, creds.tls, server_hostname=host,
+                                            https_compatible=True)
+                    await stream.do_handshake()
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError) as e:
+            raise unsent(Unavailable(f"cannot connect to {addr}: {_why(e)}")) from None
+        c = Connection(addr, stream, self.max_frame, self.nursery)
+        c.generation = creds.generation
+        self.nursery.start_soon(c.reader)
+        mech = creds.mechanism()
+        if mech is not None:
+            try:
+                await self._authenticate(c, mech, limit)
+            except Unavailable as e:
+                c._tear("authentication failed")
+                unsent(e)   # no request of the caller's left
+                raise
+            except BaseException:
+                c._tear("authentication failed")
+                raise
+        return c
+
+    async def _authenticate(self, c: Connection, mech, timeout: float) -> None:
+        """The handshake: the mechanism's messages until the server says it is done."""
+        meta = {"mechanism": mech.name, "auth_bytes": mech.first()}
+        while True:
+            r, _ = await c.call("authenticate", meta, timeout=timeout)
+            if r.get("done"):
+                mech.finish(r.get("auth_bytes", b""))
+                return
+            meta = {"auth_bytes": mech.step(r.get("auth_bytes", b""))}
 
     async def call(self, addr: str, method: str, meta: dict | None = None, payload=b"", *,
                    timeout: float | None = None, **kw):
@@ -562,6 +567,14 @@ class Pool:
         for c in list(self.conns.values()):
             await c.aclose()
         self.conns.clear()
+
+
+def _why(e: BaseException) -> str:
+    """A connection failure said plainly (a TLS refusal names its reason)."""
+    if isinstance(e, trio.TooSlowError):
+        return "timeout"
+    cause = e.__cause__ if isinstance(e, trio.BrokenResourceError) and e.__cause__ else e
+    return str(cause) or type(cause).__name__
 
 
 def _leaves(eg: BaseExceptionGroup) -> list[BaseException]:

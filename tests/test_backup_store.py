@@ -26,6 +26,8 @@ from kera.backup.store import (
 )
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
 
+from .members import SECRET
+
 pytestmark = pytest.mark.timeout(30)
 
 KEY = (7, 2, 5)
@@ -345,7 +347,7 @@ def test_a_file_read_is_not_served_when_its_replica_is_dropped_meanwhile(tmp_pat
     whose replica is dropped before it returns (its file deleted, maybe made again for a new
     copy) is refused, typed, and the replica is not marked corrupt; one that was dropped
     before is refused without reading."""
-    svc = BackupService(str(tmp_path))
+    svc = BackupService(str(tmp_path), cluster_secret=SECRET)
     rep = Replica(1, 2, 3, 0, str(tmp_path / "1-2-3"))
     svc.store.replicas[rep.key] = rep
     reads = []

@@ -23,7 +23,8 @@ from kera.errors import (
 )
 from kera.rpc import open_pool, parse_addr
 
-from .workload import read_values
+from .members import open_members
+from .workload import producer_id, read_values
 
 
 def raw(addr: str, data: bytes, timeout: float = 5.0) -> bytes:
@@ -116,18 +117,19 @@ async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
     s = await setup_good(coord)
     before = await stored(coord)
     broker = s.addrs[0]
+    mine = await producer_id(coord)
+    pid = mine["producer"]
     async with open_pool() as pool:
-        good = chunk.build(s.id, 0, 999, 0, [b"x" * 50] * 3)
+        good = chunk.build(s.id, 0, pid, 0, [b"x" * 50] * 3)
         bad = bytearray(good)
         bad[-9] ^= 0x10  # a bit in the body: the body checksum no longer matches
         with pytest.raises(ChecksumError):
-            await pool.call(broker, "produce", {"producer": 999}, good + bytes(bad), timeout=5)
+            await pool.call(broker, "produce", mine, good + bytes(bad), timeout=5)
         torn = bytearray(good)[:-5]
         with pytest.raises(ProtocolError):
-            await pool.call(broker, "produce", {"producer": 999}, bytes(torn), timeout=5)
+            await pool.call(broker, "produce", mine, bytes(torn), timeout=5)
         # a chunk for a stream no broker has: refused for that chunk, typed
-        r, _ = await pool.call(broker, "produce", {"producer": 999},
-                               chunk.build(424242, 0, 999, 0, [b"x"]), timeout=5)
+        r, _ = await pool.call(broker, "produce", mine, chunk.build(424242, 0, pid, 0, [b"x"]), timeout=5)
         assert r["errors"] == [[0, "not_owner"]]
         # a pull for a streamlet this broker does not own: a typed error for that streamlet
         other = 1 if s.addrs[1] != broker else None
@@ -228,7 +230,7 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
         st = await a.status()
     broker = next(b for b in st["brokers"] if b["addr"] == s.addrs[0])
     backup = next(b for b in st["backups"] if b["alive"])
-    async with open_pool() as pool:
+    async with open_members(cluster) as pool:
         async def code(addr, method, meta, payload=b""):
             with pytest.raises(KeraError) as e:
                 await pool.call(addr, method, meta, payload, timeout=5)
@@ -275,7 +277,8 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
         assert await code(backup["addr"], "replicate", {**key, "offset": 0}, b"garbage") in (
             "invalid_argument", "checksum")
         # replays of a replica that is not there, or from an offset past its end, or without routes
-        assert await code(backup["addr"], "replay", {**key, "owners": []}) == "backup"
+        where = {k: key[k] for k in ("broker", "vlog", "vseg")}
+        assert await code(backup["addr"], "replay", {**where, "owners": []}) == "backup"
         for b in st["backups"]:
             r, _ = await pool.call(b["addr"], "list", {}, timeout=5)
             if r["segments"]:

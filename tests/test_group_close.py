@@ -22,9 +22,9 @@ from kera import chunk, index_chunk
 from kera.broker.group_close import mark
 from kera.broker.streamlet import Streamlet
 from kera.errors import InvalidArgument
-from kera.rpc import open_pool
 
 from .conftest import stream_meta
+from .members import open_members
 from .test_retention import SIZE, counters, produce, read_all, wait_for, wait_recovered
 from .workload import values
 
@@ -43,7 +43,7 @@ async def _index_rows(c, addr: str, stream: int) -> np.ndarray:
     broker = next(b["id"] for b in st["brokers"] if b["addr"] == addr)
     backups = {b["id"]: b["addr"] for b in st["backups"]}
     out = []
-    async with open_pool() as pool:
+    async with open_members(c) as pool:
         r, _ = await pool.call(addr, "vsegs", {})
         for vlog, vseg, _, closed, copies, _, _ in r["vsegs"]:
             if not closed or not copies:
@@ -89,7 +89,7 @@ async def _adopt_closed_last_segment(c, owner: str, rows: np.ndarray) -> int:
     src = next(b["id"] for b in st["brokers"] if b["addr"] == owner)
     other = next(b for b in st["brokers"] if b["addr"] != owner)
     vlog, vseg, voff, size = (int(x) for x in rows[rows[:, 11] == 0][0, :4])
-    async with open_pool() as pool:
+    async with open_members(c) as pool:
         r, _ = await pool.call(owner, "vsegs", {})
         copies = next(v[4] for v in r["vsegs"] if (v[0], v[1]) == (vlog, vseg))
         s = stream_meta(id=1 << 40, name="adopted", replication=3, segment_size=SEGMENT,
@@ -134,7 +134,7 @@ def test_closed_groups_stay_closed_and_replay_once(make_cluster):
         closed = _check_close_rows(rows)
         assert await _adopt_closed_last_segment(c, owner, rows) == 1
 
-        async with open_pool() as pool:  # broker-only flags are refused, typed; the rest is served
+        async with open_members(c) as pool:  # broker-only flags are refused, typed; the rest is served
             r, _ = await pool.call(owner, "stats", {})
             before = r["chunks"]
             good = chunk.build(s.id, 0, 99, 0, list(values(0, n, 1, SIZE)))

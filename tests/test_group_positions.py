@@ -22,6 +22,7 @@ from kera.errors import InvalidArgument, InvalidName
 from kera.metalog import MetaLog
 from kera.rpc import open_pool
 
+from .members import SECRET
 from .test_scale import serving
 from .workload import create, read_values, send_and_flush
 
@@ -225,7 +226,7 @@ async def test_positions_of_an_older_metadata_are_dropped_once(tmp_path):
     m = MetaLog(d, INITIAL)
     assert m.state["positions"]
     m.close()
-    c = Coordinator(d)
+    c = Coordinator(d, cluster_secret=SECRET)
     assert "positions" not in c.meta
     await persisted(c.log)
     m = MetaLog(d, INITIAL)

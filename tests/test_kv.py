@@ -17,7 +17,7 @@ from kera import chunk
 from kera.errors import KeraError
 
 from .linearizability import Op, check
-from .workload import read_to_end, status
+from .workload import producer_id, read_to_end, status
 
 INF = None
 
@@ -103,20 +103,24 @@ async def test_bad_conditional_appends_are_refused_and_store_nothing(make_cluste
             sid = s.id
             r, _ = await m.pool.call(addr, "tail", {"stream_id": sid, "streamlet": 0}, timeout=5)
             token = r["token"]
-            one = chunk.build(sid, 0, 999, 0, [b"x"], [b"k"])
+            mine = await producer_id(cluster.coordinator)   # a writer of our own, fresh
+            pid = mine["producer"]
+            one = chunk.build(sid, 0, pid, 0, [b"x"], [b"k"])
             cases = [
                 ({"expect": token}, one + one, "invalid_argument"),                   # two chunks
-                ({"expect": token}, chunk.build(sid, 0, 999, 0, [b"a", b"b"], [b"k", b"k"]),
+                ({"expect": token}, chunk.build(sid, 0, pid, 0, [b"a", b"b"], [b"k", b"k"]),
                  "invalid_argument"),                                                 # two records
                 ({"expect": [token[0], token[1] - 1]}, one, "conflict"),             # stale token
                 ({"expect": "nonsense"}, one, "conflict"),
                 ({}, one, "conflict"),
-                ({"expect": token}, chunk.build(sid + 1000, 0, 999, 0, [b"x"], [b"k"]), "not_owner"),
+                ({"expect": token}, chunk.build(sid + 1000, 0, pid, 0, [b"x"], [b"k"]), "not_owner"),
                 ({"expect": token}, b"garbage" * 20, "protocol"),
+                ({"expect": token, "producer": pid + 1, "token": mine["token"]}, one,
+                 "unauthorized"),                                   # an id not issued to us
             ]
             for meta, payload, code in cases:
                 with pytest.raises(KeraError) as e:
-                    await m.pool.call(addr, "append_if", meta, payload, timeout=5)
+                    await m.pool.call(addr, "append_if", {**mine, **meta}, payload, timeout=5)
                 assert e.value.code == code, (meta, e.value)
             r, _ = await m.pool.call(addr, "tail", {"stream_id": sid, "streamlet": 0}, timeout=5)
             assert r["token"] == token, "a refused append changed the streamlet"

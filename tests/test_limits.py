@@ -20,7 +20,7 @@ from kera.errors import FrameTooLarge, InvalidArgument, LimitExceeded, RecordToo
 from kera.rpc import open_pool
 
 from .conftest import stream_meta
-from .workload import stream_values
+from .workload import producer_id, stream_values
 
 # -- one module --------------------------------------------------------------------------
 
@@ -199,11 +199,13 @@ async def test_oversized_record_refused_at_once_other_streams_go_on(make_cluster
         assert await stream_values(coord, "small", 4) == [b"y" * (room - 16), b"s0", b"s1", b"s2"]
 
         # a producer that does not check: the broker refuses those chunks only, typed
+        mine = await producer_id(coord)
+        pid = mine["producer"]
         async with open_pool() as pool:
-            parts = [chunk.build(small.id, 0, 9999, 0, [b"z" * (70 << 10)]),
-                     chunk.build(small.id, 0, 9998, 0, [b"fits"]),
-                     oversized_chunk(big.id, 0, 9997, 0, limits.MAX_CHUNK + 4096)]
-            r, _ = await pool.call(big.addrs[0], "produce", {"producer": 0}, parts=parts, timeout=30)
+            parts = [chunk.build(small.id, 0, pid, 0, [b"z" * (70 << 10)]),
+                     chunk.build(small.id, 0, pid, 0, [b"fits"]),
+                     oversized_chunk(big.id, 0, pid, 0, limits.MAX_CHUNK + 4096)]
+            r, _ = await pool.call(big.addrs[0], "produce", mine, parts=parts, timeout=30)
             assert r["errors"] == [[0, "record_too_large"], [2, "record_too_large"]]
         assert await stream_values(coord, "small", 5) == [b"y" * (room - 16), b"s0", b"s1", b"s2", b"fits"]
         assert await stream_values(coord, "big", 2) == [b"before", b"after"]

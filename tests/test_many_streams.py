@@ -112,12 +112,13 @@ async def test_a_pattern_subscription_reads_one_record_of_each_of_many_streams(m
 
 def test_a_pull_session_reads_what_moved_or_was_touched():
     """Sans-IO: a streamlet is ready once added, moved or touched, and leaves the ready set
-    when taken; a dropped one is never read; an unknown session is a typed error."""
+    when taken; a dropped one is never read; an unknown session, or one another principal
+    opened, is a typed error."""
     from kera.broker.pull_sessions import PullSessions
     from kera.errors import UnknownSession
 
     sessions = PullSessions()
-    s = sessions.open()
+    s = sessions.open("User:alice")
     s.set((1, 0), 0, {})
     s.set((2, 0), 0, {0: 5})
     s.set((1, 0), 0, {0: 7})   # moved again before it was read: ready once
@@ -127,6 +128,8 @@ def test_a_pull_session_reads_what_moved_or_was_touched():
     s.drop((1, 0))
     sessions.touch([(1, 0)])
     assert [s.take(), s.take()] == [(2, 0), None]
-    assert sessions.get(s.id) is s
+    assert sessions.get(s.id, "User:alice") is s
     with pytest.raises(UnknownSession):
-        sessions.get(s.id + 1)
+        sessions.get(s.id + 1, "User:alice")
+    with pytest.raises(UnknownSession):
+        sessions.get(s.id, "User:mallory")

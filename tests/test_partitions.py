@@ -86,7 +86,7 @@ async def serves(addr: str) -> bool:
     """The broker at ``addr`` takes writes now: an empty produce passes its lease check."""
     async with open_pool() as pool:
         try:
-            await pool.call(addr, "produce", {"producer": 0, "acks": "all"}, b"", timeout=2.0)
+            await pool.call(addr, "produce", {"acks": "all"}, b"", timeout=2.0)
             return True
         except KeraError:
             return False

@@ -23,7 +23,7 @@ from kera.errors import OutOfOrderSequence
 from kera.rpc import open_pool
 
 from .conftest import stream_meta
-from .workload import stream_values
+from .workload import producer_id, stream_values
 
 
 def streamlet(segment_size: int = 4096, group_segments: int = 1) -> Streamlet:
@@ -108,13 +108,15 @@ async def test_broker_takes_a_reset_and_never_stores_a_late_copy(make_cluster):
         s = await a.create_stream("rs", replication=1)
     sid, broker = s.id, s.addrs[0]
 
+    mine = await producer_id(coord)
+
     def c(seq, flags=0):
-        return chunk.build(sid, 0, 4242, seq, [b"seq%d" % seq], flags=flags)
+        return chunk.build(sid, 0, mine["producer"], seq, [b"seq%d" % seq], flags=flags)
 
     with trio.fail_after(60):
         async with open_pool() as pool:
             async def produce(*chunks):
-                r, _ = await pool.call(broker, "produce", {"producer": 4242}, parts=list(chunks), timeout=10)
+                r, _ = await pool.call(broker, "produce", mine, parts=list(chunks), timeout=10)
                 return r["errors"]
 
             assert await produce(c(0)) == []

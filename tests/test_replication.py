@@ -11,6 +11,7 @@ from kera_client import open_admin, open_consumer, open_producer
 from kera.errors import Unavailable
 from kera.rpc import open_pool
 
+from .members import open_members
 from .test_faults import AFTER
 from .workload import consume_all, create, produce_all, send_and_flush, values
 
@@ -110,10 +111,11 @@ async def test_paused_backup_holds_acks_and_reads(make_cluster):
             cluster.kill(victim, signal.SIGCONT)
 
 
-async def backup_listings(coord) -> dict[int, list]:
-    st = await cluster_state(coord)
+async def backup_listings(cluster) -> dict[int, list]:
+    """Each live backup's replicas (``list`` is for members: asked as the coordinator)."""
+    st = await cluster_state(cluster.coordinator)
     out = {}
-    async with open_pool() as pool:
+    async with open_members(cluster) as pool:
         for b in st["backups"]:
             if b["alive"]:
                 try:
@@ -124,10 +126,11 @@ async def backup_listings(coord) -> dict[int, list]:
     return out
 
 
-async def assert_r_copies(coord, r: int) -> None:
+async def assert_r_copies(cluster, r: int) -> None:
+    coord = cluster.coordinator
     """Every virtual segment of every broker is held, complete, by r-1 live backups."""
     st = await cluster_state(coord)
-    listings = await backup_listings(coord)
+    listings = await backup_listings(cluster)
     held: dict[tuple, list] = {}
     for bid, segs in listings.items():
         for sg in segs:
@@ -164,7 +167,7 @@ async def test_killed_backup_is_replaced_and_copies_restored(make_cluster):
         ledger.check({(s, p): per_pair for s in streams for p in range(producers)})
         while True:  # the dead backup's copies are re-made elsewhere
             try:
-                await assert_r_copies(coord, 3)
+                await assert_r_copies(cluster, 3)
                 break
             except (AssertionError, Unavailable):  # not re-made yet, or not yet declared dead
                 await trio.sleep(0.2)
@@ -184,7 +187,7 @@ async def test_full_disk_backup_is_avoided(make_cluster):
         await produce_all(coord, streams, 2, 2000, 5)
         ledger = await consume_all(coord, streams, 2 * 2000 * len(streams))
     ledger.check({(s, p): 2000 for s in streams for p in range(2)})
-    await assert_r_copies(coord, 3)
+    await assert_r_copies(cluster, 3)
 
 
 async def broker_counts(coord) -> dict[int, tuple[int, int, int]]:

@@ -28,6 +28,7 @@ from kera.rpc import open_pool
 
 from .conftest import free_port
 from .damage import flip_middle
+from .members import open_members
 from .test_replication import backup_listings
 from .workload import values
 
@@ -556,7 +557,7 @@ class FrozenHistory:
         self.frozen = {(v, i): set(copies) for v, i, _, done, copies, _, fz in
                        (await self.broker("vsegs"))["vsegs"] if done and fz}
         self.sums = {(sg["vlog"], sg["vseg"]): (sg["length"], sg["checksum"])
-                     for segs in (await backup_listings(c.coordinator)).values() for sg in segs
+                     for segs in (await backup_listings(c)).values() for sg in segs
                      if sg["broker"] == self.id and sg["closed"]}
         async with open_admin(c.coordinator) as a:
             self.names = {b["id"]: next(k for k, addr in c.addrs.items() if addr == b["addr"])
@@ -570,7 +571,7 @@ class FrozenHistory:
     async def holders(self, killed: set) -> dict:
         """Frozen vseg -> the live backups listing it closed, at its length and checksum."""
         got: dict = {}
-        for bid, segs in (await backup_listings(self.c.coordinator)).items():
+        for bid, segs in (await backup_listings(self.c)).items():
             for sg in segs:
                 k = (sg["vlog"], sg["vseg"])
                 if bid not in killed and sg["broker"] == self.id and k in self.frozen \
@@ -670,7 +671,7 @@ def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
                 len(got.get(k, ())) >= 2 for k in mine if k != bad) and st
 
         st = await wait_for(settled, "the other frozen vsegs to be copied again", timeout=60)
-        listed = await backup_listings(c.coordinator)
+        listed = await backup_listings(c)
         copies = [(bid, sg) for bid, segs in listed.items() for sg in segs
                   if sg["broker"] == h.id and (sg["vlog"], sg["vseg"]) == bad]
         return st, copies, survivor, await h.status()
@@ -732,7 +733,7 @@ def test_rot_found_by_scrubbing_gets_the_frozen_copy_made_on_another_backup(make
             return len(got.get(bad, set()) - {x}) >= 2
 
         await wait_for(elsewhere, "the damaged copy to be made on another backup", timeout=60)
-        listed = await backup_listings(c.coordinator)
+        listed = await backup_listings(c)
         damaged = [sg for sg in listed[x] if sg["broker"] == h.id and (sg["vlog"], sg["vseg"]) == bad]
         (other,) = h.frozen[bad] - {x}
         c.kill(h.names[other])
@@ -784,7 +785,7 @@ def test_retention_frees_adopted_segments_and_the_dead_brokers_files(make_cluste
         async with open_admin(c.coordinator) as a:
             d = await a.describe_stream("big")
             owner = next(b for b in (await a.status())["brokers"] if b["addr"] == d.addrs[0])
-        async with open_pool() as pool:  # bad adoptions are refused, typed, and change nothing
+        async with open_members(c) as pool:  # bad adoptions are refused, typed, and change nothing
             with pytest.raises(ProtocolError):
                 await pool.call(owner["addr"], "adopt", {"epoch": owner["epoch"]}, parts=[b"\x00" * 96])
             with pytest.raises(NotOwner):  # a serving streamlet adopts nothing

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 import trio
 
+from kera import wire
 from kera.coordinator_link import CoordinatorLink
 from kera.errors import Fenced, InvalidArgument, KeraError, NotLeader, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
-from kera.rpc import VECTOR_FROM, Later, Service, advertised, open_pool, send_frame
+from kera.rpc import VECTOR_FROM, Later, advertised, open_pool, send_frame
+from kera.server import Service
 
 
 class SlowReader:
@@ -44,6 +46,13 @@ class SlowReader:
 
 class TestService(Service):
     __test__ = False
+    rpcs = wire._named({
+        "echo": wire.Rpc(wire.ANYONE, {"n?": wire.ANY}),
+        "slow": wire.Rpc(wire.ANYONE),
+        "echo_parts": wire.Rpc(wire.ANYONE, {"cuts": wire.ANY}),
+        "big": wire.Rpc(wire.ANYONE),
+        "later": wire.Rpc(wire.ANYONE, {"n?": wire.ANY, "now?": wire.ANY, "now_error?": wire.ANY}),
+    })
 
     def __init__(self):
         self.release = trio.Event()    # lets rpc_slow go on
@@ -404,6 +413,8 @@ def test_advertised_addresses():
 
 class Standby(Service):
     """A coordinator standing by: it names ``leader``."""
+
+    rpcs = wire._named({"slow": wire.Rpc(wire.ANYONE)})
 
     def __init__(self, leader: str):
         self.leader = leader

@@ -559,6 +559,46 @@ def test_broker_killed_under_a_streaming_query_loses_and_doubles_nothing(make_cl
     assert sorted(held) == names and all(sorted(held[n]) == _values(n, 0, w.sent[n]) for n in names)
 
 
+@pytest.mark.timeout(150)
+def test_source_and_sink_take_the_clients_security_settings(make_cluster, spark, tmp_path):
+    """With --auth, a query reads and writes as the user its options (or a client.conf named
+    by the option ``config``) say, with that user's rights; with none it is refused."""
+    from kera.security import client_config
+    from kera.security.acl import Acl
+
+    c = make_cluster(1, auth=True)
+    admin = client_config.read(c.client_conf)
+    with Admin(c.coordinator, admin) as a:
+        a.create_streams(["sec-in", "sec-out"], replication=1)
+        a.add_user("spark", "spark-pw")
+        for op, name in (("read", "sec-in"), ("write", "sec-out")):
+            a.add_acl(Acl("User:spark", "allow", op, "stream", name))
+    with Producer(c.coordinator, {**admin, "acks": "all"}) as p:
+        p.send_many("sec-in", _values("sec-in", 0, 300))
+        p.flush()
+    user = {**admin, "sasl.username": "spark", "sasl.password": "spark-pw"}
+    conf = str(tmp_path / "spark.conf")
+    client_config.write(conf, user)
+
+    def read(**opts):
+        return spark.read.format("kera").option("coordinator", c.coordinator).option(
+            "streams", "sec-in").options(**opts).load()
+
+    df = read(**user)
+    assert sorted(r["value"] for r in df.select("value").collect()) == _values("sec-in", 0, 300)
+    (read(config=conf).select("value").write.format("kera").option("coordinator", c.coordinator)
+     .option("stream", "sec-out").option("config", conf).mode("append").save())
+    with Consumer(["sec-out"], c.coordinator, config=admin) as co:
+        got = [r.value for r in co.records(timeout=5, max_records=300)]
+    assert sorted(got) == _values("sec-in", 0, 300)
+    for opts in ({}, {**user, "sasl.password": "wrong"}):
+        with pytest.raises(Exception, match="unauthenticated|authentication_failed|authenticate"):
+            read(**opts).count()
+    with pytest.raises(Exception, match="unauthorized"):   # no right to write there
+        (read(**user).select("value").write.format("kera").option("coordinator", c.coordinator)
+         .option("stream", "sec-in").options(**user).mode("append").save())
+
+
 ACTIVE = 100_000
 
 

@@ -13,6 +13,8 @@ from kera.errors import InvalidArgument
 from kera.metalog import MetaLog
 from kera.stream_meta import StreamMeta
 
+from .members import SECRET
+
 # a stream as the coordinator has always written it (create_stream with defaults)
 WRITTEN = {"name": "orders", "id": 7, "streamlets": 2, "groups": 1, "replication": 3,
            "segment_size": 1 << 20, "group_segments": 8, "vlogs": None, "retention_bytes": -1,
@@ -84,7 +86,7 @@ async def test_a_coordinator_loads_streams_and_changes_written_as_dicts(tmp_path
             await log.commit()
             n.cancel_scope.cancel()
     log.close()
-    coord = Coordinator(d)
+    coord = Coordinator(d, cluster_secret=SECRET)
     try:
         assert sorted(coord.streams) == ["old", "orders"]
         s = coord.streams["orders"]

@@ -167,6 +167,14 @@ async def status(coord) -> dict:
             await trio.sleep(0.1)
 
 
+async def producer_id(coord) -> dict:
+    """A producer id issued to this (anonymous) client, and its token: the meta of a produce
+    request sent by hand (``{"producer": id, "token": token}``)."""
+    async with open_admin(coord) as a:
+        r = await a.call("producer_id")
+    return {"producer": r["id"], "token": r["token"]}
+
+
 class TimedIngest:
     """Batches sent and flushed one after another, until stopped: the longest flush is the
     longest produce stall. The values carry producer ``who`` and counters 0, 1, ... per stream."""

@@ -9,6 +9,9 @@ from kera import limits
 from kera.coordinator_link import CoordinatorLink
 from kera.errors import KeraError
 from kera.rpc import open_pool
+from kera.security.acl import Acl
+from kera.security.client_config import credentials
+from kera.security.mechanisms import credentials as scram_credentials
 
 from .metadata import describe, pages
 from .portal import Synced
@@ -114,6 +117,28 @@ class AsyncAdmin:
     async def status(self) -> dict:
         return await self.call("status")
 
+    # -- users and ACLs (with --auth) -------------------------------------------------
+    async def add_user(self, name: str, password: str) -> None:
+        """Add a user or change its password: only salted keys leave this process."""
+        await self.call("user_add", name=name, credentials=scram_credentials(password))
+
+    async def delete_user(self, name: str) -> None:
+        await self.call("user_delete", name=name)
+
+    async def users(self) -> list[tuple[str, list[str]]]:
+        """(name, mechanisms) of every user."""
+        return [tuple(u) for u in (await self.call("user_list"))["users"]]
+
+    async def add_acl(self, acl: Acl) -> bool:
+        """True if it was not there yet."""
+        return bool((await self.call("acl_add", acl=acl.to_wire()))["added"])
+
+    async def remove_acl(self, acl: Acl) -> bool:
+        return bool((await self.call("acl_remove", acl=acl.to_wire()))["removed"])
+
+    async def acls(self, principal: str | None = None) -> list[Acl]:
+        return [Acl(*a) for a in (await self.call("acl_list", principal=principal))["acls"]]
+
     async def broker_stats(self, streams: bool = False, status: dict | None = None) -> list[dict]:
         """Every live broker's own counters (chunks, bytes, memory, evictions, per-vlog
         replication; with ``streams``, retained bytes and start per stream), asked of the
@@ -137,13 +162,15 @@ class AsyncAdmin:
 
 
 @asynccontextmanager
-async def open_admin(coordinator: str | None = None):
-    async with open_pool() as pool:
+async def open_admin(coordinator: str | None = None, config: dict | None = None):
+    """``config``: the client's security settings, by Kafka's names
+    (``kera.security.client_config``; default: the ``KERA_CONFIG`` file, if set)."""
+    async with open_pool(credentials=credentials(config)) as pool:
         yield AsyncAdmin(pool, coordinator)
 
 
 class Admin(Synced):
     """Synchronous admin client: ``Admin().create_stream("s", streamlets=4)``."""
 
-    def __init__(self, coordinator: str | None = None):
-        super().__init__("kera-admin", open_admin, coordinator)
+    def __init__(self, coordinator: str | None = None, config: dict | None = None):
+        super().__init__("kera-admin", open_admin, coordinator, config)

@@ -37,10 +37,11 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera.coordinator_link import CoordinatorLink
-from kera.errors import KeraError, OutOfRange, Unavailable, UnknownSession
+from kera.errors import KeraError, OutOfRange, Unauthorized, Unavailable, UnknownSession
 from kera.limits import MAX_PULL_STREAMLETS
 from kera.position import DONE, pack
 from kera.rpc import open_pool, unwrapped
+from kera.security.client_config import credentials
 
 from .admin import default_coordinator, suspect
 from .metadata import describe, fetch
@@ -123,7 +124,7 @@ class AsyncConsumer:
             raise ValueError("auto_offset_reset must be earliest, latest or none")
         self.auto_offset_reset = auto_offset_reset
         self.resets = 0
-        self._out_of_range: OutOfRange | None = None
+        self._refused: KeraError | None = None   # raised by the next poll
         self.pool = pool
         self.coordinator = CoordinatorLink(pool, coordinator)
         self.names = list(streams or [])
@@ -381,8 +382,8 @@ class AsyncConsumer:
             async with trio.open_nursery() as n:
                 for link in links:
                     n.start_soon(self._pull, link, wait, out)
-            if self._out_of_range is not None:  # auto_offset_reset='none'
-                err, self._out_of_range = self._out_of_range, None
+            if self._refused is not None:  # auto_offset_reset='none', or an ACL
+                err, self._refused = self._refused, None
                 raise err
             if out or trio.current_time() >= deadline:
                 return out
@@ -428,6 +429,8 @@ class AsyncConsumer:
             if len(e) > 3 and e[2] == OutOfRange.code:
                 await self._reset(e[0], e[1], e[3])
                 link.todo[key] = None   # it left the session: named again, from where it goes on
+            elif e[2] == Unauthorized.code:   # it left the session; the next poll raises
+                self._refused = Unauthorized(f"may not read stream {s.name}")
             elif self._where.get(key) is link:   # not owned there, recovering: who owns it now?
                 self._where.pop(key)
                 link.members.discard(key)
@@ -450,7 +453,7 @@ class AsyncConsumer:
         if self.group:
             self._dirty.add((s.name, i))
         if self.auto_offset_reset == "none":
-            self._out_of_range = OutOfRange(f"stream {s.name} streamlet {i}: position {p} is "
+            self._refused = OutOfRange(f"stream {s.name} streamlet {i}: position {p} is "
                                             f"before the retained data")
             return
         self.resets += 1
@@ -514,9 +517,11 @@ def _copy(p):
 
 
 @asynccontextmanager
-async def open_consumer(streams=None, coordinator: str | None = None, **kw):
-    """``async with open_consumer(["s"], start="earliest") as c: chunks = await c.poll_chunks()``."""
-    async with unwrapped(), open_pool() as pool:
+async def open_consumer(streams=None, coordinator: str | None = None, config: dict | None = None,
+                        **kw):
+    """``async with open_consumer(["s"], start="earliest") as c: chunks = await c.poll_chunks()``;
+    ``config``: the security settings (``kera.security.client_config``; default ``KERA_CONFIG``)."""
+    async with unwrapped(), open_pool(credentials=credentials(config)) as pool:
         c = AsyncConsumer(pool, coordinator or default_coordinator(), streams, **kw)
         await c._metadata()
         yield c

@@ -39,8 +39,9 @@ from contextlib import asynccontextmanager
 import msgpack
 import trio
 
-from kera.errors import StreamExists
+from kera.errors import StreamExists, Unauthorized, UnknownStream
 from kera.rpc import open_pool, unwrapped
+from kera.security.client_config import credentials
 
 from .admin import AsyncAdmin, default_coordinator
 from .portal import Synced
@@ -72,13 +73,21 @@ class AsyncKVMap:
         self._lock = trio.Lock()   # one operation at a time per map object
 
     async def open(self, create: bool = True, replication: int | None = None) -> None:
+        refused = None
         if create:
             try:
                 await self.admin.create_stream(self.name, streamlets=1, groups=1, replication=replication,
                                                cleanup_policy="compact")
             except StreamExists:
                 pass
-        await self.log.open()
+            except Unauthorized as e:   # made already by someone allowed to, or not at all
+                refused = e
+        try:
+            await self.log.open()
+        except UnknownStream:
+            if refused is not None:
+                raise refused from None
+            raise
 
     def _apply(self, ch) -> None:
         for k, v in zip(ch.view.keys(), ch.view.values(), strict=True):
@@ -168,9 +177,12 @@ def _delete(cur):
 
 
 @asynccontextmanager
-async def open_kv(name: str, coordinator: str | None = None, create: bool = True, **kw):
-    """``async with open_kv("config") as m: await m.put("k", "v")``."""
-    async with unwrapped(), open_pool() as pool:
+async def open_kv(name: str, coordinator: str | None = None, create: bool = True,
+                  config: dict | None = None, **kw):
+    """``async with open_kv("config") as m: await m.put("k", "v")``; ``config``: the
+    security settings (``kera.security.client_config``; default ``KERA_CONFIG``). A map on
+    stream S takes S's rights: read for reads, write for writes, create to make it."""
+    async with unwrapped(), open_pool(credentials=credentials(config)) as pool:
         m = AsyncKVMap(pool, coordinator or default_coordinator(), name, **kw)
         await m.open(create)
         yield m
@@ -179,5 +191,6 @@ async def open_kv(name: str, coordinator: str | None = None, create: bool = True
 class KVMap(Synced):
     """Synchronous map: ``KVMap("config").put("k", "v")``; the same operations as AsyncKVMap."""
 
-    def __init__(self, name: str, coordinator: str | None = None, create: bool = True, **kw):
-        super().__init__("kera-kv", open_kv, name, coordinator, create, **kw)
+    def __init__(self, name: str, coordinator: str | None = None, create: bool = True,
+                 config: dict | None = None, **kw):
+        super().__init__("kera-kv", open_kv, name, coordinator, create, config, **kw)

@@ -199,6 +199,9 @@ class Lookups:
             with self.lock:
                 self.retry_after = time.monotonic() + self.lookup_backoff
                 left = [n for n in names if n not in self.streams]
+                if not e.retriable:   # refused (an ACL, a bad name): asking again changes nothing
+                    for n in left:
+                        self._fail(n, e)
                 self._expire(left)
                 for n in left:
                     if n in self.parked:

@@ -43,6 +43,7 @@ import trio
 
 from kera.coordinator_link import CoordinatorLink
 from kera.rpc import open_pool, unwrapped
+from kera.security.client_config import credentials
 
 from .accumulator import Accumulator
 from .admin import default_coordinator
@@ -65,6 +66,7 @@ class AsyncProducer(Accumulator, Columnar, Lookups, Sender):
         self.coordinator = CoordinatorLink(pool, coordinator)
         self.cfg = cfg
         self.producer_id = 0
+        self.producer_token = b""   # issued with the id: proves it is ours to the brokers
         # shared by the accumulating side (any thread) and the sender (the loop), under lock
         self.ready: dict[tuple, deque] = {}    # streamlet -> sealed chunks, in sequence order
         self.buffered = 0        # bytes counted against buffer.memory
@@ -84,7 +86,8 @@ async def open_producer(coordinator: str | None = None, config: dict | None = No
     """``async with open_producer(acks="all", linger_ms=1) as p: await p.send("s", b"v")``;
     ``on_delivery(error, report)``: the default delivery callback of ``send``."""
     cfg = producer_config(config, kw)
-    async with unwrapped(), open_pool() as pool, trio.open_nursery() as nursery:
+    async with unwrapped(), open_pool(credentials=credentials(config)) as pool, \
+            trio.open_nursery() as nursery:
         p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg, Deliveries(on_delivery))
         await nursery.start(p.run)
         try:
@@ -115,7 +118,7 @@ class Producer:
 
     async def _serve(self, coordinator, config, kw, task_status):
         cfg = producer_config(config, kw)
-        async with open_pool() as pool:
+        async with open_pool(credentials=credentials(config)) as pool:
             async with trio.open_nursery() as nursery:
                 p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
                                   Deliveries(self._default, queued=True))

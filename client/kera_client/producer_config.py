@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numbers
 
+from kera.security.client_config import KEYS as SECURITY
+
 DEFAULTS = {
     "acks": "all",
     "linger.ms": 5.0,
@@ -23,10 +25,13 @@ DEFAULTS = {
 
 def producer_config(config: dict | None, kw: dict) -> dict:
     """The options of ``config`` and ``kw`` (``linger_ms`` stands for ``linger.ms``) over
-    ``DEFAULTS``; ValueError for an unknown option or a bad value."""
+    ``DEFAULTS``; ValueError for an unknown option or a bad value. Security settings
+    (``security.protocol``, ``sasl.*``, ``ssl.*``) are the pool's, not the producer's."""
     cfg = dict(DEFAULTS)
     for src in (config or {}), kw:
         for k, v in src.items():
+            if k in SECURITY:
+                continue
             k = k.replace("_", ".")
             if k not in cfg:
                 raise ValueError(f"unknown producer option {k!r}; known: {', '.join(cfg)}")

@@ -33,7 +33,7 @@ from collections import deque
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, NotOwner, Unavailable, UnknownStream
+from kera.errors import KeraError, NotOwner, Unavailable, UnknownProducer, UnknownStream
 from kera.limits import MAX_REQUEST
 
 from .accumulator import pack
@@ -51,7 +51,7 @@ REFRESH_MIN, REFRESH_MAX = 0.05, 2.0  # metadata refresh backoff, seconds
 CHECK_AFTER = 1.0
 
 RETRIABLE = {"not_owner", "recovering", "fenced", "out_of_order_sequence", "unavailable",
-             "not_enough_backups", "backup", "internal"}
+             "not_enough_backups", "backup", "internal", "unknown_producer"}
 
 
 class ProduceError(KeraError):
@@ -222,7 +222,7 @@ class Sender:
 
     async def _request(self, flight: Flight, items: list) -> None:
         addr = flight.addr
-        meta = {"producer": self.producer_id, "acks": self.acks}
+        meta = {"producer": self.producer_id, "token": self.producer_token, "acks": self.acks}
         if self.delivery.used and any(c.reports is not None for c in items):
             meta["positions"] = True  # where each chunk was placed, for its delivery reports
         where = {}
@@ -267,6 +267,10 @@ class Sender:
                     if c.reports is not None:
                         self.delivery.settle(c, self.by_id[c.key[0]].name, None, where.get(i))
                 elif res in RETRIABLE:  # the chunks after a refused one come back out of order: retried
+                    if res == UnknownProducer.code and c.seq > self.gaps.get(c.key, -1):
+                        # the broker knows nothing of us here (a successor whose copy of what we
+                        # wrote retention freed): what came before is settled, so a new base
+                        self.gaps[c.key] = c.seq - 1
                     if c.data is not None and len(c.data) != c.size:
                         c.data, c.start = bytes(c.chunk()), 0   # keep its bytes, not its request's
                     retry.setdefault(c.key, []).append(c)
@@ -324,7 +328,7 @@ class Sender:
 
     async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         r, _ = await self._patient("producer_id", {})
-        self.producer_id = r["id"]
+        self.producer_id, self.producer_token = r["id"], r["token"]
         task_status.started()
         while True:
             self._woken = False

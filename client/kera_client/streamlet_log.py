@@ -44,6 +44,7 @@ class StreamletLog:
         self.coordinator = coordinator
         self.reader = self._reader()
         self.producer_id = 0       # taken on the first append
+        self.producer_token = b""  # issued with it
         self.sequence = 0          # of our next chunk: advanced only when one is appended
         self._unsure = False       # the last chunk sent got no answer (see append)
 
@@ -108,7 +109,8 @@ class StreamletLog:
         deadline = trio.current_time() + self.timeout
         if not self.producer_id:
             r, _ = await self.reader.coordinator.call("producer_id", {}, timeout=self.timeout)
-            self.producer_id = r["id"]
+            self.producer_id, self.producer_token = r["id"], r["token"]
+        meta = {**meta, "producer": self.producer_id, "token": self.producer_token}
         addr, s = self._owner()
         data = chunkfmt.build(s.id, self.streamlet, self.producer_id, self.sequence, values, keys,
                               flags=chunkfmt.SEQ_RESET if self._unsure else 0)
@@ -125,6 +127,8 @@ class StreamletLog:
                 except Conflict:
                     return False
                 except KeraError as e:
+                    if e.code == "unknown_producer":   # a new owner knows nothing of us: a new base
+                        data = chunkfmt.with_flags(data, chunkfmt.SEQ_RESET)
                     await self._moved(addr, e, deadline)
                     addr, _ = self._owner()
         except BaseException:

@@ -108,7 +108,7 @@ async def _register(service, coordinator, addr: str, node: str | None, let_go: L
     while True:
         meta = {"role": "backup", "addr": addr, "node": node, "id": service.id,
                 "epoch": service.epoch,  # claimed back after a coordinator restart
-                "holds": service.holds(), "recovered": let_go.applied}
+                "holds": service.holds(), "recovered": let_go.applied, "auth": service.gate.auth}
         try:
             r, _ = await coordinator.call("register", meta, timeout=RPC_TIMEOUT)
             bid, epoch = int(r["id"]), int(r["epoch"])
@@ -120,8 +120,11 @@ async def _register(service, coordinator, addr: str, node: str | None, let_go: L
         if bid != service.id:
             await trio.to_thread.run_sync(save_id, service.dir, bid, node)
             service.id = bid
+        service.credentials.set_id(bid)   # our connections open again, as this backup
         log.info("registered with %s as backup %d, epoch %d", coordinator, bid, epoch)
         service.apply_fences(r.get("fences"))
+        if r.get("security") is not None:
+            service.gate.apply(r["security"])
         let_go.offer(r)
         service.epoch = epoch
         service.registered.set()
@@ -136,9 +139,12 @@ async def _heartbeat(service, coordinator, epoch: int, let_go: LetGo) -> None:
             r, _ = await coordinator.call("heartbeat", {"role": "backup", "id": service.id, "epoch": epoch,
                                                         "recovered": let_go.applied,
                                                         "damage": service.counters["damage"],
+                                                        "security": service.gate.version,
                                                         **_metrics(service)},
                                           timeout=RPC_TIMEOUT)
             service.apply_fences(r.get("fences"))
+            if r.get("security") is not None:   # a push it missed
+                service.gate.apply(r["security"])
             let_go.offer(r)
         except Unavailable as e:
             log.debug("heartbeat to %s failed: %s", coordinator, e)

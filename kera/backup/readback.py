@@ -19,8 +19,8 @@ from .. import chunk as chunkfmt
 from .. import limits
 from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, ProtocolError
 from . import disk
-from .fields import U63, uint, vseg_key
-from .replay import parse_replay_from, parse_routes, replay
+from .fields import vseg_key
+from .replay import parse_routes, replay
 from .replica import Replica, VsegIndex, index_rows
 from .store import BackupStore
 
@@ -87,13 +87,7 @@ class ReadBack:
         the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
         A vseg asked as ``[vlog, vseg, true]`` gets rows of runs of chunks instead
         (``index_runs``: 11 u64s, the last a count)."""
-        broker = uint(meta, "broker")
-        vsegs = meta.get("vsegs")
-        if not isinstance(vsegs, list) or not 0 < len(vsegs) <= limits.INDEX_VSEGS or not all(
-                isinstance(v, list) and len(v) in (2, 3) and all(type(x) is int and 0 <= x < U63 for x in v[:2])
-                and (len(v) == 2 or type(v[2]) is bool) for v in vsegs):
-            raise InvalidArgument(f"index needs vsegs: [[vlog, vseg], ...] (or [vlog, vseg, runs]), 1 to "
-                                  f"{limits.INDEX_VSEGS} of them")
+        broker, vsegs = meta["broker"], meta["vsegs"]
         answers, parts, size = [], [], 0
         for vlog, vseg, *as_runs in vsegs:
             if size >= INDEX_ANSWER:
@@ -166,8 +160,8 @@ class ReadBack:
 
     def rpc_read(self, meta: dict, payload):
         key = vseg_key(meta)
-        offset = uint(meta, "offset", 0)
-        max_bytes = min(max(uint(meta, "max_bytes", DEFAULT_READ_BYTES), 1), MAX_READ_BYTES)
+        offset = meta.get("offset") or 0
+        max_bytes = min(max(meta.get("max_bytes") or DEFAULT_READ_BYTES, 1), MAX_READ_BYTES)
         rep, start, stop, corrupt_at, nxt, in_memory = self.store.plan_read(key, offset, max_bytes)
         self.counters["reads"] += 1
         if in_memory:
@@ -219,8 +213,8 @@ class ReadBack:
         """
         key = vseg_key(meta)
         rep = self.store.get(key)
-        routes = parse_routes(meta.get("owners"), payload)
-        offset = uint(meta, "offset", 0)
+        routes = parse_routes(meta["owners"], payload)
+        offset = meta.get("offset") or 0
         if offset > rep.length:
             raise InvalidArgument(f"offset {offset} beyond replica {key} of length {rep.length}")
 
@@ -230,6 +224,6 @@ class ReadBack:
             return await res if inspect.iscoroutine(res) else res
 
         out = await replay(read, self.pool, routes, offset, rep.length,
-                           parse_replay_from(meta.get("replay_from")))
+                           {(sid, i, g): seg for sid, i, g, seg in meta.get("replay_from") or ()})
         log.info("replayed replica %s from %d: %s", key, offset, out)
         return out

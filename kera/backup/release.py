@@ -16,10 +16,9 @@ import trio
 from .. import metafile
 from ..errors import BackupError, Fenced, InvalidArgument
 from ..vlog import vlog_epoch
+from ..wire import U63
 from . import disk
-from .fields import U63, uint
 from .replica import Replica
-from .store import Key
 
 log = logging.getLogger("kera.backup")
 
@@ -82,7 +81,7 @@ class Release:
         """The broker released the vsegs of a vlog below ``floor`` (nothing live in them):
         the floor is recorded first (a recovery then knows they are not lost), then their
         files are deleted."""
-        b, v, floor = uint(meta, "broker"), uint(meta, "vlog"), uint(meta, "floor")
+        b, v, floor = meta["broker"], meta["vlog"], meta["floor"]
         self.counters["trims"] += 1
         if self.store.raise_floor(b, v, floor):
             body = self.store.floor_list()
@@ -94,8 +93,8 @@ class Release:
         """``owner`` (broker, ``epoch``) reads the listed vseg files of dead incarnations
         (``claims``: [[broker, vlog, vseg], ...]): they outlive their recovery's drop until
         released. Recorded before the answer; ``held``: per file, whether it is here."""
-        owner = (uint(meta, "owner"), uint(meta, "epoch"))
-        keys = self._claim_keys(meta)
+        owner = (meta["owner"], meta["epoch"])
+        keys = [tuple(k) for k in meta["claims"]]
         if owner[1] < self.store.broker_epochs.get(owner[0], 0):
             raise Fenced(f"broker {owner[0]} epoch {owner[1]} is fenced; it claims nothing")
         held, changed = self.claims.claim(owner, keys, self._whole)
@@ -112,22 +111,13 @@ class Release:
     async def rpc_release(self, meta: dict, payload):
         """``owner`` no longer reads ``claims`` (all its claims if absent): a dropped file no
         claim holds any more is deleted."""
-        owner = (uint(meta, "owner"), uint(meta, "epoch"))
-        keys = self._claim_keys(meta) if meta.get("claims") is not None else None
+        owner = (meta["owner"], meta["epoch"])
+        keys = [tuple(k) for k in meta["claims"]] if meta.get("claims") is not None else None
         _, changed = self.claims.release(owner, keys)
         self.counters["releases"] += 1
         if changed:
             await self._save_claims()
         return {"bytes": await self._delete_unclaimed()}
-
-    @staticmethod
-    def _claim_keys(meta: dict) -> list[Key]:
-        keys = meta.get("claims")
-        if not isinstance(keys, list) or not all(
-                isinstance(k, list) and len(k) == 3 and all(type(x) is int and 0 <= x < U63 for x in k)
-                for k in keys):
-            raise InvalidArgument("claims must be [[broker, vlog, vseg], ...]")
-        return [tuple(k) for k in keys]
 
     async def let_go(self, incarnations) -> dict:
         """The coordinator recovered these dead incarnations ([[broker, epoch, [[vlog, last

@@ -69,14 +69,6 @@ def parse_routes(owners, payload) -> dict[tuple[int, int], tuple[str, int]]:
                     map(targets.__getitem__, rows["owner"].tolist()), strict=True))
 
 
-def parse_replay_from(entries) -> dict[tuple[int, int, int], int]:
-    """[[stream_id, streamlet, group, segment], ...]: the segments below were re-pointed."""
-    try:
-        return {(int(sid), int(i), int(g)): int(s) for sid, i, g, s in entries or []}
-    except (TypeError, ValueError):
-        raise InvalidArgument("replay_from must be [[stream_id, streamlet, group, segment], ...]") from None
-
-
 async def replay(read, pool, routes: dict, offset: int, length: int, replay_from=None) -> dict:
     """Replay from ``offset`` until the copy's end or its first undeliverable chunk.
 

@@ -38,15 +38,21 @@ from bisect import bisect_left
 
 import trio
 
-from .. import metafile, metrics
+from .. import door, metafile, metrics, wire
 from ..coordinator_link import CoordinatorLink
+from ..door import Door
 from ..errors import BackupError, InvalidArgument, KeraError, LimitExceeded
-from ..limits import REPLICATE_ENTRIES
 from ..recovery_plan import PLAIN_COLUMNS
-from ..rpc import Service, advertised, open_pool
+from ..rpc import advertised, open_pool
+from ..security import secret as secret_
+from ..security import tls as tls_
+from ..security.credentials import Credentials
+from ..security.gate import Gate, take_state
+from ..security.mechanisms import BACKUP
+from ..server import Service
 from . import disk, segment_file
 from .claims import Claims
-from .fields import U63, uint, vseg_key
+from .fields import vseg_key
 from .flushing import Flushing
 from .membership import load_id, run_membership
 from .readback import ReadBack
@@ -93,11 +99,14 @@ def _scans(mv: memoryview, starts: list[int], sizes: list[int]) -> list:
 
 
 class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
+    rpcs = wire.BACKUP_RPCS
+
     def __init__(self, directory: str, *, fsync: str = "periodic", flush_interval: float = 0.05,
                  fsync_interval: float = 1.0, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
                  coordinator: str | None = None, node: str | None = None,
                  scrub_rate: int = DEFAULT_RATE, scrub_every: float = DEFAULT_EVERY,
-                 advertise: str = ""):
+                 cluster_secret: bytes, auth: bool = False, door: Door | None = None,
+                 tls=(None, None), advertise: str = ""):
         if fsync not in ("periodic", "write", "always"):
             raise ValueError("fsync must be 'periodic', 'write' or 'always'")
         if flush_interval <= 0 or fsync_interval <= 0 or max_bytes < 0 or max_memory <= 0:
@@ -119,6 +128,11 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         self.advertise = advertise   # HOST[:PORT] brokers reach us at (default: the bound host and port)
         self.addr = ""
         self.id: int | None = load_id(directory) if os.path.isdir(directory) else None
+        self.gate = Gate(cluster_secret, auth=auth)
+        self.door = door or Door()
+        # what this backup's connections present to the others: a backup, as itself
+        self.credentials = Credentials.member(cluster_secret, BACKUP, self.id, tls=tls[1])
+        self.tls = tls[0]   # the listener's TLS context (None: plaintext)
         self.epoch: int | None = None
         self.port: int | None = None
         self._dir_dirty = False
@@ -145,7 +159,7 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         self._stop, self.registered = trio.Event(), trio.Event()
         self._floors_lock = trio.Lock()
         await self.reload()
-        async with open_pool() as pool, trio.open_nursery() as nursery:
+        async with open_pool(credentials=self.credentials) as pool, trio.open_nursery() as nursery:
             self.pool = pool
             self.port = await nursery.start(self.serve, host, port)
             self.addr = advertised(host, self.port, self.advertise)
@@ -214,10 +228,12 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
             if self.stopping:
                 raise BackupError("backup shutting down")
             batch = "entries" in meta
-            epoch = uint(meta, "epoch", 0)
+            epoch = meta.get("epoch") or 0
+            if not batch and (meta.get("vlog") is None or meta.get("vseg") is None
+                              or meta.get("offset") is None):
+                raise InvalidArgument("replicate needs entries, or vlog, vseg and offset")
             entries = self._entries(meta, payload) if batch else [
-                (vseg_key(meta), uint(meta, "offset"), meta.get("close", False) is True,
-                 _stable(payload), None)]
+                (vseg_key(meta), meta["offset"], meta.get("close") is True, _stable(payload), None)]
         except KeraError:
             self.counters["errors"] += 1
             raise
@@ -253,12 +269,9 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         return self._answer(batch, results)
 
     def _entries(self, meta: dict, payload) -> list[tuple]:
-        """A batch's entries as (key, offset, close, bytes, their chunks if scanned): all well
-        formed and adding up to the payload, or an ``InvalidArgument`` (nothing stored)."""
-        broker, entries = uint(meta, "broker"), meta["entries"]
-        if not isinstance(entries, list) or not 0 < len(entries) <= REPLICATE_ENTRIES:
-            raise InvalidArgument(f"replicate entries must be a list of 1 to {REPLICATE_ENTRIES} "
-                                  f"[vlog, vseg, offset, close, length]")
+        """A batch's entries as (key, offset, close, bytes, their chunks if scanned): adding up
+        to the payload, or an ``InvalidArgument`` (nothing stored)."""
+        broker, entries = meta["broker"], meta["entries"]
         mv = _stable(payload)
         if mv.nbytes > MAX_REPLICATE_BYTES:
             raise LimitExceeded(f"replicate payload of {mv.nbytes} bytes exceeds "
@@ -266,10 +279,6 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
                                 bound=MAX_REPLICATE_BYTES, size=mv.nbytes)
         starts, pos = [], 0
         for e in entries:
-            if not (isinstance(e, list) and len(e) == 5 and type(e[3]) is bool
-                    and all(type(x) is int and 0 <= x < U63 for x in (e[0], e[1], e[2], e[4]))):
-                raise InvalidArgument(f"a replicate entry is [vlog, vseg, offset, close, length], "
-                                      f"not {e!r:.80}")
             starts.append(pos)
             pos += e[4]
         if pos != mv.nbytes:
@@ -370,12 +379,11 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         """Replicas held (``broker``'s, or all) and vlog floors; with ``columns``, the closed,
         intact ones as rows of ``PLAIN_COLUMNS`` u64s in the payload (``plain``: how many)."""
         b = meta.get("broker")
-        columns = meta.get("columns", False)
-        if type(columns) is not bool:
-            raise InvalidArgument(f"list's columns is true or false, not {columns!r}")
         out = {"backup": self.id, "floors": self.store.floor_list(b)}
-        if columns:
-            out["segments"], rows = self.store.listing_columns(uint(meta, "broker"))
+        if meta.get("columns"):
+            if b is None:
+                raise InvalidArgument("list with columns names a broker")
+            out["segments"], rows = self.store.listing_columns(b)
             out["plain"] = len(rows) // (8 * PLAIN_COLUMNS)
             return out, rows
         out["segments"] = self.store.listing(b)
@@ -387,15 +395,19 @@ class BackupService(Flushing, ReadBack, Release, Scrubbing, Service):
         self.store.apply_fences(fences)
 
     def rpc_fence(self, meta: dict, payload):
-        self.store.apply_fences({uint(meta, "broker"): uint(meta, "epoch")})
+        self.store.apply_fences({meta["broker"]: meta["epoch"]})
         return {}
+
+    def rpc_security(self, meta: dict, payload):
+        """The users and ACLs, pushed by the coordinator when they change."""
+        return take_state(self.gate, meta)
 
     def rpc_stats(self, meta: dict, payload):
         s = self.store
         return {"backup": self.id, **self.counters, "segments": len(s.replicas),
                 "memory_bytes": s.memory, "unflushed_bytes": s.unflushed,
                 "disk_bytes": s.committed, "disk_error": s.disk_error, "reclaimed_bytes": s.reclaimed,
-                "claimed_files": len(self.claims.owners)}
+                "claimed_files": len(self.claims.owners), "door": self.door.describe()}
 
 
 # -- command line ----------------------------------------------------------------
@@ -426,15 +438,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="a scrubbing pass starts at most this often")
     p.add_argument("--log-level", default="INFO")
     metrics.add_arguments(p)
+    secret_.add_arguments(p)
+    tls_.add_arguments(p)
+    door.add_arguments(p)
     return p
 
 
-async def _main(args) -> bool:
+async def _main(args, cluster_secret: bytes, tls) -> bool:
     svc = BackupService(args.dir, fsync=args.fsync, flush_interval=args.flush_interval,
                         fsync_interval=args.fsync_interval, max_bytes=args.max_bytes,
                         max_memory=args.max_memory, coordinator=args.coordinator, node=args.node,
                         scrub_rate=args.scrub_rate, scrub_every=args.scrub_every,
-                        advertise=args.advertise)
+                        cluster_secret=cluster_secret, auth=args.auth, door=Door(door.from_args(args)),
+                        tls=tls, advertise=args.advertise)
     if args.metrics_port is not None:
         from ..metrics.backup import install
         install(svc)
@@ -454,11 +470,14 @@ async def _main(args) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    cluster_secret = secret_.from_args(ap, args)
+    tls = tls_.from_args(ap, args)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.makedirs(args.dir, exist_ok=True)
-    return 0 if trio.run(_main, args) else 1
+    return 0 if trio.run(_main, args, cluster_secret, tls) else 1
 
 
 if __name__ == "__main__":

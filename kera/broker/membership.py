@@ -31,13 +31,16 @@ class Membership:
                 r, _ = await self.coord.call("register", {
                     "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
                     "epoch": self.epoch or None,  # claimed back after a coordinator restart
-                }, timeout=5)
+                    "auth": self.gate.auth}, timeout=5)
                 break
             except KeraError as e:
                 log.info("coordinator not reachable yet: %s", e)
                 await trio.sleep(delay)
                 delay = min(delay * 2, 1.0)
         self.broker_id, self.epoch = r["id"], r["epoch"]
+        self.credentials.set_id(self.broker_id)   # our connections open again, as this broker
+        if r.get("security") is not None:
+            self.gate.apply(r["security"])
         self.heartbeat = r.get("heartbeat", HEARTBEAT)
         self.lease = r.get("lease", 3 * HEARTBEAT)
         self.lease_until = time.monotonic() + self.lease
@@ -49,9 +52,11 @@ class Membership:
             try:
                 r, _ = await self.coord.call("heartbeat", {
                     "role": "broker", "id": self.broker_id, "epoch": self.epoch,
-                    "stats": self.stats()}, timeout=5)
+                    "stats": self.stats(), "security": self.gate.version}, timeout=5)
                 self.lease_until = sent + self.lease
                 self._set_backups(r.get("backups") or [])
+                if r.get("security") is not None:   # a push it missed
+                    self.gate.apply(r["security"])
             except UnknownMember:
                 # the coordinator restarted: rejoin as this incarnation, keeping every streamlet
                 epoch = self.epoch

@@ -14,7 +14,7 @@ from __future__ import annotations
 import trio
 
 from .. import limits
-from ..errors import InvalidArgument, KeraError, LimitExceeded, OutOfRange, Recovering
+from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering, Unauthorized
 from ..position import DONE, unpack
 from .pull_sessions import PullSession
 
@@ -22,39 +22,25 @@ MAX_PULL_BYTES = limits.MAX_PULL
 MAX_PULL_WAIT = 30.0
 
 
-def _many(meta: dict, key: str, what: str) -> list:
-    v = meta.get(key) or []
-    if not isinstance(v, list):
-        raise InvalidArgument(f"pull: {key} must be a list of {what}")
-    if len(v) > limits.MAX_PULL_STREAMLETS:
-        raise LimitExceeded(f"pull: {len(v)} {key} exceed MAX_PULL_STREAMLETS "
-                            f"({limits.MAX_PULL_STREAMLETS})", limit="MAX_PULL_STREAMLETS",
-                            bound=limits.MAX_PULL_STREAMLETS, size=len(v))
-    return v
-
-
 class Pulls:
     """``BrokerService``'s consume side (its state: streamlets, durable_event, tiered,
     pull sessions)."""
 
-    async def rpc_pull(self, meta, payload):
+    async def rpc_pull(self, meta, payload, peer):
         max_bytes = meta.get("max_bytes", 1 << 20)
         wait = meta.get("max_wait_ms", 0)
-        if not isinstance(max_bytes, int) or not isinstance(wait, (int, float)):
-            raise InvalidArgument("max_bytes and max_wait_ms must be numbers")
         max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
         self.pulls += 1
         # no lease needed: only durable data is served, a prefix of what any successor holds
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
         if meta.get("session") is not None:
-            return await self._pull_session(meta, max_bytes, deadline)
+            return await self._pull_session(meta, max_bytes, deadline, peer)
         reqs = meta.get("streamlets")
-        if not isinstance(reqs, list):
-            raise InvalidArgument("pull needs a list of streamlets")
-        _many(meta, "streamlets", "[stream id, streamlet, low, {group: position}]")
+        if reqs is None:
+            raise InvalidArgument("pull needs streamlets, or a session")
         while True:
             event = self.durable_event
-            entries, parts, errors, moved = self._collect(reqs, max_bytes)
+            entries, parts, errors, moved = self._collect(reqs, max_bytes, peer)
             if parts or errors or moved or trio.current_time() >= deadline:
                 if any(isinstance(p, tuple) for p in parts):
                     parts = await self._read_evicted(parts)
@@ -62,28 +48,24 @@ class Pulls:
             with trio.move_on_at(deadline):
                 await event.wait()
 
-    async def _pull_session(self, meta, max_bytes: int, deadline: float):
+    async def _pull_session(self, meta, max_bytes: int, deadline: float, peer):
         """A pull in a session (``pull_sessions``): ``session`` 0 opens one; ``add`` sets
         positions ([stream id, streamlet, low, {group: position}], as a plain pull's
         entries), ``drop`` ([stream id, streamlet]) leaves streamlets; the answer names the
         session and reads its ready streamlets."""
         sid = meta["session"]
-        if not isinstance(sid, int) or isinstance(sid, bool) or sid < 0:
-            raise InvalidArgument("pull: session must be a session id, or 0 to open one")
-        adds = _many(meta, "add", "[stream id, streamlet, low, {group: position}]")
-        drops = _many(meta, "drop", "[stream id, streamlet]")
-        s = self.sessions.open() if sid == 0 else self.sessions.get(sid)
+        # a session is its opener's: another principal naming it is told it does not exist
+        s = self.sessions.open(peer.principal) if sid == 0 else self.sessions.get(sid, peer.principal)
         errors = []
-        for r in drops:
-            if isinstance(r, list) and len(r) == 2:
-                s.drop((r[0], r[1]))
-        for r in adds:
-            e = self._entry(r, errors)
+        for r in meta.get("drop") or []:
+            s.drop((r[0], r[1]))
+        for r in meta.get("add") or []:
+            e = self._entry(r, errors, peer)
             if e is not None:
                 s.set((e[0], e[1]), e[2], e[3])
         while True:
             s.event = trio.Event()
-            entries, parts, more = self._collect_ready(s, max_bytes, errors)
+            entries, parts, more = self._collect_ready(s, max_bytes, errors, peer)
             if parts or errors or more or trio.current_time() >= deadline:
                 if any(isinstance(p, tuple) for p in parts):
                     parts = await self._read_evicted(parts)
@@ -91,7 +73,7 @@ class Pulls:
             with trio.move_on_at(deadline):
                 await s.event.wait()
 
-    def _collect_ready(self, s: PullSession, max_bytes: int, errors: list):
+    def _collect_ready(self, s: PullSession, max_bytes: int, errors: list, peer):
         """Read the session's ready streamlets (each once) while the budget lasts; those that
         gave data stay ready, those that failed leave the session with their error."""
         entries, parts = [], []
@@ -105,6 +87,8 @@ class Pulls:
                 break
             low, positions = s.positions[key]
             try:
+                if not self._may(peer, "read", key[0]):   # the ACLs may have changed since
+                    raise Unauthorized()
                 got = self._streamlet(*key).read(low, positions, budget)
             except OutOfRange:
                 errors.append([key[0], key[1], OutOfRange.code, self._streamlet(*key).starts()])
@@ -141,13 +125,15 @@ class Pulls:
                 moved = True
         return moved
 
-    def _entry(self, r, errors: list) -> tuple | None:
+    def _entry(self, r, errors: list, peer) -> tuple | None:
         """A pull entry [stream id, streamlet, low, {group: position}] of a streamlet held
         here, with the streamlet; None (the error noted in ``errors``) otherwise."""
         try:
             stream_id, index, low, positions = r
             if not isinstance(positions, dict) or not isinstance(low, int):
                 raise InvalidArgument("pull entry is [stream_id, streamlet, low, {group: position}]")
+            if not self._may(peer, "read", stream_id):
+                raise Unauthorized()
             return stream_id, index, low, positions, self._streamlet(stream_id, index)
         except KeraError as e:
             errors.append([r[0] if isinstance(r, list) and r else None,
@@ -156,14 +142,14 @@ class Pulls:
             errors.append([None, None, InvalidArgument.code])
         return None
 
-    def _collect(self, reqs, max_bytes):
+    def _collect(self, reqs, max_bytes, peer):
         entries, parts, errors = [], [], []
         moved = False
         budget = max_bytes
         for r in reqs:
             if len(entries) + len(errors) >= limits.MAX_PULL_STREAMLETS - 64:
                 break
-            e = self._entry(r, errors)
+            e = self._entry(r, errors, peer)
             if e is None:
                 continue
             stream_id, index, low, positions, sl = e
@@ -197,24 +183,28 @@ class Pulls:
                 n.start_soon(one, seg, gid)
         return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
 
-    def rpc_offsets(self, meta, payload):
+    def rpc_offsets(self, meta, payload, peer):
         """Latest durable positions of streamlets (at most ``MAX_PULL_STREAMLETS``): where a
         consumer 'from latest' starts."""
         out, errors = [], []
-        for stream_id, index in _many(meta, "streamlets", "[stream id, streamlet]"):
+        for stream_id, index in meta.get("streamlets") or []:
             try:
+                if not self._may(peer, "describe", stream_id):
+                    raise Unauthorized()
                 low, pos = self._streamlet(stream_id, index).latest()
                 out.append([stream_id, index, low, pos])
             except KeraError as e:
                 errors.append([stream_id, index, e.code])
         return {"offsets": out, "errors": errors}
 
-    def rpc_seek(self, meta, payload):
+    def rpc_seek(self, meta, payload, peer):
         """The first chunk boundary at or after each position, so a reader (Spark's admission
         control) may end a batch at any byte: ``seeks`` [[stream_id, streamlet, group, pos]]."""
         out, errors = [], []
         for stream_id, index, gid, pos in meta.get("seeks") or []:
             try:
+                if not self._may(peer, "describe", stream_id):
+                    raise Unauthorized()
                 g = self._streamlet(stream_id, index).groups.get(gid)
                 out.append([stream_id, index, gid, g.align(pos) if g is not None else pos])
             except KeraError as e:

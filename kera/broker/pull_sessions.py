@@ -34,10 +34,10 @@ Key = tuple[int, int]   # (stream id, streamlet)
 
 
 class PullSession:
-    __slots__ = ("id", "positions", "ready", "queued", "event")
+    __slots__ = ("id", "owner", "positions", "ready", "queued", "event")
 
-    def __init__(self, sid: int):
-        self.id = sid
+    def __init__(self, sid: int, owner: str):
+        self.id, self.owner = sid, owner   # the principal that opened it
         self.positions: dict[Key, tuple[int, dict]] = {}   # the reader's (low, {group: position})
         self.ready: deque[Key] = deque()   # to read, oldest first
         self.queued: set[Key] = set()      # what ``ready`` holds
@@ -78,16 +78,16 @@ class PullSessions:
     def __bool__(self) -> bool:
         return bool(self.by_id)
 
-    def open(self) -> PullSession:
+    def open(self, owner: str) -> PullSession:
         if len(self.by_id) >= limits.MAX_PULL_SESSIONS:
             self.by_id.popitem(last=False)
-        s = self.by_id[self._next] = PullSession(self._next)
+        s = self.by_id[self._next] = PullSession(self._next, owner)
         self._next += 1
         return s
 
-    def get(self, sid: int) -> PullSession:
+    def get(self, sid: int, owner: str) -> PullSession:
         s = self.by_id.get(sid)
-        if s is None:
+        if s is None or s.owner != owner:
             raise UnknownSession(f"no pull session {sid} here (this broker restarted, or it "
                                  f"expired): open a new one")
         self.by_id.move_to_end(sid)

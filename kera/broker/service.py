@@ -21,8 +21,9 @@ import time
 
 import trio
 
-from .. import chunk, limits, metafile, metrics
+from .. import chunk, door, group_positions, limits, metafile, metrics, wire
 from ..coordinator_link import CoordinatorLink
+from ..door import Door
 from ..errors import (
     Conflict,
     Fenced,
@@ -30,9 +31,16 @@ from ..errors import (
     KeraError,
     NotOwner,
     Recovering,
+    Unauthorized,
     Unavailable,
 )
-from ..rpc import Later, Pool, Service, advertised
+from ..rpc import Later, Pool, advertised
+from ..security import secret as secret_
+from ..security import tls as tls_
+from ..security.credentials import Credentials
+from ..security.gate import Gate, take_state
+from ..security.mechanisms import BROKER, CLIENT
+from ..server import Service
 from ..stream_meta import StreamMeta
 from ..vlog import BackupSet, VirtualLog, VlogMapping, vlog_id
 from .adopted import Claims
@@ -58,10 +66,16 @@ TIERED_CACHE = 32 << 20   # bytes of evicted segments read back, kept for the ne
 
 
 class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
+    rpcs = wire.BROKER_RPCS
+
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
                  vseg_size: int = limits.DEFAULT_VSEG_SIZE, replicate_timeout: float = 5.0,
-                 memory: int = 0):
+                 memory: int = 0, *, cluster_secret: bytes, auth: bool = False,
+                 door: Door | None = None, tls=(None, None)):
         self.coordinator = coordinator
+        self.tls = tls[0]   # the listener's TLS context (None: plaintext)
+        self.gate = Gate(cluster_secret, auth=auth)
+        self.door = door or Door()
         self.data_dir = data_dir
         self.node = node
         self.mapping = mapping
@@ -72,6 +86,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.id_path = os.path.join(data_dir, "broker.id")
         ident = metafile.load(self.id_path) or {}
         self.broker_id: int | None = ident.get("id")
+        # what this broker's connections present to the others: a broker, as itself
+        self.credentials = Credentials.member(cluster_secret, BROKER, self.broker_id, tls=tls[1])
         self.epoch = 0
         self.addr = ""
         self.advertise = ""        # HOST[:PORT] others reach us at (default: the bound host and port)
@@ -149,18 +165,14 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self._check_epoch(meta)
         entries = meta.get("streams")
         if entries is None:
-            entries = [[meta.get("stream"), meta.get("streamlets")]]
-        if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 2 and isinstance(e[1], list) for e in entries):
-            raise InvalidArgument("assign needs a stream and streamlets")
+            if meta.get("stream") is None or meta.get("streamlets") is None:
+                raise InvalidArgument("assign needs a stream and streamlets, or streams")
+            entries = [[meta["stream"], meta["streamlets"]]]
         entries = [(StreamMeta.from_wire(s), streamlets) for s, streamlets in entries]
         recovering = meta.get("recovering") is True
         seal = meta.get("seal") is True
         self.recoveries_served += recovering
         backups = meta.get("backups")
-        if backups is not None and not (isinstance(backups, list) and all(
-                isinstance(b, dict) and {"id", "addr", "node", "epoch"} <= b.keys() for b in backups)):
-            raise InvalidArgument("assign: backups must be [{id, addr, node, epoch}, ...]")
         if backups is not None:
             # the coordinator's view as of this stream: its first vsegs get copies on every
             # node, not only on the backups our last heartbeat answer knew of
@@ -216,13 +228,12 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
         many (``streams``: [[stream id, streamlets or None], ...]). Costs what is dropped,
         not what this broker holds."""
+        self._check_epoch(meta)
         entries = meta.get("streams")
         if entries is None:
-            entries = [[meta.get("stream_id"), meta.get("streamlets")]]
-        if not isinstance(entries, list) or not all(
-                isinstance(e, list) and len(e) == 2 and (e[1] is None or isinstance(e[1], list))
-                for e in entries):
-            raise InvalidArgument("unassign needs [[stream id, streamlets or None], ...]")
+            if meta.get("stream_id") is None:
+                raise InvalidArgument("unassign needs a stream_id, or streams")
+            entries = [[meta["stream_id"], meta.get("streamlets")]]
         for sid, only in entries:
             s = self.streams.get(sid)
             if s is None:
@@ -236,6 +247,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 self.streams.pop(sid, None)
         self._reclaim_once()
         return {}
+
+    def rpc_security(self, meta, payload):
+        """The users and ACLs, pushed by the coordinator when they change."""
+        return take_state(self.gate, meta)
 
     def rpc_ping(self, meta, payload):
         return {"broker": self.broker_id, "epoch": self.epoch}
@@ -253,15 +268,64 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             raise Recovering(f"stream {stream_id} streamlet {index} is being recovered")
         return sl
 
-    def rpc_produce(self, meta, payload):
+    @staticmethod
+    def _writer(meta, peer) -> tuple[set | None, bool]:
+        """What a produce's chunks are checked against: the producer ids bound to a client's
+        connection (None: a member's, unchecked), and whether ACLs apply. A client's ids are
+        bound with the token issued with them (``Peer.bind_producer``)."""
+        if peer.role != CLIENT:
+            return None, False
+        if meta.get("producer") is not None:
+            peer.bind_producer(meta["producer"], meta.get("token"))
+        return peer.producers, peer.gate.auth
+
+    def _allowed(self, allowed: dict, peer, sid: int, payload, off: int) -> bool:
+        """``_may_write``, judged once per stream of a request (but per chunk for commits of
+        consumer-group positions, which depend on the chunk's records)."""
+        ok = allowed.get(sid)
+        if ok is None:
+            ok = self._may_write(peer, sid, payload, off)
+            s = self.streams.get(sid)
+            if s is None or s.name != group_positions.NAME:
+                allowed[sid] = ok
+        return ok
+
+    def _may_write(self, peer, sid: int, payload, off: int) -> bool:
+        """Whether a client may write this chunk, by the ACLs (its stream's, or for a commit
+        of consumer-group positions, its records' groups')."""
+        s = self.streams.get(sid)
+        if s is None:
+            return True   # not held here: its own error follows
+        if s.name == group_positions.NAME:
+            return self._may_commit(peer, payload, off)
+        return peer.may("write", "stream", s.name)
+
+    @staticmethod
+    def _may_commit(peer, payload, off: int) -> bool:
+        """A chunk of consumer-group positions: its every record names a group the principal
+        may read (Kafka's offset commit), its key being [group, stream]."""
+        h = chunk.parse_header(payload, off)
+        for key in chunk.ChunkView(payload, off, h).keys():
+            group = group_positions.group_of(key)
+            if group is None or not peer.may("read", "group", group):
+                return False
+        return True
+
+    def _may(self, peer, op: str, stream_id) -> bool:
+        """Whether ``peer`` may ``op`` the stream of this id (one this broker does not hold is
+        left to the caller's own error)."""
+        s = self.streams.get(stream_id)
+        return s is None or peer.may(op, "stream", s.name)
+
+    def rpc_produce(self, meta, payload, peer):
         if self.fenced:
             raise Fenced("this broker was fenced")
         self._check_lease()
         acks = meta.get("acks", "all")
-        if acks not in ("all", "leader", "none"):
-            raise InvalidArgument(f"acks must be all, leader or none, not {acks!r}")
         # every checksum verified before anything is stored; header fields as arrays
         heads, offs = chunk.scan_headers(payload)
+        bound, acl = self._writer(meta, peer)
+        allowed: dict[int, bool] = {}   # stream id -> may write (this request's chunks)
         self.requests += 1
         errors = []
         placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
@@ -277,6 +341,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             try:
                 if flags & BROKER_FLAGS:
                     raise _broker_flags(flags)
+                if bound is not None and (producer not in bound or acl and not self._allowed(
+                        allowed, peer, sid, payload, off)):
+                    errors.append([i, Unauthorized.code])
+                    continue
                 sl = streamlets.get((sid, index))
                 if sl is None or sl.recovering:
                     sl = self._streamlet(sid, index)  # raises the right error
@@ -309,11 +377,13 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         return self._acked_when_durable(waits, result)
 
     # -- compare-and-append: a streamlet as one linearizable register sequence -----------------
-    async def rpc_tail(self, meta, payload):
+    async def rpc_tail(self, meta, payload, peer):
         """A linearizable read's barrier: once everything appended to the streamlet so far is
         durable, its durable end positions and a ``token`` naming that state for ``append_if``.
         Served only under a live lease, so no successor can have taken writes before it."""
-        sl = self._streamlet(meta.get("stream_id"), meta.get("streamlet"))
+        if not self._may(peer, "read", meta["stream_id"]):
+            raise Unauthorized(f"{peer.principal} may not read stream {meta['stream_id']}")
+        sl = self._streamlet(meta["stream_id"], meta["streamlet"])
         self._check_lease()
         token = [self.epoch, sl.appended_chunks]
         for vlog, idx in list(sl.tails.items()):
@@ -321,7 +391,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         low, groups = sl.latest()
         return {"token": token, "low": low, "groups": groups}
 
-    def rpc_append_if(self, meta, payload):
+    def rpc_append_if(self, meta, payload, peer):
         """One chunk of one keyed record, appended only if no record with that key (and no
         produced chunk) was appended since the state ``expect`` (a ``tail`` token) names,
         else ``conflict``: the compare-and-set a key-value map's writes need. A write
@@ -340,6 +410,11 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         h, off = chunks[0]
         if h.flags & BROKER_FLAGS:
             raise _broker_flags(h.flags)
+        bound, acl = self._writer(meta, peer)
+        if bound is not None and (h.producer_id not in bound or
+                                  acl and not self._may_write(peer, h.stream_id, payload, off)):
+            raise Unauthorized(f"{peer.principal} may not write stream {h.stream_id} as producer "
+                               f"{h.producer_id}")
         if h.record_count != 1:
             raise InvalidArgument("append_if takes a chunk of exactly one record")
         sl = self._streamlet(h.stream_id, h.streamlet)
@@ -420,6 +495,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 "records_in": self.records_in, "bytes_in": self.bytes_in,
                 "records_out": self.records_out, "bytes_out": self.bytes_out, "pulls": self.pulls,
                 "recoveries_served": self.recoveries_served,
+                "door": self.door.describe(),
                 **({"metrics": self.metrics.addr} if self.metrics else {})}
 
     def rpc_vsegs(self, meta, payload):
@@ -437,7 +513,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
-            self.pool = Pool(nursery)
+            self.pool = Pool(nursery, credentials=self.credentials)
             self.coord = CoordinatorLink(self.pool, self.coordinator)
             self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
             self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.backup_addr,
@@ -509,12 +585,19 @@ def main(argv=None) -> None:
     ap.add_argument("--metrics-top-streams", type=int, default=0, metavar="N",
                     help="per-stream series for the N streams with the most bytes in (default 0: "
                          "none; finding them walks the broker's streamlets at each scrape)")
+    secret_.add_arguments(ap)
+    tls_.add_arguments(ap)
+    door.add_arguments(ap)
     args = ap.parse_args(argv)
+    cluster_secret = secret_.from_args(ap, args)
+    tls = tls_.from_args(ap, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
     svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
                         VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
                         args.replicate_timeout,
-                        default_budget() if args.memory is None else args.memory)
+                        default_budget() if args.memory is None else args.memory,
+                        cluster_secret=cluster_secret, auth=args.auth,
+                        door=Door(door.from_args(args)), tls=tls)
     svc.advertise = args.advertise
     if args.metrics_port is not None:
         from ..metrics.broker import install

@@ -16,7 +16,14 @@ import time
 from collections import deque
 from types import MappingProxyType
 
-from ..errors import DataLoss, OutOfOrderSequence, OutOfRange, RecordTooLarge, Recovering
+from ..errors import (
+    DataLoss,
+    OutOfOrderSequence,
+    OutOfRange,
+    RecordTooLarge,
+    Recovering,
+    UnknownProducer,
+)
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from ..stream_meta import StreamMeta
@@ -285,9 +292,18 @@ class Streamlet:
         ``reset`` (the chunk's SEQ_RESET flag): a sequence past the next one is
         the producer's new base, not a hole; older ones are duplicates all the
         same, so a late copy of a chunk the producer gave up on is never stored.
+        A producer's first chunk here starts at 0 or is a reset (``UnknownProducer``
+        otherwise): never a base taken on trust, which would make the producer's own
+        chunks below it duplicates, acknowledged and never stored.
         """
         st = self.producers.get(producer)
-        if st is None or seq == st.last_seq + 1:
+        if st is None:
+            if seq == 0 or reset:
+                return None
+            raise UnknownProducer(f"producer {producer} is not known on stream {self.stream_id} "
+                                  f"streamlet {self.index}: its first chunk here is sequence 0 or "
+                                  f"a reset, not {seq}")
+        if seq == st.last_seq + 1:
             return None
         if seq <= st.last_seq:
             return st

@@ -139,19 +139,14 @@ class Takeover:
         [broker, epoch] wait here until adopted (no range: adopted, served). Every streamlet
         named must be ours and every field well formed; nothing changes otherwise."""
         self._check_epoch(meta)
-        try:
-            src = _ints(meta.get("source"), 2)
-            todo = [(self.streamlets.get((sid, i)), sid, i, [_ints(r, 2) for r in rs],
-                     dict(_ints(h, 2) for h in highest), dict(_ints(t, 2) for t in tops))
-                    for sid, i, rs, highest, tops in meta["entries"]]
-            for *_, rs, _, _ in todo:
-                if not all(lo <= hi < 1 << 32 for lo, hi in rs) or \
-                        sum(hi - lo + 1 for lo, hi in rs) > MAX_PENDING_GROUPS:
-                    raise ValueError
-        except (TypeError, ValueError, KeyError):
-            raise InvalidArgument(f"pend needs source [broker, epoch] and entries [[stream_id, streamlet, "
-                                  f"[[lo, hi], ...] group ids below 2**32 (at most {MAX_PENDING_GROUPS}), "
-                                  f"[[producer, sequence], ...], [[slot, newest group], ...]], ...]") from None
+        src = tuple(meta["source"])
+        todo = [(self.streamlets.get((sid, i)), sid, i, [tuple(r) for r in rs], dict(map(tuple, highest)),
+                 dict(map(tuple, tops))) for sid, i, rs, highest, tops in meta["entries"]]
+        for *_, rs, _, _ in todo:
+            if not all(lo <= hi < 1 << 32 for lo, hi in rs) or \
+                    sum(hi - lo + 1 for lo, hi in rs) > MAX_PENDING_GROUPS:
+                raise InvalidArgument(f"pend: group id ranges [lo, hi] with lo <= hi < 2**32, at most "
+                                      f"{MAX_PENDING_GROUPS} group ids per streamlet")
         for sl, sid, i, *_ in todo:
             if sl is None:
                 raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.broker_id}")
@@ -223,10 +218,3 @@ class Takeover:
         for seg in new:
             self.claims.attach(seg, holder)
         return vlog, idx, segs + new
-
-
-def _ints(v, n: int) -> tuple:
-    """``n`` non-negative ints from a wire list (``ValueError`` otherwise)."""
-    if not isinstance(v, list) or len(v) != n or not all(type(x) is int and x >= 0 for x in v):
-        raise ValueError
-    return tuple(v)

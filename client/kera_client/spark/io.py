@@ -26,6 +26,7 @@ from kera.coordinator_link import CoordinatorLink
 from kera.errors import KeraError
 from kera.limits import MAX_PULL_STREAMLETS
 from kera.rpc import open_pool
+from kera.security import client_config
 
 from ..metadata import describe
 from ..portal import Portal
@@ -38,29 +39,39 @@ log = logging.getLogger("kera.spark")
 RPC_TIMEOUT = 30.0
 
 
+def security(options) -> tuple:
+    """A query's security settings (``kera.security.client_config``'s names, or ``config``:
+    a client.conf file), as a key: each set of settings has its own connections."""
+    given = {k: str(v) for k, v in options.items() if k in client_config.KEYS}
+    path = options.get("config")
+    return tuple(sorted({**(client_config.read(path) if path else {}), **given}.items()))
+
+
 class Runtime:
-    """One trio loop + connection pool per process (created lazily, rebuilt after fork)."""
+    """One trio loop + connection pool per process and security settings (created lazily,
+    rebuilt after fork)."""
 
     _lock = threading.Lock()
-    _current: Runtime | None = None
+    _current: dict[tuple, Runtime] = {}
 
-    def __init__(self):
+    def __init__(self, settings: tuple = ()):
         self.pid = os.getpid()
+        self.credentials = client_config.credentials(dict(settings))
         self.portal = Portal("kera-spark")
         self.pool = self.portal.start(self._serve)
         self.committers: dict[str, GroupPositions] = {}
 
     async def _serve(self, task_status):
-        async with open_pool() as pool:
+        async with open_pool(credentials=self.credentials) as pool:
             task_status.started(pool)
             await trio.sleep_forever()
 
     @classmethod
-    def get(cls) -> Runtime:
+    def get(cls, settings: tuple = ()) -> Runtime:
         with cls._lock:
-            rt = cls._current
+            rt = cls._current.get(settings)
             if rt is None or rt.pid != os.getpid():
-                rt = cls._current = Runtime()
+                rt = cls._current[settings] = Runtime(settings)
             return rt
 
     def run(self, afn, *args):
@@ -94,10 +105,11 @@ class Runtime:
 
 # -- driver side: which streams, and where they end --------------------------------------
 
-def metadata(coordinator: str, names=(), pattern: str | None = None, strict: bool = True) -> dict:
+def metadata(coordinator: str, names=(), pattern: str | None = None, strict: bool = True,
+             settings: tuple = ()) -> dict:
     """``{name: StreamView}`` of the named streams and those matching ``pattern`` (a page per
     request, ``kera_client.metadata``)."""
-    rt = Runtime.get()
+    rt = Runtime.get(settings)
 
     async def go():
         return await describe(CoordinatorLink(rt.pool, coordinator), names, pattern,
@@ -105,7 +117,8 @@ def metadata(coordinator: str, names=(), pattern: str | None = None, strict: boo
     return rt.run(go)
 
 
-def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0) -> Offsets:
+def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0,
+           settings: tuple = ()) -> Offsets:
     """The durable end of every group of these streams (one ``offsets`` call per broker).
 
     With ``wait`` = 0, streamlets without a live owner (or being recovered)
@@ -115,7 +128,7 @@ def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0) -> Off
     "nothing"), owners are looked up again until every streamlet answered,
     and past ``wait`` seconds it fails rather than answer incompletely.
     """
-    rt = Runtime.get()
+    rt = Runtime.get(settings)
     out = Offsets({n: s.id for n, s in meta.items()}, {})
     missing = {(n, i) for n, s in meta.items() for i in range(s.streamlets)}
     deadline = time.monotonic() + wait
@@ -139,7 +152,8 @@ def latest(meta: dict, coordinator: str | None = None, wait: float = 0.0) -> Off
                                f"{wait:.0f} s (e.g. {', '.join(f'{n}/{i}' for n, i in sorted(missing)[:5])})")
         time.sleep(0.1)  # an owner is being recovered: poll again
         try:
-            fresh = metadata(coordinator, sorted({n for n, _ in missing}), strict=False)
+            fresh = metadata(coordinator, sorted({n for n, _ in missing}), strict=False,
+                             settings=settings)
         except KeraError as e:
             log.warning("metadata refresh failed: %s", e)
             continue
@@ -168,7 +182,7 @@ async def _offsets_all(pool, by_addr: dict) -> list[dict]:
     return results
 
 
-def align(meta: dict, cuts: list) -> dict[tuple, int | None]:
+def align(meta: dict, cuts: list, settings: tuple = ()) -> dict[tuple, int | None]:
     """Move each cut's target to the first chunk boundary at or after it.
 
     One 1-byte pull per cut, from ``target - 1``: the broker answers with the
@@ -177,7 +191,7 @@ def align(meta: dict, cuts: list) -> dict[tuple, int | None]:
     move to the next segment, that segment's start is the boundary. Cuts whose
     owner does not answer get None (the caller falls back to a segment start).
     """
-    rt = Runtime.get()
+    rt = Runtime.get(settings)
     out: dict[tuple, int | None] = {}
 
     async def one(c, limit):
@@ -300,7 +314,8 @@ class Stats:
 
 
 def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int = 8 << 20,
-                batch_bytes: int = 8 << 20, timeout: float = 120.0, stats_file: str | None = None):
+                batch_bytes: int = 8 << 20, timeout: float = 120.0, stats_file: str | None = None,
+                settings: tuple = ()):
     """Yield RecordBatches of every record in ``wires`` (StreamletRange.to_wire tuples).
 
     ``addrs`` maps stream name to the owners' addresses as planned; they are
@@ -308,7 +323,7 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
     range that makes no progress for ``timeout`` seconds fails the task (Spark
     retries it; nothing is skipped silently).
     """
-    rt = Runtime.get()
+    rt = Runtime.get(settings)
     stats = Stats()
     queues: dict[tuple, deque] = {}
     for w in wires:
@@ -333,7 +348,7 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
     def refresh(stale_streams):
         """New owner addresses; streams deleted (or re-created) since planning are dropped."""
         try:
-            meta = metadata(coordinator, sorted(stale_streams), strict=False)
+            meta = metadata(coordinator, sorted(stale_streams), strict=False, settings=settings)
         except KeraError as e:
             log.warning("metadata refresh failed: %s", e)
             return
@@ -440,7 +455,8 @@ async def _pull_all(pool, reqs: dict, pull_bytes: int) -> list:
     return out
 
 
-def sample_sizes(wires: list, addrs: dict, max_bytes: int = 1 << 20) -> tuple[float, float] | None:
+def sample_sizes(wires: list, addrs: dict, max_bytes: int = 1 << 20,
+                 settings: tuple = ()) -> tuple[float, float] | None:
     """(bytes per record, bytes per chunk) over up to ``max_bytes`` of the given ranges."""
     seen_bytes = seen_records = seen_chunks = 0
     for w in wires:
@@ -451,7 +467,7 @@ def sample_sizes(wires: list, addrs: dict, max_bytes: int = 1 << 20) -> tuple[fl
         if a is None:
             continue
         try:
-            meta, payload = Runtime.get().call(a, "pull", {
+            meta, payload = Runtime.get(settings).call(a, "pull", {
                 "streamlets": [r.request()], "max_bytes": 256 << 10, "max_wait_ms": 0})
         except KeraError:
             continue

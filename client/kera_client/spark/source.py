@@ -79,9 +79,10 @@ class ReadOptions:
         self.timeout = float(_opt(options, "readTimeout", 120))
         self.consumer_group = _opt(options, "consumerGroup")
         self.stats_file = _opt(options, "statsFile")
+        self.settings = io.security(options)   # sent to the executors with each partition
 
     def metadata(self) -> dict:
-        return io.metadata(self.coordinator, self.names, self.pattern)
+        return io.metadata(self.coordinator, self.names, self.pattern, settings=self.settings)
 
     def offsets(self, spec: str, meta: dict, what: str) -> Offsets:
         """'earliest', 'latest' or JSON offsets, for the streams in ``meta``."""
@@ -89,7 +90,7 @@ class ReadOptions:
         if spec.strip().lower() == "earliest":
             return Offsets(ids, {})
         if spec.strip().lower() == "latest":
-            return io.latest(meta, self.coordinator, wait=self.timeout)
+            return io.latest(meta, self.coordinator, wait=self.timeout, settings=self.settings)
         try:
             return Offsets.from_json(spec).rebased(ids)
         except ValueError as e:
@@ -100,9 +101,10 @@ class KeraPartition(InputPartition):
     """Ranges of many streamlets for one Spark task (plain data: it is pickled)."""
 
     def __init__(self, coordinator: str, ranges: list, addrs: dict, pull_bytes: int,
-                 timeout: float, stats_file: str | None):
+                 timeout: float, stats_file: str | None, settings: tuple = ()):
         super().__init__(None)
         self.coordinator = coordinator
+        self.settings = settings
         self.ranges = ranges
         self.addrs = addrs
         self.pull_bytes = pull_bytes
@@ -120,14 +122,14 @@ def _partitions(o: ReadOptions, start: Offsets, end: Offsets, meta: dict) -> lis
     for p in parts:
         addrs = {r.stream: meta[r.stream].addrs for r in p}
         out.append(KeraPartition(o.coordinator, [r.to_wire() for r in p], addrs, o.pull_bytes,
-                                 o.timeout, o.stats_file))
+                                 o.timeout, o.stats_file, o.settings))
     return out
 
 
 def _read(partition: KeraPartition) -> Iterator[pa.RecordBatch]:
     return io.read_ranges(partition.coordinator, partition.ranges, partition.addrs,
                           pull_bytes=partition.pull_bytes, timeout=partition.timeout,
-                          stats_file=partition.stats_file)
+                          stats_file=partition.stats_file, settings=partition.settings)
 
 
 class KeraBatchReader(DataSourceReader):
@@ -165,7 +167,8 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def prepareForTriggerAvailableNow(self) -> None:
         self.meta = self.o.metadata()
-        self.target = io.latest(self.meta, self.o.coordinator, wait=self.o.timeout)
+        self.target = io.latest(self.meta, self.o.coordinator, wait=self.o.timeout,
+                                settings=self.o.settings)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.o.max_bytes:
@@ -181,7 +184,7 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                           {k: v for k, v in self.target.positions.items() if k[0] in meta})
         else:
             meta = self.o.metadata()   # new streams matching the pattern join here
-            top = io.latest(meta)
+            top = io.latest(meta, settings=self.o.settings)
         self.meta = meta
         start = start.rebased(top.streams)
         merged = dict(start.positions)
@@ -207,7 +210,8 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         ``avgRecordBytes`` overrides the first."""
         if self.sizes is None or self.turn - self.sampled_at >= 100:
             rs = positions.ranges(start, top, self.meta)[:16]
-            got = io.sample_sizes([r.to_wire() for r in rs], {n: s.addrs for n, s in self.meta.items()})
+            got = io.sample_sizes([r.to_wire() for r in rs], {n: s.addrs for n, s in self.meta.items()},
+                                  settings=self.o.settings)
             if got:
                 self.sizes, self.sampled_at = got, self.turn
         rec, chunk = self.sizes or (DEFAULT_RECORD_BYTES, DEFAULT_CHUNK_BYTES)
@@ -229,7 +233,7 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             end = top
         else:
             end, cuts = positions.admit(s, top, self.meta, budget, self.turn, self._sizes(s, top)[1])
-            end = positions.apply_cuts(end, cuts, io.align(self.meta, cuts))
+            end = positions.apply_cuts(end, cuts, io.align(self.meta, cuts, self.o.settings))
         out = end.to_json()
         return start if out == start else out
 
@@ -240,7 +244,8 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict):
         s, e = Offsets.from_json(start), Offsets.from_json(end)
         meta = self.meta if all(n in self.meta and self.meta[n].id == i for n, i in e.streams.items()) \
-            else io.metadata(self.o.coordinator, sorted(e.streams), strict=False)
+            else io.metadata(self.o.coordinator, sorted(e.streams), strict=False,
+                             settings=self.o.settings)
         return _partitions(self.o, s, e, meta)
 
     def read(self, partition):
@@ -249,7 +254,7 @@ class KeraStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: dict) -> None:
         if self.o.consumer_group:  # lets `kera` tools see how far the query is
             e = Offsets.from_json(end)
-            rt = io.Runtime.get()
+            rt = io.Runtime.get(self.o.settings)
             try:
                 rt.run(rt.group_positions(self.o.coordinator).commit, self.o.consumer_group,
                        e.to_json()["positions"], e.streams)
@@ -280,6 +285,7 @@ class WriteOptions:
         self.replication = _int(options, "replication", None)
         self.flush_timeout = float(_opt(options, "flushTimeout", 300))
         self.streamlet_count = 1  # set on the driver by _prepare_stream
+        self.settings = io.security(options)
 
 
 def _number(v):
@@ -330,7 +336,7 @@ def _write(o: WriteOptions, batches) -> KeraCommit:
     from ..producer import Producer
 
     n = 0
-    with Producer(o.coordinator, config=o.producer) as p:
+    with Producer(o.coordinator, config={**o.producer, **dict(o.settings)}) as p:
         by_key = o.partitioner == "key"
         for b in batches:
             if b.num_rows == 0:
@@ -396,7 +402,7 @@ def _prepare_stream(o: WriteOptions) -> None:
     """Create the target stream on the driver if asked to (option create=true)."""
     from ..admin import Admin
 
-    with Admin(o.coordinator) as a:
+    with Admin(o.coordinator, config=dict(o.settings)) as a:
         if o.create:
             try:
                 a.create_stream(o.stream, streamlets=o.streamlets, groups=o.groups,
