@@ -117,9 +117,10 @@ async def test_a_user_without_acls_can_do_nothing_and_the_super_user_all(cluster
                      a.add_user("x", "y")):
             assert await code_of(what) == "unauthorized"
         assert await a.list_streams() == []          # it sees nothing
-    with pytest.raises(Unauthorized):
-        async with open_producer(coord, nacl) as p:
-            await p.send("n-data", b"x")
+    async with open_producer(coord, nacl) as p:   # the record's report says why (as Kafka's)
+        report = await p.send("n-data", b"x", report=True)
+        with pytest.raises(Unauthorized):
+            await report
     with pytest.raises(Unauthorized):
         async with open_consumer(["n-data"], coord, nacl) as c:
             await c.poll_chunks(1)

@@ -16,6 +16,7 @@ import trio
 from kera_client import open_admin, open_producer
 
 from kera import chunk, wire
+from kera.backup.replay import pack_routes
 from kera.errors import KeraError
 from kera.rpc import open_pool
 
@@ -37,6 +38,7 @@ def plausible(st: dict, s, replica: tuple, vlog: int) -> dict:
     rep = {"broker": rb, "vlog": rv, "vseg": rs}
     data = chunk.build(s.id, 0, 1, HUGE, [b"evil"])
     evil = {"version": HUGE, "users": {}, "acls": [], "super_users": ["User:ANONYMOUS"]}
+    owners, rows = pack_routes([(s.id, 0, b["addr"], ep)])
     return {
         "coordinator": {
             "register": ({"role": "broker", "addr": "127.0.0.1:1", "node": "evil", "id": bid,
@@ -51,6 +53,7 @@ def plausible(st: dict, s, replica: tuple, vlog: int) -> dict:
             "adopt": ({"epoch": ep}, chunk.build(s.id, 0, 1, 0, [b"x"], flags=chunk.INDEX)),
             "pend": ({"epoch": ep, "source": [bid, ep], "entries": [[s.id, 0, [[0, 9]], [], []]]}, b""),
             "settle": ({"epoch": ep}, b""),
+            "lag": ({"positions": [[s.id, 0, 0, {}]]}, b""),
             "security": (evil, b""),
         },
         "backup": {
@@ -60,7 +63,7 @@ def plausible(st: dict, s, replica: tuple, vlog: int) -> dict:
             "read_chunks": ({**rep, "ranges": [[0, 100]]}, b""),
             "index": ({"broker": rb, "vsegs": [[rv, rs]]}, b""),
             "read": ({**rep, "offset": 0}, b""),
-            "replay": ({**rep, "routes": [[s.id, 0, b["addr"], ep]]}, b""),
+            "replay": ({**rep, "owners": owners}, rows),
             "trim": ({"broker": rb, "vlog": rv, "floor": HUGE}, b""),
             "claim": ({"owner": rb, "epoch": HUGE, "claims": [[rb, rv, rs]]}, b""),
             "release": ({"owner": rb, "epoch": ep}, b""),
@@ -113,7 +116,7 @@ async def test_a_stranger_changes_nothing_and_a_member_speaks_only_for_itself(ma
                 for addr in addrs[role]:
                     for method, (meta, payload) in rpcs.items():
                         answers[(addr, method)] = await refused(stranger, addr, method, meta, payload)
-        assert len(answers) == 2 + 3 * 8 + 3 * 11
+        assert len(answers) == 2 + 3 * 9 + 3 * 11
         wrong = {k: v for k, v in answers.items() if v not in ("unauthenticated", "unauthorized")}
         assert not wrong, wrong
 

@@ -24,6 +24,7 @@ import trio
 
 from kera.errors import UnknownStream
 from kera.limits import MAX_LIST_PAGE
+from kera.rpc import unwrapped
 
 from .stream_view import StreamView
 
@@ -79,7 +80,7 @@ async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = No
                 ask = ask[len(ask) - more:] if more else []
 
     if names:
-        async with trio.open_nursery() as n:
+        async with unwrapped(), trio.open_nursery() as n:   # a refusal, not a group holding it
             for i in range(0, len(names), MAX_LIST_PAGE):
                 n.start_soon(part, names[i:i + MAX_LIST_PAGE])
     if pattern is not None:
