@@ -63,12 +63,17 @@ class _Member:   # a broker as a recovery names it (hashable, as ``kera.membersh
     addr, epoch = "b3", 3
 
 
+class _Streams(dict):   # the coordinator's catalog, as the adoption reads it
+    def by_id(self, sid: int):
+        return next((s for s in self.values() if s.id == sid), None)
+
+
 def _adoptions() -> Adoptions:
     meta = {"deferred": {}}
 
     def put(path, v):
         meta[path[0]][path[1]] = v
-    streams = {"s": SimpleNamespace(id=1, groups=4)}
+    streams = _Streams(s=SimpleNamespace(id=1, groups=4))
     return Adoptions(SimpleNamespace(meta=meta, log=SimpleNamespace(set=put), streams=streams))
 
 

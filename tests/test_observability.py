@@ -244,9 +244,10 @@ def test_prometheus_scrapes_the_cluster(cluster, prometheus_bin, tmp_path):
         until("records in counted", lambda: value("sum(kera_broker_records_in_total)") == before + n)
         kera("consume", "prom", "--group", "pg", "--max", "25000", "--count-only", env=cluster.env)
         # the produce took ``produced_in`` seconds: its peak rate over 2 s windows is at least
-        # the average, and no more than everything in one 2 s window
+        # the average, and no more than everything in one 2 s window (give or take the
+        # extrapolation ``rate`` makes to the window's edges from the samples it holds)
         peak = value("max_over_time(sum(rate(kera_broker_records_in_total[2s]))[2m:1s])")
-        assert n / (produced_in + 4) <= peak <= n, (peak, produced_in)
+        assert n / (produced_in + 4) <= peak <= n * 1.1, (peak, produced_in)
         p99 = value('histogram_quantile(0.99, sum by (le) (rate('
                     'kera_broker_request_latency_seconds_bucket{rpc="produce"}[2m])))')
         assert p99 is not None and 0 < p99 <= 10, p99

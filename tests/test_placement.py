@@ -60,7 +60,7 @@ def test_sealed_after_a_loss_no_group_id_or_position_is_reused():
     sl.finish_recovery()
     sl.seal()
     assert all(g.closed for g in sl.groups.values())
-    g, seg, off = sl.append(b"c" * 10, 7)
+    g, seg, off = sl.append(b"c" * 100, 7)
     assert g.id >= 4 + (1 << 16) and (seg.id, off) == (0, 0)
     assert len(sl.groups[0].segments[0].ends) == 1   # nothing appended to a recovered group
 
