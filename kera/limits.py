@@ -71,9 +71,6 @@ MAX_REPLICA_BYTES = 1 * GiB       # what a backup accepts in one replica's chunk
 # -- reads (backup read/replay, broker pull) ---------------------------------------------
 MAX_READ = 8 * MiB                # a backup read reply, or one chunk if larger
 REPLAY_READ = 4 * MiB             # a replay step: one read, one recover request per broker
-# streamlets one pull (or offsets, seek) names: as many as a frame's meta can hold (an
-# entry packs to 4 bytes at least), so the bound costs no request that would fit
-MAX_PULL_STREAMLETS = MAX_META // 4
 MAX_PULL = 32 * MiB               # a pull reply: up to this, plus at most one chunk beyond it
 # a pull names at most this many streamlets (a plain pull's list, a session's additions and
 # drops) and answers at most this many entries (so its meta fits a frame whatever it reads)
@@ -93,6 +90,7 @@ REPLY_BUDGET = 2 * MAX_FRAME      # bytes of replies queued for one connection: 
 RECEIVE_BUDGET = 512 * MiB        # bytes of large frames still arriving, over a listener's
 #                                   connections: past it they wait (their FRAME_TIMEOUT runs on)
 MAX_AUTH_BYTES = 4 * KiB          # one handshake message (a SCRAM step, a member's proof)
+ACL_CACHE = 4096                  # ACL decisions a connection keeps (a listing asks one per stream)
 
 # coordinator metadata log
 MAX_METALOG_RECORD = 16 * MiB     # one record of the metadata log (a group-commit batch, or a part)

@@ -116,6 +116,7 @@ def test_a_pull_session_reads_what_moved_or_was_touched():
     opened, is a typed error."""
     from kera.broker.pull_sessions import PullSessions
     from kera.errors import UnknownSession
+    from kera.limits import MAX_PULL_SESSIONS
 
     sessions = PullSessions()
     s = sessions.open("User:alice")
@@ -133,3 +134,7 @@ def test_a_pull_session_reads_what_moved_or_was_touched():
         sessions.get(s.id + 1, "User:alice")
     with pytest.raises(UnknownSession):
         sessions.get(s.id, "User:mallory")
+    assert set(sessions.readers) == {(2, 0)}   # who reads what: (1, 0) was dropped
+    for _ in range(MAX_PULL_SESSIONS):   # the least recently used goes, with what it read
+        sessions.open("User:alice")
+    assert sessions.readers == {} and len(sessions.by_id) == MAX_PULL_SESSIONS

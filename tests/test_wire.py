@@ -99,3 +99,17 @@ def test_clients_need_their_operation_on_the_resource():
         wire.COORDINATOR_RPCS["describe_stream"].admit(g.peer("127.0.0.1"), {"name": "s"})
     wire.COORDINATOR_RPCS["authenticate"].admit(g.peer("127.0.0.1"), {
         "mechanism": "SCRAM-SHA-256", "auth_bytes": b"n,,n=alice,r=x"})
+
+
+def test_a_connections_acl_decisions_stay_bounded():
+    """A user listing a million streams asks one decision per stream: the connection keeps at
+    most ``ACL_CACHE`` of them, and still answers each rightly."""
+    from kera.limits import ACL_CACHE
+    from kera.security.acl import Acl
+    g = Gate(b"s" * 32, auth=True)
+    g.replace(1, {}, [Acl("User:alice", "allow", "describe", "stream", "a-", "prefixed")])
+    alice = g.peer("127.0.0.1")
+    alice.authenticated(Identity("client", None, "User:alice"))
+    got = [alice.may("describe", "stream", f"{p}-{i}") for i in range(3 * ACL_CACHE) for p in "ab"]
+    assert got == [True, False] * (3 * ACL_CACHE)
+    assert len(alice.cache) <= ACL_CACHE

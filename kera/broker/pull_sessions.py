@@ -34,22 +34,33 @@ Key = tuple[int, int]   # (stream id, streamlet)
 
 
 class PullSession:
-    __slots__ = ("id", "owner", "positions", "ready", "queued", "event")
+    __slots__ = ("id", "owner", "readers", "positions", "ready", "queued", "event")
 
-    def __init__(self, sid: int, owner: str):
+    def __init__(self, sid: int, owner: str, readers: dict | None = None):
         self.id, self.owner = sid, owner   # the principal that opened it
+        self.readers = {} if readers is None else readers   # its broker's: key -> sessions
         self.positions: dict[Key, tuple[int, dict]] = {}   # the reader's (low, {group: position})
         self.ready: deque[Key] = deque()   # to read, oldest first
         self.queued: set[Key] = set()      # what ``ready`` holds
         self.event = trio.Event()          # set when a streamlet becomes ready
 
     def set(self, key: Key, low: int, groups: dict) -> None:
+        if key not in self.positions:
+            self.readers.setdefault(key, set()).add(self)
         self.positions[key] = (low, groups)
         self.mark(key)
 
     def drop(self, key: Key) -> None:
-        self.positions.pop(key, None)
+        if self.positions.pop(key, None) is not None:
+            readers = self.readers[key]
+            readers.discard(self)
+            if not readers:
+                del self.readers[key]
         self.queued.discard(key)   # a stale entry of ``ready`` is skipped when reached
+
+    def close(self) -> None:
+        for key in list(self.positions):
+            self.drop(key)
 
     def mark(self, key: Key) -> None:
         if key not in self.queued:
@@ -73,6 +84,7 @@ class PullSessions:
 
     def __init__(self):
         self.by_id: OrderedDict[int, PullSession] = OrderedDict()
+        self.readers: dict[Key, set[PullSession]] = {}   # a streamlet -> the sessions reading it
         self._next = 1
 
     def __bool__(self) -> bool:
@@ -80,8 +92,8 @@ class PullSessions:
 
     def open(self, owner: str) -> PullSession:
         if len(self.by_id) >= limits.MAX_PULL_SESSIONS:
-            self.by_id.popitem(last=False)
-        s = self.by_id[self._next] = PullSession(self._next, owner)
+            self.by_id.popitem(last=False)[1].close()
+        s = self.by_id[self._next] = PullSession(self._next, owner, self.readers)
         self._next += 1
         return s
 
@@ -94,9 +106,9 @@ class PullSessions:
         return s
 
     def touch(self, keys) -> None:
-        """Streamlets with newly durable chunks: ready in every session reading them."""
-        for s in self.by_id.values():
-            held = s.positions
-            for key in keys:
-                if key in held:
-                    s.mark(key)
+        """Streamlets with newly durable chunks: ready in every session reading them (a lookup
+        per streamlet in ``readers``, not a walk of every session)."""
+        readers = self.readers
+        for key in keys:
+            for s in readers.get(key, ()):
+                s.mark(key)
