@@ -78,6 +78,16 @@ MAX_PULL_STREAMLETS = 32768
 PULL_ENTRY_BYTES = 64             # packed size of a streamlet named in a pull, or of an entry
 MAX_PULL_SESSIONS = 1024          # pull sessions a broker keeps (the least recently used goes)
 
+# -- the transport (kera.rpc) ------------------------------------------------------------
+MAX_INFLIGHT = 256                # requests of one connection a server runs at once (past it,
+#                                   the connection is not read: backpressure)
+RECV_SIZE = 1 * MiB               # bytes one receive takes from a socket
+VECTOR_FROM = 64 * KiB            # a frame of parts this large goes out vectored (writev), not
+VECTOR_PART = 4 * KiB             # joined first, when its parts average this much
+TLS_RECORD = 16 * KiB             # the most plaintext one TLS record carries (RFC 8446)
+TLS_PIECE = 256 * KiB             # plaintext encrypted at once over TLS (a frame's buffers joined
+#                                   up to it); its ciphertext is all a connection holds unsent
+
 # -- connections, at the door of every listener (kera.rpc) -------------------------------
 MAX_CONNECTIONS = 10_000          # open connections per listener
 MAX_CONNECTIONS_PER_ADDR = 1_000  # of those, from one peer address
@@ -116,6 +126,8 @@ assert MAX_STREAMLETS <= MAX_LIST_PAGE_STREAMLETS, "a stream of the most streaml
 assert (MAX_LIST_PAGE * BATCH_STREAM_BYTES + MAX_LIST_PAGE_STREAMLETS * LIST_STREAMLET_BYTES
         <= MAX_META), "every list_streams page must fit a frame's meta"
 assert MAX_CONNECTIONS_PER_ADDR <= MAX_CONNECTIONS
+assert TLS_RECORD <= TLS_PIECE and TLS_RECORD <= RECV_SIZE, "TLS moves whole records at once"
+assert VECTOR_PART <= VECTOR_FROM <= MAX_FRAME
 assert REPLY_BUDGET >= MAX_FRAME, "every reply must fit a connection's reply budget"
 assert RECEIVE_BUDGET >= MAX_FRAME, "a frame of the largest size must be receivable"
 assert FRAME_TIMEOUT <= IDLE_TIMEOUT and HANDSHAKE_TIMEOUT <= IDLE_TIMEOUT

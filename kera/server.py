@@ -1,58 +1,41 @@
-"""The serving side of the transport: one task per connection, requests admitted by the
-wire table before their handler runs.
+"""The base of every server: its RPC table's handlers, the handshake RPC, and its listener,
+whose connections are taken in at the door (``kera.door``: caps per listener and address),
+through TLS when the server has a certificate, and served (``kera.rpc.served``: each request
+admitted by the wire table before its handler runs).
 
-Requests are read in order; a handler ``rpc_<name>`` that is a plain function runs
-right there, in arrival order (appends keep their order), and may return a coroutine
-for the part that waits, which runs concurrently in the connection's nursery, or a
-``Later`` that whoever settles it answers (a produce's durability, settled by the
-replication's outcomes: no task per request). A bounded number of requests per
-connection may be in flight; past that the connection stops being read (backpressure).
-
-Before a handler runs, its server's table (``kera.wire``) admits the request: the
-caller (the connection's ``Peer``: who it authenticated as, ``kera.security.gate``),
-then the fields. A method missing from the table is unknown. What a connection may
-hold is bounded at the door (``kera.door``): connections per listener and address, its
-idle, frame, handshake and send deadlines, its queued replies, and the bytes of large
-frames still arriving on all connections.
+Before a handler runs, its server's table (``kera.wire``) admits the request: the caller
+(the connection's ``Peer``: who it authenticated as, ``kera.security.gate``), then the
+fields. A method missing from the table is unknown.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
-import math
 import socket
 import ssl
-from functools import partial
 
 import trio
 
 from . import frame, wire
-from .door import Deadline, Door
+from .door import Door
 from .errors import (
     AuthenticationFailed,
     ConnectionLimit,
     InvalidArgument,
-    KeraError,
-    PeerTooSlow,
     ProtocolError,
     Unauthorized,
     UnknownMethod,
 )
 from .limits import MAX_FRAME
-from .rpc import MAX_INFLIGHT, RECV_SIZE, FrameWriter, Later, error_frame, result_frame
+from .rpc.answers import error_frame
+from .rpc.channel import Plain, Tls
+from .rpc.served import Served
 from .security.acl import ANONYMOUS
 from .security.gate import Gate
 from .security.mechanisms import CLIENT, Identity
 from .security.tls import peer_principal
 
 log = logging.getLogger("kera.rpc")
-
-_CUT = {"idle_cut": "idle for longer than the idle timeout",
-        "frame_cut": "a request did not arrive whole within the frame timeout",
-        "handshake_cut": "did not authenticate within the handshake timeout",
-        "send_cut": "did not take its replies within the send timeout",
-        "budget_cut": "left more replies unread than its byte budget"}
 
 
 def _disconnect(e: BaseException) -> bool:
@@ -64,13 +47,9 @@ def _disconnect(e: BaseException) -> bool:
 
 def _peer_addr(stream) -> str:
     try:
-        return str(_socket(stream).getpeername()[0])
+        return str(stream.socket.getpeername()[0])
     except (OSError, AttributeError, IndexError):
         return "?"
-
-
-def _socket(stream):
-    return stream.socket if hasattr(stream, "socket") else stream.transport_stream.socket
 
 
 class Service:
@@ -144,13 +123,13 @@ class Service:
                 cs.shield = True
                 await stream.aclose()
             return
+        channel = Plain(stream)
         try:
             if self.tls is not None:
-                tls = await self._tls(stream)
-                if tls is None:
+                channel = await self._tls(stream)
+                if channel is None:
                     return
-                stream = tls
-            await self._serve_connection(stream, self._peer(stream, addr))
+            await Served(channel, self._peer(channel, addr), door, self.lookup, self.max_frame).run()
         except Exception as e:  # noqa: BLE001 (groups included; cancellation still propagates)
             if not _disconnect(e):
                 log.warning("connection closed after an error", exc_info=e)
@@ -158,19 +137,19 @@ class Service:
             door.leave(addr)
             with trio.move_on_after(1) as cs:
                 cs.shield = True
-                await stream.aclose()
+                await (channel or Plain(stream)).aclose()
 
-    def _peer(self, stream, addr: str):
+    def _peer(self, channel, addr: str):
         """A new connection's ``Peer``: on TLS, a verified client certificate names its user
         (with user authentication on)."""
         peer = self.gate.peer(addr, self.tls is not None)
         if self.tls is not None and self.gate.auth:
-            principal = peer_principal(stream)
+            principal = peer_principal(channel)
             if principal is not None:
                 peer.authenticated(Identity(CLIENT, None, principal))
         return peer
 
-    async def _tls(self, stream):
+    async def _tls(self, stream) -> Tls | None:
         """TLS on an accepted connection: its handshake within the handshake timeout, or
         None (the connection is closed). A peer that speaks our frames in the clear is told,
         in the clear, that this listener takes TLS only."""
@@ -182,9 +161,9 @@ class Service:
                 await stream.send_all(error_frame(0, ProtocolError(
                     "this listener takes TLS only: connect with security.protocol SSL or SASL_SSL")))
                 return None
-            tls = trio.SSLStream(stream, self.tls, server_side=True, https_compatible=True)
+            tls = Tls(stream, self.tls, server_side=True)
             try:
-                await tls.do_handshake()
+                await tls.handshake()
                 return tls
             except trio.BrokenResourceError as e:
                 door.stats["tls_refused"] += 1
@@ -192,122 +171,3 @@ class Service:
                 return None
         door.stats["handshake_cut"] += 1
         return None
-
-    async def _serve_connection(self, stream, peer) -> None:
-        door = self.door
-        lim = door.limits
-        decoder = frame.FrameDecoder(self.max_frame)
-        slots = trio.Semaphore(MAX_INFLIGHT)
-        live = True
-        cut: list[str] = []          # why the door cut the connection
-        held = 0                     # bytes of a large frame counted in door.receiving
-        deadline = Deadline(lim, trio.current_time())
-
-        def broken(why: str) -> None:
-            """The writer failed (a send error, its deadline, its budget): the connection ends."""
-            if why in _CUT and not cut:
-                cut.append(why)
-                door.stats[why] += 1
-            nursery.cancel_scope.cancel()
-
-        def answer(rid: int, result) -> None:
-            """A ``Later``'s answer, from whoever settled it: written at once if the socket is
-            free and takes it, else by a task of this connection (a failed write: the reader
-            sees the connection end)."""
-            slots.release()
-            if not live:
-                return
-            try:
-                if isinstance(result, Exception):
-                    raise result
-                out = result_frame(rid, result)
-            except Exception as e:
-                out = error_frame(rid, e)
-            if not writer.now(out):
-                writer.queue(out)   # after the frame being written
-
-        async def finish(rid: int, coro) -> None:
-            try:
-                try:
-                    out = result_frame(rid, await coro)
-                except (KeraError, Exception) as e:
-                    out = error_frame(rid, e)
-                await writer.send(out)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            finally:
-                slots.release()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                writer = FrameWriter(stream, nursery, broken, lim.send_timeout, lim.reply_budget)
-                with trio.CancelScope() as waiting:
-                    try:
-                        while True:
-                            when, why = deadline.at(slots.value < MAX_INFLIGHT or writer.busy,
-                                                    peer.role is not None)
-                            waiting.deadline = when
-                            if held and door.receiving >= lim.receive_budget:
-                                await door.room()
-                            data = await stream.receive_some(RECV_SIZE)
-                            waiting.deadline = math.inf
-                            if not data:
-                                if decoder.pending:  # a client whose send was cut: never a request
-                                    log.info("connection closed inside a frame (%d bytes dropped)",
-                                             decoder.pending)
-                                break
-                            decoder.feed(data)
-                            now = deadline.active = trio.current_time()
-                            while (f := decoder.next()) is not None:
-                                if f.kind != frame.REQUEST:
-                                    raise ProtocolError("expected a request frame")
-                                try:  # no scheduling point while requests are queued: appends batch up
-                                    slots.acquire_nowait()
-                                except trio.WouldBlock:
-                                    await slots.acquire()
-                                try:
-                                    rpc, fn = self.lookup(f.meta.get("m"))
-                                    try:
-                                        rpc.admit(peer, f.meta)
-                                    except KeraError:
-                                        door.stats["requests_refused"] += 1
-                                        raise
-                                    res = fn(f.meta, f.payload, peer) if rpc.peer else fn(f.meta, f.payload)
-                                    if inspect.iscoroutine(res):
-                                        nursery.start_soon(finish, f.request_id, res)
-                                        continue
-                                    if type(res) is Later:
-                                        res._bind(partial(answer, f.request_id))
-                                        continue
-                                    out = result_frame(f.request_id, res)  # a reply too large: its error
-                                except AuthenticationFailed as e:
-                                    door.stats["auth_failed"] += 1
-                                    slots.release()
-                                    with trio.move_on_after(1):
-                                        await writer.send(error_frame(f.request_id, e))
-                                    nursery.cancel_scope.cancel()
-                                    return   # a failed handshake ends the connection
-                                except Exception as e:
-                                    out = error_frame(f.request_id, e)
-                                slots.release()
-                                await writer.send(out)
-                            deadline.frame_since = (deadline.frame_since or now) if decoder.pending else None
-                            if decoder.gathered != held:
-                                door.hold(decoder.gathered - held)
-                                held = decoder.gathered
-                    except ProtocolError as e:
-                        # garbage: say why (best effort), then drop this connection only
-                        with trio.move_on_after(1):
-                            await writer.send(error_frame(0, e))
-                if waiting.cancelled_caught:
-                    cut.append(why)
-                    door.stats[why] += 1
-                    writer.now(error_frame(0, PeerTooSlow(f"connection closed: {_CUT[why]}")))
-                live = False
-                nursery.cancel_scope.cancel()
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass
-        finally:
-            live = False
-            if held:
-                door.hold(-held)

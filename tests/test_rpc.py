@@ -16,7 +16,8 @@ from kera import wire
 from kera.coordinator_link import CoordinatorLink
 from kera.errors import Fenced, InvalidArgument, KeraError, NotLeader, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
-from kera.rpc import VECTOR_FROM, Later, advertised, open_pool, send_frame
+from kera.limits import VECTOR_FROM
+from kera.rpc import Later, advertised, open_pool, send_frame
 from kera.server import Service
 
 
@@ -254,7 +255,7 @@ async def test_posted_frame_given_up_while_being_written_closes_the_connection(s
         async with open_pool() as pool:
             await pool.call(addr, "echo", {"n": 0}, timeout=5)
             conn = pool.conns[addr]
-            conn.stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            conn.channel.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             got = []
             svc.set_reading(False)
             rid = conn.post("big", {}, got.append, parts=[b"\x07" * (8 << 20)])
@@ -333,7 +334,7 @@ async def test_send_cut_mid_frame_closes_the_connection(server, how):
         async with open_pool() as pool:
             await pool.call(addr, "echo", {"n": 0}, timeout=5)
             first = pool.conns[addr]
-            first.stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            first.channel.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             svc.set_reading(False)
             if how == "timeout":
                 with pytest.raises(Unavailable, match="timed out"):

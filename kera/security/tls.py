@@ -24,6 +24,7 @@ import ssl
 def server_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.load_cert_chain(cert, key)
+    ctx.num_tickets = 0   # no client resumes a session: a ticket would be work for nothing
     if ca:
         ctx.load_verify_locations(ca)
         ctx.verify_mode = ssl.CERT_OPTIONAL   # a client certificate names a principal if given
