@@ -505,18 +505,21 @@ class Coordinator(Membership, Service):
         since, not every name again). ``more``: how many names (the last ones) did not fit,
         to ask again; the pattern is begun only once every name is answered, and ``next`` is
         the ``after`` (or ``since``) of its next page (None once complete, or with no
-        pattern). Only the streams the caller may describe are answered (a name it may not is
-        refused). ``top``: the newest stream id, where a later ``since`` may start. Every
-        answer fits a frame, however many streams are asked for (``kera_client.metadata``)."""
+        pattern). Only the streams the caller may describe are answered: a name it may not
+        is in ``refused``, whether it exists or not, and the others are answered (Kafka's
+        TOPIC_AUTHORIZATION_FAILED for that topic alone). ``top``: the newest stream id, where
+        a later ``since`` may start. Every answer fits a frame, however many streams are asked
+        for (``kera_client.metadata``)."""
         names = meta.get("names") or []
         pattern, after, since = meta.get("pattern"), meta.get("after"), meta.get("since")
-        for name in names:
-            peer.require("describe", "stream", name)
         visible = _describes(peer)
         page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
-        out = {"streams": page.streams, "missing": [], "more": 0, "next": None,
+        out = {"streams": page.streams, "missing": [], "refused": [], "more": 0, "next": None,
                "top": self.meta["next_stream_id"] - 1}
         for k, name in enumerate(names):
+            if not visible(name):
+                out["refused"].append(name)
+                continue
             d = self.streams.wire(name)
             if d is None:
                 out["missing"].append(name)

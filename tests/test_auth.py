@@ -167,6 +167,37 @@ async def test_literal_and_prefixed_allows_and_deny_wins(cluster):
         assert await code_of(a.create_stream("lit-2")) == "unauthorized"   # literal: that name only
 
 
+async def test_a_lookup_refuses_only_the_names_it_may_not_describe(cluster):
+    """Kafka answers TOPIC_AUTHORIZATION_FAILED per topic: a metadata page naming a stream the
+    caller may not describe answers the others, and says which it refused, whether they
+    exist or not. A producer's lookup of both at once fails only the refused stream's
+    records, with the refusal in their reports."""
+    coord = cluster.coordinator
+    async with open_admin(coord, settings(cluster)) as a:
+        await a.create_streams(["pn-mine", "pn-theirs"], replication=2)
+    bob = await add_user(cluster, "bob", allow("bob", "write", "stream", "pn-mine"),
+                         allow("bob", "write", "stream", "pn-none"))
+    async with open_admin(coord, bob) as a:
+        r = await a.call("metadata", names=["pn-theirs", "pn-mine", "pn-secret", "pn-none"])
+        assert [s["name"] for s in r["streams"]] == ["pn-mine"]
+        assert r["refused"] == ["pn-theirs", "pn-secret"] and r["missing"] == ["pn-none"]
+        with pytest.raises(Unauthorized) as e:   # describing is all or nothing for a caller
+            await a.describe_streams(["pn-mine", "pn-theirs"])
+        assert e.value.refused == ["pn-theirs"]
+    async with open_producer(coord, bob, **{"linger.ms": 50}) as p:   # one lookup for both
+        mine = [await p.send("pn-mine", b"%d" % i, report=True) for i in range(3)]
+        theirs = [await p.send("pn-theirs", b"x", report=True) for _ in range(2)]
+        await p.flush()
+        assert [(await m).stream for m in mine] == ["pn-mine"] * 3
+        for t in theirs:
+            with pytest.raises(Unauthorized, match="pn-theirs"):
+                await t
+        assert p.acked == 3 and p.metadata_requests == 1
+    async with open_admin(coord, settings(cluster)) as a:
+        await a.delete_stream("pn-mine")
+        await a.delete_stream("pn-theirs")
+
+
 async def test_consumer_groups_and_the_key_value_map_take_their_rights(cluster):
     coord = cluster.coordinator
     async with open_admin(coord, settings(cluster)) as a:

@@ -165,7 +165,7 @@ class AsyncConsumer:
             await self._metadata()
             return
         got: list[StreamView] = []
-        top = await fetch(self.coordinator, (), self.pattern, lambda streams, _: got.extend(streams),
+        top = await fetch(self.coordinator, (), self.pattern, lambda streams, *_: got.extend(streams),
                           since=self._top)
         if top is not None:
             self._top = max(self._top, top)

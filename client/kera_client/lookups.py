@@ -8,7 +8,9 @@ it ends is asked in the same lookup (as librdkafka does): one ``metadata``
 request per page (``kera_client.metadata``) for all of them, never one per
 stream. When the answer comes, each stream's parked records join its chunks
 in the order they were sent; those of unknown streams fail with
-``UnknownStream`` (their delivery report, or ``flush``). A lookup that fails
+``UnknownStream``, and those of streams the producer may not describe with
+``Unauthorized`` (their delivery report, or ``flush``), while the other streams
+of the lookup go on. A lookup that fails
 (the coordinator away) is tried again with backoff; parked records older
 than ``delivery.timeout.ms`` then fail. Calls that need the stream itself
 (``send_many``, ``send_columns``) wait for the lookup (``stream``), and they
@@ -30,7 +32,7 @@ from kera.limits import MAX_CHUNK
 
 from .accumulator import check_record
 from .delivery import TIMEOUT, error_for
-from .metadata import fetch, unknown
+from .metadata import fetch, refusal, unknown
 from .stream_view import StreamView
 
 log = logging.getLogger("kera.producer")
@@ -42,12 +44,13 @@ MAX_ROOM = chunkfmt.record_room(MAX_CHUNK)   # record bytes (16 + key + value) t
 class Round:
     """The streams of one lookup, and its outcome for those waiting on it."""
 
-    __slots__ = ("names", "done", "missing", "error")
+    __slots__ = ("names", "done", "missing", "refused", "error")
 
     def __init__(self):
         self.names: dict[str, None] = {}
         self.done = trio.Event()
         self.missing: set = set()
+        self.refused: set = set()   # names this principal may not describe
         self.error: KeraError | None = None
 
 
@@ -89,13 +92,14 @@ class Lookups:
         self.by_id[s.id] = s
         self.room[s.id] = chunkfmt.record_room(min(MAX_CHUNK, s.segment_size))
 
-    async def _fetch(self, names, unpark: bool = False, patient: bool = False) -> list:
+    async def _fetch(self, names, unpark: bool = False, patient: bool = False) -> tuple[list, list]:
         """The metadata of ``names``, a page per request (with ``unpark``, their parked records
         join their chunks as each page comes; ``patient``: waiting for an unreachable
-        coordinator); returns the names that do not exist."""
+        coordinator); returns the names that do not exist and those refused."""
         missing: list = []
+        refused: list = []
 
-        def take(streams, gone):
+        def take(streams, gone, denied):
             self.metadata_requests += 1
             with self.lock:
                 for s in streams:
@@ -103,15 +107,19 @@ class Lookups:
                     if unpark:
                         self._unpark(s)
             missing.extend(gone)
+            refused.extend(denied)
 
         await fetch(Patient(self) if patient else self.coordinator, names, on_page=take,
                     timeout=self.request_timeout)
-        return missing
+        return missing, refused
 
     async def _load(self, names, patient: bool = False) -> None:
-        """The metadata of ``names``; UnknownStream (``missing``) for those that do not exist,
-        once the others are known."""
-        missing = await self._fetch(names, patient=patient)
+        """The metadata of ``names``, once the others are known: Unauthorized (``refused``)
+        for those this principal may not describe, else UnknownStream (``missing``) for those
+        that do not exist."""
+        missing, refused = await self._fetch(names, patient=patient)
+        if refused:
+            raise refusal(refused)
         if missing:
             raise unknown(missing)
 
@@ -132,6 +140,8 @@ class Lookups:
             await r.done.wait()
             if name in r.missing:
                 raise unknown([name])
+            if name in r.refused:
+                raise refusal([name])
             if r.error is not None and name not in self.streams and (
                     not isinstance(r.error, Unavailable) or time.monotonic() >= deadline):
                 raise r.error
@@ -187,8 +197,9 @@ class Lookups:
     async def _lookup(self, r: Round) -> None:
         names = list(r.names)
         missing: list = []
+        refused: list = []
         try:
-            missing = await self._fetch(names, unpark=True)
+            missing, refused = await self._fetch(names, unpark=True)
             self.lookup_backoff = RETRY_MIN
             self.retry_after = 0.0
         except KeraError as e:
@@ -218,6 +229,11 @@ class Lookups:
                 for n in missing:
                     self.streams.pop(n, None)
                     self._fail(n, err)
+        if refused:   # those streams' records alone fail, each with its own refusal
+            r.refused = set(refused)
+            with self.lock:
+                for n in refused:
+                    self._fail(n, refusal([n]))
         r.done.set()
         self.delivery.hand()
         self._progress.set()   # a send waiting for buffer space looks again
@@ -262,13 +278,14 @@ class Lookups:
         self.failed += records
         self.delivery.lost(records, why)
 
-    def _forget(self, names: set) -> None:
-        """Streams that no longer exist: their queued chunks fail with UnknownStream."""
+    def _forget(self, names: set, why: str = UnknownStream.code) -> None:
+        """Streams that no longer exist (or that this principal may no longer describe): their
+        queued chunks fail with ``why``."""
         with self.lock:
             for k in list(self.ready):
                 s = self.by_id.get(k[0])
                 if s is not None and s.name in names and k not in self.inflight_keys:
-                    self._give_up(list(self.ready.pop(k)), UnknownStream.code)
+                    self._give_up(list(self.ready.pop(k)), why)
             for name in names:
                 self.streams.pop(name, None)
         self.delivery.hand()

@@ -9,6 +9,9 @@ another), and each answer, bounded in streams and streamlets by the
 coordinator, says which names did not fit (``more``) and where a pattern's
 listing goes on (``next``). So no answer outgrows a frame whatever the number
 of streams, and one request serves up to a page of streams, never one stream.
+A name the caller may not describe is answered on its own (``refused``), as
+Kafka answers TOPIC_AUTHORIZATION_FAILED per topic: the other names of its
+page are answered as usual.
 
 A pattern is listed in name order, or, with ``since`` (a stream id), only
 the streams created after it: a subscription learns its new streams without
@@ -22,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import trio
 
-from kera.errors import UnknownStream
+from kera.errors import Unauthorized, UnknownStream
 from kera.limits import MAX_LIST_PAGE
 from kera.rpc import unwrapped
 
@@ -59,12 +62,13 @@ async def pages(coordinator, pattern: str, *, since: int | None = None, timeout:
 
 
 async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = None,
-                on_page: Callable[[list[StreamView], list], None] | None = None, *,
+                on_page: Callable[[list[StreamView], list, list], None] | None = None, *,
                 since: int | None = None, timeout: float = 30.0) -> int | None:
-    """``on_page(streams, missing)`` for every answer: the streams ``names`` (the unknown ones
-    in ``missing``; pages of names in any order), then those matching ``pattern`` (created
-    after ``since`` if given; the named ones may come again). Returns the lowest ``top`` of
-    the answers (streams created since have higher ids), None from an older coordinator."""
+    """``on_page(streams, missing, refused)`` for every answer: the streams ``names`` (the
+    unknown ones in ``missing``, those the caller may not describe in ``refused``; pages of
+    names in any order), then those matching ``pattern`` (created after ``since`` if given;
+    the named ones may come again). Returns the lowest ``top`` of the answers (streams
+    created since have higher ids), None from an older coordinator."""
     names = list(names)
     tops: list = []
     limiter = trio.CapacityLimiter(PARALLEL)
@@ -75,7 +79,8 @@ async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = No
                 r = await _ask(coordinator, {"names": ask}, timeout)
                 if "top" in r:
                     tops.append(r["top"])
-                on_page([StreamView.from_wire(d) for d in r["streams"]], r.get("missing") or [])
+                on_page([StreamView.from_wire(d) for d in r["streams"]], r.get("missing") or [],
+                        r.get("refused") or [])
                 more = r.get("more") or 0
                 ask = ask[len(ask) - more:] if more else []
 
@@ -85,23 +90,25 @@ async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = No
                 n.start_soon(part, names[i:i + MAX_LIST_PAGE])
     if pattern is not None:
         async for streams in pages(coordinator, pattern, since=since, timeout=timeout, tops=tops):
-            on_page(streams, [])
+            on_page(streams, [], [])
     return min(tops) if tops else None
 
 
 async def describe(coordinator, names: Iterable[str] = (), pattern: str | None = None, *,
                    timeout: float = 30.0, strict: bool = True, tops: list | None = None) -> dict[str, StreamView]:
-    """``{name: StreamView}`` of ``fetch``'s answers (the named streams in their order);
-    with ``strict``, unknown names raise
-    ``UnknownStream`` (its ``missing`` lists them) once every page is read. ``tops``: what
-    ``fetch`` returns is appended."""
+    """``{name: StreamView}`` of ``fetch``'s answers (the named streams in their order), once
+    every page is read: names the caller may not describe raise ``Unauthorized`` (its
+    ``refused`` lists them); with ``strict``, unknown names raise ``UnknownStream`` (its
+    ``missing`` lists them). ``tops``: what ``fetch`` returns is appended."""
     out: dict[str, StreamView] = {}
     missing: list = []
+    refused: list = []
 
-    def take(streams, gone):
+    def take(streams, gone, denied):
         for s in streams:
             out[s.name] = s
         missing.extend(gone)
+        refused.extend(denied)
 
     names = list(names)
     top = await fetch(coordinator, names, pattern, take, timeout=timeout)
@@ -109,14 +116,26 @@ async def describe(coordinator, names: Iterable[str] = (), pattern: str | None =
         out = {**{n: out[n] for n in names if n in out}, **out}
     if tops is not None:
         tops.append(top)
+    if refused:
+        raise refusal(refused)
     if missing and strict:
         raise unknown(missing)
     return out
 
 
+def _shown(names: list) -> str:
+    return ", ".join(map(str, names[:10])) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+
+
 def unknown(missing: list) -> UnknownStream:
     """The error for streams that do not exist (``missing`` names them all)."""
-    shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
-    e = UnknownStream(f"unknown streams: {shown}")
+    e = UnknownStream(f"unknown streams: {_shown(missing)}")
     e.missing = missing
+    return e
+
+
+def refusal(refused: list) -> Unauthorized:
+    """The error for streams the caller may not describe (``refused`` names them all)."""
+    e = Unauthorized(f"not authorized to describe streams: {_shown(refused)}")
+    e.refused = refused
     return e

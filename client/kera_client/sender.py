@@ -33,7 +33,7 @@ from collections import deque
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, NotOwner, Unavailable, UnknownProducer, UnknownStream
+from kera.errors import KeraError, NotOwner, Unauthorized, Unavailable, UnknownProducer, UnknownStream
 from kera.limits import MAX_REQUEST
 
 from .accumulator import pack
@@ -205,10 +205,11 @@ class Sender:
         """Metadata of streams whose owners moved; backs off while the coordinator is away."""
         names, self.stale = self.stale, set()
         try:
-            try:
-                await self._load(names)
-            except UnknownStream as e:  # deleted: its chunks fail with the error, others were loaded
-                self._forget(set(e.missing))
+            missing, refused = await self._fetch(names)
+            if missing:   # deleted: its chunks fail with the error, the others were loaded
+                self._forget(set(missing))
+            if refused:   # no longer this principal's to describe (an ACL gone): likewise
+                self._forget(set(refused), Unauthorized.code)
             self._abandon_moved()
             self.refresh_backoff = REFRESH_MIN
             self.refresh_at = 0.0
