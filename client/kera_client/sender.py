@@ -33,7 +33,13 @@ from collections import deque
 import trio
 
 from kera import chunk as chunkfmt
-from kera.errors import KeraError, NotOwner, Unauthorized, Unavailable, UnknownProducer, UnknownStream
+from kera.errors import (
+    KeraError,
+    NotOwner,
+    Unauthorized,
+    Unavailable,
+    UnknownProducer,
+)
 from kera.limits import MAX_REQUEST
 
 from .accumulator import pack
