@@ -171,20 +171,21 @@ async def test_a_lookup_refuses_only_the_names_it_may_not_describe(cluster):
     """Kafka answers TOPIC_AUTHORIZATION_FAILED per topic: a metadata page naming a stream the
     caller may not describe answers the others, and says which it refused, whether they
     exist or not. A producer's lookup of both at once fails only the refused stream's
-    records, with the refusal in their reports."""
+    records, with the refusal in their reports. A write decision a connection keeps for a
+    stream goes with the ACL that made it."""
     coord = cluster.coordinator
     async with open_admin(coord, settings(cluster)) as a:
         await a.create_streams(["pn-mine", "pn-theirs"], replication=2)
-    bob = await add_user(cluster, "bob", allow("bob", "write", "stream", "pn-mine"),
-                         allow("bob", "write", "stream", "pn-none"))
-    async with open_admin(coord, bob) as a:
+    grant = allow("dora", "write", "stream", "pn-mine")
+    dora = await add_user(cluster, "dora", grant, allow("dora", "write", "stream", "pn-none"))
+    async with open_admin(coord, dora) as a:
         r = await a.call("metadata", names=["pn-theirs", "pn-mine", "pn-secret", "pn-none"])
         assert [s["name"] for s in r["streams"]] == ["pn-mine"]
         assert r["refused"] == ["pn-theirs", "pn-secret"] and r["missing"] == ["pn-none"]
         with pytest.raises(Unauthorized) as e:   # describing is all or nothing for a caller
             await a.describe_streams(["pn-mine", "pn-theirs"])
         assert e.value.refused == ["pn-theirs"]
-    async with open_producer(coord, bob, **{"linger.ms": 50}) as p:   # one lookup for both
+    async with open_producer(coord, dora, **{"linger.ms": 50}) as p:   # one lookup for both
         mine = [await p.send("pn-mine", b"%d" % i, report=True) for i in range(3)]
         theirs = [await p.send("pn-theirs", b"x", report=True) for _ in range(2)]
         await p.flush()
@@ -193,6 +194,13 @@ async def test_a_lookup_refuses_only_the_names_it_may_not_describe(cluster):
             with pytest.raises(Unauthorized, match="pn-theirs"):
                 await t
         assert p.acked == 3 and p.metadata_requests == 1
+        async with open_admin(coord, settings(cluster)) as a:   # revoked: the same connection
+            await a.remove_acl(grant)                            # is refused at once
+        late = await p.send("pn-mine", b"late", report=True)
+        await p.flush()
+        with pytest.raises(Unauthorized):
+            await late
+        assert p.acked == 3
     async with open_admin(coord, settings(cluster)) as a:
         await a.delete_stream("pn-mine")
         await a.delete_stream("pn-theirs")

@@ -279,26 +279,20 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             peer.bind_producer(meta["producer"], meta.get("token"))
         return peer.producers, peer.gate.auth
 
-    def _allowed(self, allowed: dict, peer, sid: int, payload, off: int) -> bool:
-        """``_may_write``, judged once per stream of a request (but per chunk for commits of
-        consumer-group positions, which depend on the chunk's records)."""
-        ok = allowed.get(sid)
+    def _allowed(self, decided: dict, peer, sid: int, payload, off: int) -> bool:
+        """Whether a client may write this chunk, by the ACLs: its stream's, judged once per
+        stream id and connection while the ACLs stay the same (``decided``, the connection's
+        ``Peer.decisions``: a stream id names one stream forever), or for a commit of
+        consumer-group positions, its records' groups', judged per chunk."""
+        ok = decided.get(sid)
         if ok is None:
-            ok = self._may_write(peer, sid, payload, off)
             s = self.streams.get(sid)
-            if s is None or s.name != group_positions.NAME:
-                allowed[sid] = ok
+            if s is None:
+                return True   # not held here: its own error follows (nothing kept)
+            if s.name == group_positions.NAME:
+                return self._may_commit(peer, payload, off)
+            ok = peer.decide(sid, peer.may("write", "stream", s.name))
         return ok
-
-    def _may_write(self, peer, sid: int, payload, off: int) -> bool:
-        """Whether a client may write this chunk, by the ACLs (its stream's, or for a commit
-        of consumer-group positions, its records' groups')."""
-        s = self.streams.get(sid)
-        if s is None:
-            return True   # not held here: its own error follows
-        if s.name == group_positions.NAME:
-            return self._may_commit(peer, payload, off)
-        return peer.may("write", "stream", s.name)
 
     @staticmethod
     def _may_commit(peer, payload, off: int) -> bool:
@@ -325,7 +319,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         # every checksum verified before anything is stored; header fields as arrays
         heads, offs = chunk.scan_headers(payload)
         bound, acl = self._writer(meta, peer)
-        allowed: dict[int, bool] = {}   # stream id -> may write (this request's chunks)
+        decided = peer.decisions() if acl else None   # stream id -> may write
         self.requests += 1
         errors = []
         placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
@@ -342,7 +336,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 if flags & BROKER_FLAGS:
                     raise _broker_flags(flags)
                 if bound is not None and (producer not in bound or acl and not self._allowed(
-                        allowed, peer, sid, payload, off)):
+                        decided, peer, sid, payload, off)):
                     errors.append([i, Unauthorized.code])
                     continue
                 sl = streamlets.get((sid, index))
@@ -412,7 +406,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             raise _broker_flags(h.flags)
         bound, acl = self._writer(meta, peer)
         if bound is not None and (h.producer_id not in bound or
-                                  acl and not self._may_write(peer, h.stream_id, payload, off)):
+                                  acl and not self._allowed(peer.decisions(), peer, h.stream_id, payload, off)):
             raise Unauthorized(f"{peer.principal} may not write stream {h.stream_id} as producer "
                                f"{h.producer_id}")
         if h.record_count != 1:

@@ -9,7 +9,8 @@ are the coordinator's (its metadata); brokers and backups keep a copy, replaced 
 version moves (``replace``): nothing is asked per request.
 
 A ``Peer`` is one connection's identity and its cached decisions: a resource is judged
-once per connection and ACL version. It also holds the producer ids the connection has
+once per connection and ACL version (a stream a client writes to, once per stream id,
+so a produce of chunks for 512 streams asks nothing of the ACLs after the first). It also holds the producer ids the connection has
 proved it was issued (``bind_producer``): a producer id comes with a token, an HMAC of
 (id, principal) under a key derived from the cluster secret, so a chunk under an id
 nobody gave this principal is refused by any broker without asking anyone.
@@ -149,16 +150,27 @@ class Peer:
             # consumer-group positions: a principal allowed on a group reads them (they are
             # positions, never records); a write is checked per record against its group
             resource, name = "group", "*any*"
-        if self.version != az.version:
-            self.cache.clear()
-            self.version = az.version
         key = (op, resource, name)
-        got = self.cache.get(key)
+        got = self.decisions().get(key)
         if got is None:
-            if len(self.cache) >= limits.ACL_CACHE:   # a listing of a million streams: start over
-                self.cache.clear()
-            got = self.cache[key] = az.allowed(self.principal, op, resource, name)
+            got = self.decide(key, az.allowed(self.principal, op, resource, name))
         return got
+
+    def decisions(self) -> dict:
+        """The decisions cached for this connection, emptied first if the ACLs changed since
+        they were made (a request that checks many resources takes it once)."""
+        version = self.gate.authorizer.version
+        if self.version != version:
+            self.cache.clear()
+            self.version = version
+        return self.cache
+
+    def decide(self, key, allowed: bool) -> bool:
+        """Keep a decision (at most ``ACL_CACHE``: a listing of a million streams starts over)."""
+        if len(self.cache) >= limits.ACL_CACHE:
+            self.cache.clear()
+        self.cache[key] = allowed
+        return allowed
 
     def require(self, op: str, resource: str, name: str) -> None:
         if not self.may(op, resource, name):
