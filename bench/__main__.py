@@ -15,6 +15,8 @@
                                          # time to serving again, every record read back (bench/restart.py)
     python -m bench soak [--quick]       # retention: ingest 8 GiB past a 256 MiB broker budget
     python -m bench hops [--label L]     # CPU us per 1-record chunk and per 1-chunk request on each hop (bench/hops.py)
+    python -m bench tls-floor            # ns per byte the ssl module costs through memory BIOs, per suite:
+                                         # the floor under --auth --tls (bench/tls_floor.py)
 
 Each writes bench/results/<experiment>.json and .png and prints a table. Ratios
 compare runs of the same invocation on the same machine, same record size,
@@ -155,6 +157,10 @@ def main() -> None:
     if sys.argv[1:2] == ["soak"]:  # its own options (bench/soak.py)
         from .soak import main as soak
         soak(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["tls-floor"]:  # its own options (bench/tls_floor.py)
+        from .tls_floor import main as tls_floor
+        tls_floor(sys.argv[2:])
         return
     if sys.argv[1:2] == ["hops"]:  # its own options (bench/hops.py)
         from .hops import main as hops

@@ -226,15 +226,17 @@ class KeraRun:
         return names
 
     def stats(self) -> dict:
-        """Replicate RPCs (each carrying a broker's copies for one backup) and chunks appended,
-        summed over the brokers' own counters."""
+        """Replicate RPCs (each carrying a broker's copies for one backup), chunks appended,
+        records and bytes produced, summed over the brokers' own counters."""
         from kera_client import open_admin
 
         async def go():
             async with open_admin(self.cluster.coordinator, self.security) as a:
                 st = await a.broker_stats()
             return {"rpcs": sum(r.get("replication", {}).get("rpcs", 0) for r in st),
-                    "chunks": sum(v["appended"] for r in st for v in r["vlogs"])}
+                    "chunks": sum(v["appended"] for r in st for v in r["vlogs"]),
+                    "records_in": sum(r.get("records_in", 0) for r in st),
+                    "bytes_in": sum(r.get("bytes_in", 0) for r in st)}
 
         return trio.run(go)
 
@@ -325,7 +327,9 @@ class KeraRun:
                **{k + "s": cpu1[k] - cpu0[k] for k in cpu0}}
         out = summarize(pouts, couts,
                         min(o["t_start"] for o in couts) if sequential and couts else None)
-        out.update(rpcs=after["rpcs"] - before["rpcs"], chunks=after["chunks"] - before["chunks"])
+        out.update(rpcs=after["rpcs"] - before["rpcs"], chunks=after["chunks"] - before["chunks"],
+                   bytes_in=after["bytes_in"] - before["bytes_in"],
+                   records_in=after["records_in"] - before["records_in"])
         if consumers:
             out["expected"] = expected
         out["chunks_per_rpc"] = round(out["chunks"] / out["rpcs"], 1) if out["rpcs"] else None

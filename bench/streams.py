@@ -187,10 +187,27 @@ def run(counts: list[int], n: int, seconds: float, repeats: int, concurrent: boo
                if c["phase"] == "sequential" and c["streams"] == 512 and c["produce_rps"]}
         base = med.get("kera R=3")
         acc["secure_r3_vs_r3@512"] = _check(med[secure] / base if base and secure in med else None, ">=0.9")
+        mine = [r for r in runs if (r["system"], r["streams"], r["phase"]) == (secure, 512, "sequential")]
+        if base and mine:
+            acc["secure_floor@512"] = tls_ceiling(base, sum(r["bytes_in"] for r in mine) /
+                                                  max(1, sum(r["records_in"] for r in mine)))
     return {"experiment": "streams", "phase_seconds": seconds, "records": n, "size": SIZE, "config": CFG, "repeats": repeats,
             "producers": 1, "consumers": 1, "nodes": 3, "cells": cells, "secure": secure,
             "acceptance": acc, "runs": runs,
             "load": {"start": load_start, "end": os.getloadavg()}}
+
+
+def tls_ceiling(plain_rps: float, bytes_per_record: float) -> dict:
+    """The best secure / default ratio at 512 streams on this machine: the ssl module's own
+    cost per byte (``tls_floor``) over the bytes a record takes across TLS at R=3 (its share
+    of the produce requests, ``bytes_per_record``, three crossings), added to the CPU a
+    record costs by default with every core busy."""
+    from .tls_floor import CROSSINGS_R3, SUITES, ceiling, measure
+    floor = measure(64, SUITES[:1])["suites"][0]
+    per_record = bytes_per_record * CROSSINGS_R3
+    return {"suite": floor["suite"], "crossing_ns_per_byte": floor["crossing_ns_per_byte"],
+            "tls_bytes_per_record": round(per_record, 1),
+            **ceiling(floor["crossing_ns_per_byte"], per_record, plain_rps, os.cpu_count() or 1)}
 
 
 class _Nothing:
@@ -240,7 +257,12 @@ def table(res: dict) -> str:
             lines.append("")
     lines.append("targets, from these runs:")
     for name, a in res["acceptance"].items():
-        if "cells" in a:
+        if "ceiling" in a:
+            lines.append(f"  {name}: {a['suite']} costs {a['crossing_ns_per_byte']} ns per byte crossing "
+                         f"TLS, {a['tls_bytes_per_record']} bytes cross per record at R=3: "
+                         f"{a['tls_floor_us_per_record']} us beside {a['cpu_us_per_record']} us a record "
+                         f"costs by default, so at best {a['ceiling']}x")
+        elif "cells" in a:
             each = ", ".join(f"{s} streams {d['value']}" for s, d in a["cells"].items())
             verdict = {True: "pass", False: f"FAIL at {a['failing_streams']} streams", None: "n/a"}[a["pass"]]
             lines.append(f"  {name} (kera R=3, within 10%): {each}: {verdict}")

@@ -18,6 +18,7 @@ from kera.errors import Fenced, InvalidArgument, KeraError, NotLeader, Unavailab
 from kera.iov import IOV_MAX
 from kera.limits import VECTOR_FROM
 from kera.rpc import Later, advertised, open_pool, send_frame
+from kera.security.credentials import Credentials
 from kera.server import Service
 
 
@@ -55,7 +56,8 @@ class TestService(Service):
         "later": wire.Rpc(wire.ANYONE, {"n?": wire.ANY, "now?": wire.ANY, "now_error?": wire.ANY}),
     })
 
-    def __init__(self):
+    def __init__(self, rcvbuf: int = 4096):
+        self.rcvbuf = rcvbuf           # of the server's sockets (0: the kernel's)
         self.release = trio.Event()    # lets rpc_slow go on
         self.raised = trio.Event()     # rpc_slow raised: its error frame is being sent
         self.reading = True
@@ -73,8 +75,8 @@ class TestService(Service):
 
     async def serve_connection(self, stream):
         self.connections += 1
-        # a small receive buffer: a large frame stops in the kernel while we do not read
-        stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        if self.rcvbuf:   # a large frame stops in the kernel while we do not read
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
         try:
             await super().serve_connection(SlowReader(stream, self))
         finally:
@@ -437,3 +439,74 @@ async def test_coordinator_link_never_sends_a_request_twice_where_it_may_have_la
                 await link.call("slow", {}, timeout=1.5)
     assert svc.slow_calls == 1
     svc.release.set()
+
+
+# -- the same transport through TLS (kera.rpc.channel.Tls) ----------------------------------
+@pytest.fixture(scope="module")
+def tls_contexts(tmp_path_factory):
+    from kera.security import tls
+    files = tls.local_ca(str(tmp_path_factory.mktemp("ca")))
+    return tls.server_context(files["cert"], files["key"]), tls.client_context(files["ca"])
+
+
+@pytest.fixture
+async def tls_server(nursery, tls_contexts):
+    svc = TestService(rcvbuf=0)
+    svc.tls = tls_contexts[0]
+    port = await nursery.start(svc.serve, "127.0.0.1", 0)
+    return svc, f"127.0.0.1:{port}", Credentials(tls=tls_contexts[1])
+
+
+@pytest.mark.parametrize(("size", "pieces"), [(100, 3), (3 * VECTOR_FROM + 7, 2000), (40 << 20, 20)])
+async def test_frames_over_tls_arrive_whole(tls_server, size, pieces):
+    """Frames of parts, tiny or of many MiB (more than a receive takes, more than a piece
+    encrypts, more than the kernel holds), cross TLS whole both ways, pipelined with
+    others on the same connection."""
+    svc, addr, creds = tls_server
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    cuts = sorted({size // 3, size // 2, size - 1} - {0})
+    parts = [data[:5], memoryview(data.tobytes())[5:size // 2], *np.array_split(data[size // 2:], pieces)]
+    with trio.fail_after(60):
+        async with open_pool(credentials=creds) as pool, trio.open_nursery() as nursery:
+            async def small(n):
+                assert (await pool.call(addr, "echo", {"n": n}, b"x" * n, timeout=30)) == ({"n": n}, b"x" * n)
+            for n in range(20):
+                nursery.start_soon(small, n)
+            meta, payload = await pool.call(addr, "echo_parts", {"cuts": cuts}, parts=parts, timeout=50)
+            assert meta == {"n": size} and bytes(payload) == data.tobytes()
+    assert svc.connections == 1
+
+
+async def test_posted_and_later_answers_over_tls(tls_server):
+    """A posted request and a ``Later`` settled from another task are written from where they
+    are made, encrypted, with no task: answered in order of settling, the connection kept."""
+    svc, addr, creds = tls_server
+    with trio.fail_after(20):
+        async with open_pool(credentials=creds) as pool:
+            await pool.call(addr, "echo", {"n": 0}, timeout=5)
+            conn = pool.conns[addr]
+            got = {}
+            assert conn.post("echo", {"n": 1}, lambda a: got.__setitem__("echo", a),
+                             parts=[b"ab", b"c" * 70_000]) is not None
+            assert conn.post("later", {"n": 7}, lambda a: got.__setitem__("later", a), parts=[]) is not None
+            await _poll(lambda: "echo" in got and 7 in svc.laters)
+            assert got["echo"][0] == {"n": 1} and bytes(got["echo"][1]) == b"ab" + b"c" * 70_000
+            svc.laters[7].done({"k": 7})
+            await _poll(lambda: "later" in got)
+            assert got["later"][0] == {"k": 7} and not conn.closed
+
+
+async def test_tls_connections_end_cleanly_and_refuse_the_clear(tls_server):
+    """A closed TLS connection is seen closed by the other end (close_notify), the next call
+    opens a new one; a plaintext client is told the listener takes TLS only."""
+    svc, addr, creds = tls_server
+    with trio.fail_after(20):
+        async with open_pool(credentials=creds) as pool:
+            await pool.call(addr, "echo", {"n": 0}, timeout=5)
+            pool.drop(addr)
+            await _poll(lambda: svc.closed == 1)
+            assert (await pool.call(addr, "echo", {"n": 1}, timeout=5))[0] == {"n": 1}
+            assert svc.connections == 2
+        async with open_pool() as clear:
+            with pytest.raises(Unavailable, match="TLS only"):
+                await clear.call(addr, "echo", {"n": 2}, timeout=5)
