@@ -61,13 +61,19 @@ class Outgoing:
 
 
 def pieces(vs: list[memoryview]):
-    """``vs`` in pieces of about ``TLS_PIECE`` bytes: a frame of many small buffers (a
-    produce's or a replicate's chunks) makes a few full TLS records, not one per buffer."""
+    """``vs`` in pieces of at most ``TLS_PIECE`` bytes: small buffers (a produce's or a
+    replicate's chunks) joined, so that they make a few full TLS records, not one each; a
+    buffer of a record or more as it is (its records are full without a copy)."""
     run, size = [], 0
     for v in vs:
-        if size and size + len(v) > TLS_PIECE:
-            yield run[0] if len(run) == 1 else b"".join(run)
-            run, size = [], 0
+        if len(v) >= TLS_RECORD or size + len(v) > TLS_PIECE:
+            if run:
+                yield run[0] if len(run) == 1 else b"".join(run)
+                run, size = [], 0
+            if len(v) >= TLS_RECORD:
+                for at in range(0, len(v), TLS_PIECE):
+                    yield v[at:at + TLS_PIECE]
+                continue
         run.append(v)
         size += len(v)
     if run:
@@ -211,7 +217,7 @@ class Tls(Plain):
             self.ended = True   # the records before the end first; then reads say b""
         except ssl.SSLError as e:
             raise trio.BrokenResourceError from e
-        if n:
+        if n:   # copied out before the checkpoint: another connection's receive reuses buf
             return bytes(buf[:n])
         return b"" if self.ended else None
 
