@@ -82,15 +82,18 @@ class FrameDecoder:
 
     A frame's payload is copied once out of what was fed, after its prefix was
     validated, into bytes of its own, so payload memoryviews stay valid (and
-    unchanging) after later feeds. A large frame (``GATHER`` bytes or more) still
-    arriving is kept as the pieces fed (views of them when they are bytes) and
-    joined once complete: no growing stream buffer, and an announced size alone
-    allocates nothing.
+    unchanging) after later feeds. What is fed as bytes is read where it lies (a
+    receive of many frames is not first copied into a stream buffer); only a
+    partial frame left at its end is kept in a buffer of the decoder's own. A large
+    frame (``GATHER`` bytes or more) still arriving is kept as the pieces fed (views
+    of them when they are bytes) and joined once complete: no growing stream buffer,
+    and an announced size alone allocates nothing.
     """
 
     def __init__(self, max_frame: int = MAX_FRAME):
         self.max_frame = max_frame
-        self._buf = bytearray()
+        # what is not parsed yet: bytes fed (or a view of them), or a buffer of the decoder's own
+        self._buf: bytes | memoryview | bytearray = b""
         self._pos = 0
         self._pieces: list | None = None  # a large frame being gathered
         self._need = 0                    # and the bytes it still lacks
@@ -106,8 +109,13 @@ class FrameDecoder:
             mv = mv[take:]
             if not mv:
                 return
-        if self._pos and self._pos == len(self._buf):
-            self._buf.clear()
+        if self._pos == len(self._buf):   # nothing left over: read the new bytes where they are
+            self._buf = mv if type(data) is bytes else bytes(mv)
+            self._pos = 0
+            return
+        if type(self._buf) is not bytearray:   # a partial frame left at the end of bytes fed
+            with memoryview(self._buf) as m:
+                self._buf = bytearray(m[self._pos:])
             self._pos = 0
         self._buf += mv
 
@@ -146,13 +154,12 @@ class FrameDecoder:
         size = PREFIX_SIZE + mlen + plen
         end = pos + size
         if len(buf) < end:
-            if size >= GATHER:
+            if size >= GATHER:   # bytes fed are kept as a view: they never change
                 with memoryview(buf) as m:
-                    self._pieces = [bytes(m[pos:])]
+                    self._pieces = [bytes(m[pos:]) if type(buf) is bytearray else m[pos:]]
                 self._need = end - len(buf)
                 self.gathered = len(buf) - pos
-                buf.clear()
-                self._pos = 0
+                self._buf, self._pos = b"", 0
             return None
         mstart = pos + PREFIX_SIZE
         meta = _meta(buf, mstart, mlen)
@@ -160,9 +167,8 @@ class FrameDecoder:
             payload = memoryview(bytes(m[mstart + mlen:end]))
         self._pos = end
         if end == len(buf):
-            buf.clear()
-            self._pos = 0
-        elif end > (1 << 20):
+            self._buf, self._pos = b"", 0
+        elif end > (1 << 20) and type(buf) is bytearray:
             del buf[:end]
             self._pos = 0
         return Frame(kind, rid, meta, payload)

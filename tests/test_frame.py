@@ -138,6 +138,32 @@ def test_large_frames_any_split(sizes, data):
 
 
 @FEW
+@given(st.lists(st.sampled_from([0, 100, frame.GATHER - 40, frame.GATHER, 5 * frame.GATHER]), min_size=1, max_size=4),
+       st.data())
+def test_bytes_are_read_where_they_lie_and_other_buffers_copied(sizes, data):
+    """Bytes fed are parsed in place (never changing, they may be kept as views); a bytearray
+    fed may be reused by its owner at once: zeroing every one after its feed changes no frame."""
+    rng = np.random.default_rng(len(sizes))
+    frs = [(REQUEST, i, {"i": i}, rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for i, n in enumerate(sizes)]
+    stream = b"".join(encode(*fr) for fr in frs)
+    cuts = sorted(set(data.draw(st.lists(st.integers(0, len(stream)), max_size=20)))) + [len(stream)]
+    dec, got, prev = FrameDecoder(), [], 0
+    for cut in cuts:
+        piece = stream[prev:cut]
+        if data.draw(st.booleans()):
+            reused = bytearray(piece)
+            dec.feed(reused)
+            reused[:] = bytes(len(reused))
+        else:
+            dec.feed(piece)
+        prev = cut
+        got += drain(dec)
+    assert len(got) == len(frs) and dec.pending == 0
+    for f, fr in zip(got, frs, strict=True):
+        same(f, *fr)
+
+
+@FEW
 @given(st.lists(frames, min_size=1, max_size=3))
 def test_byte_at_a_time(frs):
     stream = b"".join(encode(*fr) for fr in frs)
