@@ -82,22 +82,28 @@ def pieces(vs: list[memoryview]):
 
 class Sealed(Outgoing):
     """A frame over TLS: encrypted a piece at a time, each once the last one's ciphertext is
-    written."""
+    written (a frame of one buffer no larger than a piece, most of them, at once). Made
+    under the connection's send lock: ciphertext leaves in the order it was made."""
 
     __slots__ = ("left", "tls")
 
     def __init__(self, vs: list[memoryview], tls: Tls):
-        super().__init__([])
-        self.left, self.tls = pieces(vs), tls
+        if len(vs) == 1 and len(vs[0]) <= TLS_PIECE:
+            super().__init__([memoryview(tls.seal(vs[0]))])
+            self.left = None
+        else:
+            super().__init__([])
+            self.left = pieces(vs)
+        self.tls = tls
 
     def push(self, sock) -> bool:
         while Outgoing.push(self, sock):
-            piece = next(self.left, None)
+            piece = None if self.left is None else next(self.left, None)
             if piece is None:
                 self.tls.sending = False
                 return True
             self.vs, self.i = [memoryview(self.tls.seal(piece))], 0
-            self.tls.sending = True   # ciphertext not on the wire yet: no close_notify now
+        self.tls.sending = True   # ciphertext not on the wire yet: no close_notify now
         return False
 
 
