@@ -372,7 +372,7 @@ COORDINATOR_RPCS = _named({
     "register": Rpc(Members(BROKER, BACKUP, as_self="id", role_field="role"), {
         "role": ROLE, "addr": ADDR, "node?": Str(MAX_NAME), "id?": UINT, "epoch?": UINT,
         "holds?": ListOf(Tuple(UINT, UINT, UINT, UINT, BOOL), MANY), "recovered?": UINT,
-        "auth?": BOOL}, peer=True),
+        "auth?": BOOL, "kafka?": ADDR}, peer=True),   # kafka: a broker's Kafka listener
     "heartbeat": Rpc(Members(BROKER, BACKUP, as_self="id", role_field="role"), {
         "role": ROLE, "id": UINT, "epoch": UINT, "stats?": STATS, "recovered?": UINT,
         "damage?": UINT, "security?": INT}),

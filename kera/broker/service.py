@@ -119,6 +119,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.records_in = self.bytes_in = self.records_out = self.bytes_out = self.pulls = 0
         self.recoveries_served = 0  # assignments of a dead broker's streamlets to rebuild here
         self.metrics = None        # kera.metrics.broker, with --metrics-port
+        self.kafka = None          # kera.kafka's gateway, with --kafka-listener
+        self.names: dict[str, int] = {}   # stream name -> id, of the streams held here
 
     # -- virtual logs ----------------------------------------------------------------
     def notify_durable(self) -> None:
@@ -184,6 +186,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
 
     def _assign(self, s: StreamMeta, streamlets: list, recovering: bool, seal: bool) -> None:
         self.streams[s.id] = s
+        self.names[s.name] = s.id
         for i in streamlets:
             sl = self.streamlets.get((s.id, i))
             if sl is not None:
@@ -245,6 +248,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                     self._free(sl.leave())
             if not any((sid, i) in self.streamlets for i in every):
                 self.streams.pop(sid, None)
+                if self.names.get(s.name) == sid:
+                    del self.names[s.name]
         self._reclaim_once()
         return {}
 
@@ -521,6 +526,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                                        if self.memory.limit else TIERED_CACHE)
             bound = await nursery.start(self.serve, host, port)
             self.addr = advertised(host, bound, self.advertise)
+            if self.kafka is not None:   # its address is registered with ours
+                await nursery.start(self.kafka.run, self.pool)
             while True:
                 await self._register()
                 print(f"broker {self.broker_id} listening on {self.addr} (epoch {self.epoch})", flush=True)
@@ -588,6 +595,11 @@ def main(argv=None) -> None:
     secret_.add_arguments(ap)
     tls_.add_arguments(ap)
     door.add_arguments(ap)
+    ap.add_argument("--kafka-listener", default=None, metavar="HOST:PORT",
+                    help="also serve Kafka's wire protocol here (port 0 picks a free one)")
+    ap.add_argument("--kafka-advertise", default="", metavar="HOST[:PORT]",
+                    help="the address Kafka clients are told to reach this broker at "
+                         "(default: the listener's host and port)")
     args = ap.parse_args(argv)
     cluster_secret = secret_.from_args(ap, args)
     tls = tls_.from_args(ap, args)
@@ -599,6 +611,9 @@ def main(argv=None) -> None:
                         cluster_secret=cluster_secret, auth=args.auth,
                         door=Door(door.from_args(args)), tls=tls)
     svc.advertise = args.advertise
+    if args.kafka_listener is not None:
+        from ..kafka.gateway import Gateway
+        svc.kafka = Gateway(svc, args.kafka_listener, args.kafka_advertise)
     if args.metrics_port is not None:
         from ..metrics.broker import install
         install(svc, args.metrics_top_streams)
