@@ -445,6 +445,10 @@ BROKER_RPCS = _named({
                                 ListOf(PAIR, limits.MAX_GROUPS)), MANY)}),
     "settle": Rpc(Members(COORDINATOR), EPOCH),
     "security": Rpc(Members(COORDINATOR), SECURITY),
+    # Kafka offsets <-> positions of streamlets held here, for a group's coordinator (kera.kafka.offsets)
+    "kafka_map": Rpc(Members(BROKER), {
+        "offsets?": ListOf(Tuple(UINT, UINT, INT), limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+        "positions?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS")}),
 })
 
 BACKUP_RPCS = _named({

@@ -260,6 +260,11 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
     def rpc_ping(self, meta, payload):
         return {"broker": self.broker_id, "epoch": self.epoch}
 
+    def rpc_kafka_map(self, meta, payload):
+        """Kafka offsets of streamlets held here as positions, or back (kera.kafka.offsets)."""
+        from ..kafka.offsets import kafka_map
+        return kafka_map(self, meta)
+
     def _check_lease(self) -> None:
         if time.monotonic() > self.lease_until:
             raise Fenced(f"broker {self.broker_id}: no heartbeat answer for too long; not serving")
