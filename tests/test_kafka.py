@@ -85,7 +85,7 @@ def test_kcat_lists_produces_and_consumes(cluster):
     assert sorted(r[3] for r in rows) == sorted(f"value-{i}" for i in range(N))
     assert all(r[3] == "value-" + r[2][4:] for r in rows)
     by_part: dict = {}
-    for p, o, _, v in rows:
+    for p, o, _, _v in rows:
         by_part.setdefault(p, []).append(int(o))
     assert len(by_part) == P and all(offs == list(range(len(offs))) for offs in by_part.values())
     for offs in by_part.values():   # kcat's partitioner keeps a key's records in order
@@ -210,3 +210,109 @@ def test_kera_records_reach_kafka_consumers_and_back(cluster):
     for part in (0, 1):
         theirs = [(k, v, t) for _, k, v, t in acked[part]]
         assert [(k, v, t) for s, k, v, t in mine if s == part and v.startswith(b"v-")] == theirs
+
+
+# -- bad input ------------------------------------------------------------------------------
+def _call(sock, key: int, version: int, cid: int, body=None, raw: bytes | None = None):
+    """Send one request (kio-encoded ``body`` or ``raw`` bytes after the header); the
+    response entity, or None if the broker closed the connection."""
+    import io
+    import struct
+
+    from kio.schema.request_header.v1.header import RequestHeader as H1
+    from kio.schema.request_header.v2.header import RequestHeader as H2
+    from kio.serial import entity_writer
+
+    from kera.kafka import versions
+    known = versions.supported(key, version) or key == 18
+    flexible = versions.flexible(key, version) if versions.supported(key, version) else key == 18
+    buf = io.BytesIO()
+    h = (H2 if flexible else H1)(request_api_key=key, request_api_version=version, correlation_id=cid,
+                                 client_id="t")
+    entity_writer(type(h))(buf, h)
+    if body is not None:
+        entity_writer(type(body))(buf, body)
+    buf.write(raw or b"")
+    data = buf.getvalue()
+    sock.sendall(struct.pack(">i", len(data)) + data)
+    head = _recv(sock, 4)
+    if head is None:
+        return None
+    frame = _recv(sock, struct.unpack(">i", head)[0])
+    assert struct.unpack_from(">i", frame)[0] == cid
+    if not known:
+        return frame
+    v = version if versions.supported(key, version) else 0
+    at = 5 if versions.flexible_response_header(key, v) else 4
+    return versions.reader(versions.response_class(key, v))(frame, at)[0]
+
+
+def _recv(sock, n: int):
+    out = b""
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            return None
+        out += got
+    return out
+
+
+def _sock(addr: str):
+    import socket
+    host, _, port = addr.rpartition(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def test_bad_requests_get_kafkas_answers_and_nothing_changes(cluster):
+    from confluent_kafka import Consumer, TopicPartition
+
+    from kera.kafka import versions
+    from kio.schema.errors import ErrorCode
+    bs = cluster.kafka_bootstrap()
+    _create(bs, "bad", 3)
+    acked = produce(bs, "bad", 300, 3)
+    c = Consumer({"bootstrap.servers": bs, "group.id": "g-bad"})
+    marks = lambda: [c.get_watermark_offsets(TopicPartition("bad", i), timeout=10) for i in range(3)]  # noqa: E731
+    before = marks()
+    md = c.list_topics("bad", timeout=10)
+    leaders = {i: p.leader for i, p in md.topics["bad"].partitions.items()}
+    addrs = {b.id: f"{b.host}:{b.port}" for b in md.brokers.values()}
+    lead, other = leaders[0], next(b for b in addrs if b != leaders[0])
+
+    s = _sock(addrs[lead])   # a size no request has: the connection is dropped
+    s.sendall(b"\xff\xff\xff\xf0" + b"x" * 64)
+    assert _recv(s, 4) is None
+    s = _sock(addrs[lead])   # an API no broker knows
+    assert _call(s, 999, 0, 1, raw=b"") is None
+    s = _sock(addrs[lead])   # a version out of range
+    assert _call(s, 0, 2, 2, raw=b"\x00" * 20) is None
+    s = _sock(addrs[lead])   # ApiVersions of a version to come: UNSUPPORTED_VERSION, the versions
+    r = _call(s, 18, 99, 3, raw=b"")
+    assert r.error_code == ErrorCode.unsupported_version and any(k.api_key == 0 for k in r.api_keys)
+    s = _sock(addrs[lead])   # a body that does not parse
+    assert _call(s, 0, 9, 4, raw=b"\x01\x02") is None
+
+    s = _sock(addrs[other])  # a produce to a partition this broker does not lead
+    req = versions.make(versions.request_class(0, 9), acks=-1, timeout=5000, topic_data=[
+        {"name": "bad", "partition_data": [{"index": 0, "records": b"\x00" * 70}]}])
+    r = _call(s, 0, 9, 5, req)
+    assert r.responses[0].partition_responses[0].error_code == ErrorCode.not_leader_or_follower
+    s = _sock(addrs[lead])   # a batch whose CRC is wrong
+    r = _call(s, 0, 9, 6, req)
+    assert r.responses[0].partition_responses[0].error_code == ErrorCode.corrupt_message
+    end = before[0][1]       # a fetch past the log end
+    req = versions.make(versions.request_class(1, 12), replica_id=-1, max_wait=0, min_bytes=1,
+                        max_bytes=1 << 20, session_epoch=-1, topics=[
+                            {"topic": "bad", "partitions": [{"partition": 0, "fetch_offset": end + 10,
+                                                             "partition_max_bytes": 1 << 20}]}])
+    r = _call(s, 1, 12, 7, req)
+    p = r.responses[0].partitions[0]
+    assert p.error_code == ErrorCode.offset_out_of_range and p.high_watermark == end
+    r = _call(s, 18, 3, 8, versions.make(versions.request_class(18, 3), client_software_name="t",
+                                         client_software_version="1"))
+    assert r.error_code == ErrorCode.none   # that connection serves on
+
+    assert marks() == before
+    assert consume(bs, ["bad"], 300, **{"group.id": "g-bad2"}) == acked
+    c.close()

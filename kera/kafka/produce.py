@@ -26,6 +26,7 @@ from ..names import is_internal
 from . import batch, codes, convert
 
 APPEND, DUPLICATE = 0, 1
+SCAN = 4096                # newest chunks searched for a resent batch's offset after a recovery
 NO_PRODUCER = 0            # the kera producer id of batches sent without one
 _MAX_EPOCH = (1 << 15) - 1
 
@@ -89,6 +90,23 @@ def append(broker, stream, sl, data, b: batch.Batch, waits: dict) -> int:
     return base
 
 
+def duplicate_base(sl, producer: int, kseq: int) -> int:
+    """The base offset a resent batch was given: remembered, or (after a recovery) found by
+    its header among the streamlet's newest chunks held in memory; -1 if not found."""
+    log = sl.kafka_log()
+    base = log.duplicate_base(producer, kseq)
+    held = _held(sl)
+    for i in range(len(log) - 1, max(len(log) - SCAN, 0) - 1, -1):
+        if base >= 0:
+            break
+        seg = held(log.groups[i], log.segs[i])
+        if seg is not None and seg.view is not None and seg.compacted is None:
+            f = chunk.HEADER.unpack_from(seg.view, log.offs[i])
+            if f[6] == producer and f[7] == kseq:
+                base = log.bases[i]
+    return base
+
+
 def _partition(broker, conn, topic: str, p, waits: dict) -> dict:
     """One partition's batches appended: its answer (base offset or error)."""
     out = {"index": p.index, "base_offset": -1, "log_append_time": -1, "log_start_offset": -1}
@@ -122,7 +140,7 @@ def _partition(broker, conn, topic: str, p, waits: dict) -> dict:
                 st = sl.producers[b.producer_id]
                 for v, ref in st.waits():
                     waits[v] = max(waits.get(v, 0), ref)
-                base = sl.kafka_log().duplicate_base(b.producer_id, verdict[1])
+                base = duplicate_base(sl, b.producer_id, verdict[1])
             else:
                 base = append(broker, stream, sl, p.records, b, waits)
         except KeraError as e:
