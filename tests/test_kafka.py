@@ -266,9 +266,9 @@ def _sock(addr: str):
 
 def test_bad_requests_get_kafkas_answers_and_nothing_changes(cluster):
     from confluent_kafka import Consumer, TopicPartition
+    from kio.schema.errors import ErrorCode
 
     from kera.kafka import versions
-    from kio.schema.errors import ErrorCode
     bs = cluster.kafka_bootstrap()
     _create(bs, "bad", 3)
     acked = produce(bs, "bad", 300, 3)
