@@ -124,3 +124,33 @@ def test_kill_a_broker_mid_idempotent_produce_then_the_whole_cluster(tmp_path):
         assert sorted(v for rows in more.values() for _, v in rows) == sorted(b"after-%d" % i for i in range(20))
     finally:
         cluster.stop()
+
+
+def test_sasl_scram_users_and_acls(tmp_path):
+    from confluent_kafka import Consumer, Producer
+
+    from kera.security import client_config
+    cluster = kafka_cluster(tmp_path, 1, auth=True)
+    try:
+        bs = cluster.kafka_bootstrap()
+        conf = client_config.read(cluster.client_conf)   # the admin's SCRAM-SHA-256 settings
+        p = Producer({"bootstrap.servers": bs, **conf})
+        for i in range(100):
+            p.produce("sa", value=b"x%d" % i)
+        assert p.flush(30) == 0
+        c = Consumer({"bootstrap.servers": bs, "group.id": "sg", "auto.offset.reset": "earliest", **conf})
+        c.subscribe(["sa"])
+        n, deadline = 0, time.monotonic() + 30
+        while n < 100 and time.monotonic() < deadline:
+            n += sum(1 for m in c.consume(100, 0.5) if not m.error())
+        c.close()
+        assert n == 100
+        for bad in ({**conf, "sasl.password": "wrong"}, {}):   # a wrong password; no login at all
+            failed = []
+            q = Producer({"bootstrap.servers": bs, "message.timeout.ms": 3000, **bad,
+                          "on_delivery": lambda e, m: failed.append(e)})
+            q.produce("sa", value=b"no")
+            q.flush(10)
+            assert len(failed) == 1 and failed[0] is not None
+    finally:
+        cluster.stop()

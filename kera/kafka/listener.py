@@ -169,7 +169,10 @@ class KafkaListener:
             raise _Drop(f"{name} v{version} does not parse: {e}") from None
         gate = self.handlers.get("_gate")
         if gate is not None:
-            gate(conn, name)
+            try:
+                gate(conn, name)
+            except KeraError as e:   # Kafka drops a connection asking before it authenticated
+                raise _Drop(str(e)) from None
         try:
             out = self.handlers[name](conn, req, version)
         except KeraError as e:
