@@ -148,7 +148,7 @@ def test_sasl_scram_users_and_acls(tmp_path):
         for bad in ({**conf, "sasl.password": "wrong"}, {}):   # a wrong password; no login at all
             failed = []
             q = Producer({"bootstrap.servers": bs, "message.timeout.ms": 3000, **bad,
-                          "on_delivery": lambda e, m: failed.append(e)})
+                          "on_delivery": lambda e, m, failed=failed: failed.append(e)})
             q.produce("sa", value=b"no")
             q.flush(10)
             assert len(failed) == 1 and failed[0] is not None
