@@ -316,3 +316,19 @@ def test_bad_requests_get_kafkas_answers_and_nothing_changes(cluster):
     assert marks() == before
     assert consume(bs, ["bad"], 300, **{"group.id": "g-bad2"}) == acked
     c.close()
+
+
+def test_list_offsets_by_time_and_topic_configs(cluster):
+    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka.admin import ConfigResource
+    bs = cluster.kafka_bootstrap()
+    _create(bs, "lo", 1, **{"retention.ms": "3600000", "cleanup.policy": "delete"})
+    produce(bs, "lo", 1000, 1)   # timestamps 1_700_000_000_000 + i
+    c = Consumer({"bootstrap.servers": bs, "group.id": "g-lo"})
+    for ts, want in ((1_700_000_000_000 + 123, 123), (0, 0), (1_800_000_000_000, -1)):
+        assert c.offsets_for_times([TopicPartition("lo", 0, ts)], timeout=10)[0].offset == want
+    assert c.get_watermark_offsets(TopicPartition("lo", 0), timeout=10) == (0, 1000)
+    c.close()
+    a = _admin(bs)
+    r = list(a.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, "lo")]).values())[0].result(30)
+    assert r["retention.ms"].value == "3600000" and r["cleanup.policy"].value == "delete"
