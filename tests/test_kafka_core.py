@@ -183,3 +183,12 @@ def test_compacted_chunks_keep_their_offsets_as_deltas():
     b = convert.to_batch(cv, 10, chunk.original_indices(cv))
     kb, _ = read_batch(b, 0)
     assert [(r.offset, r.value) for r in kb.records] == [(11, b"b"), (13, b"d")]
+
+
+def test_the_spark_source_reads_a_kafka_producers_chunk():
+    from kera_client.spark.arrow import ChunkBatch
+    b = convert.to_batch(chunk.ChunkView(_chunk([b"a", b"bb"], [b"k", None], [5, 6])), 0)
+    cb = ChunkBatch()
+    cb.add("s", 0, 0, 0, convert.wrap(b, 0, batch.read(b), 1, 0, 7, 3, 0))
+    rows = cb.build().to_pylist()
+    assert [(r["key"], r["value"], r["producer"]) for r in rows] == [(b"k", b"a", 7), (None, b"bb", 7)]
