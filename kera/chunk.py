@@ -388,7 +388,7 @@ def headers_ok(h: np.ndarray, hb) -> np.ndarray:
 
 
 def set_kafka_offset(buf, offset: int, base: int) -> None:
-    """Write a chunk's Kafka base offset into its header (sealed by the ``place`` that follows)."""
+    """Write a chunk's Kafka base offset into its header (sealed by a ``place`` that follows)."""
     _RESERVED.pack_into(buf, offset + _RESERVED_AT, base + 1)
 
 
@@ -398,10 +398,13 @@ def kafka_offset(buf, offset: int = 0) -> int | None:
     return v - 1 if v else None
 
 
-def place(buf, offset: int, group: int, segment: int, seg_offset: int) -> None:
-    """Write the broker-assigned placement into a chunk held in ``buf`` (O(1)); the header
-    checksum is sealed again, covering the Kafka offset written just before."""
+def place(buf, offset: int, group: int, segment: int, seg_offset: int,
+          kafka_base: int | None = None) -> None:
+    """Write the broker-assigned placement (and the chunk's Kafka base offset) into a chunk
+    held in ``buf`` (O(1)), and seal its header checksum again."""
     _PLACEMENT.pack_into(buf, offset + _PLACEMENT_AT, group, segment, seg_offset)
+    if kafka_base is not None:
+        _RESERVED.pack_into(buf, offset + _RESERVED_AT, kafka_base + 1)
     mv = memoryview(buf)
     _HCHECK.pack_into(buf, offset + _CHECKED, xxhash.xxh32_intdigest(mv[offset:offset + _CHECKED]))
 

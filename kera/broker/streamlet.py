@@ -341,10 +341,15 @@ class Streamlet:
                 self.on_close(self, g, producer)
         seg, off = placed
         self._count(1, len(chunk))
-        chunk_.set_kafka_offset(seg.view, off, self.kafka_log().append(
-            seg.records[-1] - (seg.records[-2] if len(seg.records) > 1 else 0), g.id, seg.id, off,
-            len(chunk)))
+        # its Kafka offsets (the caller writes the base with the placement: ``kafka_base``)
+        self.kafka_log().append(seg.records[-1] - (seg.records[-2] if len(seg.records) > 1 else 0),
+                                g.id, seg.id, off, len(chunk))
         return g, seg, off
+
+    @property
+    def kafka_base(self) -> int:
+        """The Kafka base offset of the chunk just appended."""
+        return self.offsets.bases[-1]
 
     def kafka_log(self) -> OffsetLog:
         if self.offsets is None:
@@ -376,8 +381,9 @@ class Streamlet:
             raise
         if seg is not None:
             self._count(1, len(chunk))
-            n = chunk_.HEADER.unpack_from(chunk)[5]
-            self.kafka_log().replayed(chunk_.kafka_offset(chunk), n, group, segment, offset, len(chunk))
+            if len(chunk) >= chunk_.HEADER_SIZE:
+                self.kafka_log().replayed(chunk_.kafka_offset(chunk), chunk_.HEADER.unpack_from(chunk)[5],
+                                         group, segment, offset, len(chunk))
         return g, seg
 
     def adopt(self, group: int, producer: int, seg) -> bool:

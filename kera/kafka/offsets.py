@@ -249,7 +249,7 @@ class Offsets:
                                          flags=chunk.SEQ_RESET if seq == 0 else 0))
             self.seqs[key] = seq + 1
             g, seg, soff = sl.append(data, self.producer)
-            chunk.place(seg.view, soff, g.id, seg.id, soff)
+            chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
             vlog = g.vlog or broker.vlog_for(broker.streams[sl.stream_id], sl.index, g)
             idx = vlog.append(seg, soff, len(data), chunk.parse_header(data).body_checksum)
             sl.note_producer(self.producer, seq, vlog, idx, seg, soff + len(data))

@@ -76,7 +76,7 @@ def append(broker, stream, sl, data, b: batch.Batch, waits: dict) -> int:
     producer = b.producer_id if b.producer_id >= 0 else NO_PRODUCER
     c = convert.wrap(data, b.start, b, stream.id, sl.index, producer, kseq, base)
     g, seg, soff = sl.append(c, producer)
-    chunk.place(seg.view, soff, g.id, seg.id, soff)
+    chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
     vlog = g.vlog or broker.vlog_for(stream, sl.index, g)
     idx = waits[vlog] = vlog.append(seg, soff, len(c), chunk.parse_header(c).body_checksum)
     sl.note_producer(producer, kseq, vlog, idx, seg, soff + len(c))
