@@ -14,6 +14,8 @@
     python -m bench restart [--quick]    # kill -9 of a whole cluster of 1M streams, 100k holding data:
                                          # time to serving again, every record read back (bench/restart.py)
     python -m bench soak [--quick]       # retention: ingest 8 GiB past a 256 MiB broker budget
+    python -m bench kafka [--quick]      # one librdkafka producer then consumer: kera's Kafka listener
+                                         # (R=1, R=3) beside the peer at 1 -> 2,048 topics (bench/kafka.py)
     python -m bench hops [--label L]     # CPU us per 1-record chunk and per 1-chunk request on each hop (bench/hops.py)
     python -m bench tls-floor            # ns per byte the ssl module costs through memory BIOs, per suite:
                                          # the floor under --auth --tls (bench/tls_floor.py)
@@ -161,6 +163,10 @@ def main() -> None:
     if sys.argv[1:2] == ["tls-floor"]:  # its own options (bench/tls_floor.py)
         from .tls_floor import main as tls_floor
         tls_floor(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["kafka"]:  # its own options (bench/kafka.py)
+        from .kafka import main as kafka
+        kafka(sys.argv[2:])
         return
     if sys.argv[1:2] == ["hops"]:  # its own options (bench/hops.py)
         from .hops import main as hops

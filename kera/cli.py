@@ -249,6 +249,9 @@ def cmd_status(args) -> None:
     if c.get("standbys"):
         print(f"standby coordinators: {', '.join(c['standbys'])}")
     mib = 1 << 20
+    kafka = [b["kafka"] for b in st["brokers"] if b.get("alive") and b.get("kafka")]
+    if kafka:
+        print(f"Kafka bootstrap servers: {','.join(kafka)}")
     per_stream: dict = {}
     for b in st["brokers"]:
         s = b.get("stats") or {}
@@ -394,7 +397,7 @@ def cmd_up(args) -> None:
                  broker_args=shlex.split(args.broker_args), backup_args=shlex.split(args.backup_args),
                  coordinator_args=shlex.split(args.coordinator_args),
                  coordinators=args.coordinators, auth=args.auth, tls=args.tls,
-                 metrics_port=args.metrics_port).run()
+                 metrics_port=args.metrics_port, kafka_port=args.kafka_port).run()
 
 
 def _client(p, coord=True):
@@ -425,6 +428,8 @@ def parser() -> argparse.ArgumentParser:
     up.add_argument("--metrics-port", type=int, default=None, metavar="P",
                     help="serve Prometheus metrics: the coordinators on P, P+1, ..., then each "
                          "node's backup and broker on the next ports")
+    up.add_argument("--kafka-port", type=int, default=None, metavar="P",
+                    help="every broker also speaks Kafka's wire protocol: node i's on P + i - 1")
     up.add_argument("--auth", action="store_true",
                     help="user authentication (SCRAM) and ACLs: makes an admin super user, prints "
                          "its password once and writes DATA/client.conf")

@@ -372,7 +372,7 @@ COORDINATOR_RPCS = _named({
     "register": Rpc(Members(BROKER, BACKUP, as_self="id", role_field="role"), {
         "role": ROLE, "addr": ADDR, "node?": Str(MAX_NAME), "id?": UINT, "epoch?": UINT,
         "holds?": ListOf(Tuple(UINT, UINT, UINT, UINT, BOOL), MANY), "recovered?": UINT,
-        "auth?": BOOL}, peer=True),
+        "auth?": BOOL, "kafka?": ADDR}, peer=True),   # kafka: a broker's Kafka listener
     "heartbeat": Rpc(Members(BROKER, BACKUP, as_self="id", role_field="role"), {
         "role": ROLE, "id": UINT, "epoch": UINT, "stats?": STATS, "recovered?": UINT,
         "damage?": UINT, "security?": INT}),
@@ -445,6 +445,10 @@ BROKER_RPCS = _named({
                                 ListOf(PAIR, limits.MAX_GROUPS)), MANY)}),
     "settle": Rpc(Members(COORDINATOR), EPOCH),
     "security": Rpc(Members(COORDINATOR), SECURITY),
+    # Kafka offsets <-> positions of streamlets held here, for a group's coordinator (kera.kafka.offsets)
+    "kafka_map": Rpc(Members(BROKER), {
+        "offsets?": ListOf(Tuple(UINT, UINT, INT), limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+        "positions?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS")}),
 })
 
 BACKUP_RPCS = _named({

@@ -516,7 +516,8 @@ class Coordinator(Membership, Service):
         visible = _describes(peer)
         page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
         out = {"streams": page.streams, "missing": [], "refused": [], "more": 0, "next": None,
-               "top": self.meta["next_stream_id"] - 1}
+               "top": self.meta["next_stream_id"] - 1,
+               "kafka": {m.id: m.kafka for m in self.members["broker"].values() if m.alive and m.kafka}}
         for k, name in enumerate(names):
             if not visible(name):
                 out["refused"].append(name)
