@@ -378,9 +378,13 @@ def cmd_recovery(args) -> None:
 
 # -- servers ------------------------------------------------------------------------------
 def cmd_server(args, rest) -> None:
-    if args.command == "coordinator":
+    if args.command == "coordinator":   # its lag metrics read positions as a client does
+        from kera_client.streamlet_log import StreamletLog
+
         from .coordinator.service import main
-    elif args.command == "broker":
+        main(rest, open_log=StreamletLog)
+        return
+    if args.command == "broker":
         from .broker.service import main
     else:
         from .backup.service import main

@@ -696,7 +696,9 @@ class Coordinator(Membership, Service):
                 self.log.close()
 
 
-def main(argv=None) -> None:
+def main(argv=None, *, open_log) -> None:
+    """``open_log``: the reader of the positions stream the lag metrics use (the client's
+    ``StreamletLog``, handed in by the command line, which knows the client)."""
     ap = argparse.ArgumentParser(prog="kera coordinator")
     ap.add_argument("--data", default="kera-data/coordinator")
     ap.add_argument("--host", default="127.0.0.1")
@@ -748,7 +750,8 @@ def main(argv=None) -> None:
 
     if args.metrics_port is not None:
         from ..metrics.coordinator import CoordinatorMetrics
-        coord.metrics = CoordinatorMetrics(coord, args.metrics_lag_interval, args.metrics_top_groups)
+        coord.metrics = CoordinatorMetrics(coord, args.metrics_lag_interval, args.metrics_top_groups,
+                                           open_log)
 
     async def run():
         async with trio.open_nursery() as n:

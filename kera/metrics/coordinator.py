@@ -8,13 +8,13 @@ import trio
 
 from .endpoint import Metrics
 from .families import Collector
-from .lag import GroupLag
+from .lag import GroupLag, OpenLog
 
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class CoordinatorMetrics(Metrics):
-    def __init__(self, coord, lag_interval: float, top_groups: int):
+    def __init__(self, coord, lag_interval: float, top_groups: int, open_log: OpenLog):
         super().__init__("coordinator")
         self.coord = coord
         self.commit = self.histogram("metadata_commit_seconds", "Duration of a metadata commit")
@@ -22,7 +22,7 @@ class CoordinatorMetrics(Metrics):
                                        RECOVERY_BUCKETS)
         self.recoveries = {"done": 0, "failed": 0}
         self.replayed = self.repointed = 0
-        self.lag = GroupLag(coord, lag_interval, top_groups)
+        self.lag = GroupLag(coord, lag_interval, top_groups, open_log)
         self.time_rpcs(coord)
         self.registry.register(Collector("kera_", self._fill))
 
