@@ -381,7 +381,7 @@ def cmd_server(args, rest) -> None:
     if args.command == "coordinator":   # its lag metrics read positions as a client does
         from kera_client.streamlet_log import StreamletLog
 
-        from .coordinator.service import main
+        from .coordinator.main import main
         main(rest, open_log=StreamletLog)
         return
     if args.command == "broker":

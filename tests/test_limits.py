@@ -126,11 +126,11 @@ def test_broker_vseg_size_is_bounded():
 
 
 def test_coordinator_chunk_rows_newest_is_bytes_and_checked_before_anything_is_made(tmp_path, capsys):
-    from kera.coordinator.service import main
+    from kera.coordinator.main import main
 
     data = tmp_path / "coordinator"
     with pytest.raises(SystemExit) as e:
-        main(["--chunk-rows-newest", "-1", "--data", str(data), "--port", "0"])
+        main(["--chunk-rows-newest", "-1", "--data", str(data), "--port", "0"], open_log=None)
     assert e.value.code == 2 and "--chunk-rows-newest is a number of bytes" in capsys.readouterr().err
     assert not data.exists()
 

@@ -45,9 +45,9 @@ class CoordinatorMetrics(Metrics):
         p = "coordinator_"
         f.gauge(p + "leader", "1 on the leading coordinator, 0 on a standby", 1 if c.leading else 0)
         f.gauge(p + "members", "Registered brokers and backups", labels=["role", "state"], samples=[
-            ((role, state), sum(1 for m in c.members[role].values() if m.alive == (state == "alive")))
+            ((role, state), sum(1 for m in c.roster.members[role].values() if m.alive == (state == "alive")))
             for role in ("broker", "backup") for state in ("alive", "dead")])
-        f.gauge(p + "streams", "Streams", len(c.streams))
+        f.gauge(p + "streams", "Streams", len(c.metadata.streams))
         active = [r for r in c.recovery.active.values()]
         f.gauge(p + "recoveries_in_progress", "Recoveries under way", len(active))
         f.gauge(p + "recoveries_waiting", "Recoveries waiting for backups", len(c.recovery.waiting))

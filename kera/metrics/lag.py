@@ -59,7 +59,7 @@ class GroupLag:
     async def run(self) -> None:
         while True:
             await trio.sleep(self.interval)
-            if not self.coord.leading or gp.NAME not in self.coord.streams:
+            if not self.coord.leading or gp.NAME not in self.coord.metadata.streams:
                 self.rows, self.groups = [], 0   # a standby shows no lag (the leader does)
                 continue
             with trio.move_on_after(max(10.0, 2 * self.interval)):
@@ -72,7 +72,8 @@ class GroupLag:
 
     async def round(self) -> None:
         c = self.coord
-        ps = c.streams[gp.NAME]
+        streams = c.metadata.streams
+        ps = streams[gp.NAME]
         commits: dict[tuple[str, str], dict] = {}
         for i in range(ps.streamlets):
             got = self.logs.get(i)
@@ -90,7 +91,7 @@ class GroupLag:
                     group, name = msgpack.unpackb(key)
                 except (ValueError, TypeError, msgpack.UnpackException):
                     continue
-                s = c.streams.get(name) if isinstance(name, str) else None
+                s = streams.get(name) if isinstance(name, str) else None
                 if s is None or not isinstance(group, str):
                     continue
                 pos = gp.decode(group, {key: latest[key]}, {name: s.id})
@@ -99,7 +100,7 @@ class GroupLag:
         # ask each owner about its streamlets: one request per broker
         asks: dict[int, list] = {}
         for (group, name), pos in commits.items():
-            s = c.streams[name]
+            s = streams[name]
             for where, p in pos.items():
                 i = int(where.rpartition("/")[2])
                 if i < s.streamlets:
@@ -112,7 +113,7 @@ class GroupLag:
         totals: dict[tuple[str, str], list] = {k: [0, 0, 0] for k in commits}
 
         async def ask(bid: int, entries: list) -> None:
-            m = c.members["broker"].get(bid)
+            m = c.roster.members["broker"].get(bid)
             if m is None or not m.alive:
                 return
             r, _ = await c.pool.call(m.addr, "lag", {"positions": [e[2] for e in entries]},

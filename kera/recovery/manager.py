@@ -53,11 +53,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import trio
 
 from ..errors import KeraError, Unavailable
+from .needs import Metadata, Placement, Recovered, Roster, Settings
 from .plan import (
     CORRUPT,
     END,
@@ -180,9 +182,19 @@ class Recovery:
 
 
 class RecoveryManager:
-    def __init__(self, coord, grace: float):
-        self.coord = coord
-        self.grace = grace  # after a coordinator start, time for backups to come back
+    """The recoveries of one coordinator term. It is handed the term's ``roster``,
+    ``metadata`` (fences, owners, commits), ``placement`` (new owners), ``adoptions`` (the
+    closed history adopted after a hand-over) and ``recovered`` (what the backups let go),
+    the coordinator's ``pool()``, its ``settings``, and ``ended(recovery, ok)``, told as each
+    attempt ends that is not a wait (the metrics)."""
+
+    def __init__(self, roster: Roster, metadata: Metadata, placement: Placement, adoptions,
+                 recovered: Recovered, pool: Callable, settings: Settings,
+                 ended: Callable[[Recovery, bool], None]):
+        self.roster, self.metadata, self.placement = roster, metadata, placement
+        self.adoptions, self.recovered, self.pool = adoptions, recovered, pool
+        self.settings, self.ended = settings, ended
+        self.grace = settings.grace  # after a coordinator start, time for backups to come back
         self.started = time.monotonic()
         self.active: dict[tuple[int, int], Recovery] = {}
         self.history: list[Recovery] = []
@@ -196,7 +208,7 @@ class RecoveryManager:
     def orphans(self) -> dict[tuple[int, int], list]:
         """Streamlets by owning incarnation, of incarnations no longer alive (an index
         lookup, not a walk over every stream: it runs ten times a second)."""
-        return self.coord.holdings.orphans(lambda b, e: self.coord.live_broker(b, e) is not None)
+        return self.metadata.holdings.orphans(lambda b, e: self.roster.live_broker(b, e) is not None)
 
     def _backups_ready(self) -> bool:
         """Every backup ever known is back, or was seen dying, or the grace is over.
@@ -205,22 +217,21 @@ class RecoveryManager:
         backups: recovering from the first few to come back would hand over
         streamlets with chunks missing.
         """
-        known = set(self.coord.meta.get("backups", []))
-        seen = set(self.coord.members["backup"])  # registered since this coordinator started
+        known = set(self.metadata.state.get("backups", []))
+        seen = set(self.roster.members["backup"])  # registered since this coordinator started
         return known <= seen or time.monotonic() - self.started > self.grace
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             while True:
                 await trio.sleep(0.1)
-                if not self._backups_ready() or not any(
-                        m.alive for m in self.coord.members["broker"].values()):
+                if not self._backups_ready() or not self.roster.live("broker"):
                     continue
                 now = time.monotonic()
-                if now - self.started < self.coord.rejoin_wait:
+                if now - self.started < self.settings.rejoin_wait:
                     continue  # after a coordinator restart live brokers rejoin as themselves first
                 orphans = self.orphans()
-                up = {m.id for m in self.coord.members["backup"].values() if m.alive}
+                up = {m.id for m in self.roster.live("backup")}
                 for key, sls in orphans.items():
                     if key not in self.active and (self.not_before.get(key, 0) <= now or (
                             key in self.waiting and self.waiting[key][1] & up)):
@@ -232,8 +243,7 @@ class RecoveryManager:
     def _forget(self, orphans: dict) -> None:
         """Drop what is kept of incarnations that own nothing any more (recovered, or their
         streams deleted): replaced members, waits."""
-        for key in [k for k in self.coord.departed if k not in orphans and k not in self.active]:
-            del self.coord.departed[key]
+        self.roster.forget(lambda k: k in orphans or k in self.active)
         for key in [k for k in self.waiting if k not in orphans]:
             del self.waiting[key]
 
@@ -271,18 +281,18 @@ class RecoveryManager:
         finally:
             rec.finished = time.time()
             del self.active[key]
-            if self.coord.metrics is not None and rec.state != "waiting":
-                self.coord.metrics.recovery_ended(rec, rec.state == "done")
+            if rec.state != "waiting":
+                self.ended(rec, rec.state == "done")
             if rec.state != "waiting":   # a wait is shown once, as the incarnation's state
                 self.history = (self.history + [rec])[-20:]
             if rec.lost or rec.unproven:
                 self.losses = (self.losses + [rec])[-100:]
-            self.coord.notify()
+            self.roster.notify()
 
     def _need(self, rec: Recovery) -> int:
         """Backup copies of the incarnation's least replicated vlog: of its streams' (vlogs
         never mix replication factors), those of streamlets it still owns."""
-        streams = self.coord.streams
+        streams = self.metadata.streams
         return min((max(1, streams[n].replication - 1) for n, _ in rec.streamlets if n in streams),
                    default=1)
 
@@ -290,8 +300,8 @@ class RecoveryManager:
         """Raise ``BackupsAwaited`` unless the live ``backups`` hold a copy of every chunk the
         incarnation had acknowledged (see the module doc); past the grace, note on ``rec``
         which backups it goes on without."""
-        inc = self.coord.incarnation(rec.broker, rec.epoch)
-        could = inc.told if inc is not None and inc.told_all else set(self.coord.meta["backups"])
+        inc = self.roster.incarnation(rec.broker, rec.epoch)
+        could = inc.told if inc is not None and inc.told_all else set(self.metadata.state["backups"])
         down = sorted(could - {b.id for b in backups})
         need = self._need(rec)
         if len(down) < need:
@@ -306,21 +316,21 @@ class RecoveryManager:
                   "dropped", rec.broker, rec.epoch, self.grace, down)
 
     async def _recover(self, rec: Recovery) -> None:
-        coord = self.coord
-        backups = [m for m in coord.members["backup"].values() if m.alive]
+        md, members = self.metadata, self.roster.members
+        backups = self.roster.live("backup")
         self._prove(rec, backups)
         # 1. fence the dead incarnation everywhere it could still write
         with rec.phase("fence"):
-            coord.fence(rec.broker, rec.epoch)
-            await coord.commit()
+            md.fence(rec.broker, rec.epoch)
+            await md.commit()
             async with trio.open_nursery() as n:
                 for b in backups:  # a backup that does not answer gets the fence when it registers
                     n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
         # 2. new owners, in recovering state
-        known = coord.streams   # those deleted meanwhile are left out
+        known = md.streams   # those deleted meanwhile are left out
         streams = {n: known[n] for n, _ in rec.streamlets if n in known}
         sls = [(n, i) for n, i in rec.streamlets if n in streams]
-        targets = coord.spread(len(sls), salt=rec.broker)
+        targets = self.placement.spread(len(sls), salt=rec.broker)
         plan: dict[tuple, object] = {}
         per_target: dict[int, dict[str, list[int]]] = {}   # broker -> stream -> streamlets
         for (name, i), m in zip(sls, targets, strict=True):
@@ -333,7 +343,7 @@ class RecoveryManager:
             """One request per target broker (or as few as a frame allows), all in parallel."""
             async with trio.open_nursery() as n:
                 for mid, mine in entries.items():
-                    n.start_soon(coord.assign, coord.members["broker"][mid], mine, recovering, seal)
+                    n.start_soon(self.placement.assign, members["broker"][mid], mine, recovering, seal)
 
         try:
             with rec.phase("assign"):
@@ -344,7 +354,7 @@ class RecoveryManager:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 async with trio.open_nursery() as n:
                     for mid, mine in entries.items():
-                        n.start_soon(self._unassign, coord.members["broker"][mid], mine)
+                        n.start_soon(self._unassign, members["broker"][mid], mine)
             raise
         # 4. hand over: the new owners serve, the metadata says so
         # after a loss the groups are sealed: no position of the lost range is ever reused
@@ -353,26 +363,26 @@ class RecoveryManager:
             await assign_all(recovering=False, seal=not complete)
             # before the owners (etcd stores it first): never owners without it; merged into a
             # record an earlier hand-over of this incarnation left (its commit cut short)
-            deferred = rec.deferred or coord.adoptions.has(rec.broker, rec.epoch)
+            deferred = rec.deferred or self.adoptions.has(rec.broker, rec.epoch)
             if deferred:
-                coord.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
+                self.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
                                        complete, [(streams[n].id, i) for n, i in plan])
             for (name, i), m in plan.items():
-                coord.set_owner(streams[name], i, m)
+                md.set_owner(streams[name], i, m)
             if complete and not deferred:  # else what is left may be all there is of
                 # the lost range: kept. Every backup, now or when it is back, drops this
                 # incarnation's files (a claimed one stays until released) and releases its
                 # claims: told once the owners are durable (with a deferred adoption, once done)
-                coord.recovered.add(rec.broker, rec.epoch, replayed.covered())
-            await coord.commit()
+                self.recovered.add(rec.broker, rec.epoch, replayed.covered())
+            await md.commit()
         rec.served = time.time()
-        coord.adoptions.poke()
+        self.adoptions.poke()
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         # 3. what the backups hold of this incarnation; one that does not answer fails this
         # attempt: it may hold the only intact copy
         with rec.phase("list"):
-            listings, floors = await holdings(self.coord.pool, backups, rec.broker)
+            listings, floors = await holdings(self.pool(), backups, rec.broker)
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
             replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
@@ -382,16 +392,16 @@ class RecoveryManager:
         replay_from: list = []
         settle = None
         owners = {(streams[n].id, i): m for (n, i), m in plan.items()}
-        if self.coord.repoint_evicted:
+        if self.settings.repoint_evicted:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
-            got = await repoint(self.coord.pool, rec, replay_plan, addrs, owners, replayed={
+            got = await repoint(self.pool(), rec, replay_plan, addrs, owners, replayed={
                 (streams[n].id, i) for (n, i) in plan if streams[n].compacted},
-                newest=self.coord.chunk_rows_newest)
+                newest=self.settings.chunk_rows_newest)
             replay_from, settle, rec.deferred = got.replay_from, got.settle, got.deferred
         # the groups adopted after the hand-over (this recovery's, and those a record still
         # holds for streamlets it hands over: ``kera.recovery.adoption``), told beside the replay
-        pend = self.coord.adoptions.pending_for(owners, (rec.broker, rec.epoch), rec.deferred)
+        pend = self.adoptions.pending_for(owners, (rec.broker, rec.epoch), rec.deferred)
 
         async def replay_vlog(vlog: int) -> None:
             while isinstance(step := replay_plan.next_step(vlog), Step):
@@ -434,7 +444,7 @@ class RecoveryManager:
                 if settle is not None:  # the adoptions made durable and claimed meanwhile
                     n.start_soon(settle)
                 if pend:
-                    n.start_soon(self.coord.adoptions.pend, pend)
+                    n.start_soon(self.adoptions.pend, pend)
                 for vlog in replay_plan.vlogs:
                     n.start_soon(replay_vlog, vlog)
         rec.lost = [r.describe() for r in replay_plan.lost]
@@ -452,7 +462,7 @@ class RecoveryManager:
         Unknown after a coordinator restart (then every known backup is
         waited for before recovering at all).
         """
-        m = self.coord.incarnation(rec.broker, rec.epoch)
+        m = self.roster.incarnation(rec.broker, rec.epoch)
         if m is None or not isinstance(m.stats, dict):
             return []
         return [v["vlog"] for v in m.stats.get("vlogs", []) if v.get("durable", 0) > 0]
@@ -465,8 +475,8 @@ class RecoveryManager:
         grace period (counted from the first attempt), then the loss is
         accepted and reported.
         """
-        known = set(self.coord.meta.get("backups", []))
-        up = {m.id for m in self.coord.members["backup"].values() if m.alive}
+        known = set(self.metadata.state.get("backups", []))
+        up = {m.id for m in self.roster.live("backup")}
         waiting = sorted(known - up)
         first = self.first_try.get((rec.broker, rec.epoch), time.monotonic())
         if (waiting or t.failed) and time.monotonic() - first < self.grace:
@@ -482,7 +492,7 @@ class RecoveryManager:
             log.info("unassign after a failed recovery: %s", e)
 
     async def _call(self, addr, method, meta, timeout=30.0, payload=b""):
-        r, _ = await self.coord.pool.call(addr, method, meta, payload, timeout=timeout)
+        r, _ = await self.pool().call(addr, method, meta, payload, timeout=timeout)
         return r
 
     async def _quiet(self, addr, method, meta) -> None:
