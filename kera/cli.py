@@ -19,6 +19,7 @@ import trio
 
 from . import access_cli, kv_cli
 from .errors import KeraError, RecordTooLarge
+from .recovery.state import ACTIVE
 from .security import client_config
 
 DEFAULT_COORDINATOR = "127.0.0.1:7700"
@@ -357,7 +358,7 @@ def cmd_recovery(args) -> None:
             waited = False
             while True:
                 recs = (await a.status())["recoveries"]
-                active = [r for r in recs if r["state"] in ("planning", "replaying", "waiting")]
+                active = [r for r in recs if r["state"] in ACTIVE]
                 if not args.wait or not active:
                     if waited:
                         print(file=sys.stderr)

@@ -31,9 +31,10 @@ from .. import wire
 from ..door import Door
 from ..errors import NotLeader, Unavailable
 from ..recovery.adoption import Adoptions
-from ..recovery.manager import Recovery, RecoveryManager
+from ..recovery.manager import RecoveryManager
 from ..recovery.needs import Settings
 from ..recovery.repoint import CHUNK_ROWS_NEWEST
+from ..recovery.state import Recovery
 from ..rpc import Pool
 from ..security.accounts import Accounts
 from ..security.credentials import Credentials

@@ -43,10 +43,11 @@ import trio
 
 from .. import failpoints
 from ..errors import Unavailable
-from .manager import Recovery, holdings
+from .manager import holdings
 from .needs import Metadata, Recovered, Roster
 from .plan import RecoveryPlan
 from .repoint import repoint
+from .state import Recovery
 
 log = logging.getLogger("kera.recovery")
 

@@ -54,7 +54,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import trio
 
@@ -73,18 +72,13 @@ from .plan import (
 )
 from .repoint import repoint
 from .routes import pack_routes
+from .state import Recovery, State
 
 log = logging.getLogger("kera.recovery")
 
 REPLAY_TIMEOUT = 600.0
 RETRY_DELAY = 0.5
 WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may still bring the rest
-# a recovery's phases, in order, each timed (wall and this process's CPU): fencing the dead
-# incarnation, assigning its streamlets recovering, listing the backups' holdings, planning the
-# replay, indexing the settled vsegs, planning the re-pointing, adopting (the new owners build
-# the segments), replaying the rest (the adoptions settle meanwhile: durable, claimed), handing
-# over (assigned serving, metadata committed)
-PHASES = ("fence", "assign", "list", "plan", "index", "repoint", "adopt", "replay", "handover")
 
 
 async def holdings(pool, backups: list, broker: int) -> tuple[dict[int, Listing], dict[int, int]]:
@@ -118,67 +112,6 @@ class BackupsAwaited(LogIncomplete):
     def __init__(self, message: str, down: list[int]):
         super().__init__(message)
         self.down = down
-
-
-class Recovery:
-    def __init__(self, broker: int, epoch: int, streamlets: list):
-        self.broker = broker
-        self.epoch = epoch
-        self.streamlets = streamlets        # [(stream name, index)]
-        self.started = time.time()
-        self.finished: float | None = None
-        self.served: float | None = None    # the new owners serve (the hand-over committed)
-        self.state = "planning"
-        self.vlogs = 0
-        self.sources: set[int] = set()      # backups replaying
-        self.chunks = 0
-        self.bytes = 0
-        self.total = 0                      # bytes of the vsegs to replay (longest copies)
-        self.error = ""
-        self.steps = 0                      # replay steps (one copy, from one offset)
-        self.corrupt_steps = 0              # steps that stopped on a corrupt chunk
-        self.failed_steps = 0               # steps whose backup failed
-        self.lost: list[dict] = []          # ranges no copy could deliver (vlog, vseg, offset, end)
-        self.adopted_segments = 0           # re-pointed at the backups' copies, not replayed
-        self.adopted_bytes = 0
-        self.wall = dict.fromkeys(PHASES, 0.0)   # seconds per phase
-        self.cpu = dict.fromkeys(PHASES, 0.0)    # the coordinator's CPU seconds per phase
-        self.settle_seconds = 0.0           # the longest settle of a new owner (beside the replay)
-        self.deferred: dict = {}            # groups adopted after the hand-over (kera.recovery.adoption)
-        self.index_rows = 0                 # rows the re-pointing planned from (a row per run of chunks)
-        self.index_chunks = 0               # ... the chunks they stand for
-        self.reindexed_vsegs = 0            # vsegs asked again for their chunks' own rows
-        # backups that may hold copies, down when the grace ran out: gone on without proof
-        self.unproven: list[int] = []
-
-    @contextmanager
-    def phase(self, name: str):
-        """Time a phase of this recovery (see ``PHASES``)."""
-        t, c = time.monotonic(), time.process_time()
-        try:
-            yield
-        finally:
-            self.wall[name] += time.monotonic() - t
-            self.cpu[name] += time.process_time() - c
-
-    def describe(self) -> dict:
-        end = self.finished or time.time()
-        return {"broker": self.broker, "epoch": self.epoch, "state": self.state,
-                "streamlets": len(self.streamlets), "vlogs": self.vlogs,
-                "backups": len(self.sources), "chunks": self.chunks, "bytes": self.bytes,
-                "total_bytes": self.total,
-                "seconds": round(end - self.started, 3),
-                "serve_seconds": round((self.served or end) - self.started, 3),
-                "rate_mb_s": round(self.bytes / max(end - self.started, 1e-6) / 1e6, 2),
-                "steps": self.steps, "corrupt_steps": self.corrupt_steps,
-                "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
-                "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
-                **{f"{p}_seconds": round(t, 4) for p, t in self.wall.items()},
-                "settle_seconds": round(self.settle_seconds, 4),
-                "deferred_groups": sum(len(gs) for gs, *_ in self.deferred.values()),
-                "index_rows": self.index_rows, "index_chunks": self.index_chunks,
-                "reindexed_vsegs": self.reindexed_vsegs, "unproven": self.unproven,
-                "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
 
 
 class RecoveryManager:
@@ -255,7 +188,7 @@ class RecoveryManager:
                         len(rec.streamlets))
         try:
             await self._recover(rec)
-            rec.state = "done"
+            rec.state = State.DONE
             self.first_try.pop(key, None)
             self.not_before.pop(key, None)
             if rec.lost or rec.unproven:
@@ -268,12 +201,12 @@ class RecoveryManager:
                 e = e.exceptions[0]
             rec.error = f"{type(e).__name__}: {e}"
             if isinstance(e, BackupsAwaited):
-                rec.state = "waiting"
+                rec.state = State.WAITING
                 self.waiting[key] = (rec, frozenset(e.down))
                 if waited != self.waiting[key][1]:
                     log.warning("recovery of broker %d epoch %d waits: %s", rec.broker, rec.epoch, e)
             else:
-                rec.state = "failed"
+                rec.state = State.FAILED
                 log.warning("recovery of broker %d epoch %d failed, will retry: %s", rec.broker,
                             rec.epoch, e)
             delay = WAIT_DELAY if isinstance(e, LogIncomplete) else RETRY_DELAY
@@ -281,9 +214,9 @@ class RecoveryManager:
         finally:
             rec.finished = time.time()
             del self.active[key]
-            if rec.state != "waiting":
-                self.ended(rec, rec.state == "done")
-            if rec.state != "waiting":   # a wait is shown once, as the incarnation's state
+            if rec.state != State.WAITING:
+                self.ended(rec, rec.state == State.DONE)
+            if rec.state != State.WAITING:   # a wait is shown once, as the incarnation's state
                 self.history = (self.history + [rec])[-20:]
             if rec.lost or rec.unproven:
                 self.losses = (self.losses + [rec])[-100:]
@@ -348,7 +281,7 @@ class RecoveryManager:
         try:
             with rec.phase("assign"):
                 await assign_all(recovering=True)
-            rec.state = "replaying"
+            rec.state = State.REPLAYING
             replayed = await self._replay(rec, backups, streams, plan)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
@@ -379,8 +312,9 @@ class RecoveryManager:
         self.adoptions.poke()
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
-        # 3. what the backups hold of this incarnation; one that does not answer fails this
-        # attempt: it may hold the only intact copy
+        """3. What the backups hold of the incarnation (one that does not answer fails this
+        attempt: it may hold the only intact copy), its settled history re-pointed, the rest
+        replayed into the new owners ``plan`` names, vlogs in parallel."""
         with rec.phase("list"):
             listings, floors = await holdings(self.pool(), backups, rec.broker)
         addrs = {b.id: b.addr for b in backups}
@@ -402,43 +336,7 @@ class RecoveryManager:
         # the groups adopted after the hand-over (this recovery's, and those a record still
         # holds for streamlets it hands over: ``kera.recovery.adoption``), told beside the replay
         pend = self.adoptions.pending_for(owners, (rec.broker, rec.epoch), rec.deferred)
-
-        async def replay_vlog(vlog: int) -> None:
-            while isinstance(step := replay_plan.next_step(vlog), Step):
-                rec.sources.add(step.backup)
-                rec.steps += 1
-                try:
-                    r = await self._call(addrs[step.backup], "replay", {
-                        "broker": rec.broker, "vlog": vlog, "vseg": step.vseg, "offset": step.offset,
-                        "owners": owners_of, "replay_from": replay_from}, timeout=REPLAY_TIMEOUT,
-                        payload=routes)
-                except KeraError as e:
-                    if getattr(e, "target", None):  # a new owner failed, not the copy: plan again
-                        raise
-                    rec.failed_steps += 1
-                    log.warning("replay of vlog %d vseg %d from backup %d at offset %d failed (%s); "
-                                "continuing from another copy", vlog, step.vseg, step.backup,
-                                step.offset, e)
-                    replay_plan.step_done(vlog, step.vseg, step.backup, step.offset, FAILED)
-                    continue
-                rec.chunks += r.get("chunks", 0)
-                rec.bytes += r.get("bytes", 0)
-                stopped = r.get("stopped", END)
-                if stopped not in (END, CORRUPT, REFUSED):
-                    stopped = FAILED
-                if stopped == CORRUPT:
-                    rec.corrupt_steps += 1
-                    log.warning("replay of vlog %d vseg %d from backup %d stopped at a corrupt chunk "
-                                "at offset %d; continuing from another copy", vlog, step.vseg,
-                                step.backup, r["next"])
-                replay_plan.step_done(vlog, step.vseg, step.backup, int(r.get("next", step.offset)),
-                                      stopped, r.get("corrupt_end"))
-            if isinstance(step, Truncated):
-                self._accept_truncation(rec, step)
-            elif isinstance(step, Done) and step.head_closed:
-                log.info("vlog %d of broker %d: its newest vseg %d is closed, its successor never "
-                         "reached a backup", vlog, rec.broker, step.vseg)
-
+        ask = {"broker": rec.broker, "owners": owners_of, "replay_from": replay_from}
         with rec.phase("replay"):
             async with trio.open_nursery() as n:
                 if settle is not None:  # the adoptions made durable and claimed meanwhile
@@ -446,13 +344,52 @@ class RecoveryManager:
                 if pend:
                     n.start_soon(self.adoptions.pend, pend)
                 for vlog in replay_plan.vlogs:
-                    n.start_soon(replay_vlog, vlog)
+                    n.start_soon(self._replay_vlog, rec, replay_plan, vlog, addrs, ask, routes)
         rec.lost = [r.describe() for r in replay_plan.lost]
         for r in rec.lost:
             log.error("recovery of broker %d epoch %d: LOST vlog %d vseg %d bytes %d..%s (%s)",
                       rec.broker, rec.epoch, r["vlog"], r["vseg"], r["offset"],
                       "?" if r["end"] is None else r["end"], r["reason"])
         return replay_plan
+
+    async def _replay_vlog(self, rec: Recovery, replay_plan: RecoveryPlan, vlog: int, addrs: dict,
+                           ask: dict, routes) -> None:
+        """One vlog's steps as the plan gives them out, each a ``replay`` of one copy from an
+        offset (``ask``: what every step's request carries; ``routes``: its payload), until
+        the plan says the log is done or ends early."""
+        while isinstance(step := replay_plan.next_step(vlog), Step):
+            rec.sources.add(step.backup)
+            rec.steps += 1
+            try:
+                r = await self._call(addrs[step.backup], "replay", {
+                    **ask, "vlog": vlog, "vseg": step.vseg, "offset": step.offset},
+                    timeout=REPLAY_TIMEOUT, payload=routes)
+            except KeraError as e:
+                if getattr(e, "target", None):  # a new owner failed, not the copy: plan again
+                    raise
+                rec.failed_steps += 1
+                log.warning("replay of vlog %d vseg %d from backup %d at offset %d failed (%s); "
+                            "continuing from another copy", vlog, step.vseg, step.backup,
+                            step.offset, e)
+                replay_plan.step_done(vlog, step.vseg, step.backup, step.offset, FAILED)
+                continue
+            rec.chunks += r.get("chunks", 0)
+            rec.bytes += r.get("bytes", 0)
+            stopped = r.get("stopped", END)
+            if stopped not in (END, CORRUPT, REFUSED):
+                stopped = FAILED
+            if stopped == CORRUPT:
+                rec.corrupt_steps += 1
+                log.warning("replay of vlog %d vseg %d from backup %d stopped at a corrupt chunk "
+                            "at offset %d; continuing from another copy", vlog, step.vseg,
+                            step.backup, r["next"])
+            replay_plan.step_done(vlog, step.vseg, step.backup, int(r.get("next", step.offset)),
+                                  stopped, r.get("corrupt_end"))
+        if isinstance(step, Truncated):
+            self._accept_truncation(rec, step)
+        elif isinstance(step, Done) and step.head_closed:
+            log.info("vlog %d of broker %d: its newest vseg %d is closed, its successor never "
+                     "reached a backup", vlog, rec.broker, step.vseg)
 
     def _durable_vlogs(self, rec: Recovery) -> list[int]:
         """Vlogs the dead incarnation last reported with durable chunks (heartbeat stats).
