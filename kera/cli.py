@@ -388,7 +388,7 @@ def cmd_server(args, rest) -> None:
     if args.command == "broker":
         from .broker.service import main
     else:
-        from .backup.service import main
+        from .backup.main import main
     main(rest)
 
 

@@ -55,7 +55,7 @@ class Backup:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kera.backup.service", "--dir", self.dir, "--port", "0",
+                [sys.executable, "-m", "kera.backup.main", "--dir", self.dir, "--port", "0",
                  "--flush-interval", "0.02", "--cluster-secret-file",
                  secret_file(os.path.dirname(self.logdir)),
                  *self.args],

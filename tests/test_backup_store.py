@@ -359,9 +359,9 @@ def test_a_file_read_is_not_served_when_its_replica_is_dropped_meanwhile(tmp_pat
 
     async def main():
         with pytest.raises(BackupError, match="dropped"):
-            await svc._read_replica(rep, read)
+            await svc.readback.read_replica(rep, read)
         with pytest.raises(BackupError, match="dropped"):
-            await svc._read_replica(rep, read)
+            await svc.readback.read_replica(rep, read)
 
     trio.run(main)
     assert reads == [1] and not rep.corrupt

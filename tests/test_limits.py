@@ -27,7 +27,7 @@ from .workload import producer_id, stream_values
 
 def test_every_user_takes_its_limits_from_the_one_module():
     from kera.backup import readback, replay
-    from kera.backup import service as backup
+    from kera.backup import store as backup
     from kera.broker import pull
 
     assert limits.MAX_CHUNK <= limits.MAX_REPLICATE_PAYLOAD <= limits.MAX_PAYLOAD
