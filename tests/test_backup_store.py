@@ -13,7 +13,7 @@ import trio
 from kera import chunk
 from kera.backup import segment_file as sf
 from kera.backup import store as store_module
-from kera.backup.replica import INDEX_COLUMNS, Replica, index_runs
+from kera.backup.replica import Replica, index_runs
 from kera.backup.service import BackupService
 from kera.backup.store import (
     APPEND,
@@ -25,6 +25,7 @@ from kera.backup.store import (
     BackupStore,
 )
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
+from kera.wire.columns import INDEX_COLUMNS
 
 from .members import SECRET
 

@@ -16,7 +16,7 @@ import trio
 from .. import metafile
 from ..errors import Fenced, InvalidArgument
 from ..vlog import vlog_epoch
-from ..wire import U63
+from ..wire.fields import U63
 from .claims import FileClaims
 from .flushing import Flusher
 from .replica import Replica

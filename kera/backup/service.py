@@ -30,12 +30,12 @@ from .. import wire
 from ..coordinator.link import CoordinatorLink
 from ..door import Door
 from ..errors import InvalidArgument
-from ..recovery.plan import PLAIN_COLUMNS
 from ..rpc import advertised, open_pool
 from ..security.credentials import Credentials
 from ..security.gate import Gate, take_state
 from ..security.mechanisms import BACKUP
 from ..server import Service
+from ..wire.columns import PLAIN_COLUMNS
 from . import disk
 from .flushing import Flusher
 from .intake import Intake

@@ -18,22 +18,23 @@ import trio
 
 from .. import chunk, limits
 from ..errors import InvalidArgument, KeraError, ProtocolError
+from ..wire.columns import INDEX_COLUMNS, IX_COUNT, IX_FLAGS, IX_VOFF
 from . import index_chunk
-from .repoint_plan import FLAGS, LAST, VOFF, answer_rows
+from .repoint_plan import LAST, answer_rows
 
 log = logging.getLogger("kera.recovery")
 
 INDEX_TIMEOUT = 30.0
 INDEX_BATCH = limits.INDEX_VSEGS   # vsegs asked of a backup in one index call
-ANSWER = FLAGS + 1 - VOFF  # u64s per chunk in an index answer: the row's columns VOFF..FLAGS
-# (one more, the count, per run of chunks in an answer of runs)
+ANSWER = INDEX_COLUMNS   # u64s per chunk in an index answer (one more, the count, per run of
+# chunks in an answer of runs): the rows' columns VOFF..FLAGS
 
 
 def _bad_runs(a: np.ndarray, runs: bool) -> np.ndarray:
     """Rows whose count cannot be: none, or several chunks with a flag (never joined)."""
     if not runs:
         return np.zeros(len(a), bool)
-    return (a[:, ANSWER] == 0) | ((a[:, ANSWER] != 1) & (a[:, FLAGS - VOFF] != 0))
+    return (a[:, IX_COUNT] == 0) | ((a[:, IX_COUNT] != 1) & (a[:, IX_FLAGS] != 0))
 
 
 class _Gathered:
@@ -49,7 +50,7 @@ class _Gathered:
         """One vseg's answer: its rows, then its index chunks (verified)."""
         found = chunk.scan(data[rows:])
         a = np.frombuffer(data[:rows], "<u8").reshape(-1, ANSWER + runs)
-        marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
+        marks = np.flatnonzero(a[:, IX_FLAGS] & chunk.INDEX)
         if len(marks) != len(found):
             raise ProtocolError(f"{len(marks)} index rows but {len(found)} index chunks")
         if _bad_runs(a, runs).any():
@@ -58,7 +59,7 @@ class _Gathered:
         for i, (h, off) in zip(marks.tolist(), found, strict=True):  # an index chunk covers a run
             data_i = bytes(data[rows + off:rows + off + h.size])
             out[i, LAST] += len(index_chunk.parse(data_i, h).counts) - 1
-            self.indexes[(vlog, vseg, int(a[i, 0]))] = data_i
+            self.indexes[(vlog, vseg, int(a[i, IX_VOFF]))] = data_i
         self.answers.append(out)
 
     def plain(self, b: int, got: list, failed: list, runs: bool) -> None:
@@ -71,7 +72,7 @@ class _Gathered:
         counts = [len(part) // (8 * width) for _, part in got]
         which = np.repeat(np.arange(len(got)), counts)
         good = np.ones(len(got), bool)
-        for k in set(which[(a[:, FLAGS - VOFF] & chunk.INDEX != 0) | _bad_runs(a, runs)].tolist()):
+        for k in set(which[(a[:, IX_FLAGS] & chunk.INDEX != 0) | _bad_runs(a, runs)].tolist()):
             vlog, vseg, *_ = item = got[k][0]
             log.warning("index of vlog %d vseg %d on backup %d: index rows but no index chunks, or a "
                         "run of no chunk or of several with a flag", vlog, vseg, b)
