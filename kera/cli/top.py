@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from .recovery.state import ACTIVE
+from ..recovery.state import ACTIVE
 
 MIB = 1 << 20
 
