@@ -29,11 +29,12 @@ def test_every_user_takes_its_limits_from_the_one_module():
     from kera.backup import readback, replay
     from kera.backup import store as backup
     from kera.broker import pull
+    from kera.chunk import builders
 
     assert limits.MAX_CHUNK <= limits.MAX_REPLICATE_PAYLOAD <= limits.MAX_PAYLOAD
     assert frame.MAX_META == limits.MAX_META and frame.PREFIX_SIZE == limits.FRAME_PREFIX
     assert frame.FrameDecoder().max_frame == limits.MAX_FRAME
-    assert chunk.MAX_RECORDS == limits.MAX_RECORDS and chunk.MAX_CHUNK == limits.MAX_CHUNK
+    assert builders.MAX_RECORDS == limits.MAX_RECORDS and builders.MAX_CHUNK == limits.MAX_CHUNK
     assert backup.MAX_REPLICATE_BYTES == limits.MAX_REPLICATE_PAYLOAD
     assert readback.MAX_READ_BYTES == limits.MAX_READ
     assert backup.MAX_SEGMENT_BYTES == limits.MAX_REPLICA_BYTES
