@@ -43,8 +43,8 @@ import trio
 
 from .. import failpoints
 from ..errors import Unavailable
-from .manager import holdings
-from .needs import Metadata, Recovered, Roster
+from .listing import list_backups
+from .needs import Liveness, MetaStore, RecoveredList
 from .plan import RecoveryPlan
 from .repoint import repoint
 from .state import Recovery
@@ -82,7 +82,7 @@ class Adoptions:
     ``recovered`` (an incarnation adopted whole is let go of) and the coordinator's
     ``pool()``."""
 
-    def __init__(self, roster: Roster, metadata: Metadata, recovered: Recovered, pool: Callable):
+    def __init__(self, roster: Liveness, metadata: MetaStore, recovered: RecoveredList, pool: Callable):
         self.roster, self.metadata, self.recovered, self.pool = roster, metadata, recovered, pool
         self.wake = trio.Event()
         self.state: dict[str, dict] = {}   # record key -> its last try (error)
@@ -240,7 +240,7 @@ class Adoptions:
     async def _repoint(self, broker: int, epoch: int, owners: dict, only: dict) -> None:
         """The pending groups adopted from the backups' copies, durable and claimed."""
         backups = self.roster.live("backup")
-        listings, floors = await holdings(self.pool(), backups, broker)
+        listings, floors = await list_backups(self.pool(), backups, broker)
         rec = Recovery(broker, epoch, [])   # repoint's phase timers and counters
         plan = RecoveryPlan(broker, epoch, listings, [], floors)
         got = await repoint(self.pool(), rec, plan, {b.id: b.addr for b in backups}, owners, only=only)

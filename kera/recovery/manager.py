@@ -58,14 +58,15 @@ from collections.abc import Callable
 import trio
 
 from ..errors import KeraError, Unavailable
-from .needs import Metadata, Placement, Recovered, Roster, Settings
+from .adoption import Adoptions
+from .listing import list_backups
+from .needs import Liveness, MetaStore, Owners, RecoveredList, Settings
 from .plan import (
     CORRUPT,
     END,
     FAILED,
     REFUSED,
     Done,
-    Listing,
     RecoveryPlan,
     Step,
     Truncated,
@@ -79,26 +80,6 @@ log = logging.getLogger("kera.recovery")
 REPLAY_TIMEOUT = 600.0
 RETRY_DELAY = 0.5
 WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may still bring the rest
-
-
-async def holdings(pool, backups: list, broker: int) -> tuple[dict[int, Listing], dict[int, int]]:
-    """What ``backups`` hold of ``broker``'s vlogs (``list``, all at once, the closed intact
-    copies as columns): backup id -> its copies, and vlog -> its floor (vsegs below were
-    released by the broker: retention). One that does not answer fails the caller: it may
-    hold the only intact copy."""
-    listings: dict[int, Listing] = {}
-    floors: dict[int, int] = {}
-
-    async def listing(b) -> None:
-        r, payload = await pool.call(b.addr, "list", {"broker": broker, "columns": True}, timeout=10)
-        listings[b.id] = Listing.of(r, payload)
-        for _, vlog, floor in r.get("floors") or []:
-            floors[vlog] = max(floors.get(vlog, 0), floor)
-
-    async with trio.open_nursery() as n:
-        for b in backups:
-            n.start_soon(listing, b)
-    return listings, floors
 
 
 class LogIncomplete(Unavailable):
@@ -121,8 +102,8 @@ class RecoveryManager:
     the coordinator's ``pool()``, its ``settings``, and ``ended(recovery, ok)``, told as each
     attempt ends that is not a wait (the metrics)."""
 
-    def __init__(self, roster: Roster, metadata: Metadata, placement: Placement, adoptions,
-                 recovered: Recovered, pool: Callable, settings: Settings,
+    def __init__(self, roster: Liveness, metadata: MetaStore, placement: Owners, adoptions: Adoptions,
+                 recovered: RecoveredList, pool: Callable, settings: Settings,
                  ended: Callable[[Recovery, bool], None]):
         self.roster, self.metadata, self.placement = roster, metadata, placement
         self.adoptions, self.recovered, self.pool = adoptions, recovered, pool
@@ -316,7 +297,7 @@ class RecoveryManager:
         attempt: it may hold the only intact copy), its settled history re-pointed, the rest
         replayed into the new owners ``plan`` names, vlogs in parallel."""
         with rec.phase("list"):
-            listings, floors = await holdings(self.pool(), backups, rec.broker)
+            listings, floors = await list_backups(self.pool(), backups, rec.broker)
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
             replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)

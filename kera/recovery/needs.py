@@ -3,9 +3,9 @@
 ``RecoveryManager`` and ``Adoptions`` never see the coordinator whole: it hands them its
 parts, which they know only by these shapes, so their constructors say everything they
 touch, and recovery imports nothing of the coordinator (which imports recovery). The
-coordinator's parts that fit them: ``kera.coordinator.membership.Roster``,
-``kera.coordinator.metadata.Metadata``, ``kera.coordinator.placement.Placement`` and
-``kera.coordinator.recovered.Recovered``.
+coordinator's parts that fit them: ``Liveness`` is its ``Roster``
+(``kera.coordinator.membership``), ``MetaStore`` its ``Metadata``, ``Owners`` its
+``Placement`` and ``RecoveredList`` its ``Recovered``; a ``Server`` is a ``Member``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from .holdings import Holdings, Incarnation
 from .repoint import CHUNK_ROWS_NEWEST
 
 
-class Member(Protocol):
+class Server(Protocol):
     """A server as the coordinator knows it (``kera.coordinator.membership.Member``)."""
 
     id: int
@@ -31,17 +31,17 @@ class Member(Protocol):
     stats: dict       # its last heartbeat's
 
 
-class Roster(Protocol):
+class Liveness(Protocol):
     """Who is alive, this term (``kera.coordinator.membership.Roster``)."""
 
-    members: dict[str, dict[int, Member]]   # role -> id -> member registered this term
+    members: dict[str, dict[int, Server]]   # role -> id -> member registered this term
     ready: bool                             # the nodes had their time to rejoin
 
-    def live(self, role: str) -> list[Member]: ...
+    def live(self, role: str) -> list[Server]: ...
 
-    def live_broker(self, bid: int, epoch: int | None = None) -> Member | None: ...
+    def live_broker(self, bid: int, epoch: int | None = None) -> Server | None: ...
 
-    def incarnation(self, bid: int, epoch: int) -> Member | None: ...
+    def incarnation(self, bid: int, epoch: int) -> Server | None: ...
 
     def forget(self, keep: Callable[[Incarnation], bool]) -> None: ...
 
@@ -62,7 +62,7 @@ class Streams(Protocol):
     def by_id(self, sid: int) -> StreamMeta | None: ...
 
 
-class Metadata(Protocol):
+class MetaStore(Protocol):
     """The term's metadata (``kera.coordinator.metadata.Metadata``): a change is durable
     once ``commit`` returns."""
 
@@ -76,21 +76,21 @@ class Metadata(Protocol):
 
     def fence(self, broker: int, epoch: int) -> None: ...
 
-    def set_owner(self, s: StreamMeta, i: int, m: Member) -> None: ...
+    def set_owner(self, s: StreamMeta, i: int, m: Server) -> None: ...
 
     async def commit(self) -> None: ...
 
 
-class Placement(Protocol):
+class Owners(Protocol):
     """Owners among the live brokers (``kera.coordinator.placement.Placement``)."""
 
-    def spread(self, n: int, salt: int = 0) -> list[Member]: ...
+    def spread(self, n: int, salt: int = 0) -> list[Server]: ...
 
-    async def assign(self, m: Member, entries: list, recovering: bool = False,
+    async def assign(self, m: Server, entries: list, recovering: bool = False,
                      seal: bool = False) -> None: ...
 
 
-class Recovered(Protocol):
+class RecoveredList(Protocol):
     """The incarnations every backup lets go of (``kera.coordinator.recovered.Recovered``)."""
 
     def add(self, broker: int, epoch: int, covered: list) -> None: ...
