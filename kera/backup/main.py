@@ -18,6 +18,7 @@ import sys
 import trio
 
 from .. import door, metrics
+from ..coordinator import link
 from ..door import Door
 from ..security import secret as secret_
 from ..security import tls as tls_
@@ -36,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", default="", metavar="HOST[:PORT]",
                    help="address brokers and the coordinator reach this backup at (default: "
                         "--host and the port bound)")
-    p.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR"),
+    p.add_argument("--coordinator", default=os.environ.get(link.ENV),
                    help="HOST:PORT[,HOST:PORT...] of the coordinators to register with")
     p.add_argument("--node", help="node name (backups and brokers of one node share it)")
     p.add_argument("--fsync", choices=("periodic", "write", "always"), default="write",

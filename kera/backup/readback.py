@@ -28,9 +28,6 @@ from .store import BackupStore
 
 log = logging.getLogger("kera.backup")
 
-INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
-MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
-DEFAULT_READ_BYTES = 1 << 20
 
 
 class ReadBack:
@@ -89,13 +86,13 @@ class ReadBack:
         little-endian u64s per chunk from each verified header, ``kera.wire.columns``; then its index chunks
         (``kera.recovery.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
         (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
-        the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
+        the answer holds ``limits.INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
         A vseg asked as ``[vlog, vseg, true]`` gets rows of runs of chunks instead
         (``index_runs``: ``RUN_COLUMNS`` u64s, the last a count)."""
         broker, vsegs = meta["broker"], meta["vsegs"]
         answers, parts, size = [], [], 0
         for vlog, vseg, *as_runs in vsegs:
-            if size >= INDEX_ANSWER:
+            if size >= limits.INDEX_ANSWER:
                 answers.append({"later": True})
                 continue
             try:
@@ -104,8 +101,8 @@ class ReadBack:
                 answers.append({"error": e.code, "message": str(e)})
                 continue
             n = sum(len(p) for p in mine)
-            if size and size + n > INDEX_ANSWER:  # the first one always goes (if a frame holds it)
-                size = INDEX_ANSWER
+            if size and size + n > limits.INDEX_ANSWER:  # the first one always goes (if a frame holds it)
+                size = limits.INDEX_ANSWER
                 answers.append({"later": True})
                 continue
             if n > limits.MAX_PAYLOAD:
@@ -166,7 +163,7 @@ class ReadBack:
     def read(self, meta: dict):
         key = vseg_key(meta)
         offset = meta.get("offset") or 0
-        max_bytes = min(max(meta.get("max_bytes") or DEFAULT_READ_BYTES, 1), MAX_READ_BYTES)
+        max_bytes = min(max(meta.get("max_bytes") or limits.DEFAULT_READ, 1), limits.MAX_READ)
         rep, start, stop, corrupt_at, nxt, in_memory = self.store.plan_read(key, offset, max_bytes)
         self.counters["reads"] += 1
         if in_memory:

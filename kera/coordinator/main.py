@@ -15,8 +15,8 @@ import trio
 
 from .. import door, metrics
 from ..door import Door
+from ..limits import CHUNK_ROWS_NEWEST
 from ..process import run_until_signal
-from ..recovery.repoint import CHUNK_ROWS_NEWEST
 from ..security import secret as secret_
 from ..security import tls as tls_
 from .service import Coordinator

@@ -30,10 +30,10 @@ import trio
 from .. import wire
 from ..door import Door
 from ..errors import NotLeader, Unavailable
+from ..limits import CHUNK_ROWS_NEWEST
 from ..recovery.adoption import Adoptions
 from ..recovery.manager import RecoveryManager
 from ..recovery.needs import Settings
-from ..recovery.repoint import CHUNK_ROWS_NEWEST
 from ..recovery.state import Recovery
 from ..rpc import Pool
 from ..security.accounts import Accounts

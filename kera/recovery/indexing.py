@@ -25,7 +25,6 @@ from .repoint_plan import LAST, answer_rows
 log = logging.getLogger("kera.recovery")
 
 INDEX_TIMEOUT = 30.0
-INDEX_BATCH = limits.INDEX_VSEGS   # vsegs asked of a backup in one index call
 ANSWER = INDEX_COLUMNS   # u64s per chunk in an index answer (one more, the count, per run of
 # chunks in an answer of runs): the rows' columns VOFF..FLAGS
 
@@ -123,10 +122,10 @@ async def _ask(pool, addr: str, broker: int, batch: list) -> tuple[list, memoryv
 
 async def _ask_backup(pool, broker: int, b: int, addrs: dict, items: list, failed: list,
                       got: _Gathered) -> None:
-    """The index of ``items`` on backup ``b``, INDEX_BATCH vsegs a call, into ``got``; what
+    """The index of ``items`` on backup ``b``, ``limits.INDEX_VSEGS`` vsegs a call, into ``got``; what
     fails there goes to ``failed``, for the next copy."""
     while items:
-        batch, items = items[:INDEX_BATCH], items[INDEX_BATCH:]
+        batch, items = items[:limits.INDEX_VSEGS], items[limits.INDEX_VSEGS:]
         try:
             entries, data = await _ask(pool, addrs[b], broker, batch)
         except InvalidArgument as e:

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..limits import CHUNK_ROWS_NEWEST
 from ..stream_meta import StreamMeta
 from .holdings import Holdings, Incarnation
-from .repoint import CHUNK_ROWS_NEWEST
 
 
 class Server(Protocol):

@@ -40,7 +40,7 @@ from functools import partial
 import numpy as np
 import trio
 
-from .. import chunk, failpoints
+from .. import chunk, failpoints, limits
 from . import index_chunk
 from .indexing import INDEX_TIMEOUT, index
 from .plan import RecoveryPlan
@@ -66,9 +66,6 @@ from .repoint_plan import (
 
 log = logging.getLogger("kera.recovery")
 
-# bytes of each vlog's newest settled vsegs a recovery indexes per chunk (the older ones as runs)
-CHUNK_ROWS_NEWEST = 8 << 20
-ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
 
 
 @dataclass
@@ -116,7 +113,7 @@ def _asked(plan: RecoveryPlan, settled: dict, runs: bool, newest: int) -> list:
 
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                   replayed: frozenset = frozenset(), only: dict | None = None,
-                  newest: int = CHUNK_ROWS_NEWEST) -> Repointed:
+                  newest: int = limits.CHUNK_ROWS_NEWEST) -> Repointed:
     """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries, what to
     run beside the replay, before the hand-over (``settle``), and the groups whose adoption
     reaches their end, left for after the hand-over (``deferred``).
@@ -188,10 +185,10 @@ async def _decide(pool, rec, addrs: dict, rows: np.ndarray, settled: dict, cut: 
 
 
 async def _adopt(pool, m, mine: list[bytes]) -> None:
-    """Index chunks ``mine`` adopted by owner ``m``, up to ADOPT_BATCH bytes a request."""
+    """Index chunks ``mine`` adopted by owner ``m``, up to ``limits.ADOPT_BATCH`` bytes a request."""
     batch, size = [], 0
     for data in mine + [None]:
-        if batch and (data is None or size + len(data) > ADOPT_BATCH):
+        if batch and (data is None or size + len(data) > limits.ADOPT_BATCH):
             await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch, timeout=INDEX_TIMEOUT)
             batch, size = [], 0
         if data is not None:
