@@ -38,21 +38,7 @@ import xxhash
 
 from ..chunk import FEW, HEADER_DTYPE, HEADER_SIZE, INDEX
 from ..errors import InvalidArgument
-from ..wire.columns import (
-    INDEX_COLUMNS,
-    IX_COUNT,
-    IX_FLAGS,
-    IX_GROUP,
-    IX_OFFSET,
-    IX_PRODUCER,
-    IX_SEGMENT,
-    IX_SEQUENCE,
-    IX_SIZE,
-    IX_STREAM,
-    IX_STREAMLET,
-    IX_VOFF,
-    RUN_COLUMNS,
-)
+from ..wire import columns
 from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
 
@@ -74,21 +60,22 @@ def index_runs(rows: np.ndarray) -> np.ndarray:
     them (first offsets, the sizes summed, the highest sequence) followed by their count.
     What a recovery plans the settled history from: a row per run, not per chunk."""
     n = len(rows)
-    out = np.empty((n, RUN_COLUMNS), np.uint64)
+    out = np.empty((n, columns.RUN_COLUMNS), np.uint64)
     if not n:
         return out
-    voff, size, offset = rows[:, IX_VOFF], rows[:, IX_SIZE], rows[:, IX_OFFSET]
-    seq, flags = rows[:, IX_SEQUENCE], rows[:, IX_FLAGS]
+    c = columns
+    voff, size, offset = rows[:, c.IX_VOFF], rows[:, c.IX_SIZE], rows[:, c.IX_OFFSET]
+    seq, flags = rows[:, c.IX_SEQUENCE], rows[:, c.IX_FLAGS]
     joins = (flags[1:] == 0) & (flags[:-1] == 0) & (voff[1:] == voff[:-1] + size[:-1]) \
         & (offset[1:] == offset[:-1] + size[:-1])
-    for c in (IX_STREAM, IX_STREAMLET, IX_GROUP, IX_SEGMENT, IX_PRODUCER):
-        joins &= rows[1:, c] == rows[:-1, c]
+    for k in (c.IX_STREAM, c.IX_STREAMLET, c.IX_GROUP, c.IX_SEGMENT, c.IX_PRODUCER):
+        joins &= rows[1:, k] == rows[:-1, k]
     first = np.flatnonzero(np.append(True, ~joins))
     out = out[:len(first)]
-    out[:, :INDEX_COLUMNS] = rows[first]
-    out[:, IX_SIZE] = np.add.reduceat(size, first)
-    out[:, IX_SEQUENCE] = np.maximum.reduceat(seq, first)
-    out[:, IX_COUNT] = np.diff(np.append(first, n))
+    out[:, :c.INDEX_COLUMNS] = rows[first]
+    out[:, c.IX_SIZE] = np.add.reduceat(size, first)
+    out[:, c.IX_SEQUENCE] = np.maximum.reduceat(seq, first)
+    out[:, c.IX_COUNT] = np.diff(np.append(first, n))
     return out
 
 
@@ -106,10 +93,10 @@ class VsegIndex:
     def of(cls, rows: bytes, runs: bool = True) -> VsegIndex:
         """From its rows; ``runs``: make the rows of runs too (a replica indexed from its file
         makes only the form asked for)."""
-        a = np.frombuffer(rows, "<u8").reshape(-1, INDEX_COLUMNS)
-        marks = np.flatnonzero(a[:, IX_FLAGS] & INDEX)
+        a = np.frombuffer(rows, "<u8").reshape(-1, columns.INDEX_COLUMNS)
+        marks = np.flatnonzero(a[:, columns.IX_FLAGS] & INDEX)
         return cls(rows, index_runs(a).astype("<u8", copy=False).tobytes() if runs else None,
-                   tuple(map(tuple, a[marks, IX_VOFF:IX_SIZE + 1].tolist())))
+                   tuple(map(tuple, a[marks, columns.IX_VOFF:columns.IX_SIZE + 1].tolist())))
 
     @property
     def nbytes(self) -> int:
@@ -200,7 +187,8 @@ class Replica:
         bytes; returns the bytes kept."""
         heads, self.heads = self.heads, None
         n = len(self.starts)
-        if heads is None or n * 8 * (INDEX_COLUMNS + RUN_COLUMNS) > room or sum(map(len, heads)) != n:
+        if heads is None or n * 8 * (columns.INDEX_COLUMNS + columns.RUN_COLUMNS) > room \
+                or sum(map(len, heads)) != n:
             return 0
         starts = np.frombuffer(self.starts, np.uint64)
         h = np.frombuffer(b"".join(x.tobytes() for x in heads), HEADER_DTYPE)  # np.concatenate of

@@ -44,20 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..chunk import CLOSE, INDEX
-from ..wire.columns import (
-    INDEX_COLUMNS,
-    IX_COUNT,
-    IX_FLAGS,
-    IX_GROUP,
-    IX_OFFSET,
-    IX_PRODUCER,
-    IX_SEGMENT,
-    IX_SEQUENCE,
-    IX_SIZE,
-    IX_STREAM,
-    IX_STREAMLET,
-    IX_VOFF,
-)
+from ..wire import columns
 from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg as a backup's index lists it, or a run of
@@ -69,10 +56,12 @@ _32, _40 = np.uint64(32), np.uint64(1 << 40)
 COLUMNS = 14        # VOFF..FLAGS are the backup's answer (and COUNT, of runs); VLOG, VSEG the vseg
 # it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's last
 # (``kera.recovery.repoint``)
-# VOFF..FLAGS are an index row as the wire lays it out (``kera.wire.columns``), in its order
+# VOFF..FLAGS are an index row as the wire lays it out (``kera.wire.columns``): each is the
+# wire's IX_ column of its name, VOFF on
 assert (VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS) == tuple(
-    VOFF + c for c in (IX_VOFF, IX_SIZE, IX_STREAM, IX_STREAMLET, IX_GROUP, IX_SEGMENT, IX_OFFSET,
-                       IX_PRODUCER, IX_SEQUENCE, IX_FLAGS)) and FLAGS + 1 - VOFF == INDEX_COLUMNS, \
+    VOFF + getattr(columns, "IX_" + name) for name in (
+        "VOFF", "SIZE", "STREAM", "STREAMLET", "GROUP", "SEGMENT", "OFFSET", "PRODUCER", "SEQUENCE",
+        "FLAGS")) and FLAGS + 1 - VOFF == columns.INDEX_COLUMNS, \
     "the planner's rows carry an index row whole, in the wire's order"
 
 
@@ -81,9 +70,9 @@ def answer_rows(a: np.ndarray, vlog, vseg, runs: bool) -> np.ndarray:
     and ``vseg`` (each a number, or an array of one per row) as rows of the plan."""
     out = np.empty((len(a), COLUMNS), np.uint64)
     out[:, VLOG], out[:, VSEG] = vlog, vseg
-    out[:, VOFF:FLAGS + 1] = a[:, :INDEX_COLUMNS]
+    out[:, VOFF:FLAGS + 1] = a[:, :columns.INDEX_COLUMNS]
     out[:, LAST] = out[:, SEGMENT]
-    out[:, COUNT] = a[:, IX_COUNT] if runs else 1
+    out[:, COUNT] = a[:, columns.IX_COUNT] if runs else 1
     return out
 
 
