@@ -246,9 +246,10 @@ _TANSU_ENV = {
 
 
 def create_topics(
-    bootstrap: str, names: Sequence[str], partitions: int = 1, timeout_s: float = 60.0
+    bootstrap: str, names: Sequence[str], partitions: int = 1, timeout_s: float = 60.0,
+    replication_factor: int = 1,
 ) -> None:
-    """Create topics (replication factor 1) and wait until metadata lists them all.
+    """Create topics and wait until metadata lists them all.
 
     Topics that already exist are accepted.
     """
@@ -262,7 +263,7 @@ def create_topics(
     for i in range(0, len(names), chunk):
         futures = admin.create_topics(
             [
-                NewTopic(n, num_partitions=partitions, replication_factor=1)
+                NewTopic(n, num_partitions=partitions, replication_factor=replication_factor)
                 for n in names[i : i + chunk]
             ],
             operation_timeout=timeout_s,

@@ -13,6 +13,10 @@ batch without copying. ``body_checksum`` is xxh3-64 of the body; the header
 checksum (xxh32 of the header bytes before it) also covers the
 [group, segment, offset] placement the broker writes at append time.
 
+``reserved`` holds the chunk's Kafka base offset plus one, written by the broker with its
+placement (``place``'s ``kafka_base``, or ``set_kafka_offset``; 0: none yet), so the dense
+offsets of a partition are replayed with its chunks (``kera.kafka.log``).
+
 ``flags`` (one byte): ``SEQ_RESET`` marks the first chunk a producer sends
 after giving up on earlier ones of the streamlet; the broker takes its
 sequence as the producer's new base (see ``Streamlet.check_sequence``);
@@ -22,7 +26,9 @@ compaction (``kera.chunk.view.rewrite``): it keeps the placement of the chunk it
 came from, and after its values a uint32 array of each surviving record's index in
 the original chunk, so a committed skip count ("the first k records of the chunk at
 this position were consumed") keeps its meaning (``skip_in`` / ``skip_out``);
-``CLOSE`` marks a group's last chunk.
+``CLOSE`` marks a group's last chunk; ``KAFKA`` marks a chunk whose body is a Kafka
+record batch, padded to 8 bytes (``kera.kafka.convert``): a ``ChunkView`` reads its
+records through a conversion to this layout.
 """
 
 from __future__ import annotations
@@ -61,6 +67,9 @@ SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on t
 INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.recovery.index_chunk``)
 COMPACTED = 0x04  # flags: rewritten by compaction; original record indices follow the values
 CLOSE = 0x08  # flags: a group closed: no chunk follows in it
+KAFKA = 0x10  # flags: the body is a Kafka record batch (magic 2) as its producer sent it
+_RESERVED = struct.Struct("<Q")
+_RESERVED_AT = 76   # the header's ``reserved``: a partition's Kafka base offset + 1 (0: none)
 
 
 _Fields = namedtuple("_Fields", "flags stream_id streamlet record_count producer_id sequence ts_min "
@@ -131,7 +140,7 @@ def parse_header(buf, offset: int = 0) -> ChunkHeader:
         raise ChecksumError("chunk header checksum mismatch")
     h = _make(f[2:15])
     if h.record_count == 0 or h.record_count > MAX_RECORDS or h.body_len % 8 \
-            or h.body_len < 16 * h.record_count + 8:
+            or (h.body_len < 16 * h.record_count + 8 and not h.flags & KAFKA):
         raise ProtocolError("inconsistent chunk header")
     return h
 
@@ -214,12 +223,28 @@ def headers_ok(h: np.ndarray, hb) -> np.ndarray:
     sums = np.fromiter(map(x32, (mv[i:i + _CHECKED] for i in range(0, len(h) * HEADER_SIZE, HEADER_SIZE))),
                        np.uint32, len(h))
     return ((h["magic"] == MAGIC) & (h["version"] == VERSION) & (sums == h["header_checksum"])
-            & (rc > 0) & (rc <= MAX_RECORDS) & (bl % 8 == 0) & (bl >= 16 * rc.astype(np.int64) + 8))
+            & (rc > 0) & (rc <= MAX_RECORDS) & (bl % 8 == 0)
+            & ((bl >= 16 * rc.astype(np.int64) + 8) | (h["flags"] & KAFKA != 0)))
 
 
-def place(buf, offset: int, group: int, segment: int, seg_offset: int) -> None:
-    """Write the broker-assigned placement into a chunk held in ``buf`` (O(1))."""
+def set_kafka_offset(buf, offset: int, base: int) -> None:
+    """Write a chunk's Kafka base offset into its header (sealed by a ``place`` that follows)."""
+    _RESERVED.pack_into(buf, offset + _RESERVED_AT, base + 1)
+
+
+def kafka_offset(buf, offset: int = 0) -> int | None:
+    """The Kafka base offset written in the chunk at ``offset``, None if none was."""
+    v = _RESERVED.unpack_from(buf, offset + _RESERVED_AT)[0]
+    return v - 1 if v else None
+
+
+def place(buf, offset: int, group: int, segment: int, seg_offset: int,
+          kafka_base: int | None = None) -> None:
+    """Write the broker-assigned placement (and the chunk's Kafka base offset) into a chunk
+    held in ``buf`` (O(1)), and seal its header checksum again."""
     _PLACEMENT.pack_into(buf, offset + _PLACEMENT_AT, group, segment, seg_offset)
+    if kafka_base is not None:
+        _RESERVED.pack_into(buf, offset + _RESERVED_AT, kafka_base + 1)
     mv = memoryview(buf)
     _HCHECK.pack_into(buf, offset + _CHECKED, xxhash.xxh32_intdigest(mv[offset:offset + _CHECKED]))
 

@@ -9,7 +9,16 @@ import struct
 import numpy as np
 
 from ..errors import ProtocolError
-from .layout import COMPACTED, HEADER_SIZE, ChunkHeader, parse_header, place, seal
+from .layout import (
+    _RESERVED_AT,
+    COMPACTED,
+    HEADER_SIZE,
+    KAFKA,
+    ChunkHeader,
+    parse_header,
+    place,
+    seal,
+)
 
 _FEW = 8   # records: a chunk of at most this many has its offsets checked without numpy
 _OFFSETS = [struct.Struct(f"<{2 * n + 2}I") for n in range(_FEW + 1)]   # its key, then value offsets
@@ -24,6 +33,10 @@ class ChunkView:
         self.header = header or parse_header(buf, offset)
         self.buf = memoryview(buf)[offset:offset + self.header.size]
         self._base = HEADER_SIZE
+        if self.header.flags & KAFKA:   # its records, converted to this layout (in numpy)
+            from ..kafka.convert import to_chunk
+            self.buf = memoryview(to_chunk(self.buf))
+            self.header = parse_header(self.buf)
         self._check_offsets()
 
     def _check_offsets(self) -> None:
@@ -142,6 +155,7 @@ def rewrite(view: ChunkView, keep: np.ndarray) -> bytes:
     body = b"".join((ts.astype("<i8").tobytes(), koff.tobytes(), voff.tobytes(), kbytes, vbytes,
                      orig.tobytes(), bytes(-raw % 8)))
     out = bytearray(seal(h.stream_id, h.streamlet, h.producer_id, h.sequence, n, int(ts.min()),
-                                 int(ts.max()), body, h.flags | COMPACTED))
+                                 int(ts.max()), body, (h.flags | COMPACTED) & ~KAFKA))
+    out[_RESERVED_AT:_RESERVED_AT + 8] = view.buf[_RESERVED_AT:_RESERVED_AT + 8]
     place(out, 0, h.group, h.segment, h.offset)
     return bytes(out)

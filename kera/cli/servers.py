@@ -30,6 +30,8 @@ def add_parsers(sub) -> None:
     up.add_argument("--metrics-port", type=int, default=None, metavar="P",
                     help="serve Prometheus metrics: the coordinators on P, P+1, ..., then each "
                          "node's backup and broker on the next ports")
+    up.add_argument("--kafka-port", type=int, default=None, metavar="P",
+                    help="every broker also speaks Kafka's wire protocol: node i's on P + i - 1")
     up.add_argument("--auth", action="store_true",
                     help="user authentication (SCRAM) and ACLs: makes an admin super user, prints "
                          "its password once and writes DATA/client.conf")
@@ -63,7 +65,7 @@ def cmd_up(args) -> None:
                  broker_args=shlex.split(args.broker_args), backup_args=shlex.split(args.backup_args),
                  coordinator_args=shlex.split(args.coordinator_args),
                  coordinators=args.coordinators, auth=args.auth, tls=args.tls,
-                 metrics_port=args.metrics_port).run()
+                 metrics_port=args.metrics_port, kafka_port=args.kafka_port).run()
 
 
 COMMANDS = {"up": cmd_up}

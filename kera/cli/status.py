@@ -49,6 +49,9 @@ def cmd_status(args) -> None:
           f"metadata in {c.get('store', '?')}")
     if c.get("standbys"):
         print(f"standby coordinators: {', '.join(c['standbys'])}")
+    kafka = [b["kafka"] for b in st["brokers"] if b.get("alive") and b.get("kafka")]
+    if kafka:
+        print(f"Kafka bootstrap servers: {','.join(kafka)}")
     per_stream: dict = {}
     for b in st["brokers"]:
         _print_broker(b, st["broker_stats"].get(b["id"]) or {}, per_stream)

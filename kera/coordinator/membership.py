@@ -34,7 +34,7 @@ log = logging.getLogger("kera.coordinator")
 
 class Member:
     __slots__ = ("role", "id", "addr", "node", "epoch", "last_seen", "alive", "stats", "holds",
-                 "recovered", "damage", "told", "told_all")
+                 "recovered", "damage", "told", "told_all", "kafka")
 
     def __init__(self, role, id, addr, node, epoch, told_all: bool = True):
         self.role, self.id, self.addr, self.node, self.epoch = role, id, addr, node, epoch
@@ -48,12 +48,15 @@ class Member:
         # ``told`` is every backup this incarnation ever heard of: False when it rejoined a
         # coordinator that did not tell it all (a restart, another leader)
         self.told_all = told_all
+        self.kafka: str | None = None   # a broker's Kafka listener (HOST:PORT), if it has one
 
     def describe(self) -> dict:
         out = {"id": self.id, "addr": self.addr, "node": self.node, "epoch": self.epoch,
                "alive": self.alive}
         if self.role == "backup":   # brokers ask a backup what it holds when this moves
             out["damage"] = self.damage
+        if self.kafka:
+            out["kafka"] = self.kafka
         return out
 
 
@@ -100,6 +103,7 @@ class Roster:
             md.set(("backups",), [*md.state["backups"], mid])
         m = Member(role, mid, addr, node, epoch, told_all=not rejoined)
         m.holds = meta.get("holds") or []
+        m.kafka = meta.get("kafka")
         old = self.members[role].get(mid)
         if old is not None and old.epoch == epoch:   # registered again as itself
             m.told, m.told_all = old.told, old.told_all

@@ -192,7 +192,8 @@ class StreamAdmin:
         visible = _describes(peer)
         page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
         out = {"streams": page.streams, "missing": [], "more": 0, "next": None,
-               "top": self.metadata.state["next_stream_id"] - 1}
+               "top": self.metadata.state["next_stream_id"] - 1,
+               "kafka": {m.id: m.kafka for m in self.roster.live("broker") if m.kafka}}
         for k, name in enumerate(names):
             d = self.streams.wire(name)
             if d is None:

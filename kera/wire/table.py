@@ -174,7 +174,7 @@ ROLE = OneOf(BROKER, BACKUP)
 MANY = 1 << 20   # entries of a list bounded only by the frame's meta (MAX_META)
 
 # a stream spec's name and settings: their values are checked by the coordinator's stream
-# rules (``Coordinator._config``: names, shapes, limits), with the entry's index in a batch
+# rules (``kera.coordinator.specs.config``: names, shapes, limits), with the entry's index in a batch
 STREAM_SETTINGS = {k: ANY for k in (
     "streamlets?", "groups?", "replication?", "segment_size?", "group_segments?", "vlogs?",
     "retention_bytes?", "retention_ms?", "retention.bytes?", "retention.ms?", "cleanup_policy?",
@@ -200,7 +200,7 @@ COORDINATOR_RPCS = named({
     "register": Rpc(Members(BROKER, BACKUP, as_self="id", role_field="role"), {
         "role": ROLE, "addr": ADDR, "node?": Str(MAX_NAME), "id?": UINT, "epoch?": UINT,
         "holds?": ListOf(Tuple(UINT, UINT, UINT, UINT, BOOL), MANY), "recovered?": UINT,
-        "auth?": BOOL}, peer=True),
+        "auth?": BOOL, "kafka?": ADDR}, peer=True),   # kafka: a broker's Kafka listener
     "heartbeat": Rpc(Members(BROKER, BACKUP, as_self="id", role_field="role"), {
         "role": ROLE, "id": UINT, "epoch": UINT, "stats?": STATS, "recovered?": UINT,
         "damage?": UINT, "security?": INT}),
@@ -273,6 +273,10 @@ BROKER_RPCS = named({
                                 ListOf(PAIR, limits.MAX_GROUPS)), MANY)}),
     "settle": Rpc(Members(COORDINATOR), EPOCH),
     "security": Rpc(Members(COORDINATOR), SECURITY),
+    # Kafka offsets <-> positions of streamlets held here, for a group's coordinator (kera.kafka.offsets)
+    "kafka_map": Rpc(Members(BROKER), {
+        "offsets?": ListOf(Tuple(UINT, UINT, INT), limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+        "positions?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS")}),
 })
 
 BACKUP_RPCS = named({
