@@ -43,7 +43,7 @@ def wrap(data, start: int, b: batch.Batch, stream_id: int, streamlet: int, produ
     pad = _PAD[:-b.size % 8 or 8] if b.size % 8 else b""
     ts_min = b.base_timestamp
     ts_max = b.max_timestamp if b.max_timestamp >= ts_min else ts_min
-    out = bytearray(chunk._seal_header(stream_id, streamlet, producer, sequence, b.count, ts_min,
+    out = bytearray(chunk.seal(stream_id, streamlet, producer, sequence, b.count, ts_min,
                                        ts_max, [head, rest, pad], chunk.KAFKA))
     chunk.set_kafka_offset(out, 0, base)
     np_ = chunk.NO_PLACEMENT
