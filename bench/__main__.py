@@ -199,6 +199,8 @@ def main() -> None:
     res["machine"] = machine()
     res["seconds"] = round(time.monotonic() - t0, 1)
     print(table(res))
+    if args.quick and res.get("secure"):   # acceptance 6 of the security issue: kept, compact
+        _write_secure_quick(res, args.out)
     if not args.quick:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, f"{res['experiment']}.json")
@@ -210,6 +212,19 @@ def main() -> None:
         from .plot import plot
         plot(res, os.path.join(args.out, f"{res['experiment']}.png"))
         print(f"wrote {path} and its plot")
+
+
+def _write_secure_quick(res: dict, out: str) -> None:
+    """``streams --quick --auth/--tls``: the cells, the targets and each run's rates (not the
+    runs' every field, which the full run's streams.json keeps) in streams-secure-quick.json."""
+    keep = ("system", "streams", "phase", "repeat", "produce_rps", "consume_rps", "bytes_in", "records_in")
+    small = {**{k: v for k, v in res.items() if k != "runs"},
+             "runs": [{k: r.get(k) for k in keep} for r in res["runs"]]}
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "streams-secure-quick.json")
+    with open(path, "w") as f:
+        json.dump(small, f, indent=1)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
