@@ -19,7 +19,7 @@ import time
 
 import trio
 
-from . import door, etcd, group_positions, limits, metrics, wire
+from . import door, etcd, group_positions, limits, meta_columns, metrics, wire
 from .adoption import Adoptions
 from .catalog import Catalog, Page
 from .door import Door
@@ -150,6 +150,10 @@ def _check_stream_limits(cfg: dict) -> None:
         raise LimitExceeded(f"segment_size {cfg['segment_size']} is below MIN_SEGMENT_SIZE "
                             f"({limits.MIN_SEGMENT_SIZE})", limit="MIN_SEGMENT_SIZE",
                             bound=limits.MIN_SEGMENT_SIZE, size=cfg["segment_size"])
+
+
+def _as_stored(d: dict) -> dict:
+    return d
 
 
 def _describes(peer):
@@ -514,6 +518,8 @@ class Coordinator(Membership, Service):
             peer.require("describe", "stream", name)
         visible = _describes(peer)
         page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
+        # ``columns``: the page as ``kera.meta_columns`` (the maps, addressed there), not maps
+        describe = _as_stored if meta.get("columns") else self._addressed
         out = {"streams": page.streams, "missing": [], "more": 0, "next": None,
                "top": self.meta["next_stream_id"] - 1}
         for k, name in enumerate(names):
@@ -521,17 +527,27 @@ class Coordinator(Membership, Service):
             if d is None:
                 out["missing"].append(name)
             elif page.fits(d["streamlets"]):
-                page.add(self._addressed(d))
+                page.add(describe(d))
             else:
                 out["more"] = len(names) - k
                 out["next"] = (after if since is None else since) if pattern else None
-                return out
+                return self._columns(out, meta)
         if pattern and since is not None:
-            out["next"] = self.streams.created(page, self._addressed, pattern, since, visible)
+            out["next"] = self.streams.created(page, describe, pattern, since, visible)
         elif pattern:
-            out["next"] = self.streams.listing(page, self._addressed, pattern, after,
+            out["next"] = self.streams.listing(page, describe, pattern, after,
                                                skip=set(names), visible=visible)
+        return self._columns(out, meta)
+
+    def _columns(self, out: dict, meta) -> dict:
+        """A metadata answer's streams as columns, if they were asked so."""
+        if meta.get("columns"):
+            out["columns"] = meta_columns.encode(out.pop("streams"), self._live_addr)
         return out
+
+    def _live_addr(self, broker: int, epoch: int) -> str | None:
+        m = self.live_broker(broker, epoch)
+        return m.addr if m is not None else None
 
     def rpc_describe_stream(self, meta, payload):
         return {"stream": self._describe(self._stream(meta.get("name")))}

@@ -393,7 +393,7 @@ COORDINATOR_RPCS = _named({
     "describe_stream": Rpc(Client("describe", "stream", "name"), {"name": NAME}),
     "metadata": Rpc(Client("describe", "stream", per_entry=True), {
         "names?": ListOf(NAME, limits.MAX_LIST_PAGE, limit="MAX_LIST_PAGE"), "pattern?": Str(1024),
-        "after?": Str(MAX_NAME), "since?": UINT,
+        "after?": Str(MAX_NAME), "since?": UINT, "columns?": BOOL,
         "limit?": UInt(limits.MAX_LIST_PAGE, "MAX_LIST_PAGE", low=1)}, peer=True),
     "delete_stream": Rpc(Client("delete", "stream", "name"), {"name": NAME}),
     "alter_stream": Rpc(Client("alter-configs", "stream", "name"), {"name": NAME, **ALTER_SETTINGS}),

@@ -165,7 +165,8 @@ class AsyncConsumer:
             await self._metadata()
             return
         got: list[StreamView] = []
-        top = await fetch(self.coordinator, (), self.pattern, lambda streams, _: got.extend(streams),
+        top = await fetch(self.coordinator, (), self.pattern,
+                          lambda cols, _: got.extend(cols.views(StreamView)),
                           since=self._top)
         if top is not None:
             self._top = max(self._top, top)
