@@ -20,10 +20,10 @@ import time
 import numpy as np
 import trio
 
-from kera import index_chunk
 from kera.broker.adopted import Claims
 from kera.broker.replicator import ReplicationHub
 from kera.broker.service import BrokerService
+from kera.recovery import index_chunk
 from kera.stream_meta import StreamMeta
 from kera.vlog import VlogMapping
 

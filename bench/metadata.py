@@ -27,7 +27,7 @@ import time
 import trio
 from kera_client import open_admin, open_consumer, open_producer
 
-from kera.coordinator_link import CoordinatorLink
+from kera.coordinator.link import CoordinatorLink
 from kera.rpc import open_pool
 
 from .kera_side import KeraRun

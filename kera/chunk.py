@@ -17,7 +17,7 @@ checksum (xxh32 of the header bytes before it) also covers the
 after giving up on earlier ones of the streamlet; the broker takes its
 sequence as the producer's new base (see ``Streamlet.check_sequence``);
 ``INDEX`` marks an index chunk, which lives only in a virtual log
-(``kera.index_chunk``); ``COMPACTED`` marks a chunk rewritten by key compaction (``rewrite``): it keeps the
+(``kera.recovery.index_chunk``); ``COMPACTED`` marks a chunk rewritten by key compaction (``rewrite``): it keeps the
 placement of the chunk it came from, and after its values a uint32 array of
 each surviving record's index in the original chunk, so a committed skip
 count ("the first k records of the chunk at this position were consumed")
@@ -64,7 +64,7 @@ HEADER_DTYPE = np.dtype([
     ("body_checksum", "<u8"), ("reserved", "<u8"), ("header_checksum", "<u4")])
 assert HEADER_DTYPE.itemsize == 88
 SEQ_RESET = 0x01  # flags: this chunk's sequence is its producer's new base on the streamlet
-INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.index_chunk``)
+INDEX = 0x02      # flags: an adopted segment's index, not records (``kera.recovery.index_chunk``)
 COMPACTED = 0x04  # flags: rewritten by compaction; original record indices follow the values
 CLOSE = 0x08  # flags: a group closed: no chunk follows in it
 

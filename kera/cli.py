@@ -379,7 +379,7 @@ def cmd_recovery(args) -> None:
 # -- servers ------------------------------------------------------------------------------
 def cmd_server(args, rest) -> None:
     if args.command == "coordinator":
-        from .coordinator import main
+        from .coordinator.service import main
     elif args.command == "broker":
         from .broker.service import main
     else:

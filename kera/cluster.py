@@ -30,8 +30,8 @@ from typing import Protocol
 
 import trio
 
-from .coordinator_link import CoordinatorLink
-from .etcd import LocalEtcd
+from .coordinator.etcd import LocalEtcd
+from .coordinator.link import CoordinatorLink
 from .rpc import open_pool
 from .security import client_config
 from .security import secret as secret_

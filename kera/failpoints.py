@@ -27,14 +27,14 @@ import trio
 from .errors import KeraError
 
 POINTS = {
-    # kera.adoption: a pending adoption is about to start (its owners' streamlets serve,
+    # kera.recovery.adoption: a pending adoption is about to start (its owners' streamlets serve,
     # told by the recovery which groups are still to come)
     "adoption.start",
-    # kera.adoption (through kera.repoint's settle): after a hand-over, an owner adopted the
+    # kera.recovery.adoption (through kera.recovery.repoint's settle): after a hand-over, an owner adopted the
     # dead broker's closed groups and has not yet been asked to settle (make them durable
     # and claimed); its streamlets serve, those groups still pending
     "adoption.adopted",
-    # kera.repoint: a recovery planned from runs of chunks asks for the chunks' own rows of the
+    # kera.recovery.repoint: a recovery planned from runs of chunks asks for the chunks' own rows of the
     # segments it adopts before the replay (an error: as if no copy answered)
     "repoint.chunk_rows",
 }

@@ -9,10 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from kera import chunk
-from kera.adoption import Adoptions, key_of
 from kera.broker.streamlet import Streamlet
 from kera.errors import Recovering
 from kera.position import DONE
+from kera.recovery.adoption import Adoptions, key_of
 
 from .conftest import stream_meta
 

@@ -22,13 +22,14 @@ import numpy as np
 import pytest
 import trio
 
-from kera import chunk, index_chunk
+from kera import chunk
 from kera.backup import segment_file as sf
 from kera.backup.membership import load_id
 from kera.backup.replica import index_runs
-from kera.coordinator import Coordinator
+from kera.coordinator.service import Coordinator
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
-from kera.recovery_plan import Listing
+from kera.recovery import index_chunk
+from kera.recovery.plan import Listing
 
 from .conftest import free_port, stream_meta
 from .damage import flip_bits

@@ -18,10 +18,11 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer
 
-from kera import chunk, index_chunk
+from kera import chunk
 from kera.broker.group_close import mark
 from kera.broker.streamlet import Streamlet
 from kera.errors import InvalidArgument
+from kera.recovery import index_chunk
 
 from .conftest import stream_meta
 from .members import open_members

@@ -17,9 +17,9 @@ from kera_client import open_admin, open_consumer
 from kera_client.positions import GroupPositions
 
 from kera import group_positions as gp
-from kera.coordinator import INITIAL, Coordinator
+from kera.coordinator.metalog import MetaLog
+from kera.coordinator.service import INITIAL, Coordinator
 from kera.errors import InvalidArgument, InvalidName
-from kera.metalog import MetaLog
 from kera.rpc import open_pool
 
 from .members import SECRET

@@ -14,10 +14,10 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer, open_producer
 
-from kera import etcd
-from kera.coordinator_link import CoordinatorLink, split_addrs
+from kera.coordinator import etcd
+from kera.coordinator.etcd_store import Election, EtcdMeta
+from kera.coordinator.link import CoordinatorLink, split_addrs
 from kera.errors import InvalidArgument, NotLeader, Unavailable
-from kera.etcd_meta import Election, EtcdMeta
 from kera.rpc import open_pool
 
 from .workload import Ledger, TimedIngest, create, read_values, send_and_flush, status, values

@@ -16,8 +16,8 @@ import trio
 from kera_client import open_admin, open_producer
 
 from kera import chunk, wire
-from kera.backup.replay import pack_routes
 from kera.errors import KeraError
+from kera.recovery.routes import pack_routes
 from kera.rpc import open_pool
 
 from .members import open_members

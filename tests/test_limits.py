@@ -126,7 +126,7 @@ def test_broker_vseg_size_is_bounded():
 
 
 def test_coordinator_chunk_rows_newest_is_bytes_and_checked_before_anything_is_made(tmp_path, capsys):
-    from kera.coordinator import main
+    from kera.coordinator.service import main
 
     data = tmp_path / "coordinator"
     with pytest.raises(SystemExit) as e:

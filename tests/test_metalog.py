@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kera_client import open_admin
 
 from kera import metafile
-from kera.metalog import CorruptMetaLog, MetaLog, frame, scan
+from kera.coordinator.metalog import CorruptMetaLog, MetaLog, frame, scan
 
 from .conftest import free_port
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kera.errors import ProtocolError
-from kera.recovery_plan import (
+from kera.recovery.plan import (
     CORRUPT,
     END,
     FAILED,
@@ -400,9 +400,9 @@ def test_a_replays_routes_fit_a_frame_whatever_the_streamlets_recovered():
     them in the meta, over MAX_META, and its recovery lost every copy as unreadable."""
     import msgpack
 
-    from kera.backup.replay import ROUTE, pack_routes, parse_routes
     from kera.errors import InvalidArgument
     from kera.limits import MAX_META, MAX_PAYLOAD
+    from kera.recovery.routes import ROUTE, pack_routes, parse_routes
 
     n = 400_000   # streamlets of the broker recovered
     routes = [(sid, 0, f"127.0.0.1:{4000 + sid % 3}", 7 + sid % 3) for sid in range(n)]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kera import chunk, index_chunk
+from kera import chunk
 from kera.errors import InvalidArgument, ProtocolError
-from kera.repoint_plan import COLUMNS, plan_repoint
+from kera.recovery import index_chunk
+from kera.recovery.repoint_plan import COLUMNS, plan_repoint
 
 
 def rows_of(vseg: int, group: int, segment: int, sizes, at: int = 0, flags: int = 0) -> list[tuple]:
@@ -183,7 +184,7 @@ def test_an_index_chunk_of_a_run_round_trip_and_the_one_segment_format_still_par
 
 
 def test_consecutive_repointed_segments_of_a_group_go_as_one_index_chunk():
-    from kera.repoint import _index_chunk, _runs
+    from kera.recovery.repoint import _index_chunk, _runs
     rows = (rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + rows_of(2, 0, 4, [80])
             + rows_of(2, 0, 5, [10]) + [r[:6] + (1,) + r[7:] for r in rows_of(2, 1, 0, [30, 30], 90)]
             + [r[:6] + (1,) + r[7:] for r in rows_of(2, 1, 1, [20], 150)])
@@ -198,7 +199,7 @@ def test_consecutive_repointed_segments_of_a_group_go_as_one_index_chunk():
 def test_the_groups_adopted_after_the_hand_over_carry_each_producers_highest_sequence():
     """``repoint._deferred``: per streamlet the closed groups adopted whole, the highest
     sequence of each producer over all of them (one pass over their rows), a producer of each."""
-    from kera.repoint import _deferred
+    from kera.recovery.repoint import _deferred
 
     def mine(rows, streamlet, producers):   # rows_of's rows of another streamlet and producers
         return [(*r[:5], streamlet, *r[6:9], p, *r[10:]) for r, p in zip(rows, producers, strict=True)]

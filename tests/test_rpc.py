@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from kera import wire
-from kera.coordinator_link import CoordinatorLink
+from kera.coordinator.link import CoordinatorLink
 from kera.errors import Fenced, InvalidArgument, KeraError, NotLeader, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
 from kera.rpc import VECTOR_FROM, Later, advertised, open_pool, send_frame

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from kera import chunk
-from kera import repoint_plan as cols
 from kera.broker import memory
 from kera.broker.rebuild import Rebuilder
+from kera.recovery import repoint_plan as cols
 from kera.sim import Violation, World, adoption, placement, run_seeds
 from kera.vlog import VirtualLog
 
@@ -197,7 +197,7 @@ def test_catches_an_answer_from_before_a_backups_restart_taken(monkeypatch):
 def test_catches_a_group_adopted_beside_the_replay_that_the_replay_continues(monkeypatch):
     """Every adopted group taken as ended (``Repoint.ended``), so adopted beside the replay:
     the replay sends chunks of groups whose adoption does not reach their end."""
-    from kera.repoint_plan import Repoint
+    from kera.recovery.repoint_plan import Repoint
     monkeypatch.setattr(Repoint, "ended", lambda rp: {(a.stream, a.streamlet, a.group) for a in rp.adopted})
     seed, why = first_failing(range(100))
     assert "adopted beside the replay" in why, why

@@ -8,9 +8,9 @@ import msgpack
 import pytest
 import trio
 
-from kera.coordinator import INITIAL, Coordinator
+from kera.coordinator.metalog import MetaLog
+from kera.coordinator.service import INITIAL, Coordinator
 from kera.errors import InvalidArgument
-from kera.metalog import MetaLog
 from kera.stream_meta import StreamMeta
 
 from .members import SECRET

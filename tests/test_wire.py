@@ -8,7 +8,7 @@ import pytest
 from kera import limits, wire
 from kera.backup.service import BackupService
 from kera.broker.service import BrokerService
-from kera.coordinator import Coordinator
+from kera.coordinator.service import Coordinator
 from kera.errors import InvalidArgument, LimitExceeded, Unauthenticated, Unauthorized
 from kera.security.gate import Gate
 from kera.security.mechanisms import Identity, member_principal

@@ -6,7 +6,7 @@ import os
 from contextlib import asynccontextmanager
 
 from kera import limits
-from kera.coordinator_link import CoordinatorLink
+from kera.coordinator.link import CoordinatorLink
 from kera.errors import KeraError
 from kera.rpc import open_pool
 from kera.security.acl import Acl

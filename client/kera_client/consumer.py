@@ -36,7 +36,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from kera import chunk as chunkfmt
-from kera.coordinator_link import CoordinatorLink
+from kera.coordinator.link import CoordinatorLink
 from kera.errors import KeraError, OutOfRange, Unauthorized, Unavailable, UnknownSession
 from kera.limits import MAX_PULL_STREAMLETS
 from kera.position import DONE, pack

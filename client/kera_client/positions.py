@@ -15,7 +15,7 @@ import trio
 
 from kera import chunk as chunkfmt
 from kera import group_positions as gp
-from kera.coordinator_link import CoordinatorLink
+from kera.coordinator.link import CoordinatorLink
 from kera.limits import MAX_CHUNK
 
 from .stream_view import StreamView

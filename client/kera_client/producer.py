@@ -41,7 +41,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from kera.coordinator_link import CoordinatorLink
+from kera.coordinator.link import CoordinatorLink
 from kera.errors import RETRIABLE
 from kera.rpc import open_pool, unwrapped
 from kera.security.client_config import credentials

@@ -3,7 +3,7 @@
 A recovery may hand a dead broker's settled segments to new owners as
 evicted segments that read their chunks from the dead incarnation's vseg
 files (``kera.broker.adopted``). Those files must outlive the backups'
-letting go of the dead incarnation (``kera.recovered``) and must go once
+letting go of the dead incarnation (``kera.coordinator.recovered``) and must go once
 nobody reads them:
 
 - an owner *claims* (broker, vlog, vseg) here before its adoption is
@@ -12,7 +12,7 @@ nobody reads them:
 - an owner *releases* its claim once no index chunk of its own naming the
   vseg can be replayed; the end of a recovery releases every claim of the
   dead incarnation (its successors claimed what they adopted again first),
-  on every backup, also one that was down then (``kera.recovered``);
+  on every backup, also one that was down then (``kera.coordinator.recovered``);
 - a dropped file with no claim left is deleted.
 
 The state is small (one entry per claimed vseg) and persisted in one

@@ -8,7 +8,7 @@ start later); heartbeats go every ``HEARTBEAT_INTERVAL``; a coordinator that
 registration, while an unreachable one just gets more heartbeats.
 
 Both say which version of the coordinator's list of recovered incarnations
-(``kera.recovered``) this backup applied; an answer carries the list when
+(``kera.coordinator.recovered``) this backup applied; an answer carries the list when
 the version moved, and a task beside the heartbeats lets go of their files
 and claims (so deleting many files never delays a heartbeat). The version
 applied is kept in memory only: a restarted backup gets the list again with

@@ -18,9 +18,10 @@ import trio
 from .. import chunk as chunkfmt
 from .. import limits
 from ..errors import BackupError, ChecksumError, InvalidArgument, KeraError, ProtocolError
+from ..recovery.routes import parse_routes
 from . import disk
 from .fields import vseg_key
-from .replay import parse_routes, replay
+from .replay import replay
 from .replica import Replica, VsegIndex, index_rows
 from .store import BackupStore
 
@@ -82,7 +83,7 @@ class ReadBack:
         bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, 10 little-endian
         u64s per chunk: vseg offset, size, stream, streamlet, group, segment, segment offset,
         producer, sequence, flags, from each verified header; then its index chunks
-        (``kera.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
+        (``kera.recovery.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
         (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
         the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
         A vseg asked as ``[vlog, vseg, true]`` gets rows of runs of chunks instead

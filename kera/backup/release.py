@@ -121,7 +121,7 @@ class Release:
 
     async def let_go(self, incarnations) -> dict:
         """The coordinator recovered these dead incarnations ([[broker, epoch, [[vlog, last
-        vseg], ...]], ...]) with nothing lost (``kera.recovered``): every file of theirs here
+        vseg], ...]], ...]) with nothing lost (``kera.coordinator.recovered``): every file of theirs here
         within what the recovery went through is deleted, or only marked dropped while an owner
         claims it, and every claim they made is released. A file outside it (a vlog or vseg
         whose copies were all down then) may hold all there is of it: it is kept, and so are

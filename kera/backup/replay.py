@@ -19,8 +19,8 @@ coordinator continues from another copy at that very offset:
 Any other error of a new owner is raised again with its ``target`` address
 set: the coordinator then plans the recovery again (the copy is not at fault).
 
-The routes travel in the request's payload, packed (``pack_routes``: a row of
-``ROUTE`` per streamlet, its owner an index into the meta's ``owners``), not
+The routes travel in the request's payload, packed (``kera.recovery.manager.routes``: a row
+per streamlet, its owner an index into the meta's ``owners``), not
 in its meta: a broker holding 333,334 streamlets (a million streams on three
 nodes) made 8 MB of routes, over ``MAX_META``, and every step of its recovery
 failed as if each copy were lost.
@@ -28,45 +28,15 @@ failed as if each copy were lost.
 
 from __future__ import annotations
 
-import numpy as np
 import trio
 
 from .. import chunk as chunkfmt
-from ..errors import DataLoss, InvalidArgument, KeraError
+from ..errors import DataLoss, KeraError
 from ..limits import REPLAY_READ
 
 RECOVER_TIMEOUT = 120.0
 
 END, CORRUPT, REFUSED = "end", "corrupt", "refused"
-
-
-ROUTE = np.dtype([("stream", "<u8"), ("streamlet", "<u4"), ("owner", "<u4")])
-
-
-def pack_routes(routes) -> tuple[list, bytes]:
-    """``[(stream_id, streamlet, addr, epoch), ...]`` as a replay request carries them: the
-    owners ``[[addr, epoch], ...]`` (its meta) and a ``ROUTE`` row per streamlet (its payload)."""
-    owners: dict[tuple[str, int], int] = {}
-    rows = np.empty(len(routes), ROUTE)
-    for k, (sid, i, addr, epoch) in enumerate(routes):
-        rows[k] = (sid, i, owners.setdefault((addr, epoch), len(owners)))
-    return [list(o) for o in owners], rows.tobytes()
-
-
-def parse_routes(owners, payload) -> dict[tuple[int, int], tuple[str, int]]:
-    """``pack_routes``'s owners and rows, as ``{(stream_id, streamlet): (addr, epoch)}``."""
-    try:
-        targets = [(str(addr), int(epoch)) for addr, epoch in owners]
-    except (TypeError, ValueError):
-        raise InvalidArgument("owners must be [[addr, epoch], ...]") from None
-    data = bytes(payload) if not isinstance(payload, list) else b"".join(payload)
-    if len(data) % ROUTE.itemsize:
-        raise InvalidArgument(f"routes: {len(data)} bytes are not rows of {ROUTE.itemsize}")
-    rows = np.frombuffer(data, ROUTE)
-    if len(rows) and int(rows["owner"].max()) >= len(targets):
-        raise InvalidArgument("routes: an owner index beyond owners")
-    return dict(zip(zip(rows["stream"].tolist(), rows["streamlet"].tolist(), strict=True),
-                    map(targets.__getitem__, rows["owner"].tolist()), strict=True))
 
 
 async def replay(read, pool, routes: dict, offset: int, length: int, replay_from=None) -> dict:

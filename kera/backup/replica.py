@@ -284,7 +284,7 @@ class Replica:
 
     @property
     def plain(self) -> bool:
-        """Closed and intact: listed as a row of ``kera.recovery_plan.PLAIN_COLUMNS``."""
+        """Closed and intact: listed as a row of ``kera.recovery.plan.PLAIN_COLUMNS``."""
         return self.closed and not self.corrupt and not self.error
 
     def plain_row(self) -> tuple[int, int, int, int, int]:

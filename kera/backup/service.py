@@ -39,10 +39,10 @@ from bisect import bisect_left
 import trio
 
 from .. import door, metafile, metrics, wire
-from ..coordinator_link import CoordinatorLink
+from ..coordinator.link import CoordinatorLink
 from ..door import Door
 from ..errors import BackupError, InvalidArgument, KeraError, LimitExceeded
-from ..recovery_plan import PLAIN_COLUMNS
+from ..recovery.plan import PLAIN_COLUMNS
 from ..rpc import advertised, open_pool
 from ..security import secret as secret_
 from ..security import tls as tls_

@@ -34,7 +34,7 @@ from ..errors import (
     LimitExceeded,
     ProtocolError,
 )
-from ..recovery_plan import PLAIN_COLUMNS
+from ..recovery.plan import PLAIN_COLUMNS
 from . import segment_file
 from .replica import Replica
 

@@ -1,7 +1,7 @@
 """Segments taken over from a dead broker as evicted: their chunks stay on its backups.
 
 A recovery may hand a new owner a dead broker's settled history as index
-chunks instead of chunk bodies (``kera.repoint_plan``, ``kera.index_chunk``).
+chunks instead of chunk bodies (``kera.recovery.repoint_plan``, ``kera.recovery.index_chunk``).
 Such a segment is built evicted (no buffer): per chunk its end, the dead
 incarnation's vseg holding it and its offset there. Its vsegs are *foreign*:
 named by (dead broker, vlog, vseg), with the backups that listed a whole
@@ -34,7 +34,7 @@ from array import array
 import trio
 
 from ..errors import DataLoss, Fenced, KeraError, ProtocolError, Unavailable
-from ..index_chunk import SegmentIndex
+from ..recovery.index_chunk import SegmentIndex
 from .segment import Segment, VlogChunk
 
 log = logging.getLogger("kera.broker")

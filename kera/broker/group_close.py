@@ -8,7 +8,7 @@ segment, that segment's head), naming the stream, the streamlet and the
 producer whose chunk did not fit (its ``% Q`` is the group's slot), sequence 0.
 One broker appends to a vlog in order, so every chunk of the group lies
 before it in that vlog: a recovery that lists it knows where the group's last
-segment ends (``kera.repoint_plan`` may take that segment as it stands), and
+segment ends (``kera.recovery.repoint_plan`` may take that segment as it stands), and
 the group's new owner keeps it closed (``mark``), so a chunk
 never lands after it, in memory or in an adopted, evicted last segment.
 A replayed close chunk is appended as it stands to the new owner's vlog of

@@ -22,7 +22,7 @@ import time
 import trio
 
 from .. import chunk, door, group_positions, limits, metafile, metrics, wire
-from ..coordinator_link import CoordinatorLink
+from ..coordinator.link import CoordinatorLink
 from ..door import Door
 from ..errors import (
     Conflict,

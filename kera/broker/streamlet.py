@@ -128,7 +128,7 @@ class Streamlet:
         self.key_last: dict[bytes, int] = NONE
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
         # dead incarnation -> its groups still to be adopted here after the hand-over (closed
-        # history, kera.adoption), as [lo, hi] ranges of ids: reads that reach them wait,
+        # history, kera.recovery.adoption), as [lo, hi] ranges of ids: reads that reach them wait,
         # retention waits
         self.pending: dict[tuple[int, int], list[tuple[int, int]]] = NONE
         self.pending_tops: dict[tuple[int, int], dict[int, int]] = NONE   # per source: slot -> newest

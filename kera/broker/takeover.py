@@ -15,8 +15,9 @@ import time
 import numpy as np
 import trio
 
-from .. import chunk, index_chunk
+from .. import chunk
 from ..errors import InvalidArgument, KeraError, NotOwner, ProtocolError
+from ..recovery import index_chunk
 from ..rpc import unwrapped
 from .adopted import AdoptedSegment, IndexHolder, adopted_segments
 from .group_close import mark
@@ -87,7 +88,7 @@ class Takeover:
 
     async def rpc_adopt(self, meta, payload):
         """Recovery re-points a dead broker's settled segments here as evicted segments: the
-        payload holds one index chunk per run of a group's segments (``kera.index_chunk``), in
+        payload holds one index chunk per run of a group's segments (``kera.recovery.index_chunk``), in
         group order. Answered once they are built and their index chunks appended to our own
         vlogs (each vlog's open vseg closed behind them: what is placed later goes to another
         vseg, released apart from the adoptions), so the replay of what follows them in their
@@ -134,7 +135,7 @@ class Takeover:
 
     def rpc_pend(self, meta, payload):
         """A recovery hands streamlets over before the closed groups of the dead broker's
-        history are adopted (``kera.adoption``): ``entries`` [[stream_id, streamlet, [[lo,
+        history are adopted (``kera.recovery.adoption``): ``entries`` [[stream_id, streamlet, [[lo,
         hi], ...] group id ranges, [[producer, highest sequence], ...]], ...] of ``source``
         [broker, epoch] wait here until adopted (no range: adopted, served). Every streamlet
         named must be ours and every field well formed; nothing changes otherwise."""

@@ -1,6 +1,6 @@
 """Recovery's re-pointing in the simulator: index rows from whole copies, the real plan, checks.
 
-The coordinator's part of ``kera.repoint`` over simulated backups: each vseg
+The coordinator's part of ``kera.recovery.repoint`` over simulated backups: each vseg
 of a vlog's settled prefix (``RecoveryPlan.settled``) is indexed by one of
 its whole copies, asked in the coordinator's order, the next one when a copy
 refuses (not closed, known corrupt, or rot found reading a reloaded file's
@@ -18,8 +18,8 @@ from collections import Counter
 import numpy as np
 
 from ..backup.replica import index_runs
-from ..recovery_plan import RecoveryPlan
-from ..repoint_plan import (
+from ..recovery.plan import RecoveryPlan
+from ..recovery.repoint_plan import (
     COLUMNS,
     FLAGS,
     VLOG,

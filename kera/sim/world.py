@@ -2,8 +2,8 @@
 
 The real decision code runs unchanged: ``kera.vlog.VirtualLog`` (with
 ``BackupSet`` placement) replicates, the broker's ``MemoryBudget`` evicts
-(``kera.sim.placement``), ``kera.recovery_plan.RecoveryPlan`` plans the
-replay and ``kera.repoint_plan.plan_repoint`` what is re-pointed instead
+(``kera.sim.placement``), ``kera.recovery.plan.RecoveryPlan`` plans the
+replay and ``kera.recovery.repoint_plan.plan_repoint`` what is re-pointed instead
 (``kera.sim.adoption``). What is simulated is everything they do not decide:
 the clock (an event heap), the network (delays, drops, duplicates,
 reordering, timeouts), the broker's placement of chunks in streamlets,
@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import repoint_plan as cols
 from ..backup.store import NEW, BackupStore
 from ..errors import KeraError
-from ..recovery_plan import CORRUPT, END, Done, RecoveryPlan, Step
+from ..recovery import repoint_plan as cols
+from ..recovery.plan import CORRUPT, END, Done, RecoveryPlan, Step
 from ..vlog import BackupSet, VirtualLog, vlog_id
 from . import adoption
 from .placement import STREAM as STREAM_ID

@@ -22,7 +22,7 @@ from collections import deque
 import trio
 
 from kera import chunk as chunkfmt
-from kera.coordinator_link import CoordinatorLink
+from kera.coordinator.link import CoordinatorLink
 from kera.errors import KeraError
 from kera.limits import MAX_PULL_STREAMLETS
 from kera.rpc import open_pool

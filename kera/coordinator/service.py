@@ -5,7 +5,7 @@ Metadata (streams, streamlet owners, identities, fences) lives in
 etcd: each change is recorded as it is made, and a request whose change must
 survive a crash awaits ``commit()`` before it answers (one write for many
 requests). Membership and failure detection (soft state) are
-in ``kera.membership``; with etcd, this process serves only while it leads.
+in ``kera.coordinator.membership``; with etcd, this process serves only while it leads.
 Consumer-group positions are not metadata: they are records of an internal
 stream (``kera.group_positions``) that this process only creates.
 """
@@ -19,11 +19,9 @@ import time
 
 import trio
 
-from . import door, etcd, group_positions, limits, meta_columns, metrics, wire
-from .adoption import Adoptions
-from .catalog import Catalog, Page
-from .door import Door
-from .errors import (
+from .. import door, group_positions, limits, meta_columns, metrics, wire
+from ..door import Door
+from ..errors import (
     InvalidArgument,
     InvalidName,
     KeraError,
@@ -34,22 +32,25 @@ from .errors import (
     Unavailable,
     UnknownStream,
 )
-from .etcd_meta import Election, EtcdMeta
+from ..names import check_stream_name, is_internal
+from ..recovery.adoption import Adoptions
+from ..recovery.manager import RecoveryManager
+from ..recovery.repoint import CHUNK_ROWS_NEWEST
+from ..rpc import Pool
+from ..security import secret as secret_
+from ..security import tls as tls_
+from ..security.accounts import Accounts
+from ..security.credentials import Credentials
+from ..security.gate import Gate
+from ..security.mechanisms import COORDINATOR, MEMBER
+from ..server import Service
+from ..stream_meta import StreamMeta
+from . import etcd
+from .catalog import Catalog, Page
+from .etcd_store import Election, EtcdMeta
 from .membership import Member, Membership
 from .metalog import MetaLog
-from .names import check_stream_name, is_internal
 from .recovered import Recovered
-from .recovery import RecoveryManager
-from .repoint import CHUNK_ROWS_NEWEST
-from .rpc import Pool
-from .security import secret as secret_
-from .security import tls as tls_
-from .security.accounts import Accounts
-from .security.credentials import Credentials
-from .security.gate import Gate
-from .security.mechanisms import COORDINATOR, MEMBER
-from .server import Service
-from .stream_meta import StreamMeta
 
 log = logging.getLogger("kera.coordinator")
 
@@ -58,9 +59,9 @@ INITIAL = {   # the metadata of a new cluster
     "next_id": {"broker": 1, "backup": 1}, "streams": {},
     "backups": [],   # every backup id ever registered
     "fences": {},    # broker id -> newest epoch fenced
-    "recovered": [],  # [[broker, epoch, version], ...] recovered with nothing lost (kera.recovered)
+    "recovered": [],  # [[broker, epoch, version], ...] recovered with nothing lost (kera.coordinator.recovered)
     "recovered_version": 0,
-    "deferred": {},   # "broker:epoch" -> closed history adopted after its hand-over (kera.adoption)
+    "deferred": {},   # "broker:epoch" -> closed history adopted after its hand-over (kera.recovery.adoption)
     "users": {},      # name -> salted SCRAM keys (kera.security.accounts)
     "acls": [],       # [principal, permission, operation, resource, name, pattern], ...
     "security_version": 0,
@@ -73,7 +74,7 @@ DEFAULTS = {
     "segment_size": 1 << 20,
     "group_segments": 8,
 }
-PACKED = ("streams",)   # kept as each entry's msgpack bytes by the store (kera.catalog)
+PACKED = ("streams",)   # kept as each entry's msgpack bytes by the store (kera.coordinator.catalog)
 VLOG_POLICIES = ("shared", "per-stream", "per-group")
 # retention, Kafka's names and meaning (-1: unbounded); the cluster's defaults are the
 # coordinator's --retention-bytes / --retention-ms. retention_bytes is the stream's total.
@@ -179,7 +180,7 @@ class Coordinator(Membership, Service):
         self.gate = Gate(cluster_secret, auth=auth, super_users=super_users)
         self.door = door or Door()
         self.dead_after = dead_after
-        self.repoint_evicted = True  # recovery re-points settled history (kera.repoint)
+        self.repoint_evicted = True  # recovery re-points settled history (kera.recovery.repoint)
         self.chunk_rows_newest = CHUNK_ROWS_NEWEST   # bytes per vlog indexed per chunk (the rest as runs)
         self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
         self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
@@ -762,7 +763,7 @@ def main(argv=None) -> None:
                                            "retention_ms": args.retention_ms})
 
     if args.metrics_port is not None:
-        from .metrics.coordinator import CoordinatorMetrics
+        from ..metrics.coordinator import CoordinatorMetrics
         coord.metrics = CoordinatorMetrics(coord, args.metrics_lag_interval, args.metrics_top_groups)
 
     async def run():
@@ -772,5 +773,5 @@ def main(argv=None) -> None:
             port = await n.start(coord.run, args.host, args.port)
             print(f"coordinator listening on {args.host}:{port}", flush=True)
 
-    from .process import run_until_signal
+    from ..process import run_until_signal
     run_until_signal(run)

@@ -25,7 +25,7 @@ import urllib.request
 import h11
 import trio
 
-from .errors import InvalidArgument, Unavailable
+from ..errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("kera.etcd")
 

@@ -1,6 +1,6 @@
 """Which segments of a dead broker a new owner takes as evicted instead of replaying them.
 
-Pure decisions (no I/O), driven by ``kera.recovery``. Replaying a broker's
+Pure decisions (no I/O), driven by ``kera.recovery.manager``. Replaying a broker's
 whole retained history into memory costs time and bytes proportional to the
 history; most of it was evicted on the dead broker anyway. Its settled
 prefix (``RecoveryPlan.settled``: closed vsegs held whole by a copy) is
@@ -21,7 +21,7 @@ names those copies) when:
   is still ``DataLoss``).
 
 Segments the dead broker had itself adopted are listed as *index chunks*
-(``kera.index_chunk``: the adoptions it made durable in its vlog, one per run
+(``kera.recovery.index_chunk``: the adoptions it made durable in its vlog, one per run
 of consecutive segments): each is re-pointed as it stands (it names the
 original copies) whenever the segments before its run are, last or not.
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .chunk import CLOSE, INDEX
+from ..chunk import CLOSE, INDEX
 from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg as a backup's index lists it, or a run of
@@ -54,7 +54,7 @@ VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQ
 _32, _40 = np.uint64(32), np.uint64(1 << 40)
 COLUMNS = 14        # VOFF..FLAGS are the backup's answer (and COUNT, of runs); VLOG, VSEG the vseg
 # it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's last
-# (``kera.repoint``)
+# (``kera.recovery.repoint``)
 
 
 def answer_rows(a: np.ndarray, vlog, vseg, runs: bool) -> np.ndarray:

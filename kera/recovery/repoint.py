@@ -1,6 +1,6 @@
 """Recovery's re-pointing step: index the settled vsegs, adopt, replay only the rest.
 
-Run by ``kera.recovery`` (on by default; coordinator ``--no-repoint-evicted``
+Run by ``kera.recovery.manager`` (on by default; coordinator ``--no-repoint-evicted``
 turns it off) after the backups' listings, before any replay step. For each
 vlog's settled prefix (``RecoveryPlan.settled``) one whole copy per vseg
 lists its chunks without bodies (backup ``index``, asked for many vsegs at
@@ -8,16 +8,16 @@ once: a few requests per backup, not one per vseg of the history; the index
 chunks of the dead broker's own adoptions come whole): each vlog's newest
 vsegs a row per chunk, the older ones a row per run of a producer's chunks
 (``kera.backup.replica.index_runs``), which plans the same.
-``kera.repoint_plan`` picks the re-pointed segments; each new owner gets one
+``kera.recovery.repoint_plan`` picks the re-pointed segments; each new owner gets one
 index chunk per run of a group's consecutive re-pointed segments (``adopt``,
-``kera.index_chunk``) and builds them evicted, naming the copies; the
+``kera.recovery.index_chunk``) and builds them evicted, naming the copies; the
 segments it needs first (the groups the replay continues) get their chunks'
 rows again if they were planned from runs. The plan is told which settled
 vsegs need no replay at all, and the backups skip the re-pointed segments'
 chunks in the vsegs that are replayed. The replay starts once the segments
 of the groups it continues are built; the groups whose adoption reaches
 their end (``Repoint.ended``: nothing of them is replayed) are adopted after
-the hand-over (``kera.adoption``: ``deferred``), so the time to serve does
+the hand-over (``kera.recovery.adoption``: ``deferred``), so the time to serve does
 not grow with the closed history. What makes an adoption safe (its index
 chunks durable, its files claimed: an fsync on each backup) is waited for
 beside the replay (``settle``), before the hand-over.
@@ -25,7 +25,7 @@ beside the replay (``settle``), before the hand-over.
 What keeps the adopted chunks readable: the copies named are closed and
 whole; the dead incarnation writes and trims no more (fenced); the new owner
 claims the files on their backups before it answers ``settle``, so the
-backups' letting go of the dead incarnation (``kera.recovered``) leaves them
+backups' letting go of the dead incarnation (``kera.coordinator.recovered``) leaves them
 until the owner releases them (``kera.backup.claims``).
 """
 
@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from . import chunk, failpoints, index_chunk, limits
-from .errors import InvalidArgument, KeraError
-from .recovery_plan import RecoveryPlan
+from .. import chunk, failpoints, limits
+from ..errors import InvalidArgument, KeraError
+from . import index_chunk
+from .plan import RecoveryPlan
 from .repoint_plan import (
     COLUMNS,
     COUNT,
@@ -81,7 +82,7 @@ class Repointed:
     settle: Callable        # run beside the replay, before the hand-over
     # (stream id, streamlet) -> (its groups whose adoption reaches their end, each producer's
     # highest sequence in them, a producer of each): adopted after the hand-over
-    # (``kera.adoption``), not here
+    # (``kera.recovery.adoption``), not here
     deferred: dict = field(default_factory=dict)
     ended: set = field(default_factory=set)   # (stream id, streamlet, group) adopted whole
 
@@ -220,7 +221,7 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     reaches their end, left for after the hand-over (``deferred``).
     ``owners``: (stream id, streamlet) -> the member recovering it; ``replayed``: the
     (stream id, streamlet) pairs replayed whole, never re-pointed. ``only``: (stream id,
-    streamlet) -> groups: the adoption after a hand-over (``kera.adoption``), of those
+    streamlet) -> groups: the adoption after a hand-over (``kera.recovery.adoption``), of those
     groups alone, into streamlets that serve; ``settle`` then adopts them all, from the
     whole copies of each vseg (``RecoveryPlan.settled``'s ``any_whole``). ``newest``: bytes of
     each vlog's newest settled vsegs a recovery indexes per chunk (older ones as runs)."""

@@ -1,7 +1,7 @@
 """Adopting a dead broker's closed history after its streamlets serve again (coordinator side).
 
 A recovery re-points the settled history of a dead incarnation instead of replaying it
-(``kera.repoint``). The groups whose adoption reaches their end (``Repoint.ended``: closed,
+(``kera.recovery.repoint``). The groups whose adoption reaches their end (``Repoint.ended``: closed,
 every segment settled, nothing of them replayed) are most of a long history, and nothing
 the replay places depends on them, so the hand-over does not wait for them: the time to
 serve stays that of the replay, however long the history. What makes that safe:
@@ -13,7 +13,7 @@ serve stays that of the replay, however long the history. What makes that safe:
   sequences in them come with it, so a resend of one of their chunks stays a duplicate.
 - **It survives failures.** The hand-over commit records the pending adoption
   (``deferred``: the incarnation, its streamlets' groups and sequences, what
-  ``kera.recovered`` needs after), in place of the incarnation's *recovered* entry, so
+  ``kera.coordinator.recovered`` needs after), in place of the incarnation's *recovered* entry, so
   its files stay on the backups. The record is written before the owners in the same
   commit (etcd's batches put it first), so it never goes missing while they are stored.
   ``Adoptions`` then does the work from the record alone: the backups' listings, the
@@ -41,10 +41,10 @@ from collections.abc import Iterable
 
 import trio
 
-from . import failpoints
-from .errors import Unavailable
-from .recovery import Recovery, holdings
-from .recovery_plan import RecoveryPlan
+from .. import failpoints
+from ..errors import Unavailable
+from .manager import Recovery, holdings
+from .plan import RecoveryPlan
 from .repoint import repoint
 
 log = logging.getLogger("kera.recovery")

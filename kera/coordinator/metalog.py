@@ -56,7 +56,7 @@ import msgpack
 import trio
 import xxhash
 
-from . import limits, metafile
+from .. import limits, metafile
 
 log = logging.getLogger("kera.metalog")
 

@@ -12,7 +12,7 @@ Keys under the prefix P (values are msgpack):
 Why one key per entry: a change costs O(that entry), never O(all metadata),
 and a new leader reads the whole state with a few paged range requests.
 The entries of ``packed`` maps (the coordinator's ``streams``) stay the bytes
-etcd holds, decoded only by whoever reads one (``kera.metalog`` says why).
+etcd holds, decoded only by whoever reads one (``kera.coordinator.metalog`` says why).
 
 ``EtcdMeta`` has ``MetaLog``'s interface: changes apply to ``state`` at once
 and mark their entry dirty; ``commit()`` returns once every entry changed so
@@ -31,8 +31,8 @@ import logging
 import msgpack
 import trio
 
+from ..errors import NotLeader
 from . import etcd as e
-from .errors import NotLeader
 from .metalog import apply
 
 log = logging.getLogger("kera.etcd_meta")
@@ -42,7 +42,7 @@ POLL = 0.2              # a standby's campaign period
 MAX_TXN_OPS = 128       # etcd's default --max-txn-ops
 MAX_TXN_BYTES = 1 << 20  # below etcd's default --max-request-bytes (1.5 MiB)
 # counters and fences first (ids never reused); pending adoptions before the owners they
-# come with (kera.adoption: owners never stored without the record), and with the recovered
+# come with (kera.recovery.adoption: owners never stored without the record), and with the recovered
 # entry that replaces one once it is done (never the one without the other)
 _FIRST = ("next_stream_id", "next_producer_id", "next_epoch", "next_id", "fences", "backups", "deferred",
           "recovered", "recovered_version")

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import trio
 
-from .errors import InvalidArgument, NotLeader, Unavailable
-from .rpc import parse_addr
+from ..errors import InvalidArgument, NotLeader, Unavailable
+from ..rpc import parse_addr
 
 
 def split_addrs(addrs: str | list[str]) -> list[str]:

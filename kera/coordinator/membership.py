@@ -13,7 +13,7 @@ hears from one of them again, and gives the others a fresh ``dead_after``
 from then (``watch``). A broker incarnation remembers every backup it was
 told is alive (``Member.told``): its copies can only be on those, which is
 what a recovery must hear from before it calls the incarnation's log
-complete (``kera.recovery``).
+complete (``kera.recovery.manager``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 
 import trio
 
-from .errors import Fenced, InvalidArgument, KeraError, Unavailable, UnknownMember
+from ..errors import Fenced, InvalidArgument, KeraError, Unavailable, UnknownMember
 
 log = logging.getLogger("kera.coordinator")
 

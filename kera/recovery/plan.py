@@ -1,6 +1,6 @@
 """Which copy to replay each chunk of a dead incarnation's virtual logs from.
 
-Pure decisions (no I/O, no trio, no clock), driven by ``kera.recovery``:
+Pure decisions (no I/O, no trio, no clock), driven by ``kera.recovery.manager``:
 
 - Input: what each backup listed of the incarnation (``Replica.info()`` per
   copy: length, chunks, closed, corrupt regions, checksum; or a ``Listing``,
@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import ProtocolError
-from .vlog import vlog_epoch
+from ..errors import ProtocolError
+from ..vlog import vlog_epoch
 
 END = "end"          # the copy has nothing more (its length)
 CORRUPT = "corrupt"  # the next chunk of the copy failed verification

@@ -9,7 +9,7 @@ cluster restarted. For each orphaned incarnation the coordinator:
 2. picks new owners, spread over the live brokers, and assigns them the
    streamlets in *recovering* state (no produce, no pull yet);
 3. asks the backups what they hold of that incarnation's virtual logs and
-   follows a ``kera.recovery_plan.RecoveryPlan``: each vlog's virtual
+   follows a ``kera.recovery.plan.RecoveryPlan``: each vlog's virtual
    segments in order (vlogs in parallel, so many backups work at once), each
    step replaying one copy from an offset until it ends or reaches a corrupt
    chunk, the next step continuing from another copy at that offset; a
@@ -18,11 +18,11 @@ cluster restarted. For each orphaned incarnation the coordinator:
    its own virtual logs;
 4. when every vlog is replayed and durable again, hands the streamlets over
    (owners updated and persisted), and — only if every vlog was replayed to
-   its end — records the incarnation as recovered (``kera.recovered``): every
+   its end — records the incarnation as recovered (``kera.coordinator.recovered``): every
    backup, the ones down now included when they are back, drops its old
    replicas and releases the dead incarnation's own claims (its successors
    claimed again what they adopted from it). Files that new owners claimed
-   (adopted segments read from them, ``kera.repoint``) stay until released.
+   (adopted segments read from them, ``kera.recovery.repoint``) stay until released.
 
 Nothing is called complete without proof. Before it starts, a recovery
 waits (state ``waiting``) until fewer than ``need`` of the backups that may
@@ -57,9 +57,8 @@ from contextlib import contextmanager
 
 import trio
 
-from .backup.replay import pack_routes
-from .errors import KeraError, Unavailable
-from .recovery_plan import (
+from ..errors import KeraError, Unavailable
+from .plan import (
     CORRUPT,
     END,
     FAILED,
@@ -71,6 +70,7 @@ from .recovery_plan import (
     Truncated,
 )
 from .repoint import repoint
+from .routes import pack_routes
 
 log = logging.getLogger("kera.recovery")
 
@@ -142,7 +142,7 @@ class Recovery:
         self.wall = dict.fromkeys(PHASES, 0.0)   # seconds per phase
         self.cpu = dict.fromkeys(PHASES, 0.0)    # the coordinator's CPU seconds per phase
         self.settle_seconds = 0.0           # the longest settle of a new owner (beside the replay)
-        self.deferred: dict = {}            # groups adopted after the hand-over (kera.adoption)
+        self.deferred: dict = {}            # groups adopted after the hand-over (kera.recovery.adoption)
         self.index_rows = 0                 # rows the re-pointing planned from (a row per run of chunks)
         self.index_chunks = 0               # ... the chunks they stand for
         self.reindexed_vsegs = 0            # vsegs asked again for their chunks' own rows
@@ -390,7 +390,7 @@ class RecoveryManager:
                 newest=self.coord.chunk_rows_newest)
             replay_from, settle, rec.deferred = got.replay_from, got.settle, got.deferred
         # the groups adopted after the hand-over (this recovery's, and those a record still
-        # holds for streamlets it hands over: ``kera.adoption``), told beside the replay
+        # holds for streamlets it hands over: ``kera.recovery.adoption``), told beside the replay
         pend = self.coord.adoptions.pending_for(owners, (rec.broker, rec.epoch), rec.deferred)
 
         async def replay_vlog(vlog: int) -> None:

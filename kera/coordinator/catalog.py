@@ -4,9 +4,9 @@ ids and owners indexed.
 A million streams must fit a coordinator: as dicts (the store's map plus a
 ``StreamMeta`` per stream) they cost several KiB each. Here a stream is the
 msgpack bytes of its map, as the metadata store holds and writes it (a
-*packed* entry, ``kera.metalog``), decoded into a ``StreamMeta`` only when a
+*packed* entry, ``kera.coordinator.metalog``), decoded into a ``StreamMeta`` only when a
 request needs that stream; beside it, per stream, a slot in the name index,
-the id index and the holdings (``kera.holdings``): a few hundred bytes in all.
+the id index and the holdings (``kera.recovery.holdings``): a few hundred bytes in all.
 
 Nothing here walks every stream but the loading: a page of a listing starts
 with a binary search in the sorted names (re-sorted only after creates or
@@ -23,11 +23,11 @@ import re
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 
-from . import limits
-from .holdings import Holdings
+from .. import limits
+from ..names import is_internal
+from ..recovery.holdings import Holdings
+from ..stream_meta import Owner, StreamMeta
 from .metalog import pack, unpack
-from .names import is_internal
-from .stream_meta import Owner, StreamMeta
 
 _WILD = re.compile(r"[*?\[]")
 

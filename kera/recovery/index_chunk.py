@@ -2,7 +2,7 @@
 
 A recovery hands a new owner a dead broker's settled segments as *index*
 (per chunk: its end, the vseg of the dead incarnation holding it and the
-offset there) instead of bodies (``kera.repoint_plan``). The new owner makes
+offset there) instead of bodies (``kera.recovery.repoint_plan``). The new owner makes
 each adoption durable before the streamlet serves by appending one index
 chunk per run of consecutive adopted segments of a group (not one per
 segment: what an adoption costs grows with the groups, not with the history)
@@ -39,9 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import chunk
-from .errors import InvalidArgument, ProtocolError
-from .limits import MAX_CHUNK
+from .. import chunk
+from ..errors import InvalidArgument, ProtocolError
+from ..limits import MAX_CHUNK
 
 MAGIC = 0x3158444E494B   # "KINDX1": one segment
 MAGIC2 = 0x3258444E494B  # "KINDX2": a run of segments
