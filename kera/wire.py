@@ -426,6 +426,7 @@ BROKER_RPCS = _named({
         "streamlets?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
         "session?": UINT, "add?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
         "drop?": ListOf(PAIR, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+        "starts?": Bytes(16 * limits.MAX_PULL_STREAMLETS), "epoch?": UINT, "columns?": BOOL,
         "max_bytes?": INT, "max_wait_ms?": NUMBER}, peer=True),
     "offsets": Rpc(Client("describe", "stream", per_entry=True), {
         "streamlets?": ListOf(PAIR, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS")},

@@ -38,12 +38,11 @@ HEADER = chunkfmt.HEADER_SIZE
 class Outgoing:
     """One chunk: open (records still arrive), sealed (``seq`` set) and then packed (``data``)."""
 
-    __slots__ = ("lane", "key", "values", "keys", "ts", "size", "deadline", "created", "sticky", "seq",
+    __slots__ = ("lane", "values", "keys", "ts", "size", "deadline", "created", "sticky", "seq",
                  "records", "data", "start", "flags", "charged", "reports")
 
     def __init__(self, lane: Lane, created: float, deadline: float, sticky: int):
         self.lane = lane
-        self.key = lane.key     # (stream id, streamlet)
         self.values: list[bytes] = []
         self.keys: list[bytes | None] | None = None   # only once a record has a key
         self.ts: list[int] | None = None              # only once a record has its own timestamp
@@ -58,6 +57,11 @@ class Outgoing:
         self.flags = 0
         self.charged = 0        # bytes counted against buffer.memory until acked or given up (from sealing)
         self.reports = None     # its records' delivery callbacks (``delivery``), if any
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(stream id, streamlet)."""
+        return self.lane.route.id, self.lane.index
 
     def chunk(self):
         """The packed chunk's bytes."""
@@ -95,7 +99,7 @@ def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
     else:
         ts = np.repeat(wall, counts)
     data, starts, _ = chunkfmt.pack_many(
-        [c.key[0] for c in todo], [c.key[1] for c in todo], producer_id, [c.seq for c in todo],
+        [c.lane.route.id for c in todo], [c.lane.index for c in todo], producer_id, [c.seq for c in todo],
         [c.flags for c in todo], counts, values, keys, ts)
     for c, s in zip(todo, starts, strict=True):
         c.data, c.start = data, s
@@ -235,7 +239,7 @@ class Accumulator:
         b.size = HEADER + ((b.size + 15) & ~7)   # chunk_size: the index, keys and values, padded
         q = lane.queue
         if q is None:
-            q = lane.queue = deque()
+            q = lane.queue = []
         q.append(b)
         if not lane.busy and not lane.waits:
             self._wait(lane)
@@ -246,7 +250,7 @@ class Accumulator:
         lane.seq = c.seq + 1
         q = lane.queue
         if q is None:
-            q = lane.queue = deque()
+            q = lane.queue = []
         q.append(c)
         if not lane.busy and not lane.waits:
             self._wait(lane)
@@ -315,8 +319,8 @@ class Accumulator:
         in sequence order, not sent again before ``at``."""
         q = lane.queue
         if q is None:
-            q = lane.queue = deque()
-        q.extendleft(reversed(chunks))
+            q = lane.queue = []
+        q[:0] = chunks
         lane.retry_at = at
 
     def fail(self, chunks, why: str) -> None:

@@ -70,15 +70,14 @@ class Lane:
     sent carries ``SEQ_RESET``), ``due`` its open chunk lingered out while it was busy;
     ``waits``: it is in the accumulator's ``waiting`` queue of address ``at`` (once)."""
 
-    __slots__ = ("route", "index", "key", "seq", "open", "queue", "busy", "retry_at", "gap", "due",
+    __slots__ = ("route", "index", "seq", "open", "queue", "busy", "retry_at", "gap", "due",
                  "waits", "at")
 
     def __init__(self, route: Route, index: int):
         self.route, self.index = route, index
-        self.key = (route.id, index)
         self.seq = 0
         self.open = None
-        self.queue: deque | None = None
+        self.queue: list | None = None   # (a short list: its front is popped in order)
         self.busy = False
         self.retry_at = 0.0
         self.gap: int | None = None

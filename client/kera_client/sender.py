@@ -195,9 +195,12 @@ class Sender:
         ``SEQ_RESET``. Returns the new size (``lane.busy`` if any was taken)."""
         chunks, limit = lane.queue, self.request_size
         too_old = now - self.delivery_timeout
-        while chunks and (size == 0 or size + chunks[0].size <= limit):
-            c = chunks.popleft()
-            if c.created < too_old:
+        k = 0
+        for c in chunks:
+            if size and size + c.size > limit:
+                break
+            k += 1
+            if c.created < too_old:   # given up: the chunk after it starts a new base
                 self.acc.fail([c], TIMEOUT)
                 continue
             gap = lane.gap
@@ -210,6 +213,7 @@ class Sender:
             items.append(c)
             size += c.size
             lane.busy = True
+        del chunks[:k]
         return size
 
     def _ownerless(self, q, now: float) -> float:
@@ -229,8 +233,12 @@ class Sender:
                     chunks.clear()
                     continue
                 self.stale.add(r.name)
-                while chunks and now - chunks[0].created > self.delivery_timeout:
-                    acc.fail([chunks.popleft()], TIMEOUT)
+                k = 0
+                while k < len(chunks) and now - chunks[k].created > self.delivery_timeout:
+                    k += 1
+                if k:
+                    acc.fail(chunks[:k], TIMEOUT)
+                    del chunks[:k]
             acc.rewait(lane)
         return now + NO_OWNER_RETRY if q else math.inf
 
