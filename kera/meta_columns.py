@@ -107,8 +107,9 @@ class Columns:
         addr = [a for _, a in self.members]
         who = [o for o, _ in self.members]
         own = self.owner.tolist()
-        if len(own) == len(self.names):   # one streamlet each
-            return [(addr[k],) for k in own], [(who[k],) for k in own]
+        if len(own) == len(self.names):   # one streamlet each: a tuple per member, shared
+            one_addr, one_who = [(a,) for a in addr], [(o,) for o in who]
+            return [one_addr[k] for k in own], [one_who[k] for k in own]
         first = self.first.tolist()
         spans = [own[a:b] for a, b in zip(first, first[1:], strict=False)]
         return ([tuple([addr[k] for k in s]) for s in spans],

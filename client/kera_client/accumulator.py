@@ -273,6 +273,32 @@ class Accumulator:
                 else:
                     self.seal(b)
 
+    def add_sealed(self, route: Route, values: list, size: int, since: float) -> bool:
+        """Keyless records without callbacks or timestamps of their own, parked since ``since``
+        for their stream's lookup and lingered out meanwhile, as one chunk sealed at once on
+        the round-robin streamlet: what ``append`` and ``seal`` would do, without an open
+        chunk (the common first records of a stream). False if they are not such (the caller
+        appends them one by one)."""
+        n = route.streamlets
+        i = route.rr if n > 1 else 0
+        lane = route.lanes[i] or route.lane(i)
+        if lane.open is not None or lane.busy or size > route.room or size >= self.chunk_size \
+                or since + self.linger > time.monotonic():
+            return False
+        c = Outgoing(lane, since, since, n)
+        c.values, c.records, c.charged = values, len(values), size
+        c.size = HEADER + ((size + 15) & ~7)
+        c.seq = lane.seq
+        lane.seq += 1
+        if n > 1:
+            route.rr = (i + 1) % n
+        lane.queue = [c] if lane.queue is None else [*lane.queue, c]
+        if not lane.waits:
+            self._wait(lane)
+        self.buffer.bytes += size
+        self.buffer.records += len(values)
+        return True
+
     def seal_lingered(self, route: Route, since: float) -> None:
         """``route``'s open chunks, whose first records were sent at ``since`` (parked for its
         lookup), are sealed now if their linger is over."""
@@ -298,6 +324,8 @@ class Accumulator:
             q = self.waiting[addr] = deque()
         q.append(lane)
         lane.waits, lane.at = True, addr
+        if not self.waker.woken:
+            self.waker.notify()   # the sender's next round takes it
 
     def rewait(self, lane: Lane) -> None:
         """A lane taken from ``waiting`` but not sent (its owner moved, its retry is not due)."""

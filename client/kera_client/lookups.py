@@ -29,6 +29,7 @@ from kera.errors import KeraError, RecordTooLarge, Unavailable, UnknownStream
 from kera.limits import MAX_CHUNK
 
 from .accumulator import Accumulator, check_record
+from .bulk import bulk
 from .delivery import TIMEOUT, Deliveries, error_for
 from .lanes import Buffer, Route, Waker
 from .metadata import fetch, unknown
@@ -111,6 +112,14 @@ class Lookups:
     def _unpark(self, r: Route, held: list) -> None:
         """The records parked for ``r``, into its chunks in the order they were sent."""
         buf, append = self.buffer, self.acc.append
+        if all(k is None and t is None and cb is None for _, k, t, cb, _ in held[1:]):
+            size = sum(rec[4] for rec in held[1:])
+            buf.bytes -= size
+            buf.records -= len(held) - 1
+            if self.acc.add_sealed(r, [rec[0] for rec in held[1:]], size, held[0]):
+                return
+            buf.bytes += size
+            buf.records += len(held) - 1
         for value, key, timestamp, cb, n in held[1:]:
             buf.bytes -= n
             buf.records -= 1
@@ -128,7 +137,7 @@ class Lookups:
 
         def take(cols, gone):
             self.requests += 1
-            with self.buffer.lock:
+            with self.buffer.lock, bulk():
                 self._take(cols, unpark)
             missing.extend(gone)
 

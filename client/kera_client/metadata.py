@@ -33,6 +33,7 @@ from kera.limits import MAX_LIST_PAGE
 from kera.meta_columns import Columns
 from kera.rpc import unwrapped
 
+from .bulk import bulk
 from .stream_view import StreamView
 
 PARALLEL = 4   # pages of names asked at once
@@ -114,8 +115,9 @@ async def describe(coordinator, names: Iterable[str] = (), pattern: str | None =
     missing: list = []
 
     def take(cols, gone):
-        for s in cols.views(StreamView):
-            out[s.name] = s
+        with bulk():
+            for s in cols.views(StreamView):
+                out[s.name] = s
         missing.extend(gone)
 
     names = list(names)

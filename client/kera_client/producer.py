@@ -48,6 +48,7 @@ from kera.security.client_config import credentials
 
 from .accumulator import Accumulator
 from .admin import default_coordinator
+from .bulk import bulk
 from .columnar import Columnar
 from .delivery import Deliveries, Pending
 from .lanes import Buffer, Route, Waker
@@ -151,6 +152,15 @@ class AsyncProducer:
         self.delivery.hand()
         self.check()
 
+    def closed(self) -> None:
+        """The producer stopped: its figures stay readable, the routes of the streams it wrote
+        go (a producer that wrote to a million streams held a few objects for each)."""
+        with self.buffer.lock, bulk():
+            for r in self.lookups.streams.values():
+                r.lanes = []   # a lane and its route refer to each other: freed now, not by a
+            self.lookups.streams.clear()   # collection walking every object of the process
+            self.lookups.by_id.clear()
+
     # -- figures -------------------------------------------------------------------------------
     @property
     def acked(self) -> int:
@@ -204,6 +214,7 @@ async def open_producer(coordinator: str | None = None, config: dict | None = No
             await p.flush()
         finally:
             nursery.cancel_scope.cancel()
+            p.closed()
 
 
 class Producer:
@@ -228,11 +239,16 @@ class Producer:
     async def _serve(self, coordinator, config, kw, task_status):
         cfg = producer_config(config, kw)
         async with open_pool(credentials=credentials(config)) as pool:
-            async with trio.open_nursery() as nursery:
-                p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
-                                  Deliveries(self._default, queued=True))
-                await nursery.start(p.run)
-                task_status.started(p)
+            p = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
+                                      Deliveries(self._default, queued=True))
+                    await nursery.start(p.run)
+                    task_status.started(p)
+            finally:
+                if p is not None:
+                    p.closed()
 
     def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
              on_delivery=None) -> None:

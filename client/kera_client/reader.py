@@ -36,6 +36,7 @@ from kera.errors import KeraError, Unavailable
 from kera.limits import MAX_PULL_STREAMLETS
 from kera.position import DONE
 
+from .bulk import bulk
 from .metadata import describe, fetch
 from .received import Chunk, Record
 from .sessions import Sessions
@@ -113,6 +114,18 @@ class Reader:
         """Streams as the coordinator describes them now: new ones get positions, and every
         streamlet whose owner changed (or that waits for one) is placed on its owner."""
         new, moved = [], []
+        with bulk():
+            self._note(views, new, moved)
+        if new:
+            await self._init_positions(new)
+        for v in moved:
+            for i in self._mine(v):
+                key = (v.name, i)
+                if key in self.positions:
+                    self.sessions.moved(key, v.addrs[i])
+
+    def _note(self, views, new: list, moved: list) -> None:
+        """``views`` into ``streams``: the ``new`` ones, those ``moved`` (owners changed)."""
         streams, by_id = self.streams, self.by_id
         for v in views:
             old = streams.get(v.name)
@@ -124,13 +137,6 @@ class Reader:
                 new.append(v)
             elif old.addrs != v.addrs:
                 moved.append(v)
-        if new:
-            await self._init_positions(new)
-        for v in moved:
-            for i in self._mine(v):
-                key = (v.name, i)
-                if key in self.positions:
-                    self.sessions.moved(key, v.addrs[i])
 
     def _mine(self, s: StreamView):
         return range(s.streamlets) if self.only is None else [i for i in self.only if i < s.streamlets]
@@ -151,6 +157,24 @@ class Reader:
 
     async def _init_positions(self, streams) -> None:
         saved = await self._saved(streams)
+        with bulk():
+            latest = self._start_positions(streams, saved)
+        if latest:
+            await self._latest(latest)
+        with bulk():
+            place, dirty, positions = self.sessions.place, self._dirty, self.positions
+            for s in streams:
+                name, addrs = s.name, s.addrs
+                for i in self._mine(s):
+                    key = (name, i)
+                    if key in positions:
+                        if dirty is not None and f"{name}/{i}" not in saved:
+                            dirty.add(key)   # not the group's yet: the next commit stores it
+                        place(key, addrs[i])
+
+    def _start_positions(self, streams, saved: dict) -> list:
+        """Where each new streamlet is read from: the ``start`` given, the group's committed
+        position, or its beginning; returns those to read from their end (``latest``)."""
         latest = []
         positions, start = self.positions, self.start
         fixed = start if isinstance(start, dict) else None
@@ -169,17 +193,7 @@ class Reader:
                     latest.append((s, i))
                 else:
                     positions[key] = {"low": 0, "groups": {}}
-        if latest:
-            await self._latest(latest)
-        place, dirty = self.sessions.place, self._dirty
-        for s in streams:
-            name, addrs = s.name, s.addrs
-            for i in self._mine(s):
-                key = (name, i)
-                if key in positions:
-                    if dirty is not None and f"{name}/{i}" not in saved:
-                        dirty.add(key)   # not the group's yet: the next commit stores it
-                    place(key, addrs[i])
+        return latest
 
     async def _latest(self, latest: list) -> None:
         """Positions at the durable end of these (stream, streamlet)s."""

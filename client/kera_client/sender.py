@@ -35,6 +35,7 @@ from kera.limits import MAX_REQUEST
 
 from .accumulator import Accumulator, Outgoing, pack
 from .admin import suspect
+from .bulk import bulk
 from .delivery import TIMEOUT, Deliveries
 from .lanes import Buffer, Lane, Waker
 from .lookups import Lookups
@@ -214,6 +215,8 @@ class Sender:
             size += c.size
             lane.busy = True
         del chunks[:k]
+        if not chunks:
+            lane.queue = None   # most lanes send a chunk now and then: no list kept between
         return size
 
     def _ownerless(self, q, now: float) -> float:
@@ -292,7 +295,8 @@ class Sender:
         where: dict = {}
         results = None
         try:
-            whole = pack(items, self.producer_id)
+            with bulk():
+                whole = pack(items, self.producer_id)
             with flight.scope:
                 r, _ = await self.pool.call(addr, "produce", meta,
                                             parts=[whole] if whole is not None else [c.chunk() for c in items],
@@ -314,7 +318,7 @@ class Sender:
                 self.nursery.start_soon(suspect, self.lookups.coordinator, addr)
         finally:
             self.flights.discard(flight)
-        with self.buffer.lock:
+        with self.buffer.lock, bulk():
             self.inflight[addr] -= 1
             self._settle(flight, items, results, where)
         self.delivery.hand()

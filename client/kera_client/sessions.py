@@ -27,6 +27,7 @@ from kera.limits import MAX_PULL_STREAMLETS
 from kera.position import DONE
 
 from .admin import suspect
+from .bulk import bulk
 from .received import Chunk
 
 
@@ -194,7 +195,8 @@ class Sessions:
             if len(entries) % (8 * ROW):
                 raise ProtocolError("pull answer: entries are not whole rows")
             entries = np.frombuffer(entries, "<i8").reshape(-1, ROW).tolist()
-        self._absorb(entries, payload, out, None if tracked else link)
+        with bulk():
+            self._absorb(entries, payload, out, None if tracked else link)
 
     async def _failed(self, link: Link, told: list, e: KeraError) -> None:
         for key in told:   # told again in the next pull (if still read there)
