@@ -14,6 +14,8 @@
     python -m bench restart [--quick]    # kill -9 of a whole cluster of 1M streams, 100k holding data:
                                          # time to serving again, every record read back (bench/restart.py)
     python -m bench soak [--quick]       # retention: ingest 8 GiB past a 256 MiB broker budget
+    python -m bench kafka [--quick]      # one librdkafka producer then consumer: kera's Kafka listener
+                                         # (R=1, R=3) beside the peer at 1 -> 2,048 topics (bench/kafka.py)
     python -m bench hops [--label L]     # CPU us per 1-record chunk and per 1-chunk request on each hop (bench/hops.py)
 
 Each writes bench/results/<experiment>.json and .png and prints a table. Ratios
@@ -155,6 +157,10 @@ def main() -> None:
     if sys.argv[1:2] == ["soak"]:  # its own options (bench/soak.py)
         from .soak import main as soak
         soak(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["kafka"]:  # its own options (bench/kafka.py)
+        from .kafka import main as kafka
+        kafka(sys.argv[2:])
         return
     if sys.argv[1:2] == ["hops"]:  # its own options (bench/hops.py)
         from .hops import main as hops

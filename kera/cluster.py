@@ -74,7 +74,7 @@ class LocalCluster:
     def __init__(self, data: str, nodes: int, port: int = 0, demo: bool = False, broker_args=(),
                  backup_args=(), coordinator_args=(), coordinators: int = 1, auth: bool = False,
                  tls: bool = False, hosts: Hosts | None = None,
-                 metrics_port: int | None = None):
+                 metrics_port: int | None = None, kafka_port: int | None = None):
         if nodes < 1:
             raise SystemExit("kera up: --nodes must be at least 1")
         if coordinators < 1:
@@ -90,6 +90,7 @@ class LocalCluster:
         self.coordinator_args = list(coordinator_args)
         self.hosts = hosts or Loopback()
         self.metrics_port = metrics_port   # P: coordinators on P, P+1, ..., then each node's backup, broker
+        self.kafka_port = kafka_port       # P: node i's broker speaks Kafka on P + i - 1
         self.coordinator = f"{self.hosts.address('coordinator')}:{port}"
         self.auth, self.tls = auth, tls
         # made at the first start, kept with the data (mode 0600): every server proves it
@@ -202,6 +203,17 @@ class LocalCluster:
         """The metrics port of the ``at``-th process (in ``names`` order, etcd aside)."""
         return [] if self.metrics_port is None else ["--metrics-port", str(self.metrics_port + at)]
 
+    def _kafka(self, i: int) -> list[str]:
+        """Node ``i``'s broker's Kafka listener (``kafka_port`` given)."""
+        if self.kafka_port is None:
+            return []
+        return ["--kafka-listener", f"{self.hosts.address(f'node{i}-broker')}:{self.kafka_port + i - 1}"]
+
+    def kafka_bootstrap(self) -> str:
+        """The brokers' Kafka listeners, as a client's bootstrap.servers."""
+        return ",".join(f"{self.hosts.address(f'node{i}-broker')}:{self.kafka_port + i - 1}"
+                        for i in range(1, self.nodes + 1)) if self.kafka_port is not None else ""
+
     def metrics_addrs(self) -> dict[str, str]:
         """Process name -> its metrics endpoint's HOST:PORT (``--metrics-port`` given)."""
         if self.metrics_port is None:
@@ -282,7 +294,7 @@ class LocalCluster:
                                       *self.backup_args], env)
         self.spawn(f"{node}-broker", ["broker", "--data", os.path.join(self.data, f"{node}-broker"),
                                       *self._host(f"{node}-broker"), *coord, *self._metrics(at + 1),
-                                      *self.broker_args], env)
+                                      *self._kafka(i), *self.broker_args], env)
         if wait:
             self.wait_ready(f"{node}-backup")
             self.wait_ready(f"{node}-broker")
@@ -329,6 +341,8 @@ class LocalCluster:
                 print(f"metrics at http://{m[0]}/metrics ... http://{m[-1]}/metrics "
                       f"({len(m)} endpoints: coordinators, then each node's backup and broker)",
                       flush=True)
+            if self.kafka_port is not None:
+                print(f"Kafka clients: bootstrap.servers={self.kafka_bootstrap()}", flush=True)
             if self.admin_password:
                 print(f"user {ADMIN} (super user) made, password: {self.admin_password}\n"
                       f"  shown once; it is also in {self.client_conf} (mode 0600)", flush=True)

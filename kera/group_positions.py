@@ -7,7 +7,8 @@ Kafka keeps them in ``__consumer_offsets``, Liftbridge in its cursors stream; he
 - key: msgpack ``[group, stream]``;
 - value: msgpack ``[stream_id, [[streamlet, low, {group: pos}, {group: [pos, skip]}], ...]]``
   (a consumer position, ``kera_client.consumer``; the stream id lets a stream
-  re-created under the same name start fresh).
+  re-created under the same name start fresh); a Kafka consumer's commit adds the
+  partition's offset and the commit's metadata to each entry (``kera.kafka.offsets``).
 
 Compaction keeps the latest record per key, so the stream holds about one record per
 (group, stream). All of a group's records go to one streamlet (``streamlet_of``):
@@ -83,7 +84,7 @@ def decode(group: str, latest: dict[bytes, bytes], ids: dict[str, int] | None = 
             if ids is not None and ids.get(name) != sid:
                 continue
             mine = {}
-            for i, low, groups, skip in sls:
+            for i, low, groups, skip, *_kafka in sls:   # a Kafka commit adds its offset and metadata
                 e = mine[f"{name}/{i}"] = {"low": low, "groups": {str(k): v for k, v in groups.items()}}
                 if skip:
                     e["skip"] = {str(k): v for k, v in skip.items()}

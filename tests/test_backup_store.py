@@ -10,21 +10,20 @@ import numpy as np
 import pytest
 import trio
 
-from kera import chunk
+from kera import chunk, limits
 from kera.backup import segment_file as sf
-from kera.backup import store as store_module
-from kera.backup.replica import INDEX_COLUMNS, Replica, index_runs
+from kera.backup.replica import Replica, index_runs
 from kera.backup.service import BackupService
 from kera.backup.store import (
     APPEND,
     CLOSE,
     DUPLICATE,
     EMPTY,
-    MAX_REPLICATE_BYTES,
     NEW,
     BackupStore,
 )
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
+from kera.wire.columns import INDEX_COLUMNS
 
 from .members import SECRET
 
@@ -172,7 +171,7 @@ def test_bad_payload_refused_and_nothing_stored():
         s.replicate(KEY, 1, 0, mv(chunks(3))[:-8], False)
     assert state(s) == ([], 0, 0, 0, 0, {})
     with pytest.raises(InvalidArgument, match="exceeds"):
-        s.accept_replicate(KEY, 1, 0, MAX_REPLICATE_BYTES + 1, False)
+        s.accept_replicate(KEY, 1, 0, limits.MAX_REPLICATE_PAYLOAD + 1, False)
 
 
 @pytest.mark.parametrize("limit", ["max_bytes", "max_memory", "max_replicas"])
@@ -311,7 +310,7 @@ def test_a_closed_replica_keeps_its_index_rows_within_the_bound_and_gives_them_b
     assert rep.index.runs == runs.tobytes() and rep.index.marks == ()   # no index chunk
     assert s.index_bytes == rep.index.nbytes == 3 * 80 + len(runs) * 88 and rep.heads is None
     kept = s.index_bytes
-    monkeypatch.setattr(store_module, "INDEX_CACHE", s.index_bytes + 100)  # no room for another
+    monkeypatch.setattr(limits, "INDEX_CACHE", s.index_bytes + 100)  # no room for another
     other = (7, 2, 6)
     s.replicate(other, 1, 0, mv(a), True)
     assert s.replicas[other].index is None and s.index_bytes == kept
@@ -359,9 +358,9 @@ def test_a_file_read_is_not_served_when_its_replica_is_dropped_meanwhile(tmp_pat
 
     async def main():
         with pytest.raises(BackupError, match="dropped"):
-            await svc._read_replica(rep, read)
+            await svc.readback.read_replica(rep, read)
         with pytest.raises(BackupError, match="dropped"):
-            await svc._read_replica(rep, read)
+            await svc.readback.read_replica(rep, read)
 
     trio.run(main)
     assert reads == [1] and not rep.corrupt

@@ -54,6 +54,7 @@ def plausible(st: dict, s, replica: tuple, vlog: int) -> dict:
             "pend": ({"epoch": ep, "source": [bid, ep], "entries": [[s.id, 0, [[0, 9]], [], []]]}, b""),
             "settle": ({"epoch": ep}, b""),
             "lag": ({"positions": [[s.id, 0, 0, {}]]}, b""),
+            "kafka_map": ({"offsets": [[s.id, 0, 0]]}, b""),
             "security": (evil, b""),
         },
         "backup": {
@@ -116,7 +117,7 @@ async def test_a_stranger_changes_nothing_and_a_member_speaks_only_for_itself(ma
                 for addr in addrs[role]:
                     for method, (meta, payload) in rpcs.items():
                         answers[(addr, method)] = await refused(stranger, addr, method, meta, payload)
-        assert len(answers) == 2 + 3 * 9 + 3 * 11
+        assert len(answers) == 2 + 3 * 10 + 3 * 11
         wrong = {k: v for k, v in answers.items() if v not in ("unauthenticated", "unauthorized")}
         assert not wrong, wrong
 

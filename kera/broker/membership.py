@@ -31,7 +31,8 @@ class Membership:
                 r, _ = await self.coord.call("register", {
                     "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
                     "epoch": self.epoch or None,  # claimed back after a coordinator restart
-                    "auth": self.gate.auth}, timeout=5)
+                    "auth": self.gate.auth,
+                    **({"kafka": self.kafka.addr} if self.kafka is not None else {})}, timeout=5)
                 break
             except KeraError as e:
                 log.info("coordinator not reachable yet: %s", e)
@@ -97,6 +98,7 @@ class Membership:
     def _reset(self) -> None:
         """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
         self.streams.clear()
+        self.names.clear()
         self.streamlets.clear()
         self.ledger.clear()
         self.memory.used = 0

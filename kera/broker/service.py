@@ -22,6 +22,7 @@ import time
 import trio
 
 from .. import chunk, door, group_positions, limits, metafile, metrics, wire
+from ..coordinator import link
 from ..coordinator.link import CoordinatorLink
 from ..door import Door
 from ..errors import (
@@ -62,7 +63,6 @@ log = logging.getLogger("kera.broker")
 
 # flags only brokers set (index, close and compacted chunks): refused in a client's chunk
 BROKER_FLAGS = chunk.INDEX | chunk.CLOSE | chunk.COMPACTED
-TIERED_CACHE = 32 << 20   # bytes of evicted segments read back, kept for the next pulls
 
 
 class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
@@ -119,6 +119,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.records_in = self.bytes_in = self.records_out = self.bytes_out = self.pulls = 0
         self.recoveries_served = 0  # assignments of a dead broker's streamlets to rebuild here
         self.metrics = None        # kera.metrics.broker, with --metrics-port
+        self.kafka = None          # kera.kafka's gateway, with --kafka-listener
+        self.names: dict[str, int] = {}   # stream name -> id, of the streams held here
 
     # -- virtual logs ----------------------------------------------------------------
     def notify_durable(self) -> None:
@@ -184,6 +186,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
 
     def _assign(self, s: StreamMeta, streamlets: list, recovering: bool, seal: bool) -> None:
         self.streams[s.id] = s
+        self.names[s.name] = s.id
         for i in streamlets:
             sl = self.streamlets.get((s.id, i))
             if sl is not None:
@@ -245,6 +248,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                     self._free(sl.leave())
             if not any((sid, i) in self.streamlets for i in every):
                 self.streams.pop(sid, None)
+                if self.names.get(s.name) == sid:
+                    del self.names[s.name]
         self._reclaim_once()
         return {}
 
@@ -254,6 +259,11 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
 
     def rpc_ping(self, meta, payload):
         return {"broker": self.broker_id, "epoch": self.epoch}
+
+    def rpc_kafka_map(self, meta, payload):
+        """Kafka offsets of streamlets held here as positions, or back (kera.kafka.offsets)."""
+        from ..kafka.offsets import kafka_map
+        return kafka_map(self, meta)
 
     def _check_lease(self) -> None:
         if time.monotonic() > self.lease_until:
@@ -355,7 +365,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                             waits[v] = ref
                     continue
                 g, seg, soff = sl.append(payload[off:off + size], producer)
-                chunk.place(seg.view, soff, g.id, seg.id, soff)
+                chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
                 if placed is not None:
                     placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
@@ -427,7 +437,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 and isinstance(expect[1], int) and expect[1] >= max(sl.plain_last, sl.key_last.get(key, 0))):
             raise Conflict(f"stream {h.stream_id} streamlet {h.streamlet} changed since {expect}")
         g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
-        chunk.place(seg.view, soff, g.id, seg.id, soff)
+        chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
         vlog = g.vlog or self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
         idx = vlog.append(seg, soff, h.size, h.body_checksum)
         sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)
@@ -517,10 +527,12 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             self.coord = CoordinatorLink(self.pool, self.coordinator)
             self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
             self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.backup_addr,
-                                       min(TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
-                                       if self.memory.limit else TIERED_CACHE)
+                                       min(limits.TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
+                                       if self.memory.limit else limits.TIERED_CACHE)
             bound = await nursery.start(self.serve, host, port)
             self.addr = advertised(host, bound, self.advertise)
+            if self.kafka is not None:   # its address is registered with ours
+                await nursery.start(self.kafka.run, self.pool)
             while True:
                 await self._register()
                 print(f"broker {self.broker_id} listening on {self.addr} (epoch {self.epoch})", flush=True)
@@ -563,7 +575,7 @@ def _vseg_size(text: str) -> int:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="kera broker")
-    ap.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR", "127.0.0.1:7700"))
+    ap.add_argument("--coordinator", default=os.environ.get(link.ENV, link.DEFAULT))
     ap.add_argument("--data", default="kera-data/broker")
     ap.add_argument("--node", default="")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -588,6 +600,11 @@ def main(argv=None) -> None:
     secret_.add_arguments(ap)
     tls_.add_arguments(ap)
     door.add_arguments(ap)
+    ap.add_argument("--kafka-listener", default=None, metavar="HOST:PORT",
+                    help="also serve Kafka's wire protocol here (port 0 picks a free one)")
+    ap.add_argument("--kafka-advertise", default="", metavar="HOST[:PORT]",
+                    help="the address Kafka clients are told to reach this broker at "
+                         "(default: the listener's host and port)")
     args = ap.parse_args(argv)
     cluster_secret = secret_.from_args(ap, args)
     tls = tls_.from_args(ap, args)
@@ -599,6 +616,9 @@ def main(argv=None) -> None:
                         cluster_secret=cluster_secret, auth=args.auth,
                         door=Door(door.from_args(args)), tls=tls)
     svc.advertise = args.advertise
+    if args.kafka_listener is not None:
+        from ..kafka.gateway import Gateway
+        svc.kafka = Gateway(svc, args.kafka_listener, args.kafka_advertise)
     if args.metrics_port is not None:
         from ..metrics.broker import install
         install(svc, args.metrics_top_streams)

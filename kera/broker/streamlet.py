@@ -16,6 +16,7 @@ import time
 from collections import deque
 from types import MappingProxyType
 
+from .. import chunk as chunk_
 from ..errors import (
     DataLoss,
     OutOfOrderSequence,
@@ -24,6 +25,7 @@ from ..errors import (
     Recovering,
     UnknownProducer,
 )
+from ..kafka.log import OffsetLog
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from ..stream_meta import StreamMeta
@@ -107,7 +109,7 @@ class Streamlet:
                  "plain_last", "key_last", "recovering", "pending", "pending_tops", "memory",
                  "ledger", "filled", "freed_bytes", "freed_segments", "waiting", "on_close",
                  "retention_bytes", "retention_ms", "compact", "delete_retention_ms", "segment_ms",
-                 "tombstone_due")
+                 "tombstone_due", "offsets")
 
     def __init__(self, stream: StreamMeta, index: int, memory=None, ledger: Ledger | None = None):
         self.stream_id = stream.id
@@ -139,6 +141,7 @@ class Streamlet:
         self.freed_segments = 0
         self.waiting = None      # an expired segment whose vsegs are still open (idle vlog)
         self.on_close = None     # called with (streamlet, group, producer) when a full group closes
+        self.offsets: OffsetLog | None = None   # its dense Kafka offsets, from its first chunk
         self.configure(stream)
 
     def configure(self, stream: StreamMeta) -> None:
@@ -338,7 +341,20 @@ class Streamlet:
                 self.on_close(self, g, producer)
         seg, off = placed
         self._count(1, len(chunk))
+        # its Kafka offsets (the caller writes the base with the placement: ``kafka_base``)
+        self.kafka_log().append(seg.records[-1] - (seg.records[-2] if len(seg.records) > 1 else 0),
+                                g.id, seg.id, off, len(chunk))
         return g, seg, off
+
+    @property
+    def kafka_base(self) -> int:
+        """The Kafka base offset of the chunk just appended."""
+        return self.offsets.bases[-1]
+
+    def kafka_log(self) -> OffsetLog:
+        if self.offsets is None:
+            self.offsets = OffsetLog()
+        return self.offsets
 
     def place(self, chunk, producer: int, group: int, segment: int, offset: int):
         """Recovery append at the placement recorded in the chunk header.
@@ -365,6 +381,9 @@ class Streamlet:
             raise
         if seg is not None:
             self._count(1, len(chunk))
+            if len(chunk) >= chunk_.HEADER_SIZE:
+                self.kafka_log().replayed(chunk_.kafka_offset(chunk), chunk_.HEADER.unpack_from(chunk)[5],
+                                         group, segment, offset, len(chunk))
         return g, seg
 
     def adopt(self, group: int, producer: int, seg) -> bool:
@@ -503,6 +522,8 @@ class Streamlet:
             if slot < self.q and not g.closed:
                 self.active[slot] = g
         self._closed_last()
+        if self.offsets is not None:
+            self.offsets.finish()
         # replayed vlog by vlog: oldest first is group order, not the order they were placed
         self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
         self.recovering = False

@@ -79,6 +79,10 @@ class ChunkBatch:
             header=None) -> None:
         """One verified chunk at ``buf[offset:]`` (its header already parsed, or parsed here)."""
         h = header or chunkfmt.parse_header(buf, offset)
+        if h.flags & chunkfmt.KAFKA:   # a Kafka producer's batch: its records in this layout (numpy)
+            from kera.kafka.convert import to_chunk
+            buf, offset = to_chunk(memoryview(buf)[offset:offset + h.size]), 0
+            h = chunkfmt.parse_header(buf)
         n = h.record_count
         body = offset + chunkfmt.HEADER_SIZE
         offs = np.frombuffer(buf, dtype="<u4", count=2 * n + 2, offset=body + 8 * n)

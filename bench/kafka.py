@@ -1,0 +1,144 @@
+"""The same librdkafka client on both sides: kera's Kafka listener (R=1, R=3) beside the peer.
+
+    python -m bench kafka [--quick] [--counts 1,128,512,2048] [--records N] [--repeats 3]
+
+One producer process, then one consumer process (confluent-kafka, ``bench.peer``'s workers,
+unchanged): 100-byte records round-robin over N one-partition topics, linger 5 ms,
+batch.size 16 KB, acks=all. Each cell is run ``repeats`` times with the systems in a
+rotating order; medians are reported. kera runs 3 nodes (broker + backup each) with a
+Kafka listener per broker; topics are created with CreateTopics. Writes
+bench/results/kafka.json and kafka.png (not with --quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+from kera.cluster import LocalCluster
+
+from .peer import consume_worker, create_topics, high_watermarks, produce_worker, run_peer
+from .stage import run_stage, summarize
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+LINGER, BATCH, SIZE = 5, 16384, 100
+TARGETS = {"r3_over_peer_512": 3.0, "r3_over_peer_2048": 4.0, "r3_2048_over_own_1": 0.8}
+
+
+class KeraKafka:
+    """A 3-node kera cluster with Kafka listeners, topics created once for a series of runs."""
+
+    def __init__(self, replication: int, topics: list[str]):
+        from kera.process import free_ports
+        self.dir = tempfile.mkdtemp(prefix="kera-bench-kafka-")
+        self.cluster = LocalCluster(os.path.join(self.dir, "data"), 3, port=0, kafka_port=free_ports(3))
+        self.replication, self.topics = replication, topics
+
+    def __enter__(self):
+        self.cluster.start()
+        self.bootstrap = self.cluster.kafka_bootstrap()
+        create_topics(self.bootstrap, self.topics, 1, 120.0, self.replication)
+        return self
+
+    def __exit__(self, *exc):
+        self.cluster.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def run(self, n_records: int) -> dict:
+        """One producer alone, then one consumer of what it wrote (as ``run_peer`` sequential)."""
+        ctx = multiprocessing.get_context("spawn")
+        start = high_watermarks(self.bootstrap, self.topics)
+        pj = [("p", 0, produce_worker, (self.bootstrap, self.topics, n_records, SIZE, LINGER, BATCH, "all"),
+               {"count": "callback"})]
+        outs = run_stage(ctx, pj, 360)
+        cj = [("c", 0, consume_worker, (self.bootstrap, self.topics, outs[("p", 0)]["records"], 300),
+               {"start_offsets": start, "touch": True})]
+        outs.update(run_stage(ctx, cj, 360))
+        return summarize([outs[("p", 0)]], [outs[("c", 0)]], outs[("c", 0)]["t_start"])
+
+
+def cell(system: str, n_topics: int, n_records: int, clusters: dict) -> dict:
+    if system == "peer":
+        r = run_peer(n_topics, n_records, SIZE, 1, 1, LINGER, BATCH, sequential=True, touch=True)
+    else:
+        r = clusters[system].run(n_records)
+    return {"system": system, "topics": n_topics, "produce_rps": r["produce_rps"],
+            "consume_rps": r.get("consume_rps"), "produce_p50_ms": r.get("produce_p50_ms"),
+            "produce_p99_ms": r.get("produce_p99_ms")}
+
+
+def run(counts: list[int], n_records: int, repeats: int) -> dict:
+    systems = ["peer", "kera R=1", "kera R=3"]
+    rows = []
+    for n in counts:
+        topics = [f"t{i:05d}" for i in range(n)]
+        with KeraKafka(1, topics) as k1, KeraKafka(3, topics) as k3:
+            clusters = {"kera R=1": k1, "kera R=3": k3}
+            for rep in range(repeats):
+                order = systems[rep % 3:] + systems[:rep % 3]
+                for s in order:
+                    r = cell(s, n, n_records, clusters)
+                    r["repeat"] = rep
+                    print(json.dumps(r), flush=True)
+                    rows.append(r)
+    return {"experiment": "kafka", "records": n_records, "size": SIZE, "linger_ms": LINGER,
+            "batch_size": BATCH, "acks": "all", "repeats": repeats, "rows": rows,
+            "medians": medians(rows)}
+
+
+def medians(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r["system"], {}).setdefault(r["topics"], {"produce": [], "consume": []})
+        out[r["system"]][r["topics"]]["produce"].append(r["produce_rps"])
+        out[r["system"]][r["topics"]]["consume"].append(r["consume_rps"] or 0)
+    return {s: {n: {k: statistics.median(v) for k, v in d.items()} for n, d in by.items()}
+            for s, by in out.items()}
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, what in zip(axes, ("produce", "consume"), strict=True):
+        for s, by in res["medians"].items():
+            ns = sorted(by)
+            ax.plot(ns, [by[n][what] for n in ns], marker="o", label=s)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("topics (one partition each)")
+        ax.set_ylabel("records/s (median)")
+        ax.set_title(f"{what}, one librdkafka process")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench kafka")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--counts", default="")
+    ap.add_argument("--records", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=RESULTS)
+    a = ap.parse_args(argv)
+    counts = [int(x) for x in a.counts.split(",")] if a.counts else ([1, 128] if a.quick else [1, 128, 512, 2048])
+    n = a.records or (50_000 if a.quick else 400_000)
+    t0 = time.monotonic()
+    res = run(counts, n, 1 if a.quick else a.repeats)
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    m = res["medians"]
+    for s, by in m.items():
+        print(s, {k: (round(v["produce"]), round(v["consume"])) for k, v in sorted(by.items())})
+    if not a.quick:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "kafka.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        plot(res, os.path.join(a.out, "kafka.png"))
+        print(f"wrote {a.out}/kafka.json and kafka.png")
