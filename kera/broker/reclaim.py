@@ -13,6 +13,7 @@ import time
 
 import trio
 
+from . import retention
 from .adopted import AdoptedSegment
 from .segment import close_waiting
 
@@ -56,7 +57,7 @@ class Reclaim:
                 continue
             if sl.recovering or sl.pending:
                 continue
-            freed = sl.expired(now)
+            freed = retention.expired(sl, now)
             if freed:
                 self._free(freed)
             if sl.waiting is not None and close_waiting(sl.waiting):

@@ -44,9 +44,11 @@ from ..security.mechanisms import BROKER, CLIENT
 from ..server import Service
 from ..stream_meta import StreamMeta
 from ..vlog import BackupSet, VirtualLog, VlogMapping, vlog_id
+from . import retention
 from .adopted import Claims
 from .compactor import Compactor
 from .group_close import close_chunk
+from .ledger import Ledger
 from .membership import HEARTBEAT, Membership
 from .memory import MemoryBudget, default_budget
 from .pull import Pulls
@@ -55,7 +57,7 @@ from .rebuild import Rebuilder
 from .reclaim import Reclaim
 from .replicator import ReplicationHub, Replicator
 from .segment import VlogChunk
-from .streamlet import Ledger, Streamlet
+from .streamlet import Streamlet
 from .takeover import Takeover
 from .tiered import TieredReader
 
@@ -200,7 +202,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
                 if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)
-                    self._free(sl.expired(time.time(), settled_only=False))
+                    self._free(retention.expired(sl, time.time(), settled_only=False))
                 if seal:
                     log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
                               s.name, i)

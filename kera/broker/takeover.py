@@ -19,6 +19,7 @@ from .. import chunk, limits
 from ..errors import InvalidArgument, KeraError, NotOwner, ProtocolError
 from ..recovery import index_chunk
 from ..rpc import unwrapped
+from . import retention
 from .adopted import AdoptedSegment, IndexHolder, adopted_segments
 from .group_close import mark
 from .replicator import Replicator
@@ -158,7 +159,7 @@ class Takeover:
                 if not sl.pending and not sl.recovering:
                     # what the dead broker had freed already and came back with the adoption goes
                     # before a reader sees it, as at a hand-over (``BrokerService._assign``)
-                    self._free(sl.expired(time.time(), settled_only=False))
+                    self._free(retention.expired(sl, time.time(), settled_only=False))
         return {}
 
     async def rpc_settle(self, meta, payload):
