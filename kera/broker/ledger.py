@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .streamlet import Streamlet
-
 
 class Ledger:
     """What a broker keeps over all its streamlets, updated as they change, so that nothing
@@ -18,8 +13,8 @@ class Ledger:
 
     def __init__(self):
         self.chunks = self.bytes = 0
-        self.expiring: dict[Streamlet, None] = {}
-        self.compacted: dict[Streamlet, None] = {}
+        self.expiring: dict = {}    # Streamlet -> None
+        self.compacted: dict = {}   # Streamlet -> None
 
     def clear(self) -> None:
         self.chunks = self.bytes = 0
