@@ -21,9 +21,10 @@ import trio
 from kio.schema.errors import ErrorCode
 
 from .. import chunk
+from ..chunk import kafka_batch as batch
 from ..errors import Fenced, KeraError
 from ..names import is_internal
-from . import batch, codes, convert
+from . import codes, convert
 
 APPEND, DUPLICATE = 0, 1
 SCAN = 4096                # newest chunks searched for a resent batch's offset after a recovery
