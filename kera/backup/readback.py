@@ -80,14 +80,15 @@ class ReadBack:
         """Closed, intact replicas' chunks without their bodies (a recovery re-pointing evicted
         history), for ``vsegs`` ([[vlog, vseg], ...] of ``broker``): one request per backup
         and batch, however long the history. Per vseg, in order, an ``answers`` entry and its
-        bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, 10 little-endian
+        bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, 12 little-endian
         u64s per chunk: vseg offset, size, stream, streamlet, group, segment, segment offset,
-        producer, sequence, flags, from each verified header; then its index chunks
+        producer, sequence, flags, Kafka base offset + 1, records, from each verified
+        header; then its index chunks
         (``kera.recovery.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
         (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
         the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
         A vseg asked as ``[vlog, vseg, true]`` gets rows of runs of chunks instead
-        (``index_runs``: 11 u64s, the last a count)."""
+        (``index_runs``: 13 u64s, the last a count)."""
         broker, vsegs = meta["broker"], meta["vsegs"]
         answers, parts, size = [], [], 0
         for vlog, vseg, *as_runs in vsegs:

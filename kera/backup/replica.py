@@ -40,33 +40,39 @@ from ..chunk import FEW, HEADER_DTYPE, HEADER_SIZE, INDEX
 from ..errors import InvalidArgument
 from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
-INDEX_COLUMNS = 10   # u64s per chunk in an index row (``index_rows``)
+INDEX_COLUMNS = 12   # u64s per chunk in an index row (``index_rows``)
 
 
 def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
-    """A vseg's index: per chunk 10 little-endian u64s (vseg offset, size, stream, streamlet,
-    group, segment, segment offset, producer, sequence, flags) from its verified headers."""
+    """A vseg's index: per chunk 12 little-endian u64s (vseg offset, size, stream, streamlet,
+    group, segment, segment offset, producer, sequence, flags, Kafka base offset + 1 (0:
+    none), record count) from its verified headers: what a new owner adopting the chunks
+    needs, their partition offsets included."""
     return np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
                             h["segment"], h["offset"], h["producer_id"], h["sequence"],
-                            h["flags"])).astype("<u8").tobytes()
+                            h["flags"], h["reserved"], h["record_count"])).astype("<u8").tobytes()
 
 
 RUN_COLUMNS = INDEX_COLUMNS + 1   # an index row of a run of chunks: the row, then how many
+_KAFKA, _RECORDS = 10, 11
 
 
 def index_runs(rows: np.ndarray) -> np.ndarray:
-    """A vseg's index ((n, 10) u64 rows, ``index_rows``) as runs: consecutive chunks of one
-    producer in one segment, each following the one before in the segment and in the vseg,
-    plain (no flag: index and close chunks stay rows of their own), are one row spanning
-    them (first offsets, the sizes summed, the highest sequence) followed by their count.
-    What a recovery plans the settled history from: a row per run, not per chunk."""
+    """A vseg's index ((n, 12) u64 rows, ``index_rows``) as runs: consecutive chunks of one
+    producer in one segment, each following the one before in the segment, in the vseg and
+    in its partition's Kafka offsets, plain (no flag: index and close chunks stay rows of
+    their own), are one row spanning them (first offsets, the sizes and record counts
+    summed, the highest sequence) followed by their count. What a recovery plans the
+    settled history from: a row per run, not per chunk."""
     n = len(rows)
     out = np.empty((n, RUN_COLUMNS), np.uint64)
     if not n:
         return out
     voff, size, offset, seq, flags = rows[:, 0], rows[:, 1], rows[:, 6], rows[:, 8], rows[:, 9]
+    kafka, records = rows[:, _KAFKA], rows[:, _RECORDS]
     joins = (flags[1:] == 0) & (flags[:-1] == 0) & (voff[1:] == voff[:-1] + size[:-1]) \
-        & (offset[1:] == offset[:-1] + size[:-1])
+        & (offset[1:] == offset[:-1] + size[:-1]) \
+        & (kafka[1:] == np.where(kafka[:-1] > 0, kafka[:-1] + records[:-1], 0))
     for c in (2, 3, 4, 5, 7):   # stream, streamlet, group, segment, producer
         joins &= rows[1:, c] == rows[:-1, c]
     first = np.flatnonzero(np.append(True, ~joins))
@@ -74,6 +80,7 @@ def index_runs(rows: np.ndarray) -> np.ndarray:
     out[:, :INDEX_COLUMNS] = rows[first]
     out[:, 1] = np.add.reduceat(size, first)
     out[:, 8] = np.maximum.reduceat(seq, first)
+    out[:, _RECORDS] = np.add.reduceat(records, first)
     out[:, INDEX_COLUMNS] = np.diff(np.append(first, n))
     return out
 

@@ -48,24 +48,25 @@ from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg as a backup's index lists it, or a run of
 # chunks (``kera.backup.replica.index_runs``: one producer's, following each other in one
-# segment and one vseg, SIZE their bytes, SEQUENCE the highest, COUNT how many)
-VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, LAST, COUNT = \
-    range(14)
+# segment, one vseg and its partition's offsets, SIZE their bytes, SEQUENCE the highest,
+# RECORDS their records, COUNT how many); KAFKA: the first one's Kafka base offset + 1 (0: none)
+(VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, KAFKA,
+ RECORDS, LAST, COUNT) = range(16)
 _32, _40 = np.uint64(32), np.uint64(1 << 40)
-COLUMNS = 14        # VOFF..FLAGS are the backup's answer (and COUNT, of runs); VLOG, VSEG the vseg
-# it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's last
-# (``kera.recovery.repoint``)
+COLUMNS = 16        # VOFF..RECORDS are the backup's answer (and COUNT, of runs); VLOG, VSEG the
+# vseg it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's
+# last (``kera.recovery.repoint``)
+ANSWER = RECORDS + 1 - VOFF   # u64s per chunk in an index answer (one more, the count, per run)
 
 
 def answer_rows(a: np.ndarray, vlog, vseg, runs: bool) -> np.ndarray:
-    """A backup's index answer (per row VOFF..FLAGS, then the count if ``runs``) for ``vlog``
+    """A backup's index answer (per row VOFF..RECORDS, then the count if ``runs``) for ``vlog``
     and ``vseg`` (each a number, or an array of one per row) as rows of the plan."""
-    width = FLAGS + 1 - VOFF
     out = np.empty((len(a), COLUMNS), np.uint64)
     out[:, VLOG], out[:, VSEG] = vlog, vseg
-    out[:, VOFF:FLAGS + 1] = a[:, :width]
+    out[:, VOFF:RECORDS + 1] = a[:, :ANSWER]
     out[:, LAST] = out[:, SEGMENT]
-    out[:, COUNT] = a[:, width] if runs else 1
+    out[:, COUNT] = a[:, ANSWER] if runs else 1
     return out
 
 
