@@ -37,7 +37,7 @@ import trio
 from kera_client import open_admin, open_producer
 
 from kera.cluster import LocalCluster
-from kera.recovery.manager import PHASES
+from kera.recovery.state import PHASES
 
 from .stage import quiet
 

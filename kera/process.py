@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import signal
+import socket
 import sys
 
 import trio
@@ -53,3 +55,35 @@ def run_until_signal(async_fn, *args) -> None:
             os.makedirs(prof_dir, exist_ok=True)
             prof.dump_stats(os.path.join(prof_dir, f"{os.getpid()}.prof"))
     sys.stdout.flush()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> int:
+    """A base port P with P .. P + n - 1 free, chosen below the kernel's ephemeral range.
+
+    Ports given out by ``bind(0)`` and outgoing connections come from the ephemeral range,
+    so a range chosen there can be taken by any other process between this check and the
+    server's bind; below it, only another explicit choice can collide."""
+    top = _ephemeral_low() - n
+    for _ in range(500):
+        base = random.randrange(10000, top)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind((host, p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports below {top + n}")

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from kera.cluster import LocalCluster
+from kera.process import free_ports
 from kera.stream_meta import StreamMeta
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)
 
 
 def stream_meta(**fields) -> StreamMeta:

@@ -4,32 +4,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 
 from kera.cluster import LocalCluster
-
-
-def free_ports(n: int) -> int:
-    """A base port P with P .. P + n - 1 free (for ``kafka_port``)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65536:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free port range")
+from kera.process import free_ports
 
 
 def kafka_cluster(path, nodes: int = 3, **kw) -> LocalCluster:

@@ -1,4 +1,4 @@
-"""A dead broker's closed history adopted after the hand-over (``kera.adoption``): the
+"""A dead broker's closed history adopted after the hand-over (``kera.recovery.adoption``): the
 streamlet's side of the wait, and what a recovery tells a new owner. The process tests
 (cut short, owner and coordinator killed) are in test_retention."""
 
@@ -59,7 +59,7 @@ def test_reads_reaching_a_pending_group_wait_and_nothing_takes_its_id():
     sl.read(0, {}, 1 << 20)
 
 
-class _Member:   # a broker as a recovery names it (hashable, as ``kera.membership.Member``)
+class _Member:   # a broker as a recovery names it (hashable, as ``kera.coordinator.membership.Member``)
     addr, epoch = "b3", 3
 
 
@@ -74,7 +74,8 @@ def _adoptions() -> Adoptions:
     def put(path, v):
         meta[path[0]][path[1]] = v
     streams = _Streams(s=SimpleNamespace(id=1, groups=4))
-    return Adoptions(SimpleNamespace(meta=meta, log=SimpleNamespace(set=put), streams=streams))
+    return Adoptions(roster=None, metadata=SimpleNamespace(state=meta, set=put, streams=streams),
+                     recovered=None, pool=None)
 
 
 def test_a_recovery_tells_its_new_owners_the_groups_a_record_still_holds():
@@ -122,7 +123,10 @@ def test_appends_while_a_history_is_pending_go_on_past_its_kafka_offsets():
     sl.append(chunk.build(1, 0, 1, 1, [b"r", b"s"]), 1)
     log = sl.kafka_log()
     assert (log.bases[-1], log.next) == (50, 52)
-    log.adopted(5, 0, [100, 300, 340], np.array([3, 13, 0], np.uint64), np.array([10, 37, 4], np.uint64))
+    seg = SimpleNamespace(id=0, ends=[100, 300, 340], kafka=(np.array([3, 13, 0], np.uint64),
+                                                            np.array([10, 37, 4], np.uint64)))
+    log.adopted(5, seg)
+    assert seg.kafka is None   # let go once indexed
     sl.unpend((4, 2))
     assert list(log.bases) == [0, 1, 2, 12, 50, 52] and list(log.ends) == [1, 2, 12, 49, 52, 56]
     assert log.row(3) == (12, 49, 5, 0, 100, 200) and log.find(30) == 3 and log.next == 56

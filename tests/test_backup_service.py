@@ -30,6 +30,7 @@ from kera.coordinator.service import Coordinator
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
 from kera.recovery import index_chunk
 from kera.recovery.plan import Listing
+from kera.wire.columns import INDEX_COLUMNS
 
 from .conftest import free_port, stream_meta
 from .damage import flip_bits
@@ -55,7 +56,7 @@ class Backup:
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kera.backup.service", "--dir", self.dir, "--port", "0",
+                [sys.executable, "-m", "kera.backup.main", "--dir", self.dir, "--port", "0",
                  "--flush-interval", "0.02", "--cluster-secret-file",
                  secret_file(os.path.dirname(self.logdir)),
                  *self.args],
@@ -618,7 +619,7 @@ async def test_real_full_disk_on_tmpfs(backups, tmp_path):
 
 def _backup_member(coord: Coordinator):
     """The one backup the coordinator knows of, once it registered."""
-    members = list(coord.members["backup"].values())
+    members = list(coord.roster.members["backup"].values())
     assert len(members) <= 1, members
     return members[0] if members else None
 
@@ -655,7 +656,7 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
             await nursery.start(coord.run, "127.0.0.1", port)
             await until(lambda: _backup_member(coord) is not None, "first registration")
             first = _backup_member(coord)
-            assert first.id == 1 and coord.meta["backups"] == [1]  # no id of its own: a fresh one
+            assert first.id == 1 and coord.metadata.state["backups"] == [1]  # no id of its own: a fresh one
             assert (first.addr, first.node, first.alive) == (bk.addr, "n1", True)
             assert first.holds == [[5, 1, 3, n1, True], [6, 0, 0, n2, False]]
             await until(lambda: load_id(str(data)) == first.id, "id saved")
@@ -666,7 +667,7 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
 
             # fences reach the backup with its heartbeats
             assert not await _fenced(pool, bk.addr, 7, 3)
-            coord.fence(7, 3)
+            coord.metadata.fence(7, 3)
             await until(lambda: _fenced(pool, bk.addr, 7, 3), "fence taken from a heartbeat")
             assert not await _fenced(pool, bk.addr, 7, 4)
 
@@ -692,7 +693,7 @@ async def test_registers_with_coordinator_and_reports_holds(backups, tmp_path):
             await until(lambda: _backup_member(coord) is not second, "registered after the restart")
             third = _backup_member(coord)
             assert third.id == first.id and third.epoch > second.epoch
-            assert coord.meta["backups"] == [first.id]
+            assert coord.metadata.state["backups"] == [first.id]
             await until(lambda: _fenced(pool, bk.addr, 7, 3), "fence known again after the restart")
             bk.kill()
             nursery.cancel_scope.cancel()
@@ -747,7 +748,7 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
             bid = _backup_member(coord).id
 
             def member():
-                return coord.members["backup"].get(bid)
+                return coord.roster.members["backup"].get(bid)
             ghost = {"role": "backup", "addr": "127.0.0.1:1", "node": "gone"}   # applied none
             r, _ = await pool.call(f"127.0.0.1:{port}", "register", ghost)  # known, then away
             assert r["recovered"] == {"version": 0, "incarnations": []}
@@ -764,17 +765,17 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
                 return lambda: member().recovered == version
 
             coord.recovered.add(4, 1, [[e1, 0]])
-            await coord.commit()   # told once durable
+            await coord.metadata.commit()   # told once durable
             await until(applied(1), "version 1 applied")
             assert os.path.exists(bk.seg(4, e1, 0))  # claimed by (5, 1): only marked dropped
             coord.recovered.add(5, 1, [[e1, 1]])
             coord.recovered.add(6, 1, [[e1, 2]])  # its vseg 3 lies past what its recovery replayed
-            await coord.commit()
+            await coord.metadata.commit()
             await until(applied(3), "version 3 applied")
             left = sorted(os.listdir(os.path.join(bk.dir, "segments")))
             assert left == sorted([sf.file_name(5, e1, 0), sf.file_name(5, e2, 0), sf.file_name(6, e1, 3)]), left
             assert (await stats(pool, bk.addr))["claimed_files"] == 1
-            assert [r[:3] for r in coord.meta["recovered"]] == [[4, 1, 1], [5, 1, 2], [6, 1, 3]]  # the ghost
+            assert [r[:3] for r in coord.metadata.state["recovered"]] == [[4, 1, 1], [5, 1, 2], [6, 1, 3]]  # the ghost
 
             first = member()
             await trio.to_thread.run_sync(bk.restart)
@@ -783,20 +784,20 @@ async def test_lets_go_of_recovered_incarnations_it_learns_from_the_coordinator(
             assert (await stats(pool, bk.addr))["claimed_files"] == 1
 
             r, _ = await pool.call(f"127.0.0.1:{port}", "register", {**ghost, "recovered": 3})
-            assert "recovered" not in r and coord.meta["recovered"] == []
-            assert coord.meta["recovered_version"] == 3
+            assert "recovered" not in r and coord.metadata.state["recovered"] == []
+            assert coord.metadata.state["recovered_version"] == 3
 
             # a malformed list is refused (typed, logged), changes nothing, and is not reported
             # as applied: the next answers bring the list again
-            coord.log.set(("recovered",), [[4, -1, 4, []]])
-            coord.log.set(("recovered_version",), 4)
-            await coord.commit()
+            coord.metadata.store.set(("recovered",), [[4, -1, 4, []]])
+            coord.metadata.store.set(("recovered_version",), 4)
+            await coord.metadata.commit()
             await until(lambda: "recovered incarnations must be [[broker, epoch, [[vlog, vseg], ...]], ...]"
                         in bk.logs(), "the malformed list refused")
             assert member().recovered == 3 and sorted(os.listdir(os.path.join(bk.dir, "segments"))) == left
-            coord.log.set(("recovered",), [])
-            coord.log.set(("recovered_version",), 5)
-            await coord.commit()
+            coord.metadata.store.set(("recovered",), [])
+            coord.metadata.store.set(("recovered_version",), 5)
+            await coord.metadata.commit()
             await until(applied(5), "a well-formed list applied")
             bk.kill()
             nursery.cancel_scope.cancel()
@@ -810,18 +811,18 @@ async def test_a_recovered_entry_is_told_once_durable_and_dropped_while_its_owne
     coord = Coordinator(d, cluster_secret=SECRET)
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
-            await nursery.start(coord.log.run)
-            coord.log.set(("streams", "s"), stream_meta(owners=((7, 1),)).to_wire())
+            await nursery.start(coord.metadata.store.run)
+            coord.metadata.store.set(("streams", "s"), stream_meta(owners=((7, 1),)).to_wire())
             coord.recovered.add(7, 1, [])
             coord.recovered.add(8, 1, [])
             assert coord.recovered.shown == 0
-            await coord.commit()
+            await coord.metadata.commit()
             assert coord.recovered.shown == 2
             nursery.cancel_scope.cancel()
-    coord.log.close()
+    coord.metadata.store.close()
     again = Coordinator(d, cluster_secret=SECRET)
-    assert again.meta["recovered"] == [[8, 1, 2, []]] and again.recovered.shown == 2
-    again.log.close()
+    assert again.metadata.state["recovered"] == [[8, 1, 2, []]] and again.recovered.shown == 2
+    again.metadata.store.close()
 
 
 async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_one(backups):
@@ -850,7 +851,7 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
                 if "error" in e:
                     return e
                 assert e["bytes"] == len(data)
-                return e, np.frombuffer(data[:e["rows"]], "<u8").reshape(-1, 10), data[e["rows"]:]
+                return e, np.frombuffer(data[:e["rows"]], "<u8").reshape(-1, INDEX_COLUMNS), data[e["rows"]:]
 
             _, rows, tail = await index()
             heads = [chunk.parse_header(c) for c in a]

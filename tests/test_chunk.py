@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kera import chunk
+from kera import chunk, limits
 from kera.chunk import (
     HEADER,
     HEADER_SIZE,
@@ -296,7 +296,7 @@ def test_inconsistent_header_rejected_even_with_good_checksum():
         place(head, 0, g[10], g[11], g[12])  # recomputes the header checksum
         return bytes(head) + bytes(good[HEADER_SIZE:])
 
-    for bad in (dict(f5=0), dict(f5=chunk.MAX_RECORDS + 1), dict(f13=f[13] - 1),
+    for bad in (dict(f5=0), dict(f5=limits.MAX_RECORDS + 1), dict(f13=f[13] - 1),
                 dict(f13=8), dict(f5=5)):
         with pytest.raises(ProtocolError):
             parse_header(rebuilt(**bad))
@@ -398,7 +398,7 @@ def test_inconsistent_offsets_are_refused_by_readers(n):
     for offsets in ([0, 1000, *ends[2:]], [0, 2, 1, *ends[3:]], [5, *ends[1:]]):
         body = bytearray(good[chunk.HEADER_SIZE:])
         _struct.pack_into(f"<{n + 1}I", body, at - chunk.HEADER_SIZE, *offsets)
-        bad = chunk._seal_header(1, 0, 1, 0, n, 0, 0, bytes(body))
+        bad = chunk.seal(1, 0, 1, 0, n, 0, 0, bytes(body))
         chunk.verify(bad)  # the checksums are right
         with pytest.raises(ProtocolError):
             chunk.ChunkView(bad)

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.timeout(180)
 class Bulk(Service):
     """Answers ``bulk`` with a MiB, settled at once but written by whoever is free (queued)."""
 
-    rpcs = wire._named({"bulk": wire.Rpc(wire.ANYONE), "echo": wire.Rpc(wire.ANYONE),
+    rpcs = wire.named({"bulk": wire.Rpc(wire.ANYONE), "echo": wire.Rpc(wire.ANYONE),
                         "ping": wire.Rpc(wire.AUTHENTICATED)})
 
     def __init__(self, **lim):

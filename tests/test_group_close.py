@@ -23,6 +23,7 @@ from kera.broker.group_close import mark
 from kera.broker.streamlet import Streamlet
 from kera.errors import InvalidArgument
 from kera.recovery import index_chunk
+from kera.wire.columns import INDEX_COLUMNS
 
 from .conftest import stream_meta
 from .members import open_members
@@ -33,11 +34,11 @@ pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 
 SEGMENT = 64 << 10
 GROUP_SEGMENTS = 2
-COLUMNS = 10  # u64s per chunk in a backup's index answer
+COLUMNS = INDEX_COLUMNS  # u64s per chunk in a backup's index answer
 
 
 async def _index_rows(c, addr: str, stream: int) -> np.ndarray:
-    """Index rows (vlog, vseg, then the backup's 10 columns) of ``stream``'s chunks in every
+    """Index rows (vlog, vseg, then the backup's columns) of ``stream``'s chunks in every
     closed vseg of the broker at ``addr``, each asked of one backup holding it."""
     async with open_admin(c.coordinator) as a:
         st = await a.status()

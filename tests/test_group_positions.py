@@ -17,8 +17,9 @@ from kera_client import open_admin, open_consumer
 from kera_client.positions import GroupPositions
 
 from kera import group_positions as gp
+from kera.coordinator.metadata import INITIAL
 from kera.coordinator.metalog import MetaLog
-from kera.coordinator.service import INITIAL, Coordinator
+from kera.coordinator.service import Coordinator
 from kera.errors import InvalidArgument, InvalidName
 from kera.rpc import open_pool
 
@@ -227,8 +228,8 @@ async def test_positions_of_an_older_metadata_are_dropped_once(tmp_path):
     assert m.state["positions"]
     m.close()
     c = Coordinator(d, cluster_secret=SECRET)
-    assert "positions" not in c.meta
-    await persisted(c.log)
+    assert "positions" not in c.metadata.state
+    await persisted(c.metadata.store)
     m = MetaLog(d, INITIAL)
     assert "positions" not in m.state
     m.close()

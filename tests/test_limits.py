@@ -26,19 +26,24 @@ from .workload import producer_id, stream_values
 
 
 def test_every_user_takes_its_limits_from_the_one_module():
-    from kera.backup import readback, replay
-    from kera.backup import service as backup
-    from kera.broker import pull
+    """No module of kera names a limit again: neither ``X = limits.Y`` nor ``from ..limits
+    import Y as X``; a limit is read as ``limits.Y`` or imported under its own name."""
+    import ast
+    import pathlib
 
-    assert limits.MAX_CHUNK <= limits.MAX_REPLICATE_PAYLOAD <= limits.MAX_PAYLOAD
+    root = pathlib.Path(limits.__file__).parent
+    again = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) \
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "limits":
+                again.append(f"{path.relative_to(root)}: {ast.unparse(node)}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("limits"):
+                again += [f"{path.relative_to(root)}: {a.name} as {a.asname}" for a in node.names
+                          if a.asname not in (None, a.name)]
+    assert not again, again
     assert frame.MAX_META == limits.MAX_META and frame.PREFIX_SIZE == limits.FRAME_PREFIX
     assert frame.FrameDecoder().max_frame == limits.MAX_FRAME
-    assert chunk.MAX_RECORDS == limits.MAX_RECORDS and chunk.MAX_CHUNK == limits.MAX_CHUNK
-    assert backup.MAX_REPLICATE_BYTES == limits.MAX_REPLICATE_PAYLOAD
-    assert readback.MAX_READ_BYTES == limits.MAX_READ
-    assert backup.MAX_SEGMENT_BYTES == limits.MAX_REPLICA_BYTES
-    assert pull.MAX_PULL_BYTES == limits.MAX_PULL
-    assert replay.REPLAY_READ == limits.REPLAY_READ
     assert not hasattr(frame, "DEFAULT_MAX_FRAME")
 
 
@@ -126,11 +131,11 @@ def test_broker_vseg_size_is_bounded():
 
 
 def test_coordinator_chunk_rows_newest_is_bytes_and_checked_before_anything_is_made(tmp_path, capsys):
-    from kera.coordinator.service import main
+    from kera.coordinator.main import main
 
     data = tmp_path / "coordinator"
     with pytest.raises(SystemExit) as e:
-        main(["--chunk-rows-newest", "-1", "--data", str(data), "--port", "0"])
+        main(["--chunk-rows-newest", "-1", "--data", str(data), "--port", "0"], open_log=None)
     assert e.value.code == 2 and "--chunk-rows-newest is a number of bytes" in capsys.readouterr().err
     assert not data.exists()
 

@@ -24,31 +24,11 @@ import urllib.request
 import pytest
 
 from kera.cluster import LocalCluster
+from kera.process import free_ports
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "operations.md")
 NODES = 3
 ENDPOINTS = 1 + 2 * NODES
-
-
-def _ports_free(base: int, n: int) -> bool:
-    for p in range(base, base + n):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                return False
-    return True
-
-
-def _free_base(n: int) -> int:
-    """The first of ``n`` consecutive free ports."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000 and _ports_free(base, n):
-            return base
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def until(what: str, check, timeout: float = 60.0, every: float = 0.25):
@@ -75,7 +55,7 @@ def kera(*args, stdin=None, timeout=60, env=None) -> subprocess.CompletedProcess
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    base = _free_base(ENDPOINTS)
+    base = free_ports(ENDPOINTS)
     c = LocalCluster(str(tmp_path_factory.mktemp("obs")), NODES, metrics_port=base,
                      coordinator_args=["--dead-after", "2.0", "--metrics-lag-interval", "1"])
     c.start()
@@ -213,7 +193,7 @@ def test_prometheus_scrapes_the_cluster(cluster, prometheus_bin, tmp_path):
         "evaluation_interval: 5s", "evaluation_interval: 1s")
     (tmp_path / "prometheus.yml").write_text(conf)
     (tmp_path / "kera-alerts.yml").write_text(_doc_block("## Alert rules"))
-    port = _free_base(1)
+    port = free_ports(1)
     prom = subprocess.Popen([prometheus_bin, f"--config.file={tmp_path / 'prometheus.yml'}",
                              f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}"],

@@ -234,26 +234,31 @@ async def test_one_replicate_rpc_per_backup_per_round_for_all_vlogs(make_cluster
 
 
 async def ingest_through_a_backup_fault(cluster, fault) -> None:
-    """Ingest into streams spread over every broker's four vlogs, apply ``fault`` to a backup
-    once ingest is under way (RPCs carrying all four vlogs' copies are in flight), then check
-    that every record was acknowledged and is read back exactly once, and that new writes
-    are acknowledged after the fault."""
+    """Ingest into streams spread over every broker's four vlogs; once half of it is sent,
+    apply ``fault`` to a backup, which calls the ``release`` it is handed when the fault is in
+    place so the second half is sent (and replicated) through it; then check that every
+    record was acknowledged and is read back exactly once, and that new writes are
+    acknowledged after the fault. Gating the second half on the fault, rather than watching
+    progress, keeps a loaded machine from finishing the ingest before the fault lands."""
     coord = cluster.coordinator
     streams = [f"f{i:02d}" for i in range(24)]
     await create(coord, streams, replication=3)
     producers, per_pair = 2, 2000
-    finished = trio.Event()
+    finished, half, go = trio.Event(), trio.Event(), trio.Event()
+
+    async def halfway():
+        half.set()
+        await go.wait()
 
     async def ingest():
-        await produce_all(coord, streams, producers, per_pair, 40)
+        await produce_all(coord, streams, producers, per_pair, 40, halfway=halfway)
         finished.set()
 
     with trio.fail_after(120):
         async with trio.open_nursery() as n:
             n.start_soon(ingest)
-            while (await vlog_totals(coord))[1] < 200:   # under way
-                await trio.sleep(0.02)
-            await fault()
+            await half.wait()
+            await fault(go.set)
             assert not finished.is_set(), "the fault came after the ingest"
         await send_and_flush(coord, streams, AFTER, 100)
         ledger = await consume_all(coord, streams, (producers * per_pair + 100) * len(streams))
@@ -264,8 +269,9 @@ async def ingest_through_a_backup_fault(cluster, fault) -> None:
 async def test_backup_killed_mid_batch_loses_no_acknowledged_record(make_cluster):
     cluster = make_cluster(3, broker_args=["--vlogs", "4"])
 
-    async def kill():
+    async def kill(release):
         cluster.kill("node2-backup")
+        release()
 
     await ingest_through_a_backup_fault(cluster, kill)
 
@@ -275,9 +281,10 @@ async def test_backup_paused_mid_batch_loses_no_acknowledged_record(make_cluster
     cluster = make_cluster(3, broker_args=["--vlogs", "4", "--replicate-timeout", "30"],
                            coordinator_args=["--dead-after", "30"])
 
-    async def pause():
+    async def pause(release):
         pid = cluster.procs["node3-backup"].pid
         os.kill(pid, signal.SIGSTOP)
+        release()
         try:
             # node1's broker has every vseg copied on node3's backup: its acks are held
             await trio.sleep(1.0)  # the fault: a one-second pause

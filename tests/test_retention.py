@@ -23,7 +23,7 @@ from kera_client import open_admin, open_consumer, open_producer
 from kera import chunk
 from kera.backup.segment_file import file_name
 from kera.errors import Fenced, InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
-from kera.recovery.manager import PHASES
+from kera.recovery.state import PHASES
 from kera.rpc import open_pool
 
 from .conftest import free_port

@@ -46,7 +46,7 @@ class SlowReader:
 
 class TestService(Service):
     __test__ = False
-    rpcs = wire._named({
+    rpcs = wire.named({
         "echo": wire.Rpc(wire.ANYONE, {"n?": wire.ANY}),
         "slow": wire.Rpc(wire.ANYONE),
         "echo_parts": wire.Rpc(wire.ANYONE, {"cuts": wire.ANY}),
@@ -414,7 +414,7 @@ def test_advertised_addresses():
 class Standby(Service):
     """A coordinator standing by: it names ``leader``."""
 
-    rpcs = wire._named({"slow": wire.Rpc(wire.ANYONE)})
+    rpcs = wire.named({"slow": wire.Rpc(wire.ANYONE)})
 
     def __init__(self, leader: str):
         self.leader = leader

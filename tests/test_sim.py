@@ -19,7 +19,7 @@ from kera import chunk
 from kera.broker import memory
 from kera.broker.rebuild import Rebuilder
 from kera.recovery import repoint_plan as cols
-from kera.sim import Violation, World, adoption, placement, run_seeds
+from kera.sim import Violation, World, placement, repointing, run_seeds
 from kera.vlog import VirtualLog
 
 CI_SEEDS = range(300)
@@ -141,7 +141,7 @@ def test_catches_r1_without_a_disk_copy(monkeypatch):
 def test_catches_a_last_segment_adopted_without_its_close_chunk(monkeypatch):
     """A group's last listed segment taken as complete without its close chunk: the broker
     went on appending to it (or to the group) in vsegs past the settled prefix."""
-    plan = adoption.plan_repoint
+    plan = repointing.plan_repoint
 
     def forged_closes(rows, settled, replayed=frozenset()):
         # every group's last segment in the rows gets a close chunk at its head
@@ -155,7 +155,7 @@ def test_catches_a_last_segment_adopted_without_its_close_chunk(monkeypatch):
         return plan(np.concatenate([rows, np.array(forged, np.uint64).reshape(-1, cols.COLUMNS)]),
                     settled, replayed)
 
-    monkeypatch.setattr(adoption, "plan_repoint", forged_closes)
+    monkeypatch.setattr(repointing, "plan_repoint", forged_closes)
     seed, why = first_failing(range(300))
     assert "adopted as closed" in why or "lost" in why or "not its chunks" in why, why
 
@@ -163,7 +163,7 @@ def test_catches_a_last_segment_adopted_without_its_close_chunk(monkeypatch):
 def test_catches_a_filled_segment_taking_another_chunk(monkeypatch):
     """The broker's ``Group.append`` before its fix: a segment noted filled, the next one
     refused by the budget, took a smaller chunk, into its dropped buffer once evicted."""
-    monkeypatch.setattr(placement.Segment, "filled_at", property(lambda seg: 0.0, lambda seg, v: None))
+    monkeypatch.setattr(placement.SimSegment, "filled_at", property(lambda seg: 0.0, lambda seg, v: None))
     seed, why = first_failing(range(2085, 2095))
     assert seed == 2090 and "evicted segment" in why, why
 

@@ -8,8 +8,9 @@ import msgpack
 import pytest
 import trio
 
+from kera.coordinator.metadata import INITIAL
 from kera.coordinator.metalog import MetaLog
-from kera.coordinator.service import INITIAL, Coordinator
+from kera.coordinator.service import Coordinator
 from kera.errors import InvalidArgument
 from kera.stream_meta import StreamMeta
 
@@ -88,12 +89,12 @@ async def test_a_coordinator_loads_streams_and_changes_written_as_dicts(tmp_path
     log.close()
     coord = Coordinator(d, cluster_secret=SECRET)
     try:
-        assert sorted(coord.streams) == ["old", "orders"]
-        s = coord.streams["orders"]
+        assert sorted(coord.metadata.streams) == ["old", "orders"]
+        s = coord.metadata.streams["orders"]
         assert s.owners == ((1, 1), (3, 4)) and s.retention_ms == 60_000 and s.id == 7
-        assert coord.holdings.count((3, 4)) == 1 and coord.holdings.count((1, 1)) == 2
-        assert coord.streams["old"].groups == 2
-        assert coord.streams.wire("orders") == {**WRITTEN, "owners": [[1, 1], [3, 4]],
+        assert coord.metadata.holdings.count((3, 4)) == 1 and coord.metadata.holdings.count((1, 1)) == 2
+        assert coord.metadata.streams["old"].groups == 2
+        assert coord.metadata.streams.wire("orders") == {**WRITTEN, "owners": [[1, 1], [3, 4]],
                                                    "retention_ms": 60_000}
     finally:
-        coord.log.close()
+        coord.metadata.store.close()

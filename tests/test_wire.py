@@ -3,6 +3,8 @@ a request is admitted from it (caller first, then fields) before any handler run
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 from kera import limits, wire
@@ -18,12 +20,20 @@ SERVERS = {"coordinator": Coordinator, "broker": BrokerService, "backup": Backup
 
 @pytest.mark.parametrize("role", sorted(SERVERS))
 def test_every_handler_is_in_the_table_and_every_entry_has_a_handler(role):
+    """Both ways: a server's ``rpc_*`` handlers are its table's entries, no more (a handler
+    the table lacks is never reached: refused as unknown) and no fewer (an entry without a
+    handler would admit a request nothing serves); each handler takes the caller's
+    connection exactly when its entry says it is given it (``Rpc.peer``)."""
     cls = SERVERS[role]
     handlers = {n[4:] for n in dir(cls) if n.startswith("rpc_") and callable(getattr(cls, n))}
-    assert handlers == set(wire.TABLES[role]), (handlers ^ set(wire.TABLES[role]))
-    assert cls.rpcs is wire.TABLES[role]
-    for name, rpc in wire.TABLES[role].items():
+    table = wire.TABLES[role]
+    assert not handlers - set(table), f"handlers not in the table: {sorted(handlers - set(table))}"
+    assert not set(table) - handlers, f"table entries without a handler: {sorted(set(table) - handlers)}"
+    assert cls.rpcs is table
+    for name, rpc in table.items():
         assert rpc.name == name and isinstance(rpc.caller, wire.Caller)
+        params = list(inspect.signature(getattr(cls, f"rpc_{name}")).parameters)[1:]
+        assert len(params) == (3 if rpc.peer else 2), (name, params, rpc.peer)
 
 
 def _peer(role=None, mid=None, auth=False):

@@ -57,13 +57,16 @@ class Ledger:
             assert len(got) == n and (got == np.arange(n)).all(), f"{key}: {len(got)} of {n} records"
 
 
-async def produce_all(coord, streams, producers, per_pair, rounds, **opts):
-    """Proxy producers: each writes to every stream, a slice per round."""
+async def produce_all(coord, streams, producers, per_pair, rounds, halfway=None, **opts):
+    """Proxy producers: each writes to every stream, a slice per round; ``halfway``, if
+    given, is awaited by each producer before its second half of the rounds."""
     async def one(p):
         async with open_producer(coord, **opts) as prod:
             await prod.load_metadata(streams)
             sent = 0
             for r in range(rounds):
+                if halfway is not None and r == rounds // 2:
+                    await halfway()
                 n = per_pair // rounds + (r < per_pair % rounds)
                 for s in streams:
                     await prod.send_many(s, values(p, sent, n))

@@ -26,7 +26,9 @@ Key = tuple[int, int, int]
 Owner = tuple[int, int]   # (broker id, epoch)
 
 
-class Claims:
+class FileClaims:
+    """Per vseg file, the owners that claim it, and the files dropped but kept for them."""
+
     def __init__(self):
         self.owners: dict[Key, set[Owner]] = {}
         self.dropped: set[Key] = set()   # let go by their recovery, kept for their claims

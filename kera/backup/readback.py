@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 
 import numpy as np
 import trio
@@ -27,15 +28,16 @@ from .store import BackupStore
 
 log = logging.getLogger("kera.backup")
 
-INDEX_ANSWER = 16 << 20        # bytes of rows and index chunks one index answer carries
-MAX_READ_BYTES = limits.MAX_READ                    # one read reply (unless a single chunk is larger)
-DEFAULT_READ_BYTES = 1 << 20
 
 
 class ReadBack:
-    """``BackupService``'s read RPCs (its state: store, counters, the I/O lock, pool)."""
+    """The backup's reads: handed the ``store`` (where a replica's bytes are), the service's
+    ``counters`` and ``pool()`` (a replay pushes chunks to brokers)."""
 
-    def rpc_read_chunks(self, meta: dict, payload):
+    def __init__(self, store: BackupStore, counters: dict, pool: Callable):
+        self.store, self.counters, self.pool = store, counters, pool
+
+    def read_chunks(self, meta: dict):
         """Chunks of one replica by [offset, size] (a broker reading back an evicted segment),
         in the order asked: each from memory when it is there, else from the file and verified
         again; a corrupt one is never served."""
@@ -65,9 +67,9 @@ class ReadBack:
                 out.append(data)
             return out, None
 
-        got, bad = await self._read_replica(rep, work)
+        got, bad = await self.read_replica(rep, work)
         if bad is not None:
-            off, size, reason = self._corrupt(rep, bad)
+            off, size, reason = self.corrupt(rep, bad)
             raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
         read = dict(zip((off for off, _ in below), got, strict=True))
         parts = []
@@ -76,33 +78,32 @@ class ReadBack:
         self.counters["tiered_bytes"] += sum(size for _, size in ranges)
         return {"chunks": len(ranges)}, parts
 
-    async def rpc_index(self, meta: dict, payload):
+    async def index(self, meta: dict):
         """Closed, intact replicas' chunks without their bodies (a recovery re-pointing evicted
         history), for ``vsegs`` ([[vlog, vseg], ...] of ``broker``): one request per backup
         and batch, however long the history. Per vseg, in order, an ``answers`` entry and its
-        bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, 12 little-endian
-        u64s per chunk: vseg offset, size, stream, streamlet, group, segment, segment offset,
-        producer, sequence, flags, Kafka base offset + 1, records, from each verified
-        header; then its index chunks
+        bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, ``INDEX_COLUMNS``
+        little-endian u64s per chunk from each verified header, Kafka offsets included,
+        ``kera.wire.columns``; then its index chunks
         (``kera.recovery.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
         (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
-        the answer holds ``INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
+        the answer holds ``limits.INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
         A vseg asked as ``[vlog, vseg, true]`` gets rows of runs of chunks instead
-        (``index_runs``: 13 u64s, the last a count)."""
+        (``index_runs``: ``RUN_COLUMNS`` u64s, the last a count)."""
         broker, vsegs = meta["broker"], meta["vsegs"]
         answers, parts, size = [], [], 0
         for vlog, vseg, *as_runs in vsegs:
-            if size >= INDEX_ANSWER:
+            if size >= limits.INDEX_ANSWER:
                 answers.append({"later": True})
                 continue
             try:
-                mine = await self._index(self.store.get((broker, vlog, vseg)), bool(as_runs and as_runs[0]))
+                mine = await self._vseg_index(self.store.get((broker, vlog, vseg)), bool(as_runs and as_runs[0]))
             except KeraError as e:
                 answers.append({"error": e.code, "message": str(e)})
                 continue
             n = sum(len(p) for p in mine)
-            if size and size + n > INDEX_ANSWER:  # the first one always goes (if a frame holds it)
-                size = INDEX_ANSWER
+            if size and size + n > limits.INDEX_ANSWER:  # the first one always goes (if a frame holds it)
+                size = limits.INDEX_ANSWER
                 answers.append({"later": True})
                 continue
             if n > limits.MAX_PAYLOAD:
@@ -114,7 +115,7 @@ class ReadBack:
             self.counters["indexes"] = self.counters.get("indexes", 0) + 1
         return {"answers": answers}, parts
 
-    async def _index(self, rep: Replica, runs: bool) -> list:
+    async def _vseg_index(self, rep: Replica, runs: bool) -> list:
         """One replica's index: its rows of chunks or of runs (kept since it closed,
         ``Replica.seal_index``, or made from its file's headers), then its index chunks."""
         if not rep.closed or rep.corrupt or rep.damaged:
@@ -126,9 +127,9 @@ class ReadBack:
             if s >= rep.mem_base:
                 parts.append(b"".join(rep.memory_parts(s, e)))
                 continue
-            data, bad = await self._read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
+            data, bad = await self.read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
             if bad is not None:
-                off, _, reason = self._corrupt(rep, bad)
+                off, _, reason = self.corrupt(rep, bad)
                 raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
             parts.append(data)
         return parts
@@ -143,7 +144,7 @@ class ReadBack:
         memory = b"".join(rep.memory_parts(base, rep.length)) if cut < len(starts) else b""
         packed = b""
         if cut:
-            packed = await self._read_replica(rep, disk.read_headers, rep.path, starts[:cut])
+            packed = await self.read_replica(rep, disk.read_headers, rep.path, starts[:cut])
         if cut < len(starts):
             packed += disk.gather_headers(memory, starts[cut:] - base)
         h = np.frombuffer(packed, chunkfmt.HEADER_DTYPE)
@@ -160,10 +161,10 @@ class ReadBack:
             raise ChecksumError(f"replica {rep.key}: header at {s}: {err}")
         return index_rows(starts, ends, h)
 
-    def rpc_read(self, meta: dict, payload):
+    def read(self, meta: dict):
         key = vseg_key(meta)
         offset = meta.get("offset") or 0
-        max_bytes = min(max(meta.get("max_bytes") or DEFAULT_READ_BYTES, 1), MAX_READ_BYTES)
+        max_bytes = min(max(meta.get("max_bytes") or limits.DEFAULT_READ, 1), limits.MAX_READ)
         rep, start, stop, corrupt_at, nxt, in_memory = self.store.plan_read(key, offset, max_bytes)
         self.counters["reads"] += 1
         if in_memory:
@@ -172,7 +173,7 @@ class ReadBack:
             return BackupStore.read_meta(rep, nxt, corrupt_at), parts
         return self._read_file(rep, start, stop, corrupt_at, nxt)
 
-    async def _read_replica(self, rep: Replica, fn, *args):
+    async def read_replica(self, rep: Replica, fn, *args):
         """``fn(*args)`` in a worker thread, reading ``rep``'s file: a replica dropped before
         or meanwhile (its file deleted, maybe made again for a new copy), or an I/O error, is a
         ``BackupError``. Not under the I/O lock: only bytes already written are read, so a
@@ -189,7 +190,7 @@ class ReadBack:
             raise BackupError(f"replica {rep.key} was dropped")
         return out
 
-    def _corrupt(self, rep: Replica, bad: tuple) -> tuple:
+    def corrupt(self, rep: Replica, bad: tuple) -> tuple:
         """A chunk that failed verification on read: logged, marked, never served, and
         counted in ``damage`` (heartbeats carry it: brokers then ask what we hold)."""
         off, size, reason = bad
@@ -200,14 +201,14 @@ class ReadBack:
 
     async def _read_file(self, rep: Replica, start: int, stop: int, corrupt_at, nxt):
         starts, ends = BackupStore.chunk_bounds(rep, start, stop)
-        data, bad = await self._read_replica(rep, disk.read_verified, rep.path, start, stop, starts, ends)
+        data, bad = await self.read_replica(rep, disk.read_verified, rep.path, start, stop, starts, ends)
         if bad is not None:
-            off, size, _ = self._corrupt(rep, bad)
+            off, size, _ = self.corrupt(rep, bad)
             corrupt_at, nxt = off, off + size
         self.counters["bytes_read"] += len(data)
         return BackupStore.read_meta(rep, nxt, corrupt_at), data
 
-    async def rpc_replay(self, meta: dict, payload):
+    async def replay(self, meta: dict, payload):
         """Push one replica's chunks, from ``offset``, to the brokers recovering their streamlets.
 
         Stops at the copy's end or at its first corrupt chunk and says where
@@ -221,11 +222,11 @@ class ReadBack:
             raise InvalidArgument(f"offset {offset} beyond replica {key} of length {rep.length}")
 
         async def read(offset, max_bytes):
-            res = self.rpc_read({"broker": key[0], "vlog": key[1], "vseg": key[2], "offset": offset,
-                                 "max_bytes": max_bytes}, b"")
+            res = self.read({"broker": key[0], "vlog": key[1], "vseg": key[2], "offset": offset,
+                             "max_bytes": max_bytes})
             return await res if inspect.iscoroutine(res) else res
 
-        out = await replay(read, self.pool, routes, offset, rep.length,
+        out = await replay(read, self.pool(), routes, offset, rep.length,
                            {(sid, i, g): seg for sid, i, g, seg in meta.get("replay_from") or ()})
         log.info("replayed replica %s from %d: %s", key, offset, out)
         return out

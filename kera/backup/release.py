@@ -14,11 +14,13 @@ import os
 import trio
 
 from .. import metafile
-from ..errors import BackupError, Fenced, InvalidArgument
+from ..errors import Fenced, InvalidArgument
 from ..vlog import vlog_epoch
-from ..wire import U63
-from . import disk
+from ..wire.fields import U63
+from .claims import FileClaims
+from .flushing import Flusher
 from .replica import Replica
+from .store import BackupStore
 
 log = logging.getLogger("kera.backup")
 
@@ -27,13 +29,32 @@ CLAIMS_FILE = "claims.meta"    # dead incarnations' vseg files that live owners 
 
 
 class Release:
-    """``BackupService``'s trims, claims and let-go (its state: store, claims, counters)."""
+    """The backup's trims, claims and let-go: it owns the claims and the floors' and claims'
+    files in the data ``directory``; handed the ``store`` (which replicas, their floors), the
+    service's ``counters`` and the ``flusher`` (files deleted under its I/O lock)."""
+
+    def __init__(self, store: BackupStore, counters: dict, directory: str, flusher: Flusher):
+        self.store, self.counters, self.dir, self.flusher = store, counters, directory, flusher
+        self.claims = FileClaims()
+        self._claims_changed = self._claims_saved = 0   # changes made, changes on disk
+        self._files = trio.Lock()   # one write of the floors' or the claims' file at a time
+
+    async def load(self) -> None:
+        """The floors and claims a restart finds, and what was due to go before it stopped:
+        the vsegs below a floor, the dropped files whose last claim was released."""
+        floors = await trio.to_thread.run_sync(metafile.load, os.path.join(self.dir, FLOORS_FILE), [])
+        for b, v, f in floors:
+            self.store.raise_floor(b, v, f)
+        self.claims.load(await trio.to_thread.run_sync(metafile.load,
+                                                       os.path.join(self.dir, CLAIMS_FILE), []))
+        await self._release_below_floor(self.store.below_floor())  # released before a crash
+        await self._delete_unclaimed()  # dropped, last claim released before a crash
 
     async def _save_claims(self) -> None:
         """Persist the claims as they are now; concurrent changes share one write."""
         self._claims_changed += 1
         mine = self._claims_changed
-        async with self._floors_lock:
+        async with self._files:
             if self._claims_saved >= mine:
                 return  # a write that began after our change covered it
             now, body = self._claims_changed, self.claims.dump()
@@ -73,11 +94,11 @@ class Release:
         size = rep.budget
         if self.store.drop(rep.key) is None:
             return 0
-        await self._unlink([rep])
+        await self.flusher.unlink([rep])
         self.store.reclaimed += size
         return size
 
-    async def rpc_trim(self, meta: dict, payload):
+    async def trim(self, meta: dict) -> dict:
         """The broker released the vsegs of a vlog below ``floor`` (nothing live in them):
         the floor is recorded first (a recovery then knows they are not lost), then their
         files are deleted."""
@@ -85,11 +106,11 @@ class Release:
         self.counters["trims"] += 1
         if self.store.raise_floor(b, v, floor):
             body = self.store.floor_list()
-            async with self._floors_lock:
+            async with self._files:
                 await trio.to_thread.run_sync(metafile.save, os.path.join(self.dir, FLOORS_FILE), body)
         return {"bytes": await self._release_below_floor(self.store.below_floor(b, v))}
 
-    async def rpc_claim(self, meta: dict, payload):
+    async def claim(self, meta: dict) -> dict:
         """``owner`` (broker, ``epoch``) reads the listed vseg files of dead incarnations
         (``claims``: [[broker, vlog, vseg], ...]): they outlive their recovery's drop until
         released. Recorded before the answer; ``held``: per file, whether it is here."""
@@ -108,7 +129,7 @@ class Release:
         rep = self.store.replicas.get(key)
         return rep is not None and rep.closed and not rep.corrupt and not rep.damaged
 
-    async def rpc_release(self, meta: dict, payload):
+    async def release(self, meta: dict) -> dict:
         """``owner`` no longer reads ``claims`` (all its claims if absent): a dropped file no
         claim holds any more is deleted."""
         owner = (meta["owner"], meta["epoch"])
@@ -149,27 +170,11 @@ class Release:
         if claimed or released:
             await self._save_claims()
         if reps:
-            if self._kick is not None:
-                self._kick.set()  # wake durability waiters so they see it
+            self.flusher.kick()  # wake durability waiters so they see it
             self.counters["drops"] += len(reps)
-            await self._unlink(reps)
+            await self.flusher.unlink(reps)
         freed = await self._delete_unclaimed()
         if reps or freed:
             log.info("let go of recovered incarnations %s: %d files deleted, %d kept for their claims, "
                      "%d bytes of files they claimed freed", sorted(dead), len(reps), len(claimed), freed)
         return {"dropped": len(reps), "claimed": len(claimed), "bytes": freed}
-
-    async def _unlink(self, reps: list[Replica]) -> None:
-        """Delete the files of replicas already dropped from the store, in one thread hop."""
-        def work():
-            for rep in reps:
-                disk.unlink_quiet(rep.path)
-        try:
-            with trio.CancelScope(shield=True):
-                async with self._io:
-                    await trio.to_thread.run_sync(work)
-        except OSError as e:
-            raise BackupError(f"dropping replicas {[r.key for r in reps]}: {e}") from None
-        finally:
-            for rep in reps:
-                self.store.dropped(rep)

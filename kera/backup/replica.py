@@ -38,23 +38,20 @@ import xxhash
 
 from ..chunk import FEW, HEADER_DTYPE, HEADER_SIZE, INDEX
 from ..errors import InvalidArgument
+from ..wire import columns
 from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
-
-INDEX_COLUMNS = 12   # u64s per chunk in an index row (``index_rows``)
 
 
 def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
-    """A vseg's index: per chunk 12 little-endian u64s (vseg offset, size, stream, streamlet,
-    group, segment, segment offset, producer, sequence, flags, Kafka base offset + 1 (0:
-    none), record count) from its verified headers: what a new owner adopting the chunks
-    needs, their partition offsets included."""
+    """A vseg's index: per chunk a row of ``INDEX_COLUMNS`` little-endian u64s (vseg offset,
+    size, stream, streamlet, group, segment, segment offset, producer, sequence, flags, Kafka
+    base offset + 1 (0: none), records: ``kera.wire.columns``) from its verified headers: what
+    a new owner adopting the chunks needs, their partition offsets included."""
     return np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
                             h["segment"], h["offset"], h["producer_id"], h["sequence"],
                             h["flags"], h["reserved"], h["record_count"])).astype("<u8").tobytes()
 
 
-RUN_COLUMNS = INDEX_COLUMNS + 1   # an index row of a run of chunks: the row, then how many
-_KAFKA, _RECORDS = 10, 11
 
 
 def index_runs(rows: np.ndarray) -> np.ndarray:
@@ -65,23 +62,25 @@ def index_runs(rows: np.ndarray) -> np.ndarray:
     summed, the highest sequence) followed by their count. What a recovery plans the
     settled history from: a row per run, not per chunk."""
     n = len(rows)
-    out = np.empty((n, RUN_COLUMNS), np.uint64)
+    out = np.empty((n, columns.RUN_COLUMNS), np.uint64)
     if not n:
         return out
-    voff, size, offset, seq, flags = rows[:, 0], rows[:, 1], rows[:, 6], rows[:, 8], rows[:, 9]
-    kafka, records = rows[:, _KAFKA], rows[:, _RECORDS]
+    c = columns
+    voff, size, offset = rows[:, c.IX_VOFF], rows[:, c.IX_SIZE], rows[:, c.IX_OFFSET]
+    seq, flags = rows[:, c.IX_SEQUENCE], rows[:, c.IX_FLAGS]
+    kafka, records = rows[:, c.IX_KAFKA], rows[:, c.IX_RECORDS]
     joins = (flags[1:] == 0) & (flags[:-1] == 0) & (voff[1:] == voff[:-1] + size[:-1]) \
         & (offset[1:] == offset[:-1] + size[:-1]) \
         & (kafka[1:] == np.where(kafka[:-1] > 0, kafka[:-1] + records[:-1], 0))
-    for c in (2, 3, 4, 5, 7):   # stream, streamlet, group, segment, producer
-        joins &= rows[1:, c] == rows[:-1, c]
+    for k in (c.IX_STREAM, c.IX_STREAMLET, c.IX_GROUP, c.IX_SEGMENT, c.IX_PRODUCER):
+        joins &= rows[1:, k] == rows[:-1, k]
     first = np.flatnonzero(np.append(True, ~joins))
     out = out[:len(first)]
-    out[:, :INDEX_COLUMNS] = rows[first]
-    out[:, 1] = np.add.reduceat(size, first)
-    out[:, 8] = np.maximum.reduceat(seq, first)
-    out[:, _RECORDS] = np.add.reduceat(records, first)
-    out[:, INDEX_COLUMNS] = np.diff(np.append(first, n))
+    out[:, :c.INDEX_COLUMNS] = rows[first]
+    out[:, c.IX_SIZE] = np.add.reduceat(size, first)
+    out[:, c.IX_SEQUENCE] = np.maximum.reduceat(seq, first)
+    out[:, c.IX_RECORDS] = np.add.reduceat(records, first)
+    out[:, c.IX_COUNT] = np.diff(np.append(first, n))
     return out
 
 
@@ -99,10 +98,10 @@ class VsegIndex:
     def of(cls, rows: bytes, runs: bool = True) -> VsegIndex:
         """From its rows; ``runs``: make the rows of runs too (a replica indexed from its file
         makes only the form asked for)."""
-        a = np.frombuffer(rows, "<u8").reshape(-1, INDEX_COLUMNS)
-        marks = np.flatnonzero(a[:, 9] & INDEX)
+        a = np.frombuffer(rows, "<u8").reshape(-1, columns.INDEX_COLUMNS)
+        marks = np.flatnonzero(a[:, columns.IX_FLAGS] & INDEX)
         return cls(rows, index_runs(a).astype("<u8", copy=False).tobytes() if runs else None,
-                   tuple(map(tuple, a[marks, :2].tolist())))
+                   tuple(map(tuple, a[marks, columns.IX_VOFF:columns.IX_SIZE + 1].tolist())))
 
     @property
     def nbytes(self) -> int:
@@ -193,7 +192,8 @@ class Replica:
         bytes; returns the bytes kept."""
         heads, self.heads = self.heads, None
         n = len(self.starts)
-        if heads is None or n * 8 * (INDEX_COLUMNS + RUN_COLUMNS) > room or sum(map(len, heads)) != n:
+        if heads is None or n * 8 * (columns.INDEX_COLUMNS + columns.RUN_COLUMNS) > room \
+                or sum(map(len, heads)) != n:
             return 0
         starts = np.frombuffer(self.starts, np.uint64)
         h = np.frombuffer(b"".join(x.tobytes() for x in heads), HEADER_DTYPE)  # np.concatenate of
@@ -291,7 +291,7 @@ class Replica:
 
     @property
     def plain(self) -> bool:
-        """Closed and intact: listed as a row of ``kera.recovery.plan.PLAIN_COLUMNS``."""
+        """Closed and intact: listed as a row of ``kera.wire.columns.PLAIN_COLUMNS``."""
         return self.closed and not self.corrupt and not self.error
 
     def plain_row(self) -> tuple[int, int, int, int, int]:

@@ -5,7 +5,7 @@ only when it is needed, which for evicted data may be when its other copy is gon
 The scrubber walks this backup's replicas in key order, reading the part of each file
 that is written (below ``flushed``) in pieces of at most ``PIECE`` bytes, in a worker
 thread, verifying every chunk (``disk.read_verified``). A chunk that fails is marked
-corrupt on its replica, as any read marks it (``ReadBack._corrupt``): never served
+corrupt on its replica, as any read marks it (``ReadBack.corrupt``): never served
 again, listed as corrupt, and counted in ``damage``, which the backup's heartbeats
 carry, so each broker asks this backup what it holds and makes a copy it finds damaged
 again elsewhere (``kera.broker.rebuild``).
@@ -13,7 +13,7 @@ again elsewhere (``kera.broker.rebuild``).
 The rate (``--scrub-rate`` bytes per second) bounds the disk and CPU it takes beside
 the service; a pass starts at most every ``--scrub-every`` seconds, so a small data
 set is not read over and over. Replicas made or dropped during a pass are taken as
-they come: a dropped one is skipped (``_read_replica`` refuses it).
+they come: a dropped one is skipped (``ReadBack.read_replica`` refuses it).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import trio
 
 from ..errors import BackupError
 from . import disk
+from .readback import ReadBack
+from .store import BackupStore
 
 log = logging.getLogger("kera.backup")
 
@@ -33,19 +35,23 @@ DEFAULT_RATE = 4 << 20    # bytes per second
 DEFAULT_EVERY = 600.0     # seconds between the starts of two passes
 
 
-class Scrubbing:
-    """``BackupService``'s scrubber (its state: store, counters, ``_read_replica``, ``_corrupt``)."""
+class Scrubber:
+    """Reads back every replica's written bytes at ``rate`` bytes per second, a pass at most
+    every ``every`` seconds; handed the ``store``, the service's ``counters`` and its reads
+    (``readback``: a replica's file read, a corrupt chunk marked)."""
 
-    scrub_rate: int = DEFAULT_RATE
-    scrub_every: float = DEFAULT_EVERY
+    def __init__(self, store: BackupStore, counters: dict, readback: ReadBack, *,
+                 rate: int = DEFAULT_RATE, every: float = DEFAULT_EVERY):
+        self.store, self.counters, self.readback = store, counters, readback
+        self.rate, self.every = rate, every
 
-    async def _scrubber(self) -> None:
+    async def run(self) -> None:
         """A pass every ``scrub_every`` seconds, the first one that long after the start
         (what a restart reloads is checked by the reload itself)."""
-        next_at = trio.current_time() + self.scrub_every
+        next_at = trio.current_time() + self.every
         while True:
             await trio.sleep_until(next_at)
-            next_at = trio.current_time() + self.scrub_every
+            next_at = trio.current_time() + self.every
             await self.scrub_pass()
 
     async def scrub_pass(self) -> int:
@@ -74,11 +80,12 @@ class Scrubbing:
             j = max(bisect_right(rep.ends, min(upto, rep.starts[i] + PIECE)), i + 1)
             starts, ends = rep.starts[i:j].tolist(), rep.ends[i:j].tolist()
             start, stop = starts[0], ends[-1]
-            _, bad = await self._read_replica(rep, disk.read_verified, rep.path, start, stop, starts, ends)
+            _, bad = await self.readback.read_replica(rep, disk.read_verified, rep.path, start, stop,
+                                                      starts, ends)
             self.counters["scrubbed_bytes"] += stop - start
             if bad is not None:
-                o, size, _ = self._corrupt(rep, bad)
+                o, size, _ = self.readback.corrupt(rep, bad)
                 found += 1
                 stop = o + size
             off = stop
-            await trio.sleep((stop - start) / self.scrub_rate)
+            await trio.sleep((stop - start) / self.rate)

@@ -34,16 +34,11 @@ from ..errors import (
     LimitExceeded,
     ProtocolError,
 )
-from ..recovery.plan import PLAIN_COLUMNS
+from ..wire.columns import PLAIN_COLUMNS
 from . import segment_file
 from .replica import Replica
 
-MAX_REPLICATE_BYTES = limits.MAX_REPLICATE_PAYLOAD  # one replicate payload
-MAX_SEGMENT_BYTES = limits.MAX_REPLICA_BYTES        # one replica's chunk area
-MAX_REPLICAS = 100_000           # replicas held at once
 DEFAULT_MAX_MEMORY = 1 << 30     # unflushed bytes; flushed ones are released under pressure
-INDEX_CACHE = 64 << 20           # closed replicas' indexes kept (80 bytes per chunk, 88 per run of
-# them: 800,000 chunks of runs of several, half as many when none joins)
 
 Key = tuple[int, int, int]
 
@@ -102,7 +97,7 @@ class FlushJob(NamedTuple):
 
 class BackupStore:
     def __init__(self, segdir: str = "", *, max_bytes: int = 0, max_memory: int = DEFAULT_MAX_MEMORY,
-                 max_replicas: int = MAX_REPLICAS):
+                 max_replicas: int = limits.MAX_REPLICAS):
         self.segdir = segdir
         self.max_bytes = max_bytes
         self.max_memory = max_memory
@@ -168,8 +163,8 @@ class BackupStore:
 
         Raises the typed error the RPC answers with; changes nothing.
         """
-        if n > MAX_REPLICATE_BYTES:
-            raise InvalidArgument(f"replicate payload of {n} bytes exceeds {MAX_REPLICATE_BYTES}")
+        if n > limits.MAX_REPLICATE_PAYLOAD:
+            raise InvalidArgument(f"replicate payload of {n} bytes exceeds {limits.MAX_REPLICATE_PAYLOAD}")
         known = self.broker_epochs.get(key[0], 0)
         if epoch < known:
             raise Fenced(f"broker {key[0]} epoch {epoch} is older than {known}")
@@ -212,8 +207,8 @@ class BackupStore:
     def check_limits(self, d: Decision) -> None:
         """Replica size, --max-bytes (the disk) and --max-memory (bytes not yet written)."""
         base = d.replica.length if d.replica is not None else 0
-        if base + d.take > MAX_SEGMENT_BYTES:
-            raise BackupError(f"replica {d.key} would exceed {MAX_SEGMENT_BYTES} bytes")
+        if base + d.take > limits.MAX_REPLICA_BYTES:
+            raise BackupError(f"replica {d.key} would exceed {limits.MAX_REPLICA_BYTES} bytes")
         need = self.need(d)
         if self.max_bytes and self.committed + need > self.max_bytes:
             raise BackupError(f"backup full: {self.committed} + {need} bytes exceeds --max-bytes "
@@ -239,7 +234,7 @@ class BackupStore:
             self.memory += d.take
         if d.close and not rep.closed:
             rep.closed = True
-            self.index_bytes += rep.seal_index(INDEX_CACHE - self.index_bytes)
+            self.index_bytes += rep.seal_index(limits.INDEX_CACHE - self.index_bytes)
         self.committed += need
         rep.budget += need
         self.dirty[rep] = None

@@ -1,5 +1,18 @@
 """The broker: streams -> streamlets -> groups -> segments, all in memory.
 
-``service.BrokerService`` is joined from ``pull`` (consume), ``takeover`` (recovery of a
-dead broker's streamlets), ``reclaim`` (retention, release, eviction) and ``membership``.
+- ``service``: ``BrokerService``, the RPC face: assignment, the produce and compare-and-append
+  paths, and ``main``; joined from ``pull`` (consume), ``takeover`` (a dead broker's
+  streamlets placed here), ``reclaim`` (retention, release, eviction) and ``membership``
+  (registration, heartbeats, lease, fencing).
+- ``streamlet``: ``Streamlet``, a partition of a stream with up to Q active groups, its
+  producers' sequences; ``group``: a sub-partition of up to G segments; ``segment``: a
+  buffer of back-to-back chunks; ``group_close``: a group's close chunk.
+- ``replicator``: ``ReplicationHub`` and a ``Replicator`` per virtual log (one replicate
+  RPC in flight per backup, for all the vlogs).
+- ``memory``: ``MemoryBudget``, the bound on what segments take, and eviction;
+  ``tiered``: an evicted segment's chunks read back from a backup's copy.
+- ``adopted``: segments taken over from a dead broker as evicted, and the claims that
+  keep their files on the backups.
+- ``pull_sessions``: readers of many streamlets; ``compactor``: key compaction;
+  ``rebuild``: a frozen vseg's lost copies made again from one that survived.
 """

@@ -18,7 +18,6 @@ from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering, Unautho
 from ..position import DONE, unpack
 from .pull_sessions import PullSession
 
-MAX_PULL_BYTES = limits.MAX_PULL
 MAX_PULL_WAIT = 30.0
 
 
@@ -27,9 +26,9 @@ class Pulls:
     pull sessions)."""
 
     async def rpc_pull(self, meta, payload, peer):
-        max_bytes = meta.get("max_bytes", 1 << 20)
+        max_bytes = meta.get("max_bytes", limits.DEFAULT_PULL)
         wait = meta.get("max_wait_ms", 0)
-        max_bytes = max(1, min(max_bytes, MAX_PULL_BYTES))
+        max_bytes = max(1, min(max_bytes, limits.MAX_PULL))
         self.pulls += 1
         # no lease needed: only durable data is served, a prefix of what any successor holds
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))

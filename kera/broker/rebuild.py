@@ -25,7 +25,7 @@ and replays it as one. The new copy counts once the backup acknowledged the
 close; a copy cut short is a prefix of the same bytes, continued from its
 length on the same backup when it is tried again.
 
-Pieces are whole chunks of at most ``PIECE`` bytes, one vseg at a time per
+Pieces are whole chunks of at most ``limits.MAX_READ`` bytes (a read reply), one vseg at a time per
 broker: memory and bandwidth are bounded however many vsegs lost a copy. A
 pass that could not make every copy (a backup failing, none to copy to) is
 tried again, backing off; a target that failed is avoided for the vlog's
@@ -47,7 +47,6 @@ from ..vlog.virtual_segment import Copy
 
 log = logging.getLogger("kera.broker")
 
-PIECE = limits.MAX_READ   # bytes read from the source and written to the new copy at once
 TIMEOUT = 10.0            # a restarted backup's listing
 RETRY = 1.0               # after a pass that left copies to make, the next one (sooner if
 MAX_RETRY = 30.0          # membership changes), doubling while passes keep falling short
@@ -279,11 +278,11 @@ class Rebuilder:
                 return True
 
     async def _read(self, key: dict, source: int, vs, off: int, timeout: float) -> memoryview | None:
-        """The whole chunks of ``vs`` from ``off`` (at most ``PIECE`` bytes, at least one chunk)
+        """The whole chunks of ``vs`` from ``off`` (at most ``limits.MAX_READ`` bytes, at least one chunk)
         as ``source`` holds them, checked against the vseg's record; None if it cannot give them."""
         try:
             meta, payload = await self.pool.call(self.addr_of(source), "read", {
-                **key, "offset": off, "max_bytes": PIECE}, timeout=timeout)
+                **key, "offset": off, "max_bytes": limits.MAX_READ}, timeout=timeout)
             data = memoryview(b"".join(payload) if isinstance(payload, list) else bytes(payload))
             if not data:
                 raise BackupError(f"read at {off} returned nothing (corrupt at {meta.get('corrupt_at')})")

@@ -22,6 +22,7 @@ import time
 import trio
 
 from .. import chunk, door, group_positions, limits, metafile, metrics, wire
+from ..coordinator import link
 from ..coordinator.link import CoordinatorLink
 from ..door import Door
 from ..errors import (
@@ -62,7 +63,6 @@ log = logging.getLogger("kera.broker")
 
 # flags only brokers set (index, close and compacted chunks): refused in a client's chunk
 BROKER_FLAGS = chunk.INDEX | chunk.CLOSE | chunk.COMPACTED
-TIERED_CACHE = 32 << 20   # bytes of evicted segments read back, kept for the next pulls
 
 
 class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
@@ -528,8 +528,8 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             self.coord = CoordinatorLink(self.pool, self.coordinator)
             self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
             self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.backup_addr,
-                                       min(TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
-                                       if self.memory.limit else TIERED_CACHE)
+                                       min(limits.TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
+                                       if self.memory.limit else limits.TIERED_CACHE)
             bound = await nursery.start(self.serve, host, port)
             self.addr = advertised(host, bound, self.advertise)
             if self.kafka is not None:   # its address is registered with ours
@@ -576,7 +576,7 @@ def _vseg_size(text: str) -> int:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="kera broker")
-    ap.add_argument("--coordinator", default=os.environ.get("KERA_COORDINATOR", "127.0.0.1:7700"))
+    ap.add_argument("--coordinator", default=os.environ.get(link.ENV, link.DEFAULT))
     ap.add_argument("--data", default="kera-data/broker")
     ap.add_argument("--node", default="")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on")

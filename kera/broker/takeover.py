@@ -15,7 +15,7 @@ import time
 import numpy as np
 import trio
 
-from .. import chunk
+from .. import chunk, limits
 from ..errors import InvalidArgument, KeraError, NotOwner, ProtocolError
 from ..recovery import index_chunk
 from ..rpc import unwrapped
@@ -27,7 +27,6 @@ from .streamlet import Streamlet
 
 log = logging.getLogger("kera.broker")
 
-MAX_PENDING_GROUPS = 1 << 20   # group ids one streamlet may wait for from one dead incarnation
 
 
 class Takeover:
@@ -146,9 +145,9 @@ class Takeover:
                  dict(map(tuple, tops)), *knext) for sid, i, rs, highest, tops, *knext in meta["entries"]]
         for _, _, _, rs, *_ in todo:
             if not all(lo <= hi < 1 << 32 for lo, hi in rs) or \
-                    sum(hi - lo + 1 for lo, hi in rs) > MAX_PENDING_GROUPS:
+                    sum(hi - lo + 1 for lo, hi in rs) > limits.MAX_PENDING_GROUPS:
                 raise InvalidArgument(f"pend: group id ranges [lo, hi] with lo <= hi < 2**32, at most "
-                                      f"{MAX_PENDING_GROUPS} group ids per streamlet")
+                                      f"{limits.MAX_PENDING_GROUPS} group ids per streamlet")
         for sl, sid, i, *_ in todo:
             if sl is None:
                 raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.broker_id}")

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -26,6 +25,7 @@ import h11
 import trio
 
 from ..errors import InvalidArgument, Unavailable
+from ..process import free_ports
 
 log = logging.getLogger("kera.etcd")
 
@@ -243,12 +243,6 @@ def etcd_binary() -> str:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalEtcd:
     """One etcd member on ``host`` (default 127.0.0.1), its data in ``data_dir``; ports of its
     own choosing (kept in ``data_dir/ports`` so a restart on the same directory reuses them)."""
@@ -261,8 +255,8 @@ class LocalEtcd:
         if not client_port and os.path.exists(saved):
             with open(saved) as f:
                 client_port, peer_port = (int(x) for x in f.read().split())
-        self.client_port = client_port or _free_port()
-        self.peer_port = peer_port or _free_port()
+        self.client_port = client_port or free_ports(1)
+        self.peer_port = peer_port or free_ports(1)
         with open(saved, "w") as f:
             f.write(f"{self.client_port} {self.peer_port}\n")
         self.proc: subprocess.Popen | None = None

@@ -31,6 +31,7 @@ import logging
 import msgpack
 import trio
 
+from .. import limits
 from ..errors import NotLeader
 from . import etcd as e
 from .metalog import apply
@@ -40,7 +41,6 @@ log = logging.getLogger("kera.etcd_meta")
 TTL = 2                 # seconds a leader's lease outlives its last keep-alive
 POLL = 0.2              # a standby's campaign period
 MAX_TXN_OPS = 128       # etcd's default --max-txn-ops
-MAX_TXN_BYTES = 1 << 20  # below etcd's default --max-request-bytes (1.5 MiB)
 # counters and fences first (ids never reused); pending adoptions before the owners they
 # come with (kera.recovery.adoption: owners never stored without the record), and with the recovered
 # entry that replaces one once it is done (never the one without the other)
@@ -236,7 +236,7 @@ class EtcdMeta:
             raw = type(v) is bytes and en[0] in self.packed   # packed already
             op = e.delete(self._key(en)) if v is None else e.put(self._key(en), v if raw else _pack(v))
             n = len(str(op))
-            if ops and (len(ops) >= MAX_TXN_OPS or size + n > MAX_TXN_BYTES):
+            if ops and (len(ops) >= MAX_TXN_OPS or size + n > limits.MAX_TXN_BYTES):
                 txns.append(ops)
                 ops, size = [], 0
             ops.append(op)

@@ -21,10 +21,21 @@ created twice is ``stream_exists``); the call then ends with that failure.
 
 from __future__ import annotations
 
+import os
+
 import trio
 
 from ..errors import InvalidArgument, NotLeader, Unavailable
 from ..rpc import parse_addr
+
+PORT = 7700                  # a coordinator's port unless told otherwise
+DEFAULT = f"127.0.0.1:{PORT}"
+ENV = "KERA_COORDINATOR"     # the coordinators' addresses, for whoever is given none
+
+
+def default_addrs() -> str:
+    """The coordinators' addresses when none is given: ``$KERA_COORDINATOR``, else ``DEFAULT``."""
+    return os.environ.get(ENV) or DEFAULT
 
 
 def split_addrs(addrs: str | list[str]) -> list[str]:

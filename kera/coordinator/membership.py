@@ -1,11 +1,13 @@
 """Membership: who is alive, at which epoch, and who is declared dead.
 
-A mixin of the coordinator, kept apart because it is soft state: servers
+The coordinator's ``Roster``, kept apart because it is soft state: servers
 register, then heartbeat; one that misses heartbeats for ``dead_after``
 seconds is declared dead. Each registration gets a fresh epoch (or claims its
 own back after the coordinator changed, see ``_rejoin``), and requests
-carrying an older epoch are refused (fencing). It uses the coordinator's
-``meta``/``log`` (ids, epochs, fences, known backups) and ``pool``.
+carrying an older epoch are refused (fencing). It is handed the term's
+``Metadata`` (ids, epochs, fences, known backups) and the pool; what an answer
+carries besides (fences, users and ACLs, recovered incarnations) the
+coordinator adds.
 
 A coordinator that stops hearing from every member at once is more likely
 the one cut off than all of them dead: it then declares nobody dead until it
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 
 from ..errors import Fenced, InvalidArgument, KeraError, Unavailable, UnknownMember
+from .metadata import Metadata
 
 log = logging.getLogger("kera.coordinator")
 
@@ -56,29 +60,47 @@ class Member:
         return out
 
 
-class Membership:
-    """Registration, heartbeats, failure detection and readiness (see the module doc)."""
+class Roster:
+    """Registration, heartbeats, failure detection and readiness (see the module doc), for one
+    term: ``metadata`` the term's, ``auth`` whether users authenticate (every member must run
+    alike), ``pool()`` the coordinator's pool (to ping a suspect)."""
 
-    async def rpc_register(self, meta, payload, peer):
+    def __init__(self, metadata: Metadata, pool: Callable, *, auth: bool, dead_after: float,
+                 expect_nodes: int):
+        self.metadata, self.pool, self.auth = metadata, pool, auth
+        self.dead_after = dead_after
+        self.lease = dead_after * 0.75   # how long a heartbeat answer lets a broker serve
+        self.expect_nodes = expect_nodes  # a local cluster's size: not ready before it is complete
+        self.members: dict[str, dict[int, Member]] = {"broker": {}, "backup": {}}
+        # broker incarnations replaced by a newer registration, kept until recovered
+        self.departed: dict[tuple[int, int], Member] = {}
+        self.suspect_since: float | None = None   # every member went silent at once (``watch``)
+        self.last_heard = time.monotonic()          # from any member
+        self.ready = expect_nodes == 0
+        self.changed = trio.Event()
+
+    async def register(self, meta) -> tuple[Member, dict]:
         """A member joins (its connection proved it is one, and names the id it asks for:
-        none for a new one). Answers its id and epoch; a member that runs with user
+        none for a new one): its member and what the answer says of it (id, epoch, heartbeat
+        period, lease), once its id and epoch are durable. A member that runs with user
         authentication on or off unlike this coordinator is refused."""
         role, addr, node = meta["role"], meta["addr"], meta.get("node") or ""
-        if meta.get("auth", self.gate.auth) != self.gate.auth:
-            raise InvalidArgument(f"this cluster runs {'with' if self.gate.auth else 'without'} "
+        if meta.get("auth", self.auth) != self.auth:
+            raise InvalidArgument(f"this cluster runs {'with' if self.auth else 'without'} "
                                   f"user authentication (--auth): so must every server")
+        md = self.metadata
         mid = meta.get("id")
         if not mid:
-            mid = self.meta["next_id"][role]
-            self.log.set(("next_id", role), mid + 1)
-        elif mid >= self.meta["next_id"][role]:
-            self.log.set(("next_id", role), mid + 1)
+            mid = md.state["next_id"][role]
+            md.set(("next_id", role), mid + 1)
+        elif mid >= md.state["next_id"][role]:
+            md.set(("next_id", role), mid + 1)
         epoch = self._rejoin(role, mid, meta.get("epoch"))
         rejoined = epoch is not None
         if epoch is None:
-            epoch = self._take("next_epoch")
-        if role == "backup" and mid not in self.meta["backups"]:
-            self.log.set(("backups",), [*self.meta["backups"], mid])
+            epoch = md.take("next_epoch")
+        if role == "backup" and mid not in md.state["backups"]:
+            md.set(("backups",), [*md.state["backups"], mid])
         m = Member(role, mid, addr, node, epoch, told_all=not rejoined)
         m.holds = meta.get("holds") or []
         m.kafka = meta.get("kafka")
@@ -90,13 +112,9 @@ class Membership:
         self.members[role][mid] = m
         self._heard()
         log.info("%s %d registered at %s (node %s, epoch %d)", role, mid, addr, node, epoch)
-        self._notify()
-        await self.commit()   # its id and epoch are never handed out again
-        out = {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4,
-               "lease": self.lease, "fences": self.meta["fences"], **self.accounts.heartbeat(None)}
-        if role == "backup":
-            out.update(self.recovered.answer(m, meta.get("recovered")))
-        return out
+        self.notify()
+        await md.commit()   # its id and epoch are never handed out again
+        return m, {"id": mid, "epoch": epoch, "heartbeat": self.dead_after / 4, "lease": self.lease}
 
     def _rejoin(self, role: str, mid: int, epoch) -> int | None:
         """The incarnation a server claims back after this coordinator restarted, if it may.
@@ -106,12 +124,13 @@ class Membership:
         recovered. The claim is refused once this coordinator knows of the
         server (it was declared dead or registered anew) or fenced that epoch.
         """
-        if not isinstance(epoch, int) or not 0 < epoch < self.meta["next_epoch"]:
+        state = self.metadata.state
+        if not isinstance(epoch, int) or not 0 < epoch < state["next_epoch"]:
             return None
         known = self.members[role].get(mid)
         if known is not None and not (known.alive and known.epoch == epoch):
             return None
-        if role == "broker" and self.meta["fences"].get(str(mid), 0) >= epoch:
+        if role == "broker" and state["fences"].get(str(mid), 0) >= epoch:
             return None
         return epoch
 
@@ -125,21 +144,16 @@ class Membership:
             raise Fenced(f"{role} {mid} epoch {epoch} is not current: register again")
         return m
 
-    def rpc_heartbeat(self, meta, payload):
-        """A member is alive; the answer carries what it needs and lacks: live backups (a
-        broker), fences and recovered incarnations (a backup), users and ACLs (if it holds
-        another version of them)."""
+    def heartbeat(self, meta) -> Member:
+        """A member is alive (its stats and damage taken): its member, for the answer."""
         m = self._member(meta)
         m.last_seen = time.monotonic()
         self._heard()
         if meta.get("stats") is not None:
             m.stats = meta["stats"]
-        if m.role == "backup":
-            if meta.get("damage") is not None:
-                m.damage = meta["damage"]
-            return {"fences": self.meta["fences"], **self.recovered.answer(m, meta.get("recovered")),
-                    **self.accounts.heartbeat(meta.get("security"))}
-        return {"backups": self.tell_backups(m), **self.accounts.heartbeat(meta.get("security"))}
+        if m.role == "backup" and meta.get("damage") is not None:
+            m.damage = meta["damage"]
+        return m
 
     def tell_backups(self, m: Member) -> list[dict]:
         """The live backups, as told to broker ``m``: remembered as backups it may use."""
@@ -155,7 +169,7 @@ class Membership:
             return m
         return self.departed.get((bid, epoch))
 
-    async def rpc_suspect(self, meta, payload):
+    async def suspect(self, meta) -> dict:
         """A client could not reach a broker: declared dead now only if its heartbeats also
         stopped for longer than a lease and a ping fails too (one slow answer on a loaded
         machine is no evidence)."""
@@ -166,7 +180,7 @@ class Membership:
         if time.monotonic() - m.last_seen <= self.lease:
             return {"alive": True}
         try:
-            await self.pool.call(m.addr, "ping", {}, timeout=min(1.0, self.dead_after / 2))
+            await self.pool().call(m.addr, "ping", {}, timeout=min(1.0, self.dead_after / 2))
             return {"alive": True}
         except KeraError:
             self._declare_dead(m)
@@ -176,12 +190,12 @@ class Membership:
         if m.alive:
             m.alive = False
             log.warning("%s %d at %s declared dead", m.role, m.id, m.addr)
-            self._notify()
+            self.notify()
 
     def _live(self, role) -> list[dict]:
         return [m.describe() for m in self.members[role].values() if m.alive]
 
-    def _complete_nodes(self) -> int:
+    def complete_nodes(self) -> int:
         """Nodes with a live broker and a live backup."""
         def nodes(role):
             return {m.node for m in self.members[role].values() if m.alive}
@@ -192,15 +206,14 @@ class Membership:
             while not self.ready:
                 await self.changed.wait()
         if not self.ready:
-            raise Unavailable(f"cluster starting: {self._complete_nodes()} of {self.expect_nodes} nodes up")
+            raise Unavailable(f"cluster starting: {self.complete_nodes()} of {self.expect_nodes} nodes up")
 
-    def _notify(self) -> None:
-        if not self.ready and self._complete_nodes() >= self.expect_nodes:
+    def notify(self) -> None:
+        """Something changed (a member came or went, a recovery ended): whoever waits looks again."""
+        if not self.ready and self.complete_nodes() >= self.expect_nodes:
             self.ready = True
         self.changed.set()
         self.changed = trio.Event()
-
-    notify = _notify
 
     async def watch(self) -> None:
         """Failure detector: declare dead whoever stopped heartbeating.
@@ -260,8 +273,21 @@ class Membership:
                 if m.alive:
                     m.last_seen = max(m.last_seen, now)
 
-    def _nodes(self) -> set[str]:
+    def nodes(self) -> set[str]:
         return {m.node for role in self.members for m in self.members[role].values() if m.alive}
+
+    def live(self, role: str) -> list[Member]:
+        """The live members of ``role``."""
+        return [m for m in self.members[role].values() if m.alive]
+
+    def addrs(self) -> list[str]:
+        """The live brokers' and backups' addresses."""
+        return [m.addr for role in ("broker", "backup") for m in self.live(role)]
+
+    def forget(self, keep: Callable[[tuple[int, int]], bool]) -> None:
+        """Drop the replaced broker incarnations not to ``keep`` (recovered, or owning nothing)."""
+        for key in [k for k in self.departed if not keep(k)]:
+            del self.departed[key]
 
     def live_broker(self, bid: int, epoch: int | None = None) -> Member | None:
         """The broker if it is alive (and, given an epoch, still that incarnation)."""

@@ -28,28 +28,33 @@ from __future__ import annotations
 
 import logging
 
+from .membership import Roster
+from .metadata import Metadata
+
 log = logging.getLogger("kera.coordinator")
 
 
 class Recovered:
-    def __init__(self, coord):
-        self.coord = coord
-        meta = coord.meta
-        held = [r for r in meta["recovered"] if coord.holdings.count((r[0], r[1]))]
+    """The recovered list of the term's ``metadata``, told to the ``roster``'s backups."""
+
+    def __init__(self, metadata: Metadata, roster: Roster):
+        self.metadata, self.roster = metadata, roster
+        meta = metadata.state
+        held = [r for r in meta["recovered"] if metadata.holdings.count((r[0], r[1]))]
         if held:
             log.warning("incarnations %s still own streamlets: recovered again before their files go",
                         [r[:2] for r in held])
-            coord.log.set(("recovered",), [r for r in meta["recovered"] if r not in held])
+            metadata.set(("recovered",), [r for r in meta["recovered"] if r not in held])
         self.shown = meta["recovered_version"]   # the newest version backups are told
 
     def add(self, broker: int, epoch: int, covered: list) -> None:
         """``(broker, epoch)`` was recovered with nothing lost, its replay going through
         ``covered`` ([[vlog, last vseg], ...]: only files within it go): recorded now, told to
         the backups once the next commit returns."""
-        meta, store = self.coord.meta, self.coord.log
-        version = meta["recovered_version"] + 1
-        store.set(("recovered",), [*meta["recovered"], [broker, epoch, version, covered]])
-        store.set(("recovered_version",), version)
+        md = self.metadata
+        version = md.state["recovered_version"] + 1
+        md.set(("recovered",), [*md.state["recovered"], [broker, epoch, version, covered]])
+        md.set(("recovered_version",), version)
 
     def durable(self, version: int) -> None:
         """A commit made every entry up to ``version`` durable: they may be told."""
@@ -65,21 +70,21 @@ class Recovered:
         m.recovered = applied
         if applied != version:
             return {"recovered": {"version": version, "incarnations": [
-                [r[0], r[1], r[3] if len(r) > 3 else []] for r in self.coord.meta["recovered"]
+                [r[0], r[1], r[3] if len(r) > 3 else []] for r in self.metadata.state["recovered"]
                 if r[2] <= version]}}
-        if caught_up and self.coord.meta["recovered"]:
+        if caught_up and self.metadata.state["recovered"]:
             self._prune(version)
         return {}
 
     def _prune(self, version: int) -> None:
         """Remove the entries every backup ever registered has applied."""
-        members = self.coord.members["backup"]
+        members, state = self.roster.members["backup"], self.metadata.state
         if all((m := members.get(b)) is not None and m.recovered == version
-               for b in self.coord.meta["backups"]):
-            entries = self.coord.meta["recovered"]
+               for b in state["backups"]):
+            entries = state["recovered"]
             left = [r for r in entries if r[2] > version]
             log.info("every backup let go of %d recovered incarnations", len(entries) - len(left))
-            self.coord.log.set(("recovered",), left)
+            self.metadata.set(("recovered",), left)
 
     def describe(self) -> dict:
-        return {"version": self.shown, "pending": len(self.coord.meta["recovered"])}
+        return {"version": self.shown, "pending": len(self.metadata.state["recovered"])}

@@ -71,11 +71,20 @@ class OffsetLog:
         self._row(base, count, group, seg, off, size)
         self.next = max(self.next, base + count)
 
-    def adopted(self, group: int, seg: int, ends, kafka: np.ndarray, records: np.ndarray) -> None:
+    def reach(self, end: int) -> None:
+        """Offsets below ``end`` are taken (a history still to be adopted holds them)."""
+        self.next = max(self.next, end)
+
+    def adopted(self, group: int, seg) -> None:
         """A segment adopted from a dead broker's backups (``kera.broker.adopted``): per chunk
-        (or run of chunks following each other in offsets) its end in the segment, its Kafka
-        base offset + 1 (0: written before offsets were kept) and its records; ``finish``
-        puts the rows in offset order. Columns in, columns appended: nothing per chunk."""
+        (or run of chunks following each other in offsets) its end in the segment
+        (``seg.ends``), its Kafka base offset + 1 (0: written before offsets were kept) and
+        its records (``seg.kafka``, let go once indexed); ``finish`` puts the rows in offset
+        order. Columns in, columns appended: nothing per chunk."""
+        (kafka, records), seg.kafka = seg.kafka, None
+        self._adopted(group, seg.id, seg.ends, kafka, records)
+
+    def _adopted(self, group: int, seg: int, ends, kafka: np.ndarray, records: np.ndarray) -> None:
         ends = np.asarray(ends, np.int64)
         starts = np.concatenate(([0], ends[:-1]))
         known = kafka > 0

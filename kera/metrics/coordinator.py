@@ -8,13 +8,13 @@ import trio
 
 from .endpoint import Metrics
 from .families import Collector
-from .lag import GroupLag
+from .lag import GroupLag, OpenLog
 
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class CoordinatorMetrics(Metrics):
-    def __init__(self, coord, lag_interval: float, top_groups: int):
+    def __init__(self, coord, lag_interval: float, top_groups: int, open_log: OpenLog):
         super().__init__("coordinator")
         self.coord = coord
         self.commit = self.histogram("metadata_commit_seconds", "Duration of a metadata commit")
@@ -22,7 +22,7 @@ class CoordinatorMetrics(Metrics):
                                        RECOVERY_BUCKETS)
         self.recoveries = {"done": 0, "failed": 0}
         self.replayed = self.repointed = 0
-        self.lag = GroupLag(coord, lag_interval, top_groups)
+        self.lag = GroupLag(coord, lag_interval, top_groups, open_log)
         self.time_rpcs(coord)
         self.registry.register(Collector("kera_", self._fill))
 
@@ -45,9 +45,9 @@ class CoordinatorMetrics(Metrics):
         p = "coordinator_"
         f.gauge(p + "leader", "1 on the leading coordinator, 0 on a standby", 1 if c.leading else 0)
         f.gauge(p + "members", "Registered brokers and backups", labels=["role", "state"], samples=[
-            ((role, state), sum(1 for m in c.members[role].values() if m.alive == (state == "alive")))
+            ((role, state), sum(1 for m in c.roster.members[role].values() if m.alive == (state == "alive")))
             for role in ("broker", "backup") for state in ("alive", "dead")])
-        f.gauge(p + "streams", "Streams", len(c.streams))
+        f.gauge(p + "streams", "Streams", len(c.metadata.streams))
         active = [r for r in c.recovery.active.values()]
         f.gauge(p + "recoveries_in_progress", "Recoveries under way", len(active))
         f.gauge(p + "recoveries_waiting", "Recoveries waiting for backups", len(c.recovery.waiting))

@@ -26,6 +26,7 @@ import trio
 from prometheus_client import CollectorRegistry, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .. import limits
 from ..rpc import Later
 
 log = logging.getLogger("kera.metrics")
@@ -37,7 +38,6 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
                    5.0, 10.0)
 MAX_CONNECTIONS = 16      # scrapers at once; more wait in the listen backlog
 IDLE_TIMEOUT = 30.0       # seconds a kept-alive scrape connection may stay silent
-MAX_REQUEST = 16 << 10    # bytes of a request's head: a scrape's is a few hundred
 
 
 class Metrics:
@@ -86,12 +86,12 @@ class Metrics:
                     await stream.aclose()
 
     async def _http(self, stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.METRICS_REQUEST)
         while True:
             ev = conn.next_event()
             if ev is h11.NEED_DATA:
                 with trio.move_on_after(IDLE_TIMEOUT):
-                    conn.receive_data(await stream.receive_some(MAX_REQUEST))
+                    conn.receive_data(await stream.receive_some(limits.METRICS_REQUEST))
                     continue
                 return
             if isinstance(ev, h11.ConnectionClosed) or ev is h11.PAUSED:

@@ -2,8 +2,8 @@
 
 The leading coordinator, when it serves metrics, reads the positions stream
 (``kera.group_positions``) every ``interval`` seconds, as a group's consumer
-would when it starts (``kera_client.streamlet_log``: read to the tail, only
-what was appended since the last round), then asks each owning broker how far
+would when it starts (read to the tail, only what was appended since the last
+round), then asks each owning broker how far
 the committed positions are behind the durable end (``lag`` RPC: a bisection
 per segment held, nothing per record). Records are counted from the chunk
 headers as they were appended; for segments adopted from a recovery's index
@@ -11,11 +11,18 @@ the broker estimates them from its bytes per record.
 
 Series are per (group, stream), the ``top`` with the most lag: a cluster with
 many groups reading many streams keeps a bounded number of series.
+
+The reader of the positions stream is the client's (``kera_client.streamlet_log``), handed
+in by whoever composes the coordinator's process (``kera.cli``): a server module never
+imports the client, which stands above it (it calls the coordinator through
+``kera.coordinator.link``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Protocol
 
 import msgpack
 import trio
@@ -28,9 +35,22 @@ log = logging.getLogger("kera.metrics.lag")
 CALL_TIMEOUT = 5.0
 
 
+class PositionsLog(Protocol):
+    """One streamlet of the positions stream, read to its durable end by each ``sync``."""
+
+    async def open(self) -> None: ...
+
+    async def sync(self, fold: Callable[[object], None]) -> object: ...
+
+
+# (pool, coordinator address, stream, streamlet, timeout) -> its reader
+OpenLog = Callable[..., PositionsLog]
+
+
 class GroupLag:
-    def __init__(self, coord, interval: float, top: int):
+    def __init__(self, coord, interval: float, top: int, open_log: OpenLog):
         self.coord, self.interval, self.top = coord, interval, top
+        self.open_log = open_log
         self.logs: dict[int, tuple] = {}    # streamlet of the positions stream -> (log, latest)
         self.rows: list[tuple] = []          # (group, stream, lag, lag bytes, position records)
         self.groups = 0
@@ -39,7 +59,7 @@ class GroupLag:
     async def run(self) -> None:
         while True:
             await trio.sleep(self.interval)
-            if not self.coord.leading or gp.NAME not in self.coord.streams:
+            if not self.coord.leading or gp.NAME not in self.coord.metadata.streams:
                 self.rows, self.groups = [], 0   # a standby shows no lag (the leader does)
                 continue
             with trio.move_on_after(max(10.0, 2 * self.interval)):
@@ -51,15 +71,14 @@ class GroupLag:
                     log.info("consumer lag round failed: %s", e)
 
     async def round(self) -> None:
-        from kera_client.streamlet_log import StreamletLog  # the client's reader
-
         c = self.coord
-        ps = c.streams[gp.NAME]
+        streams = c.metadata.streams
+        ps = streams[gp.NAME]
         commits: dict[tuple[str, str], dict] = {}
         for i in range(ps.streamlets):
             got = self.logs.get(i)
             if got is None or got[2] != ps.id:
-                log_ = StreamletLog(c.pool, c.addr, gp.NAME, i, CALL_TIMEOUT)
+                log_ = self.open_log(c.pool, c.addr, gp.NAME, i, CALL_TIMEOUT)
                 await log_.open()
                 got = self.logs[i] = (log_, {}, ps.id)
             latest = got[1]
@@ -72,7 +91,7 @@ class GroupLag:
                     group, name = msgpack.unpackb(key)
                 except (ValueError, TypeError, msgpack.UnpackException):
                     continue
-                s = c.streams.get(name) if isinstance(name, str) else None
+                s = streams.get(name) if isinstance(name, str) else None
                 if s is None or not isinstance(group, str):
                     continue
                 pos = gp.decode(group, {key: latest[key]}, {name: s.id})
@@ -81,7 +100,7 @@ class GroupLag:
         # ask each owner about its streamlets: one request per broker
         asks: dict[int, list] = {}
         for (group, name), pos in commits.items():
-            s = c.streams[name]
+            s = streams[name]
             for where, p in pos.items():
                 i = int(where.rpartition("/")[2])
                 if i < s.streamlets:
@@ -94,7 +113,7 @@ class GroupLag:
         totals: dict[tuple[str, str], list] = {k: [0, 0, 0] for k in commits}
 
         async def ask(bid: int, entries: list) -> None:
-            m = c.members["broker"].get(bid)
+            m = c.roster.members["broker"].get(bid)
             if m is None or not m.alive:
                 return
             r, _ = await c.pool.call(m.addr, "lag", {"positions": [e[2] for e in entries]},

@@ -37,15 +37,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import trio
 
 from .. import failpoints
 from ..errors import Unavailable
-from .manager import Recovery, holdings
+from .listing import list_backups
+from .needs import Liveness, MetaStore, RecoveredList
 from .plan import RecoveryPlan
 from .repoint import repoint
+from .state import Recovery
 
 log = logging.getLogger("kera.recovery")
 
@@ -75,17 +77,20 @@ def ids(rs) -> set[int]:
 
 
 class Adoptions:
-    """The coordinator's pending adoptions (``meta["deferred"]``) and the task doing them."""
+    """The coordinator's pending adoptions (``meta["deferred"]``) and the task doing them.
+    Handed the term's ``roster``, ``metadata`` (the records, the streams, commits),
+    ``recovered`` (an incarnation adopted whole is let go of) and the coordinator's
+    ``pool()``."""
 
-    def __init__(self, coord):
-        self.coord = coord
+    def __init__(self, roster: Liveness, metadata: MetaStore, recovered: RecoveredList, pool: Callable):
+        self.roster, self.metadata, self.recovered, self.pool = roster, metadata, recovered, pool
         self.wake = trio.Event()
         self.state: dict[str, dict] = {}   # record key -> its last try (error)
         self.due: dict[str, tuple[float, float]] = {}   # record key -> (next try, backoff)
 
     @property
     def records(self) -> dict:
-        return self.coord.meta["deferred"]
+        return self.metadata.state["deferred"]
 
     def poke(self) -> None:
         """A hand-over or a membership change: every record is worth a try again now."""
@@ -116,13 +121,13 @@ class Adoptions:
             low = dict(old["covered"])
             covered = sorted([v, min(low.get(v, last), last)] for v, last in covered)
             complete = complete and old["complete"]
-        self.coord.log.set(("deferred", k), {
+        self.metadata.set(("deferred", k), {
             "broker": broker, "epoch": epoch, "covered": covered, "complete": complete,
             "streamlets": [[sid, i, rs, tops] for (sid, i), (rs, tops) in sorted(kept.items())]})
 
     def _tops(self, stream_id: int, producers: dict[int, int]) -> list[list[int]]:
         """[[slot, newest group], ...] of pending groups (``producers``: group -> a producer)."""
-        s = self.coord.streams.by_id(stream_id)
+        s = self.metadata.streams.by_id(stream_id)
         q = s.groups if s is not None else 1
         tops: dict[int, int] = {}
         for g, p in producers.items():
@@ -153,7 +158,7 @@ class Adoptions:
                 n.start_soon(self._call, m, "pend", {"source": list(src), "entries": entries})
 
     async def _call(self, m, method: str, meta: dict) -> None:
-        await self.coord.pool.call(m.addr, method, {"epoch": m.epoch, **meta}, timeout=TIMEOUT)
+        await self.pool().call(m.addr, method, {"epoch": m.epoch, **meta}, timeout=TIMEOUT)
 
     def describe(self) -> list[dict]:
         return [{"broker": r["broker"], "epoch": r["epoch"],
@@ -166,7 +171,7 @@ class Adoptions:
             with trio.move_on_after(RETRY):
                 await self.wake.wait()
             self.wake = trio.Event()
-            if not self.coord.ready:
+            if not self.roster.ready:
                 continue
             for k in sorted(self.records):
                 r = self.records.get(k)
@@ -193,27 +198,27 @@ class Adoptions:
     def _ready(self, k: str, r: dict) -> bool:
         """The incarnation is handed over, every streamlet of the record is owned by a live
         broker; streamlets of deleted streams are dropped (the record with them, if none is left)."""
-        coord = self.coord
-        if coord.holdings.count((r["broker"], r["epoch"])):
+        md = self.metadata
+        if md.holdings.count((r["broker"], r["epoch"])):
             return False
         live = {sid: s for sid in {e[0] for e in r["streamlets"]}
-                if (s := coord.streams.by_id(sid)) is not None}
+                if (s := md.streams.by_id(sid)) is not None}
         kept = [e for e in r["streamlets"] if e[0] in live]
         if len(kept) != len(r["streamlets"]):
-            coord.log.set(("deferred", k), {**r, "streamlets": kept})
+            md.set(("deferred", k), {**r, "streamlets": kept})
         for sid, i, *_ in kept:
             owner = live[sid].owners[i]
-            if owner is None or coord.live_broker(*owner) is None:
+            if owner is None or self.roster.live_broker(*owner) is None:
                 return False
         return True
 
     async def _adopt(self, k: str, r: dict) -> None:
-        coord = self.coord
+        md = self.metadata
         broker, epoch = r["broker"], r["epoch"]
-        live = {sid: coord.streams.by_id(sid) for sid in {e[0] for e in r["streamlets"]}}
+        live = {sid: md.streams.by_id(sid) for sid in {e[0] for e in r["streamlets"]}}
         owners, only, pending = {}, {}, {}
         for sid, i, rs, tops in r["streamlets"]:
-            owners[(sid, i)] = coord.live_broker(*live[sid].owners[i])
+            owners[(sid, i)] = self.roster.live_broker(*live[sid].owners[i])
             only[(sid, i)] = ids(rs)
             pending[(sid, i)] = (rs, tops)
         if owners:
@@ -228,19 +233,18 @@ class Adoptions:
                 for (m, src), entries in calls.items():
                     n.start_soon(self._call, m, "pend", {"source": list(src),
                                                          "entries": [[sid, i, [], [], []] for sid, i, *_ in entries]})
-        coord.log.delete(("deferred", k))
+        md.delete(("deferred", k))
         if r["complete"]:
-            coord.recovered.add(broker, epoch, r["covered"])
-        await coord.commit()
+            self.recovered.add(broker, epoch, r["covered"])
+        await md.commit()
 
     async def _repoint(self, broker: int, epoch: int, owners: dict, only: dict) -> None:
         """The pending groups adopted from the backups' copies, durable and claimed."""
-        coord = self.coord
-        backups = [m for m in coord.members["backup"].values() if m.alive]
-        listings, floors = await holdings(coord.pool, backups, broker)
+        backups = self.roster.live("backup")
+        listings, floors = await list_backups(self.pool(), backups, broker)
         rec = Recovery(broker, epoch, [])   # repoint's phase timers and counters
         plan = RecoveryPlan(broker, epoch, listings, [], floors)
-        got = await repoint(coord.pool, rec, plan, {b.id: b.addr for b in backups}, owners, only=only)
+        got = await repoint(self.pool(), rec, plan, {b.id: b.addr for b in backups}, owners, only=only)
         missing = {(sid, i, g) for (sid, i), gs in only.items() for g in gs} - got.ended
         if missing:
             raise Unavailable(f"{len(missing)} pending groups cannot be adopted from the copies "

@@ -53,56 +53,33 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import trio
 
 from ..errors import KeraError, Unavailable
+from .adoption import Adoptions
+from .listing import list_backups
+from .needs import Liveness, MetaStore, Owners, RecoveredList, Settings
 from .plan import (
     CORRUPT,
     END,
     FAILED,
     REFUSED,
     Done,
-    Listing,
     RecoveryPlan,
     Step,
     Truncated,
 )
 from .repoint import repoint
 from .routes import pack_routes
+from .state import Recovery, State
 
 log = logging.getLogger("kera.recovery")
 
 REPLAY_TIMEOUT = 600.0
 RETRY_DELAY = 0.5
 WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may still bring the rest
-# a recovery's phases, in order, each timed (wall and this process's CPU): fencing the dead
-# incarnation, assigning its streamlets recovering, listing the backups' holdings, planning the
-# replay, indexing the settled vsegs, planning the re-pointing, adopting (the new owners build
-# the segments), replaying the rest (the adoptions settle meanwhile: durable, claimed), handing
-# over (assigned serving, metadata committed)
-PHASES = ("fence", "assign", "list", "plan", "index", "repoint", "adopt", "replay", "handover")
-
-
-async def holdings(pool, backups: list, broker: int) -> tuple[dict[int, Listing], dict[int, int]]:
-    """What ``backups`` hold of ``broker``'s vlogs (``list``, all at once, the closed intact
-    copies as columns): backup id -> its copies, and vlog -> its floor (vsegs below were
-    released by the broker: retention). One that does not answer fails the caller: it may
-    hold the only intact copy."""
-    listings: dict[int, Listing] = {}
-    floors: dict[int, int] = {}
-
-    async def listing(b) -> None:
-        r, payload = await pool.call(b.addr, "list", {"broker": broker, "columns": True}, timeout=10)
-        listings[b.id] = Listing.of(r, payload)
-        for _, vlog, floor in r.get("floors") or []:
-            floors[vlog] = max(floors.get(vlog, 0), floor)
-
-    async with trio.open_nursery() as n:
-        for b in backups:
-            n.start_soon(listing, b)
-    return listings, floors
 
 
 class LogIncomplete(Unavailable):
@@ -118,71 +95,20 @@ class BackupsAwaited(LogIncomplete):
         self.down = down
 
 
-class Recovery:
-    def __init__(self, broker: int, epoch: int, streamlets: list):
-        self.broker = broker
-        self.epoch = epoch
-        self.streamlets = streamlets        # [(stream name, index)]
-        self.started = time.time()
-        self.finished: float | None = None
-        self.served: float | None = None    # the new owners serve (the hand-over committed)
-        self.state = "planning"
-        self.vlogs = 0
-        self.sources: set[int] = set()      # backups replaying
-        self.chunks = 0
-        self.bytes = 0
-        self.total = 0                      # bytes of the vsegs to replay (longest copies)
-        self.error = ""
-        self.steps = 0                      # replay steps (one copy, from one offset)
-        self.corrupt_steps = 0              # steps that stopped on a corrupt chunk
-        self.failed_steps = 0               # steps whose backup failed
-        self.lost: list[dict] = []          # ranges no copy could deliver (vlog, vseg, offset, end)
-        self.adopted_segments = 0           # re-pointed at the backups' copies, not replayed
-        self.adopted_bytes = 0
-        self.wall = dict.fromkeys(PHASES, 0.0)   # seconds per phase
-        self.cpu = dict.fromkeys(PHASES, 0.0)    # the coordinator's CPU seconds per phase
-        self.settle_seconds = 0.0           # the longest settle of a new owner (beside the replay)
-        self.deferred: dict = {}            # groups adopted after the hand-over (kera.recovery.adoption)
-        self.index_rows = 0                 # rows the re-pointing planned from (a row per run of chunks)
-        self.index_chunks = 0               # ... the chunks they stand for
-        self.reindexed_vsegs = 0            # vsegs asked again for their chunks' own rows
-        # backups that may hold copies, down when the grace ran out: gone on without proof
-        self.unproven: list[int] = []
-
-    @contextmanager
-    def phase(self, name: str):
-        """Time a phase of this recovery (see ``PHASES``)."""
-        t, c = time.monotonic(), time.process_time()
-        try:
-            yield
-        finally:
-            self.wall[name] += time.monotonic() - t
-            self.cpu[name] += time.process_time() - c
-
-    def describe(self) -> dict:
-        end = self.finished or time.time()
-        return {"broker": self.broker, "epoch": self.epoch, "state": self.state,
-                "streamlets": len(self.streamlets), "vlogs": self.vlogs,
-                "backups": len(self.sources), "chunks": self.chunks, "bytes": self.bytes,
-                "total_bytes": self.total,
-                "seconds": round(end - self.started, 3),
-                "serve_seconds": round((self.served or end) - self.started, 3),
-                "rate_mb_s": round(self.bytes / max(end - self.started, 1e-6) / 1e6, 2),
-                "steps": self.steps, "corrupt_steps": self.corrupt_steps,
-                "failed_steps": self.failed_steps, "lost": list(self.lost), "error": self.error,
-                "adopted_segments": self.adopted_segments, "adopted_bytes": self.adopted_bytes,
-                **{f"{p}_seconds": round(t, 4) for p, t in self.wall.items()},
-                "settle_seconds": round(self.settle_seconds, 4),
-                "deferred_groups": sum(len(gs) for gs, *_ in self.deferred.values()),
-                "index_rows": self.index_rows, "index_chunks": self.index_chunks,
-                "reindexed_vsegs": self.reindexed_vsegs, "unproven": self.unproven,
-                "cpu_ms": {p: round(t * 1e3, 1) for p, t in self.cpu.items()}}
-
-
 class RecoveryManager:
-    def __init__(self, coord, grace: float):
-        self.coord = coord
-        self.grace = grace  # after a coordinator start, time for backups to come back
+    """The recoveries of one coordinator term. It is handed the term's ``roster``,
+    ``metadata`` (fences, owners, commits), ``placement`` (new owners), ``adoptions`` (the
+    closed history adopted after a hand-over) and ``recovered`` (what the backups let go),
+    the coordinator's ``pool()``, its ``settings``, and ``ended(recovery, ok)``, told as each
+    attempt ends that is not a wait (the metrics)."""
+
+    def __init__(self, roster: Liveness, metadata: MetaStore, placement: Owners, adoptions: Adoptions,
+                 recovered: RecoveredList, pool: Callable, settings: Settings,
+                 ended: Callable[[Recovery, bool], None]):
+        self.roster, self.metadata, self.placement = roster, metadata, placement
+        self.adoptions, self.recovered, self.pool = adoptions, recovered, pool
+        self.settings, self.ended = settings, ended
+        self.grace = settings.grace  # after a coordinator start, time for backups to come back
         self.started = time.monotonic()
         self.active: dict[tuple[int, int], Recovery] = {}
         self.history: list[Recovery] = []
@@ -196,7 +122,7 @@ class RecoveryManager:
     def orphans(self) -> dict[tuple[int, int], list]:
         """Streamlets by owning incarnation, of incarnations no longer alive (an index
         lookup, not a walk over every stream: it runs ten times a second)."""
-        return self.coord.holdings.orphans(lambda b, e: self.coord.live_broker(b, e) is not None)
+        return self.metadata.holdings.orphans(lambda b, e: self.roster.live_broker(b, e) is not None)
 
     def _backups_ready(self) -> bool:
         """Every backup ever known is back, or was seen dying, or the grace is over.
@@ -205,22 +131,21 @@ class RecoveryManager:
         backups: recovering from the first few to come back would hand over
         streamlets with chunks missing.
         """
-        known = set(self.coord.meta.get("backups", []))
-        seen = set(self.coord.members["backup"])  # registered since this coordinator started
+        known = set(self.metadata.state.get("backups", []))
+        seen = set(self.roster.members["backup"])  # registered since this coordinator started
         return known <= seen or time.monotonic() - self.started > self.grace
 
     async def run(self) -> None:
         async with trio.open_nursery() as nursery:
             while True:
                 await trio.sleep(0.1)
-                if not self._backups_ready() or not any(
-                        m.alive for m in self.coord.members["broker"].values()):
+                if not self._backups_ready() or not self.roster.live("broker"):
                     continue
                 now = time.monotonic()
-                if now - self.started < self.coord.rejoin_wait:
+                if now - self.started < self.settings.rejoin_wait:
                     continue  # after a coordinator restart live brokers rejoin as themselves first
                 orphans = self.orphans()
-                up = {m.id for m in self.coord.members["backup"].values() if m.alive}
+                up = {m.id for m in self.roster.live("backup")}
                 for key, sls in orphans.items():
                     if key not in self.active and (self.not_before.get(key, 0) <= now or (
                             key in self.waiting and self.waiting[key][1] & up)):
@@ -232,8 +157,7 @@ class RecoveryManager:
     def _forget(self, orphans: dict) -> None:
         """Drop what is kept of incarnations that own nothing any more (recovered, or their
         streams deleted): replaced members, waits."""
-        for key in [k for k in self.coord.departed if k not in orphans and k not in self.active]:
-            del self.coord.departed[key]
+        self.roster.forget(lambda k: k in orphans or k in self.active)
         for key in [k for k in self.waiting if k not in orphans]:
             del self.waiting[key]
 
@@ -245,7 +169,7 @@ class RecoveryManager:
                         len(rec.streamlets))
         try:
             await self._recover(rec)
-            rec.state = "done"
+            rec.state = State.DONE
             self.first_try.pop(key, None)
             self.not_before.pop(key, None)
             if rec.lost or rec.unproven:
@@ -258,12 +182,12 @@ class RecoveryManager:
                 e = e.exceptions[0]
             rec.error = f"{type(e).__name__}: {e}"
             if isinstance(e, BackupsAwaited):
-                rec.state = "waiting"
+                rec.state = State.WAITING
                 self.waiting[key] = (rec, frozenset(e.down))
                 if waited != self.waiting[key][1]:
                     log.warning("recovery of broker %d epoch %d waits: %s", rec.broker, rec.epoch, e)
             else:
-                rec.state = "failed"
+                rec.state = State.FAILED
                 log.warning("recovery of broker %d epoch %d failed, will retry: %s", rec.broker,
                             rec.epoch, e)
             delay = WAIT_DELAY if isinstance(e, LogIncomplete) else RETRY_DELAY
@@ -271,18 +195,18 @@ class RecoveryManager:
         finally:
             rec.finished = time.time()
             del self.active[key]
-            if self.coord.metrics is not None and rec.state != "waiting":
-                self.coord.metrics.recovery_ended(rec, rec.state == "done")
-            if rec.state != "waiting":   # a wait is shown once, as the incarnation's state
+            if rec.state != State.WAITING:
+                self.ended(rec, rec.state == State.DONE)
+            if rec.state != State.WAITING:   # a wait is shown once, as the incarnation's state
                 self.history = (self.history + [rec])[-20:]
             if rec.lost or rec.unproven:
                 self.losses = (self.losses + [rec])[-100:]
-            self.coord.notify()
+            self.roster.notify()
 
     def _need(self, rec: Recovery) -> int:
         """Backup copies of the incarnation's least replicated vlog: of its streams' (vlogs
         never mix replication factors), those of streamlets it still owns."""
-        streams = self.coord.streams
+        streams = self.metadata.streams
         return min((max(1, streams[n].replication - 1) for n, _ in rec.streamlets if n in streams),
                    default=1)
 
@@ -290,8 +214,8 @@ class RecoveryManager:
         """Raise ``BackupsAwaited`` unless the live ``backups`` hold a copy of every chunk the
         incarnation had acknowledged (see the module doc); past the grace, note on ``rec``
         which backups it goes on without."""
-        inc = self.coord.incarnation(rec.broker, rec.epoch)
-        could = inc.told if inc is not None and inc.told_all else set(self.coord.meta["backups"])
+        inc = self.roster.incarnation(rec.broker, rec.epoch)
+        could = inc.told if inc is not None and inc.told_all else set(self.metadata.state["backups"])
         down = sorted(could - {b.id for b in backups})
         need = self._need(rec)
         if len(down) < need:
@@ -306,21 +230,21 @@ class RecoveryManager:
                   "dropped", rec.broker, rec.epoch, self.grace, down)
 
     async def _recover(self, rec: Recovery) -> None:
-        coord = self.coord
-        backups = [m for m in coord.members["backup"].values() if m.alive]
+        md, members = self.metadata, self.roster.members
+        backups = self.roster.live("backup")
         self._prove(rec, backups)
         # 1. fence the dead incarnation everywhere it could still write
         with rec.phase("fence"):
-            coord.fence(rec.broker, rec.epoch)
-            await coord.commit()
+            md.fence(rec.broker, rec.epoch)
+            await md.commit()
             async with trio.open_nursery() as n:
                 for b in backups:  # a backup that does not answer gets the fence when it registers
                     n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
         # 2. new owners, in recovering state
-        known = coord.streams   # those deleted meanwhile are left out
+        known = md.streams   # those deleted meanwhile are left out
         streams = {n: known[n] for n, _ in rec.streamlets if n in known}
         sls = [(n, i) for n, i in rec.streamlets if n in streams]
-        targets = coord.spread(len(sls), salt=rec.broker)
+        targets = self.placement.spread(len(sls), salt=rec.broker)
         plan: dict[tuple, object] = {}
         per_target: dict[int, dict[str, list[int]]] = {}   # broker -> stream -> streamlets
         for (name, i), m in zip(sls, targets, strict=True):
@@ -333,18 +257,18 @@ class RecoveryManager:
             """One request per target broker (or as few as a frame allows), all in parallel."""
             async with trio.open_nursery() as n:
                 for mid, mine in entries.items():
-                    n.start_soon(coord.assign, coord.members["broker"][mid], mine, recovering, seal)
+                    n.start_soon(self.placement.assign, members["broker"][mid], mine, recovering, seal)
 
         try:
             with rec.phase("assign"):
                 await assign_all(recovering=True)
-            rec.state = "replaying"
+            rec.state = State.REPLAYING
             replayed = await self._replay(rec, backups, streams, plan)
         except BaseException:
             with trio.CancelScope(shield=True), trio.move_on_after(10):
                 async with trio.open_nursery() as n:
                     for mid, mine in entries.items():
-                        n.start_soon(self._unassign, coord.members["broker"][mid], mine)
+                        n.start_soon(self._unassign, members["broker"][mid], mine)
             raise
         # 4. hand over: the new owners serve, the metadata says so
         # after a loss the groups are sealed: no position of the lost range is ever reused
@@ -353,26 +277,27 @@ class RecoveryManager:
             await assign_all(recovering=False, seal=not complete)
             # before the owners (etcd stores it first): never owners without it; merged into a
             # record an earlier hand-over of this incarnation left (its commit cut short)
-            deferred = rec.deferred or coord.adoptions.has(rec.broker, rec.epoch)
+            deferred = rec.deferred or self.adoptions.has(rec.broker, rec.epoch)
             if deferred:
-                coord.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
+                self.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
                                        complete, [(streams[n].id, i) for n, i in plan])
             for (name, i), m in plan.items():
-                coord.set_owner(streams[name], i, m)
+                md.set_owner(streams[name], i, m)
             if complete and not deferred:  # else what is left may be all there is of
                 # the lost range: kept. Every backup, now or when it is back, drops this
                 # incarnation's files (a claimed one stays until released) and releases its
                 # claims: told once the owners are durable (with a deferred adoption, once done)
-                coord.recovered.add(rec.broker, rec.epoch, replayed.covered())
-            await coord.commit()
+                self.recovered.add(rec.broker, rec.epoch, replayed.covered())
+            await md.commit()
         rec.served = time.time()
-        coord.adoptions.poke()
+        self.adoptions.poke()
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
-        # 3. what the backups hold of this incarnation; one that does not answer fails this
-        # attempt: it may hold the only intact copy
+        """3. What the backups hold of the incarnation (one that does not answer fails this
+        attempt: it may hold the only intact copy), its settled history re-pointed, the rest
+        replayed into the new owners ``plan`` names, vlogs in parallel."""
         with rec.phase("list"):
-            listings, floors = await holdings(self.coord.pool, backups, rec.broker)
+            listings, floors = await list_backups(self.pool(), backups, rec.broker)
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
             replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
@@ -382,67 +307,70 @@ class RecoveryManager:
         replay_from: list = []
         settle = None
         owners = {(streams[n].id, i): m for (n, i), m in plan.items()}
-        if self.coord.repoint_evicted:
+        if self.settings.repoint_evicted:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
-            got = await repoint(self.coord.pool, rec, replay_plan, addrs, owners, replayed={
+            got = await repoint(self.pool(), rec, replay_plan, addrs, owners, replayed={
                 (streams[n].id, i) for (n, i) in plan if streams[n].compacted},
-                newest=self.coord.chunk_rows_newest)
+                newest=self.settings.chunk_rows_newest)
             replay_from, settle, rec.deferred = got.replay_from, got.settle, got.deferred
         # the groups adopted after the hand-over (this recovery's, and those a record still
         # holds for streamlets it hands over: ``kera.recovery.adoption``), told beside the replay
-        pend = self.coord.adoptions.pending_for(owners, (rec.broker, rec.epoch), rec.deferred)
-
-        async def replay_vlog(vlog: int) -> None:
-            while isinstance(step := replay_plan.next_step(vlog), Step):
-                rec.sources.add(step.backup)
-                rec.steps += 1
-                try:
-                    r = await self._call(addrs[step.backup], "replay", {
-                        "broker": rec.broker, "vlog": vlog, "vseg": step.vseg, "offset": step.offset,
-                        "owners": owners_of, "replay_from": replay_from}, timeout=REPLAY_TIMEOUT,
-                        payload=routes)
-                except KeraError as e:
-                    if getattr(e, "target", None):  # a new owner failed, not the copy: plan again
-                        raise
-                    rec.failed_steps += 1
-                    log.warning("replay of vlog %d vseg %d from backup %d at offset %d failed (%s); "
-                                "continuing from another copy", vlog, step.vseg, step.backup,
-                                step.offset, e)
-                    replay_plan.step_done(vlog, step.vseg, step.backup, step.offset, FAILED)
-                    continue
-                rec.chunks += r.get("chunks", 0)
-                rec.bytes += r.get("bytes", 0)
-                stopped = r.get("stopped", END)
-                if stopped not in (END, CORRUPT, REFUSED):
-                    stopped = FAILED
-                if stopped == CORRUPT:
-                    rec.corrupt_steps += 1
-                    log.warning("replay of vlog %d vseg %d from backup %d stopped at a corrupt chunk "
-                                "at offset %d; continuing from another copy", vlog, step.vseg,
-                                step.backup, r["next"])
-                replay_plan.step_done(vlog, step.vseg, step.backup, int(r.get("next", step.offset)),
-                                      stopped, r.get("corrupt_end"))
-            if isinstance(step, Truncated):
-                self._accept_truncation(rec, step)
-            elif isinstance(step, Done) and step.head_closed:
-                log.info("vlog %d of broker %d: its newest vseg %d is closed, its successor never "
-                         "reached a backup", vlog, rec.broker, step.vseg)
-
+        pend = self.adoptions.pending_for(owners, (rec.broker, rec.epoch), rec.deferred)
+        ask = {"broker": rec.broker, "owners": owners_of, "replay_from": replay_from}
         with rec.phase("replay"):
             async with trio.open_nursery() as n:
                 if settle is not None:  # the adoptions made durable and claimed meanwhile
                     n.start_soon(settle)
                 if pend:
-                    n.start_soon(self.coord.adoptions.pend, pend)
+                    n.start_soon(self.adoptions.pend, pend)
                 for vlog in replay_plan.vlogs:
-                    n.start_soon(replay_vlog, vlog)
+                    n.start_soon(self._replay_vlog, rec, replay_plan, vlog, addrs, ask, routes)
         rec.lost = [r.describe() for r in replay_plan.lost]
         for r in rec.lost:
             log.error("recovery of broker %d epoch %d: LOST vlog %d vseg %d bytes %d..%s (%s)",
                       rec.broker, rec.epoch, r["vlog"], r["vseg"], r["offset"],
                       "?" if r["end"] is None else r["end"], r["reason"])
         return replay_plan
+
+    async def _replay_vlog(self, rec: Recovery, replay_plan: RecoveryPlan, vlog: int, addrs: dict,
+                           ask: dict, routes) -> None:
+        """One vlog's steps as the plan gives them out, each a ``replay`` of one copy from an
+        offset (``ask``: what every step's request carries; ``routes``: its payload), until
+        the plan says the log is done or ends early."""
+        while isinstance(step := replay_plan.next_step(vlog), Step):
+            rec.sources.add(step.backup)
+            rec.steps += 1
+            try:
+                r = await self._call(addrs[step.backup], "replay", {
+                    **ask, "vlog": vlog, "vseg": step.vseg, "offset": step.offset},
+                    timeout=REPLAY_TIMEOUT, payload=routes)
+            except KeraError as e:
+                if getattr(e, "target", None):  # a new owner failed, not the copy: plan again
+                    raise
+                rec.failed_steps += 1
+                log.warning("replay of vlog %d vseg %d from backup %d at offset %d failed (%s); "
+                            "continuing from another copy", vlog, step.vseg, step.backup,
+                            step.offset, e)
+                replay_plan.step_done(vlog, step.vseg, step.backup, step.offset, FAILED)
+                continue
+            rec.chunks += r.get("chunks", 0)
+            rec.bytes += r.get("bytes", 0)
+            stopped = r.get("stopped", END)
+            if stopped not in (END, CORRUPT, REFUSED):
+                stopped = FAILED
+            if stopped == CORRUPT:
+                rec.corrupt_steps += 1
+                log.warning("replay of vlog %d vseg %d from backup %d stopped at a corrupt chunk "
+                            "at offset %d; continuing from another copy", vlog, step.vseg,
+                            step.backup, r["next"])
+            replay_plan.step_done(vlog, step.vseg, step.backup, int(r.get("next", step.offset)),
+                                  stopped, r.get("corrupt_end"))
+        if isinstance(step, Truncated):
+            self._accept_truncation(rec, step)
+        elif isinstance(step, Done) and step.head_closed:
+            log.info("vlog %d of broker %d: its newest vseg %d is closed, its successor never "
+                     "reached a backup", vlog, rec.broker, step.vseg)
 
     def _durable_vlogs(self, rec: Recovery) -> list[int]:
         """Vlogs the dead incarnation last reported with durable chunks (heartbeat stats).
@@ -452,7 +380,7 @@ class RecoveryManager:
         Unknown after a coordinator restart (then every known backup is
         waited for before recovering at all).
         """
-        m = self.coord.incarnation(rec.broker, rec.epoch)
+        m = self.roster.incarnation(rec.broker, rec.epoch)
         if m is None or not isinstance(m.stats, dict):
             return []
         return [v["vlog"] for v in m.stats.get("vlogs", []) if v.get("durable", 0) > 0]
@@ -465,8 +393,8 @@ class RecoveryManager:
         grace period (counted from the first attempt), then the loss is
         accepted and reported.
         """
-        known = set(self.coord.meta.get("backups", []))
-        up = {m.id for m in self.coord.members["backup"].values() if m.alive}
+        known = set(self.metadata.state.get("backups", []))
+        up = {m.id for m in self.roster.live("backup")}
         waiting = sorted(known - up)
         first = self.first_try.get((rec.broker, rec.epoch), time.monotonic())
         if (waiting or t.failed) and time.monotonic() - first < self.grace:
@@ -482,7 +410,7 @@ class RecoveryManager:
             log.info("unassign after a failed recovery: %s", e)
 
     async def _call(self, addr, method, meta, timeout=30.0, payload=b""):
-        r, _ = await self.coord.pool.call(addr, method, meta, payload, timeout=timeout)
+        r, _ = await self.pool().call(addr, method, meta, payload, timeout=timeout)
         return r
 
     async def _quiet(self, addr, method, meta) -> None:

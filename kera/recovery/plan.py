@@ -40,15 +40,13 @@ import numpy as np
 
 from ..errors import ProtocolError
 from ..vlog import vlog_epoch
+from ..wire.columns import PLAIN_COLUMNS
 
 END = "end"          # the copy has nothing more (its length)
 CORRUPT = "corrupt"  # the next chunk of the copy failed verification
 FAILED = "failed"    # the backup or its copy failed (error, timeout, gone)
 REFUSED = "refused"  # the new owner refused the chunk: a hole in its group before it
 REASONS = (END, CORRUPT, FAILED, REFUSED)
-# a closed, intact copy in a listing as columns (backup ``list`` with ``columns``): vlog, vseg,
-# length, chunks, checksum, the fields of its ``Replica.info`` a plan is made from
-PLAIN_COLUMNS = 5
 
 
 class PlanError(ValueError):

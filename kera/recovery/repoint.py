@@ -5,7 +5,7 @@ turns it off) after the backups' listings, before any replay step. For each
 vlog's settled prefix (``RecoveryPlan.settled``) one whole copy per vseg
 lists its chunks without bodies (backup ``index``, asked for many vsegs at
 once: a few requests per backup, not one per vseg of the history; the index
-chunks of the dead broker's own adoptions come whole): each vlog's newest
+chunks of the dead broker's own adoptions come whole; ``kera.recovery.indexing``): each vlog's newest
 vsegs a row per chunk, the older ones a row per run of a producer's chunks
 (``kera.backup.replica.index_runs``), which plans the same.
 ``kera.recovery.repoint_plan`` picks the re-pointed segments; each new owner gets one
@@ -35,22 +35,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import trio
 
 from .. import chunk, failpoints, limits
-from ..errors import InvalidArgument, KeraError
 from . import index_chunk
+from .indexing import INDEX_TIMEOUT, index
 from .plan import RecoveryPlan
 from .repoint_plan import (
-    ANSWER,
     COLUMNS,
     COUNT,
     FLAGS,
     GROUP,
     KAFKA,
-    LAST,
     OFFSET,
     PRODUCER,
     RECORDS,
@@ -64,17 +63,11 @@ from .repoint_plan import (
     VSEG,
     Adopted,
     Repoint,
-    answer_rows,
     plan_repoint,
 )
 
 log = logging.getLogger("kera.recovery")
 
-INDEX_TIMEOUT = 30.0
-INDEX_BATCH = limits.INDEX_VSEGS   # vsegs asked of a backup in one index call
-# bytes of each vlog's newest settled vsegs a recovery indexes per chunk (the older ones as runs)
-CHUNK_ROWS_NEWEST = 8 << 20
-ADOPT_BATCH = 8 << 20   # bytes of index chunks per adopt request
 
 
 @dataclass
@@ -88,135 +81,41 @@ class Repointed:
     ended: set = field(default_factory=set)   # (stream id, streamlet, group) adopted whole
 
 
-async def _index(pool, broker: int, addrs: dict, vsegs: list):
-    """Ask the backups for the index of ``vsegs`` ([(vlog, vseg, backups holding it whole,
-    as runs of chunks or not)]): each of one of its copies' backups (spread over them), in
-    batches; one that fails there is asked of its next copy, in the next round. Returns the
-    rows (arrays of (n, COLUMNS)), the index chunks by (vlog, vseg, offset), and per vlog the
-    first vseg no copy could index."""
-    answers: list[np.ndarray] = []
-    indexes: dict[tuple[int, int, int], bytes] = {}
-    cut: dict[int, int] = {}
-    todo: dict[int, list] = {}
-    for vlog, vseg, backups, runs in vsegs:
-        k = vseg % len(backups)
-        todo.setdefault(backups[k], []).append((vlog, vseg, runs, backups[k + 1:] + backups[:k]))
+@dataclass
+class _Decided:
+    """What the re-pointing planned: from which rows, the plan, what it adopts before the
+    replay (``first``) and beside it (``later``, an adoption after a hand-over) or after the
+    hand-over (``deferred``), and each vlog's settled vsegs it could index (``whole``)."""
 
-    def bad_runs(a: np.ndarray, runs: bool) -> np.ndarray:
-        """Rows whose count cannot be: none, or several chunks with a flag (never joined)."""
-        if not runs:
-            return np.zeros(len(a), bool)
-        return (a[:, ANSWER] == 0) | ((a[:, ANSWER] != 1) & (a[:, FLAGS - VOFF] != 0))
+    mine: np.ndarray
+    rp: Repoint
+    ended: set
+    first: list
+    deferred: dict
+    later: list
+    whole: dict
 
-    def take(vlog: int, vseg: int, runs: bool, data: memoryview, rows: int) -> None:
-        """One vseg's answer: its rows, then its index chunks (verified)."""
-        found = chunk.scan(data[rows:])
-        a = np.frombuffer(data[:rows], "<u8").reshape(-1, ANSWER + runs)
-        marks = np.flatnonzero(a[:, FLAGS - VOFF] & chunk.INDEX)
-        if len(marks) != len(found):
-            raise TypeError(f"{len(marks)} index rows but {len(found)} index chunks")
-        if bad_runs(a, runs).any():
-            raise TypeError("a run of no chunk, or of several with a flag")
-        out = answer_rows(a, vlog, vseg, runs)
-        for i, (h, off) in zip(marks.tolist(), found, strict=True):  # an index chunk covers a run
-            data_i = bytes(data[rows + off:rows + off + h.size])
-            out[i, LAST] += len(index_chunk.parse(data_i, h).counts) - 1
-            indexes[(vlog, vseg, int(a[i, 0]))] = data_i
-        answers.append(out)
 
-    def take_rows(b: int, got: list, failed: list, runs: bool) -> None:
-        """Answers holding rows only (no index chunk), decoded together: one array for the
-        batch, not a few per vseg; one with a row flagged INDEX is a bad answer."""
-        if not got:
-            return
-        width = ANSWER + runs
-        a = np.frombuffer(b"".join(part for _, part in got), "<u8").reshape(-1, width)
-        counts = [len(part) // (8 * width) for _, part in got]
-        which = np.repeat(np.arange(len(got)), counts)
-        good = np.ones(len(got), bool)
-        for k in set(which[(a[:, FLAGS - VOFF] & chunk.INDEX != 0) | bad_runs(a, runs)].tolist()):
-            vlog, vseg, *_ = item = got[k][0]
-            log.warning("index of vlog %d vseg %d on backup %d: index rows but no index chunks, or a "
-                        "run of no chunk or of several with a flag", vlog, vseg, b)
-            failed.append(item)
-            good[k] = False
-        out = answer_rows(a, np.repeat([item[0] for item, _ in got], counts),
-                          np.repeat([item[1] for item, _ in got], counts), runs)
-        answers.append(out if good.all() else out[good[which]])
-
-    async def ask(b: int, items: list, failed: list) -> None:
-        while items:
-            batch, items = items[:INDEX_BATCH], items[INDEX_BATCH:]
-            try:
-                meta, payload = await pool.call(addrs[b], "index", {
-                    "broker": broker, "vsegs": [[v, s, True] if runs else [v, s] for v, s, runs, _ in batch]},
-                    timeout=INDEX_TIMEOUT)
-                data = memoryview(b"".join(payload) if isinstance(payload, list) else bytes(payload))
-                entries = meta["answers"]
-                if not isinstance(entries, list) or len(entries) != len(batch):
-                    raise TypeError("one answer per vseg asked")
-            except InvalidArgument as e:
-                if any(runs for _, _, runs, _ in batch):   # a backup that answers no runs: per chunk
-                    log.info("index of %d vsegs on backup %d: %s; asking for chunks' rows", len(batch), b, e)
-                    items = [(v, s, False, rest) for v, s, _, rest in batch] + items
-                    continue
-                log.warning("index of %d vsegs on backup %d: %s", len(batch), b, e)
-                failed += batch
-                continue
-            except (KeraError, KeyError, TypeError) as e:
-                log.warning("index of %d vsegs on backup %d: %s", len(batch), b, e)
-                failed += batch
-                continue
-            at = 0
-            plain: tuple[list, list] = ([], [])   # (item, its rows): answers without index chunks
-            for i, (item, e) in enumerate(zip(batch, entries, strict=True)):
-                vlog, vseg, runs, _ = item
-                try:
-                    if not isinstance(e, dict):
-                        raise TypeError(f"answer {e!r} is not a map")
-                    if e.get("later"):
-                        if i == 0:  # a backup always answers the first vseg asked: never again
-                            raise TypeError("the first vseg asked was put off")
-                        items.append(item)
-                        continue
-                    if "error" in e:
-                        raise KeraError(f"{e['error']}: {e.get('message')}")
-                    n = e["bytes"]
-                    if not isinstance(n, int) or not 0 <= n <= len(data) - at:
-                        raise TypeError(f"bytes {n!r} past the payload")
-                    part, at = data[at:at + n], at + n  # the next answer's bytes start here either way
-                    rows = e["rows"]
-                    if not isinstance(rows, int) or not 0 <= rows <= n or rows % (8 * (ANSWER + runs)):
-                        raise TypeError(f"rows {rows!r} is not a whole number of rows in the answer")
-                    if rows == n:
-                        plain[runs].append((item, part))
-                    else:
-                        take(vlog, vseg, runs, part, rows)
-                except (KeraError, KeyError, TypeError, AttributeError) as err:
-                    log.warning("index of vlog %d vseg %d on backup %d: %s", vlog, vseg, b, err)
-                    failed.append(item)
-            take_rows(b, plain[False], failed, False)
-            take_rows(b, plain[True], failed, True)
-
-    while todo:
-        failed: dict[int, list] = {}
-        async with trio.open_nursery() as n:
-            for b, items in todo.items():
-                failed[b] = []
-                n.start_soon(ask, b, items, failed[b])
-        todo = {}
-        for items in failed.values():
-            for vlog, vseg, runs, rest in items:
-                if rest:
-                    todo.setdefault(rest[0], []).append((vlog, vseg, runs, rest[1:]))
-                else:
-                    cut[vlog] = min(cut.get(vlog, vseg), vseg)
-    return answers, indexes, cut
+def _asked(plan: RecoveryPlan, settled: dict, runs: bool, newest: int) -> list:
+    """The settled vsegs to index, newest first in each vlog: (vlog, vseg, backups holding it
+    whole, as runs of chunks or not). A recovery (``runs``) plans the older history from runs
+    of chunks (a row per run, ``index_runs``): its groups are closed, adopted after the
+    hand-over. The segments it adopts before the replay (groups the replay continues, mostly
+    in the newest ``newest`` bytes) need their chunks' own rows (their index chunks name
+    every chunk): asked again where only runs came. The adoption after a hand-over builds
+    index chunks of all it plans: chunks' rows throughout."""
+    items = []
+    for vlog, vsegs in settled.items():
+        below = 0   # bytes of the vlog's settled vsegs newer than this one
+        for vseg, backups in reversed(vsegs):
+            items.append((vlog, vseg, backups, runs and below >= newest))
+            below += plan.vseg_length(vlog, vseg)
+    return items
 
 
 async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                   replayed: frozenset = frozenset(), only: dict | None = None,
-                  newest: int = CHUNK_ROWS_NEWEST) -> Repointed:
+                  newest: int = limits.CHUNK_ROWS_NEWEST) -> Repointed:
     """Adopt what can be re-pointed; returns the replay's ``replay_from`` entries, what to
     run beside the replay, before the hand-over (``settle``), and the groups whose adoption
     reaches their end, left for after the hand-over (``deferred``).
@@ -229,21 +128,36 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
     # after a hand-over nothing of these groups can be replayed any more: a vseg is adopted
     # from its whole copies even if another copy of it is short or damaged
     settled = {v: plan.settled(v, any_whole=only is not None) for v in plan.vlogs}
-    # a recovery plans the older history from runs of chunks (a row per run, ``index_runs``):
-    # its groups are closed, adopted after the hand-over. The segments it adopts before the
-    # replay (groups the replay continues, mostly in the newest vsegs) need their chunks' own
-    # rows (their index chunks name every chunk): asked again where only runs came. The
-    # adoption after a hand-over builds index chunks of all it plans: chunks' rows throughout.
-    runs = only is None
-    items = []   # (vlog, vseg, backups, as runs)
-    for vlog, vsegs in settled.items():
-        below = 0   # bytes of the vlog's settled vsegs newer than this one
-        for vseg, backups in reversed(vsegs):
-            items.append((vlog, vseg, backups, runs and below >= newest))
-            below += plan.vseg_length(vlog, vseg)
     with rec.phase("index"):
-        answers, indexes, cut = await _index(pool, rec.broker, addrs, items)
+        answers, indexes, cut = await index(pool, rec.broker, addrs,
+                                             _asked(plan, settled, only is None, newest))
     rows = np.concatenate(answers) if answers else np.zeros((0, COLUMNS), np.uint64)
+    d = await _decide(pool, rec, addrs, rows, settled, cut, owners, replayed, only, indexes)
+    rec.index_rows += len(d.mine)
+    rec.index_chunks += int(d.mine[:, COUNT].sum())
+    with rec.phase("repoint"):
+        per_owner = _requests(rec, d.first, indexes, d.whole, owners)
+        members = {m.id: m for m in owners.values()}
+    with rec.phase("adopt"):
+        async with trio.open_nursery() as n:
+            for mid, mine in per_owner.items():
+                n.start_soon(_adopt, pool, members[mid], mine)
+    for vlog, vsegs in d.rp.skip.items():
+        plan.skip(vlog, vsegs)
+    rec.adopted_segments += d.rp.segments
+    rec.adopted_bytes += d.rp.bytes
+    return Repointed([[*k, s] for k, s in d.rp.replay_from.items()],
+                     partial(_settle, pool, rec, d, indexes, owners, members, set(per_owner)),
+                     d.deferred, d.ended)
+
+
+async def _decide(pool, rec, addrs: dict, rows: np.ndarray, settled: dict, cut: dict,
+                  owners: dict, replayed, only: dict | None, indexes: dict) -> _Decided:
+    """The re-pointing planned from the index ``rows`` of the ``settled`` vsegs (each vlog's
+    prefix ending where a vseg could not be indexed: ``cut``). A recovery (not ``only``)
+    asks again for the chunks' own rows of the segments it adopts before the replay that
+    were planned from runs, and plans again with the prefix ending where they could not
+    be had."""
     while True:
         with rec.phase("repoint"):
             # the settled prefix ends where a vseg could not be indexed: later ones are replayed
@@ -260,68 +174,58 @@ async def repoint(pool, rec, plan: RecoveryPlan, addrs: dict, owners: dict,
                 deferred = _deferred(rp, spans[True], indexes)
             else:
                 later = list(_runs([a for i in spans[True] for a in rp.span(i)]))
-        if not runs:
-            break
+        decided = _Decided(mine, rp, ended, first, deferred, later, whole)
+        if only is not None:
+            return decided
         with rec.phase("index"):
             asked, short = await _chunk_rows(pool, rec.broker, addrs, first, whole)
         rec.reindexed_vsegs += asked
         if not short:
-            break
+            return decided
         for vlog, vseg in short.items():   # planned again with the prefix ending there
             cut[vlog] = min(cut.get(vlog, vseg), vseg)
-    rec.index_rows += len(mine)
-    rec.index_chunks += int(mine[:, COUNT].sum())
-    with rec.phase("repoint"):
-        per_owner = _requests(rec, first, indexes, whole, owners)
-        members = {m.id: m for m in owners.values()}
 
-    async def adopt(m, mine: list[bytes]) -> None:
-        batch, size = [], 0
-        for data in mine + [None]:
-            if batch and (data is None or size + len(data) > ADOPT_BATCH):
-                await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch, timeout=INDEX_TIMEOUT)
-                batch, size = [], 0
-            if data is not None:
-                batch.append(data)
-                size += len(data)
 
-    with rec.phase("adopt"):
-        async with trio.open_nursery() as n:
-            for mid, mine in per_owner.items():
-                n.start_soon(adopt, members[mid], mine)
-    for vlog, vsegs in rp.skip.items():
-        plan.skip(vlog, vsegs)
-    rec.adopted_segments += rp.segments
-    rec.adopted_bytes += rp.bytes
+async def _adopt(pool, m, mine: list[bytes]) -> None:
+    """Index chunks ``mine`` adopted by owner ``m``, up to ``limits.ADOPT_BATCH`` bytes a request."""
+    batch, size = [], 0
+    for data in mine + [None]:
+        if batch and (data is None or size + len(data) > limits.ADOPT_BATCH):
+            await pool.call(m.addr, "adopt", {"epoch": m.epoch}, parts=batch, timeout=INDEX_TIMEOUT)
+            batch, size = [], 0
+        if data is not None:
+            batch.append(data)
+            size += len(data)
 
-    async def settle() -> None:
-        """Beside the replay: the groups that end in their adoption adopted (the replay sends
-        none of their chunks, see ``Repoint.ended``), then each owner's adoptions made durable
-        and their files claimed; ``rec.settle_seconds``: how long it took."""
-        t = time.monotonic()
-        rest: dict[int, list[bytes]] = {}
-        for run in later:   # a run at a time: the replay's requests go out between them
-            await trio.lowlevel.checkpoint()
-            for mid, data in _requests(rec, [run], indexes, whole, owners).items():
-                rest.setdefault(mid, []).extend(data)
 
-        async def one(m) -> None:
-            if m.id in rest:
-                await adopt(m, rest[m.id])
-                await failpoints.hit("adoption.adopted", m.addr)
-            await pool.call(m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT)
+async def _settle(pool, rec, d: _Decided, indexes: dict, owners: dict, members: dict,
+                  adopted: set) -> None:
+    """Beside the replay: the groups that end in their adoption adopted (the replay sends
+    none of their chunks, see ``Repoint.ended``), then each owner's adoptions made durable
+    and their files claimed; ``rec.settle_seconds``: how long it took. ``adopted``: the
+    owners that adopted before the replay."""
+    t = time.monotonic()
+    rest: dict[int, list[bytes]] = {}
+    for run in d.later:   # a run at a time: the replay's requests go out between them
+        await trio.lowlevel.checkpoint()
+        for mid, data in _requests(rec, [run], indexes, d.whole, owners).items():
+            rest.setdefault(mid, []).extend(data)
 
-        async with trio.open_nursery() as n:
-            for mid in per_owner.keys() | rest.keys():
-                n.start_soon(one, members[mid])
-        rec.settle_seconds = time.monotonic() - t
-        log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies (%d runs "
-                 "beside the replay), %d vsegs not replayed, index in %.3f s, adopted in %.3f s, settled in "
-                 "%.3f s", rec.broker, rec.epoch, rec.adopted_segments, rec.adopted_bytes, len(later),
-                 sum(len(v) for v in rp.skip.values()), rec.wall["index"], rec.wall["adopt"],
-                 rec.settle_seconds)
+    async def one(m) -> None:
+        if m.id in rest:
+            await _adopt(pool, m, rest[m.id])
+            await failpoints.hit("adoption.adopted", m.addr)
+        await pool.call(m.addr, "settle", {"epoch": m.epoch}, timeout=INDEX_TIMEOUT)
 
-    return Repointed([[*k, s] for k, s in rp.replay_from.items()], settle, deferred, ended)
+    async with trio.open_nursery() as n:
+        for mid in adopted | rest.keys():
+            n.start_soon(one, members[mid])
+    rec.settle_seconds = time.monotonic() - t
+    log.info("broker %d epoch %d: %d segments (%d bytes) re-pointed at their copies (%d runs "
+             "beside the replay), %d vsegs not replayed, index in %.3f s, adopted in %.3f s, settled in "
+             "%.3f s", rec.broker, rec.epoch, rec.adopted_segments, rec.adopted_bytes, len(d.later),
+             sum(len(v) for v in d.rp.skip.values()), rec.wall["index"], rec.wall["adopt"],
+             rec.settle_seconds)
 
 
 async def _chunk_rows(pool, broker: int, addrs: dict, runs: list, whole: dict) -> tuple[int, dict[int, int]]:
@@ -339,7 +243,7 @@ async def _chunk_rows(pool, broker: int, addrs: dict, runs: list, whole: dict) -
     need = sorted(set(map(tuple, at.tolist())))
     try:
         await failpoints.hit("repoint.chunk_rows", broker)
-        answers, _, short = await _index(pool, broker, addrs, [(v, s, list(whole[v][s]), False) for v, s in need])
+        answers, _, short = await index(pool, broker, addrs, [(v, s, list(whole[v][s]), False) for v, s in need])
     except failpoints.FailpointError as e:   # as if no copy answered
         log.warning("chunks' rows of %d vsegs: %s", len(need), e)
         answers, short = [], {}

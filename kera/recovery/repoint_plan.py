@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..chunk import CLOSE, INDEX
+from ..wire import columns
 from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg as a backup's index lists it, or a run of
@@ -56,7 +57,13 @@ _32, _40 = np.uint64(32), np.uint64(1 << 40)
 COLUMNS = 16        # VOFF..RECORDS are the backup's answer (and COUNT, of runs); VLOG, VSEG the
 # vseg it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's
 # last (``kera.recovery.repoint``)
-ANSWER = RECORDS + 1 - VOFF   # u64s per chunk in an index answer (one more, the count, per run)
+# VOFF..RECORDS are an index row as the wire lays it out (``kera.wire.columns``): each is the
+# wire's IX_ column of its name, VOFF on
+assert (VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, KAFKA,
+        RECORDS) == tuple(VOFF + getattr(columns, "IX_" + name) for name in (
+            "VOFF", "SIZE", "STREAM", "STREAMLET", "GROUP", "SEGMENT", "OFFSET", "PRODUCER",
+            "SEQUENCE", "FLAGS", "KAFKA", "RECORDS")) and RECORDS + 1 - VOFF == columns.INDEX_COLUMNS, \
+    "the planner's rows carry an index row whole, in the wire's order"
 
 
 def answer_rows(a: np.ndarray, vlog, vseg, runs: bool) -> np.ndarray:
@@ -64,9 +71,9 @@ def answer_rows(a: np.ndarray, vlog, vseg, runs: bool) -> np.ndarray:
     and ``vseg`` (each a number, or an array of one per row) as rows of the plan."""
     out = np.empty((len(a), COLUMNS), np.uint64)
     out[:, VLOG], out[:, VSEG] = vlog, vseg
-    out[:, VOFF:RECORDS + 1] = a[:, :ANSWER]
+    out[:, VOFF:RECORDS + 1] = a[:, :columns.INDEX_COLUMNS]
     out[:, LAST] = out[:, SEGMENT]
-    out[:, COUNT] = a[:, ANSWER] if runs else 1
+    out[:, COUNT] = a[:, columns.IX_COUNT] if runs else 1
     return out
 
 
@@ -166,85 +173,106 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
     replayed."""
     rows = np.asarray(rows, np.uint64).reshape(-1, COLUMNS)
     close = rows[:, FLAGS] & (INDEX | CLOSE) == CLOSE
-    closes: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
     close_rows = rows[close]
+    out = Repoint()
+    rows, index, sl, gs = _ordered(rows, close)
+    taken, count = np.zeros(0, bool), 0
+    if len(rows):
+        taken, count = _spans(out, rows, index, sl, gs, _closes(close_rows), replayed)
+    _skips(out, rows, taken, count, close_rows, settled)
+    return out
+
+
+def _closes(close_rows: np.ndarray) -> dict[tuple[int, int, int], set[tuple[int, int]]]:
+    """(stream, streamlet, group) -> the (segment, offset) of each of its close chunks."""
+    closes: dict[tuple[int, int, int], set[tuple[int, int]]] = {}
     for sid, sl, gid, s, off in close_rows[:, [STREAM, STREAMLET, GROUP, SEGMENT, OFFSET]].tolist():
         closes.setdefault((sid, sl, gid), set()).add((s, off))
+    return closes
+
+
+def _ordered(rows: np.ndarray, close: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The rows but the ``close`` chunks', sorted by (stream, streamlet), (group, segment),
+    then an index chunk first in its segment (the one covering the longest run first), then
+    offset; with which are index chunks, and the first two sort keys."""
     index = rows[:, FLAGS] & INDEX != 0
-    # sorted by (stream, streamlet), (group, segment), then an index chunk first in its segment
-    # (the one covering the longest run first), then offset: three u64 keys, the header's
-    # streamlet, group, segment and offset being u32 and stream ids below 2**32 (the caller's)
+    # three u64 keys, the header's streamlet, group, segment and offset being u32 and stream
+    # ids below 2**32 (the caller's)
     assert not (rows[:, STREAM] >> _32).any(), "stream ids below 2**32"
     sl = (rows[:, STREAM] << _32) | rows[:, STREAMLET]
     gs = (rows[:, GROUP] << _32) | rows[:, SEGMENT]
     at = np.where(index, _40 - np.uint64(1) - rows[:, LAST], _40 + rows[:, OFFSET])
     order = np.lexsort((at, gs, sl))
     order = order[~close[order]]   # close chunks apart (one gather of the rows, not two)
-    rows, index, sl, gs = rows[order], index[order], sl[order], gs[order]
-    out = Repoint()
+    return rows[order], index[order], sl[order], gs[order]
+
+
+def _spans(out: Repoint, rows, index, sl, gs, closes: dict, replayed) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's re-pointed span of segments into ``out`` (its rows per segment, the
+    segments' heads, chunks, where each group's replay starts); returns which segments are
+    taken, and each one's count of rows."""
     n = len(rows)
-    taken = np.zeros(0, bool)
-    if n:
-        # per segment (a run of rows): first row, count, head, whole from 0, index chunk first
-        new = np.ones((n, 2), bool)
-        new[1:, 1] = (sl[1:] != sl[:-1]) | (gs[1:] >> _32 != gs[:-1] >> _32)   # a group starts
-        new[1:, 0] = new[1:, 1] | (gs[1:] != gs[:-1])                         # a segment starts
-        first = np.flatnonzero(new[:, 0])
-        m = len(first)
-        count = np.diff(np.append(first, n))        # rows per segment
-        chunks = np.add.reduceat(rows[:, COUNT], first)   # chunks per segment
-        end = rows[:, OFFSET] + rows[:, SIZE]
-        gap = ~new[:, 0]
-        gap[1:] &= rows[1:, OFFSET] != end[:-1]
-        whole = (rows[first, OFFSET] == 0) & (np.add.reduceat(gap, first) == 0)
-        head = end[first + count - 1]
-        g0s = np.flatnonzero(new[first, 1])             # each group's first segment
-        g1s = np.append(g0s[1:], m)
-        seg = rows[first, SEGMENT].astype(np.int64)
-        indexed = index[first]
-        # a run of the dead broker's own adoptions reaches its run's last segment
-        reach = np.where(indexed, np.maximum(rows[first, LAST].astype(np.int64), seg), seg)
-        # the segment each must follow: the one before it, or (a group's first) none, or when the
-        # group began in released vsegs (its first segment does not start at 0: dropped) that one
-        dropped = rows[first[g0s], OFFSET] != 0
-        js = g0s + dropped
-        prev = np.empty(m, np.int64)
-        prev[1:] = reach[:-1]
-        prev[g0s] = seg[g0s] - 1
-        follow = js[dropped & (js < g1s)]
-        prev[follow] = seg[follow - 1]
-        last = np.zeros(m, bool)
-        last[g1s - 1] = True
-        # a segment of records is whole, not too many chunks, and proved complete if last
-        closed = np.zeros(m, bool)
-        gid_of = {}
-        if closes:
-            ids = rows[first[g0s]][:, [STREAM, STREAMLET, GROUP]].tolist()
-            gid_of = {tuple(k): i for i, k in enumerate(ids)}
-        for key, marks in closes.items():
-            i = gid_of.get(key)
-            if i is not None:
-                k = int(g1s[i]) - 1
-                closed[k] = (int(seg[k]), int(head[k])) in marks
-        ok = (seg == prev + 1) & (indexed | ((~last | closed) & whole & (chunks <= MAX_ROWS)))
-        bad = np.flatnonzero(~ok)
-        es = bad[np.minimum(np.searchsorted(bad, js), len(bad) - 1)] if len(bad) else np.full(len(js), m)
-        es = np.where((es >= js) & (es < g1s), es, g1s)   # each group's first segment not re-pointed
-        taken = np.zeros(m, bool)
-        out.rows, out.starts, out.counts, out.segment = rows, first.tolist(), count.tolist(), seg.tolist()
-        out.heads, out.chunks, out.indexed = head.tolist(), chunks.tolist(), indexed.tolist()
-        reached = reach.tolist()
-        keys = rows[first[g0s]][:, [STREAM, STREAMLET, GROUP]].tolist()
-        for (sid, sl, gid), g0, j, e in zip(keys, g0s.tolist(), js.tolist(), es.tolist(), strict=True):
-            if e <= j or (sid, sl) in replayed:
-                continue
-            out.spans.append((sid, sl, gid, j, e))
-            out.replay_from[(sid, sl, gid)] = reached[e - 1] + 1
-            taken[g0:e] = True
-        out.closed = set(np.flatnonzero(closed & ~indexed).tolist())
-    # a settled vseg is skipped when every chunk in it is taken; a close chunk counts only while
-    # its segment is replayed (else the new owner would not learn its group closed)
-    left = ~np.repeat(taken, count if n else 0)
+    # per segment (a run of rows): first row, count, head, whole from 0, index chunk first
+    new = np.ones((n, 2), bool)
+    new[1:, 1] = (sl[1:] != sl[:-1]) | (gs[1:] >> _32 != gs[:-1] >> _32)   # a group starts
+    new[1:, 0] = new[1:, 1] | (gs[1:] != gs[:-1])                         # a segment starts
+    first = np.flatnonzero(new[:, 0])
+    m = len(first)
+    count = np.diff(np.append(first, n))        # rows per segment
+    chunks = np.add.reduceat(rows[:, COUNT], first)   # chunks per segment
+    end = rows[:, OFFSET] + rows[:, SIZE]
+    gap = ~new[:, 0]
+    gap[1:] &= rows[1:, OFFSET] != end[:-1]
+    whole = (rows[first, OFFSET] == 0) & (np.add.reduceat(gap, first) == 0)
+    head = end[first + count - 1]
+    g0s = np.flatnonzero(new[first, 1])             # each group's first segment
+    g1s = np.append(g0s[1:], m)
+    seg = rows[first, SEGMENT].astype(np.int64)
+    indexed = index[first]
+    # a run of the dead broker's own adoptions reaches its run's last segment
+    reach = np.where(indexed, np.maximum(rows[first, LAST].astype(np.int64), seg), seg)
+    # the segment each must follow: the one before it, or (a group's first) none, or when the
+    # group began in released vsegs (its first segment does not start at 0: dropped) that one
+    dropped = rows[first[g0s], OFFSET] != 0
+    js = g0s + dropped
+    prev = np.empty(m, np.int64)
+    prev[1:] = reach[:-1]
+    prev[g0s] = seg[g0s] - 1
+    follow = js[dropped & (js < g1s)]
+    prev[follow] = seg[follow - 1]
+    last = np.zeros(m, bool)
+    last[g1s - 1] = True
+    # a segment of records is whole, not too many chunks, and proved complete if last
+    closed = np.zeros(m, bool)
+    keys = rows[first[g0s]][:, [STREAM, STREAMLET, GROUP]].tolist()
+    gid_of = {tuple(k): i for i, k in enumerate(keys)} if closes else {}
+    for key, marks in closes.items():
+        i = gid_of.get(key)
+        if i is not None:
+            k = int(g1s[i]) - 1
+            closed[k] = (int(seg[k]), int(head[k])) in marks
+    ok = (seg == prev + 1) & (indexed | ((~last | closed) & whole & (chunks <= MAX_ROWS)))
+    bad = np.flatnonzero(~ok)
+    es = bad[np.minimum(np.searchsorted(bad, js), len(bad) - 1)] if len(bad) else np.full(len(js), m)
+    es = np.where((es >= js) & (es < g1s), es, g1s)   # each group's first segment not re-pointed
+    taken = np.zeros(m, bool)
+    out.rows, out.starts, out.counts, out.segment = rows, first.tolist(), count.tolist(), seg.tolist()
+    out.heads, out.chunks, out.indexed = head.tolist(), chunks.tolist(), indexed.tolist()
+    reached = reach.tolist()
+    for (sid, sl_, gid), g0, j, e in zip(keys, g0s.tolist(), js.tolist(), es.tolist(), strict=True):
+        if e <= j or (sid, sl_) in replayed:
+            continue
+        out.spans.append((sid, sl_, gid, j, e))
+        out.replay_from[(sid, sl_, gid)] = reached[e - 1] + 1
+        taken[g0:e] = True
+    out.closed = set(np.flatnonzero(closed & ~indexed).tolist())
+    return taken, count
+
+
+def _skips(out: Repoint, rows, taken, count, close_rows, settled: dict) -> None:
+    """A settled vseg is skipped when every chunk in it is taken; a close chunk counts only
+    while its segment is replayed (else the new owner would not learn its group closed)."""
+    left = ~np.repeat(taken, count if len(rows) else 0)
     left_vlog, left_vseg = rows[left, VLOG], rows[left, VSEG]
     kept = [(v, s) for v, s, sid, sl, gid, seg in close_rows[:, [VLOG, VSEG, STREAM, STREAMLET, GROUP,
                                                                  SEGMENT]].tolist()
@@ -256,4 +284,3 @@ def plan_repoint(rows: np.ndarray, settled: dict[int, list[int]],
         for s in vsegs:
             if s not in busy:
                 out.skip.setdefault(vlog, set()).add(s)
-    return out

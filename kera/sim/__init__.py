@@ -1,4 +1,19 @@
-"""Deterministic simulation of the replication and recovery core (``python -m kera.sim``)."""
+"""Deterministic simulation of the replication and recovery core (``python -m kera.sim``).
+
+The real decision code runs unchanged (``kera.vlog``, ``kera.backup.store``, the broker's
+``MemoryBudget`` and ``Rebuilder``, ``kera.recovery.plan`` and ``repoint_plan``); what is
+simulated is everything they do not decide:
+
+- ``world``: ``World``, one seeded run: the clock (an event heap), the network, the broker's
+  replicators, its producers, its death and recovery, the invariants after every step.
+- ``backups``: ``SimBackup`` and its ``SimReplica`` copies (chunk ids, not bytes).
+- ``faults``: ``Faults``, pauses, crashes, full disks, bit flips, torn tails, lost disks.
+- ``placement``: ``SimPlacement``, the broker's placement of chunks in streamlets, groups
+  and segments, under its memory budget.
+- ``rebuild``: ``SimRebuild``, the I/O of the broker's rebuilding of lost copies.
+- ``repointing``: recovery's re-pointing over simulated backups, and what the new owners
+  end with checked.
+"""
 
 from collections import Counter
 

@@ -33,7 +33,7 @@ STREAM = 1
 CLOSE_SIZE = len(chunk.build(STREAM, 0, 0, 0, [b""], timestamps=0, flags=chunk.CLOSE))
 
 
-class Chunk:
+class SimChunk:
     """A chunk as its header places it (a close chunk has no segment: ``seg`` None) and
     where its vlog put it (vseg, byte offset there)."""
 
@@ -64,7 +64,7 @@ class Chunk:
         return self.seg.durable >= self.offset + self.size
 
 
-class Segment:
+class SimSegment:
     """A broker segment holding chunks, not bytes: the vlog references it (segment, offset,
     length) as the broker's and moves its ``durable``; eviction drops ``buf`` as the broker
     drops the bytes, after which a replicate could not be built from it."""
@@ -78,8 +78,8 @@ class Segment:
         self.id, self.capacity = id, capacity
         self.held = size   # its buffer's bytes, as the broker's: what the budget charges
         self.head = self.durable = 0
-        self.chunks: list[Chunk] = []
-        self.at: dict[int, Chunk] = {}   # offset -> chunk
+        self.chunks: list[SimChunk] = []
+        self.at: dict[int, SimChunk] = {}   # offset -> chunk
         self.vlog = None               # has ``.log``: the VirtualLog, as a broker Replicator
         self.vsegs: list = []          # the distinct vsegs holding its chunks, in order
         self.vseg_ids: list[int] = []  # per chunk: its vseg and offset there (``noted``)
@@ -97,7 +97,7 @@ class Segment:
     def grow(self, size: int) -> None:
         self.held = size
 
-    def append(self, c: Chunk) -> int:
+    def append(self, c: SimChunk) -> int:
         off = c.offset = self.head
         c.seg, c.segment = self, self.id
         self.head += c.size
@@ -114,29 +114,29 @@ class Segment:
         self.held = 0
 
 
-class Group(BrokerGroup):
+class SimGroup(BrokerGroup):
     """The broker's group (its ``append`` decides), holding the simulator's segments."""
 
-    def __init__(self, id: int, slot: int, placement: Placement):
+    def __init__(self, id: int, slot: int, placement: SimPlacement):
         super().__init__(id, slot, placement.segment_size, placement.max_segments, placement.memory)
         self.on_filled = placement.filled
-        self.close: Chunk | None = None   # its close chunk, once full
+        self.close: SimChunk | None = None   # its close chunk, once full
 
-    def new_segment(self, id: int, size: int) -> Segment:
-        return Segment(id, self.segment_size, size)
+    def new_segment(self, id: int, size: int) -> SimSegment:
+        return SimSegment(id, self.segment_size, size)
 
 
-class Streamlet:
+class SimStreamlet:
     __slots__ = ("index", "active", "groups", "sequences")
 
     def __init__(self, index: int, q: int):
         self.index = index
-        self.active: list[Group | None] = [None] * q
-        self.groups: list[Group] = []
+        self.active: list[SimGroup | None] = [None] * q
+        self.groups: list[SimGroup] = []
         self.sequences: dict[int, int] = {}   # producer -> its last sequence here
 
 
-class Placement:
+class SimPlacement:
     """One stream's streamlets on the simulated broker, over its vlogs."""
 
     def __init__(self, rng, vlogs: list[VirtualLog], replication: int):
@@ -144,7 +144,7 @@ class Placement:
         self.q = rng.choice((1, 2))
         self.max_segments = rng.choice((2, 3, 4))
         self.segment_size = rng.choice((400, 1000, 3000))
-        self.streamlets = [Streamlet(i, self.q) for i in range(rng.choice((1, 2, 3)))]
+        self.streamlets = [SimStreamlet(i, self.q) for i in range(rng.choice((1, 2, 3)))]
         self.producers = rng.choice((1, 3, 5))
         self.mapping = VlogMapping("shared", len(vlogs))
         self.stream = StreamMeta(name="sim", id=STREAM, streamlets=len(self.streamlets), groups=self.q,
@@ -157,18 +157,18 @@ class Placement:
         # the budget's pass closes (``World._reclaim``) so they settle and are evicted
         room = rng.choice((0, 2, 4)) * vlogs[0].capacity * len(vlogs)
         self.memory = MemoryBudget(room and room + 2 * self.segment_size * len(self.streamlets) * self.q)
-        self.chunks: list[Chunk] = []
-        self.by_vlog: dict[int, list[Chunk]] = {v.id: [] for v in vlogs}
+        self.chunks: list[SimChunk] = []
+        self.by_vlog: dict[int, list[SimChunk]] = {v.id: [] for v in vlogs}
         self.refused = 0   # chunks refused (BrokerFull)
 
-    def append(self, sl: Streamlet, producer: int, size: int) -> VirtualLog | None:
+    def append(self, sl: SimStreamlet, producer: int, size: int) -> VirtualLog | None:
         """Append one chunk of ``producer`` to ``sl``; the vlog it went to (None: refused)."""
         slot = producer % self.q
         g = sl.active[slot]
-        c = Chunk(0, None, sl.index, 0, 0, 0, size, producer, 0)
+        c = SimChunk(0, None, sl.index, 0, 0, 0, size, producer, 0)
         while True:
             if g is None or g.closed:
-                g = sl.active[slot] = Group(len(sl.groups), slot, self)
+                g = sl.active[slot] = SimGroup(len(sl.groups), slot, self)
                 sl.groups.append(g)
             try:
                 placed = g.append(c)
@@ -178,7 +178,7 @@ class Placement:
             if placed is not None:
                 break
             seg = g.segments[-1]   # full and closed: its close chunk goes first
-            g.close = self._reference(g, None, Chunk(g.vlog.id, None, sl.index, g.id, seg.id, seg.head,
+            g.close = self._reference(g, None, SimChunk(g.vlog.id, None, sl.index, g.id, seg.id, seg.head,
                                                      CLOSE_SIZE, producer, 0, chunk.CLOSE))
         if g.vlog is None:
             g.vlog = self.vlogs[self.mapping.key(self.stream, sl.index, g.id)[2]]
@@ -188,7 +188,7 @@ class Placement:
         self._reference(g, seg, c)
         return g.vlog
 
-    def _reference(self, g: Group, seg: Segment | None, c: Chunk) -> Chunk:
+    def _reference(self, g: SimGroup, seg: SimSegment | None, c: SimChunk) -> SimChunk:
         v = g.vlog
         c.cid = len(self.chunks)
         v.append(seg if seg is not None else c, c.offset if seg is not None else 0, c.size, 0)
@@ -213,8 +213,8 @@ class Placement:
         self.memory.release(self.segment_size)
         return True
 
-    def filled(self, g: Group, seg: Segment) -> None:
-        """``Group.on_filled``: the segment takes no more chunks (``Streamlet._on_filled``)."""
+    def filled(self, g: SimGroup, seg: SimSegment) -> None:
+        """``SimGroup.on_filled``: the segment takes no more chunks (``SimStreamlet._on_filled``)."""
         if not seg.filled_at:
             seg.filled_at = 1.0
             self.memory.filled(seg)

@@ -166,7 +166,7 @@ class SimRebuild:
             b.up, b.destroyed = False, True
             b.replicas.clear()
             w.stats["lost_for_good"] += 1
-            w.at(w.now + self.dead_after, w._declare_dead, b, b.incarnation)
+            w.at(w.now + self.dead_after, w.faults.declare_dead, b, b.incarnation)
             self._whole_again(f"backup {b.id} was lost")
 
     def _whole_again(self, after: str) -> None:

@@ -1,4 +1,14 @@
-"""Replicated virtual logs: chunk references of many streamlets, replicated together."""
+"""Replicated virtual logs: chunk references of many streamlets, replicated together (sans-IO).
+
+- ``virtual_log``: ``VirtualLog``, a log of chunk references shared by many streamlets:
+  what to send each copy, what an answer means, what is durable; no I/O and no clock
+  (the broker's ``Replicator`` and the simulator drive it alike).
+- ``virtual_segment``: ``VirtualSegment``, the open/closed unit of a virtual log, and its copies.
+- ``placement``: ``BackupSet``, which backups get a virtual segment's copies.
+- ``mapping``: ``VlogMapping``, which virtual log a group's chunks go to.
+
+Their names are handed on here.
+"""
 
 from .mapping import POLICIES, VlogMapping
 from .placement import BackupSet

@@ -15,10 +15,11 @@ from __future__ import annotations
 import getpass
 import sys
 
-from .security.acl import CLUSTER, OPERATIONS, Acl, check
+from ..security.acl import CLUSTER, OPERATIONS, Acl, check
+from .options import client, config, coordinator, run
 
 
-def add_parsers(sub, client) -> None:
+def add_parsers(sub) -> None:
     u = sub.add_parser("user", help="users (SCRAM-SHA-256/512) of a cluster run with --auth")
     usub = u.add_subparsers(dest="action", required=True)
     add = client(usub.add_parser("add", help="add a user, or change its password"))
@@ -73,13 +74,13 @@ def _password(args) -> str:
     return pw
 
 
-def cmd_user(args, coordinator: str, config: dict | None, run) -> None:
+def cmd_user(args) -> None:
     from kera_client import open_admin
 
     password = _password(args) if args.action == "add" else None
 
     async def go():
-        async with open_admin(coordinator, config) as a:
+        async with open_admin(coordinator(args), config(args)) as a:
             if args.action == "add":
                 await a.add_user(args.name, password)
                 print(f"user {args.name}: SCRAM-SHA-256 and SCRAM-SHA-512 keys stored")
@@ -93,13 +94,13 @@ def cmd_user(args, coordinator: str, config: dict | None, run) -> None:
     run(go)
 
 
-def cmd_acl(args, coordinator: str, config: dict | None, run) -> None:
+def cmd_acl(args) -> None:
     from kera_client import open_admin
 
     acl = _acl(args) if args.action in ("add", "remove") else None
 
     async def go():
-        async with open_admin(coordinator, config) as a:
+        async with open_admin(coordinator(args), config(args)) as a:
             if args.action == "add":
                 print(f"{'added' if await a.add_acl(acl) else 'already there'}: {acl}")
             elif args.action == "remove":
@@ -109,3 +110,6 @@ def cmd_acl(args, coordinator: str, config: dict | None, run) -> None:
                     print(x)
 
     run(go)
+
+
+COMMANDS = {"user": cmd_user, "acl": cmd_acl}

@@ -23,6 +23,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ..recovery.state import ACTIVE
+
 MIB = 1 << 20
 
 
@@ -46,7 +48,7 @@ def _rate(now: dict, before: dict | None, key: str, dt: float) -> float:
 def render(st: dict, before: dict | None, error: str = "") -> Group:
     c = st.get("coordinators") or {}
     dt = st["at"] - before["at"] if before else 0.0
-    active = [r for r in st.get("recoveries", []) if r["state"] in ("planning", "replaying", "waiting")]
+    active = [r for r in st.get("recoveries", []) if r["state"] in ACTIVE]
     head = Text(f"kera top  coordinator {c.get('leader', '?')}  streams {st['streams']}  "
                 f"recoveries in progress {len(active)}  {time.strftime('%H:%M:%S')}  (q quits)",
                 style="bold")

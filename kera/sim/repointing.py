@@ -75,12 +75,28 @@ def _decisions(rp: Repoint) -> tuple:
 def check(world, rp: Repoint, whole: dict, got: dict[int, list[int]]) -> None:
     """The new owners' view after re-pointing and replay (``got``: per vlog, the chunk ids
     replayed and not skipped), against what the broker appended and acknowledged."""
-    chunks, fail = world.chunks, world.fail
     groups = {(sl.index, g.id): g for sl in world.placement.streamlets for g in sl.groups}
+    adopted, closed, placed = _check_adopted(world, rp, whole, groups)
+    _check_replayed(world, rp, got, adopted, closed, placed)
+    for key, cs in placed.items():
+        _group_order(world.fail, key, cs, closed)
+    for g in groups.values():
+        c = g.close
+        if c is not None and c.acked_at is not None and c.cid not in got.get(c.vlog, ()) and \
+                (c.streamlet, c.group) not in closed:
+            world.fail(f"group {(c.streamlet, c.group)} closed on the dead broker, open on its new owner")
+
+
+def _check_adopted(world, rp: Repoint, whole: dict, groups: dict) -> tuple[dict, set, dict]:
+    """Every adopted segment is its group's chunks in order, closed as its group is, named
+    at copies that hold it intact. Returns chunk id -> its Adopted segment, the (streamlet,
+    group) known closed by an adopted segment, and each group's chunks in the new owner's
+    order so far."""
+    chunks, fail = world.chunks, world.fail
     at = {(c.vlog, c.vseg, c.voff): c for c in chunks}
-    adopted: dict[int, object] = {}    # chunk id -> its Adopted segment
-    closed = set()                      # (streamlet, group) known closed by an adopted segment
-    placed: dict[tuple[int, int], list] = {}   # (streamlet, group) -> chunks in the new owner's order
+    adopted: dict[int, object] = {}
+    closed = set()
+    placed: dict[tuple[int, int], list] = {}
     order = [(a.streamlet, a.group, a.segment) for a in rp.adopted]
     if order != sorted(set(order)):
         fail(f"adopted segments out of (streamlet, group, segment) order or twice: {order[:8]}")
@@ -114,6 +130,14 @@ def check(world, rp: Repoint, whole: dict, got: dict[int, list[int]]) -> None:
     world.stats["adopted_segments"] += len(rp.adopted)
     world.stats["adopted_chunks"] += len(adopted)
     world.stats["skipped_vsegs"] += sum(len(s) for s in rp.skip.values())
+    return adopted, closed, placed
+
+
+def _check_replayed(world, rp: Repoint, got: dict, adopted: dict, closed: set, placed: dict) -> None:
+    """Per vlog, what came back (replayed or adopted) is a prefix of what was appended that
+    holds every acknowledged chunk, each once, the replay in the vlog's order and sending no
+    chunk of a group adopted beside it; the replayed chunks join their groups in ``placed``."""
+    chunks, fail = world.chunks, world.fail
     # the groups whose adoption reaches their end are adopted beside the replay: it must
     # send none of their chunks, or one could be placed before the segments ahead of it
     ended = {(sl, g) for _, sl, g in rp.ended()}
@@ -145,13 +169,6 @@ def check(world, rp: Repoint, whole: dict, got: dict[int, list[int]]) -> None:
             fail(f"vlog {v.id}: the replay is out of the vlog's order")
         for c in map(chunks.__getitem__, have):
             placed.setdefault((c.streamlet, c.group), []).append(c)
-    for key, cs in placed.items():
-        _group_order(fail, key, cs, closed)
-    for g in groups.values():
-        c = g.close
-        if c is not None and c.acked_at is not None and c.cid not in got.get(c.vlog, ()) and \
-                (c.streamlet, c.group) not in closed:
-            fail(f"group {(c.streamlet, c.group)} closed on the dead broker, open on its new owner")
 
 
 def _group_order(fail, key, cs: list, closed: set) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import sys
 
+from .options import client, config, coordinator, run
 
-def add_parser(sub, client) -> None:
+
+def add_parsers(sub) -> None:
     kv = sub.add_parser("kv", help="a linearizable key-value map on a stream")
     ksub = kv.add_subparsers(dest="op", required=True)
     for op, extra in (("put", ("key", "value")), ("get", ("key",)),
@@ -21,11 +23,11 @@ def add_parser(sub, client) -> None:
             p.add_argument(a, type=int if a == "version" else str)
 
 
-def cmd_kv(args, coordinator: str, config: dict | None, run) -> None:
+def cmd_kv(args) -> None:
     from kera_client.kv import open_kv
 
     async def go():
-        async with open_kv(args.map, coordinator, config=config) as m:
+        async with open_kv(args.map, coordinator(args), config=config(args)) as m:
             if args.op == "put":
                 return f"version {await m.put(args.key, args.value)}", True
             if args.op == "get":
@@ -45,3 +47,6 @@ def cmd_kv(args, coordinator: str, config: dict | None, run) -> None:
         print(out, file=sys.stdout if ok else sys.stderr)
     if not ok:
         sys.exit(1)
+
+
+COMMANDS = {"kv": cmd_kv}
