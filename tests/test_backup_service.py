@@ -857,7 +857,8 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
             heads = [chunk.parse_header(c) for c in a]
             assert rows.tolist() == [
                 [s, len(c), h.stream_id, h.streamlet, h.group, h.segment, h.offset, h.producer_id, h.sequence,
-                 h.flags] for s, c, h in zip(starts, a, heads, strict=True)]
+                 h.flags, chunk.HEADER.unpack_from(c)[15], h.record_count]
+                for s, c, h in zip(starts, a, heads, strict=True)]
             assert tail == a[3] and rows[3, 9] == chunk.INDEX | chunk.CLOSE
 
             async def runs_of(vseg=0):

@@ -68,7 +68,7 @@ def _check_close_rows(rows: np.ndarray) -> dict[int, tuple[int, int]]:
     assert len(close) and len(close) + len(data) == len(rows), "unexpected flags"
     groups = close[:, 6].tolist()
     assert len(set(groups)) == len(groups), "a group closed twice"
-    for vlog, vseg, voff, size, _, _, g, s, off, _, seq, _ in close.tolist():
+    for vlog, vseg, voff, size, _, _, g, s, off, _, seq, _, _, _ in close.tolist():
         mine = data[(data[:, 6] == g) & (data[:, 7] == s)]
         assert s == GROUP_SEGMENTS - 1 and seq == 0
         assert off == int((mine[:, 8] + mine[:, 3]).max()), "close chunk not at the segment's head"
