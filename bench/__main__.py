@@ -1,6 +1,7 @@
 """Benchmarks: kera beside a Kafka-protocol broker (Tansu), after the paper's experiments.
 
-    python -m bench streams [--quick]    # the headline: 1 -> 2,048 streams like for like beside the peer,
+    python -m bench streams [--quick] [--counts 1,512,2048,10000,100000]
+                                         # the headline: 1 -> 100,000 streams like for like beside the peer,
                                          # 3 runs each, with its targets checked (bench/streams.py);
                                          # --auth --tls: also R=3 in those modes (target >= 0.9x at 512)
     python -m bench throughput [--quick] # 1 stream x 32 streamlets x 4 groups, R=3, 2 producers and a
@@ -95,8 +96,9 @@ def exp_streams(args) -> dict:
     if args.metrics:
         from .streams import metrics_cost
         return metrics_cost(n, seconds, args.repeats, say)
-    return run(QUICK_COUNTS if args.quick else COUNTS, n, seconds, args.repeats, args.concurrent, say,
-               auth=args.auth, tls=args.tls)
+    counts = [int(x) for x in args.counts.split(",")] if args.counts else \
+        (QUICK_COUNTS if args.quick else COUNTS)
+    return run(counts, n, seconds, args.repeats, args.concurrent, say, auth=args.auth, tls=args.tls)
 
 
 def exp_metadata(args) -> dict:
@@ -180,7 +182,7 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=1)
     ap.add_argument("--consumers", type=int, default=1)
     ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--counts", default="", help="many: stream counts; restart: streams and those with data; comma-separated")
+    ap.add_argument("--counts", default="", help="streams, many: stream counts; restart: streams and those with data; comma-separated")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--auth", action="store_true",
                     help="streams: also a cluster with user authentication and ACLs (an admin client)")

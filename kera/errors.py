@@ -222,6 +222,14 @@ class ConnectionLimit(Unavailable):
         self.limit, self.bound = limit, bound
 
 
+class Internal(KeraError):
+    """A server failed unexpectedly on a request (its message says how): the same request may
+    succeed when it is tried again."""
+
+    code = "internal"
+    retriable = True
+
+
 class PeerTooSlow(KeraError):
     """A connection was cut for holding resources: idle past the idle timeout, a frame not
     finished within the read timeout, or replies queued past their byte budget (a peer
@@ -237,9 +245,12 @@ _BY_CODE = {
         LimitExceeded, RecordTooLarge, UnknownStream, StreamExists, UnknownMethod, NotOwner, Recovering, Fenced,
         OutOfOrderSequence, UnknownProducer, UnknownMember, NotEnoughBackups, BrokerFull, BackupError, Unavailable, NotLeader,
         DataLoss, Conflict, OutOfRange, DeliveryTimeout, Unauthenticated, AuthenticationFailed,
-        UnsupportedMechanism, Unauthorized, ConnectionLimit, PeerTooSlow,
+        UnsupportedMechanism, Unauthorized, ConnectionLimit, PeerTooSlow, Internal,
     ]
 }
+# the codes of errors that may pass (a moved owner, a recovery, a dead connection): a client
+# tries again what was refused with one of them
+RETRIABLE = frozenset(code for code, cls in _BY_CODE.items() if cls.retriable)
 
 
 def from_wire(info: dict) -> KeraError:

@@ -211,6 +211,7 @@ async def test_broker_killed_yields_one_report_per_record(make_cluster):
 def test_a_failing_callback_leaves_the_other_reports_queued():
     from kera_client.accumulator import Outgoing
     from kera_client.delivery import Deliveries
+    from kera_client.lanes import Route
 
     d, got = Deliveries(queued=True), []
 
@@ -220,7 +221,8 @@ def test_a_failing_callback_leaves_the_other_reports_queued():
             raise ValueError("callback failed")
 
     entries = [(i, cb, 0.0, None, v) for i, v in enumerate([b"a", b"bad", b"c"])]
-    d.settle(Outgoing.packed((1, 0), 0, b"", 3, 0.0, entries), "s", None, (0, 0, 64))
+    lane = Route("s", 1, 1, 1 << 20, ("127.0.0.1:1",), ((1, 1),)).lane(0)
+    d.settle(Outgoing.packed(lane, 0, b"", 3, 0.0, entries), "s", None, (0, 0, 64))
     with pytest.raises(ValueError):
         d.serve()
     assert d.serve() == 1 and got == [b"a", b"bad", b"c"] and d.serve() == 0

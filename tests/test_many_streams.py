@@ -97,7 +97,7 @@ async def test_a_pattern_subscription_reads_one_record_of_each_of_many_streams(m
             while len(got) < n:
                 got += [v for ch in await c.poll_chunks(1.0) for v in ch.values()]
             assert sorted(got) == [s.encode() for s in names]
-            assert len(c._links) == 2 and all(link.session for link in c._links.values())
+            assert len(c.sessions.links) == 2 and all(link.session for link in c.sessions.links.values())
             assert await c.poll_chunks(0.3) == []
             await create(coord, later, replication=1)
             async with open_producer(coord) as p:

@@ -145,17 +145,17 @@ async def test_producer_resyncs_after_a_delivery_timeout(make_cluster):
                 async with open_producer(coord, **opts) as p:
                     await p.send("rs", b"v0")
                     await p.flush()
-                    k = (p.streams["rs"].id, 0)
+                    lane = p.streams["rs"].lanes[0]
                     cluster.kill("node1-broker", signal.SIGSTOP)
                     stopped = True
                     await p.send("rs", b"v1")                   # in a request the broker does not read yet
-                    await poll(lambda: k in p.inflight_keys)
+                    await poll(lambda: lane.busy)
                     await p.send("rs", b"v2")                   # queued behind it ...
                     await p.send("rs", b"v3")
-                    assert len(p.ready[k]) == 2
+                    assert len(lane.queue) == 2
                     # ... until they are past their delivery timeout, never sent
-                    await poll(lambda: all(time.monotonic() - c.created > p.delivery_timeout
-                                           for c in p.ready[k]))
+                    await poll(lambda: all(time.monotonic() - c.created > p.lookups.delivery_timeout
+                                           for c in lane.queue))
                     cluster.kill("node1-broker", signal.SIGCONT)
                     stopped = False
                     await poll(lambda: p.acked == 2 and p.failed == 2)  # v1 acknowledged, v2 and v3 not
@@ -185,15 +185,15 @@ async def test_a_lingering_chunk_grows_while_its_streamlet_is_in_a_request(make_
             async with open_producer(coord, **{"chunk.size": 16384, "linger.ms": 1}) as p:
                 await p.send("lg", b"v0")
                 await p.flush()
-                k = (p.streams["lg"].id, 0)
+                lane = p.streams["lg"].lanes[0]
                 cluster.kill("node1-broker", signal.SIGSTOP)
                 stopped = True
                 await p.send("lg", b"v1")
-                await poll(lambda: k in p.inflight_keys)    # v1's chunk in a request not answered yet
+                await poll(lambda: lane.busy)    # v1's chunk in a request not answered yet
                 for i in (2, 3, 4):
                     await p.send("lg", b"v%d" % i)
-                await poll(lambda: k in p.due)              # their linger is over: still open, not queued
-                assert p.batches[k].values == [b"v2", b"v3", b"v4"] and not p.ready.get(k)
+                await poll(lambda: lane.due is not None)    # their linger is over: still open, not queued
+                assert lane.open.values == [b"v2", b"v3", b"v4"] and not lane.queue
                 await p.send("lg", b"v5")
                 cluster.kill("node1-broker", signal.SIGCONT)
                 stopped = False

@@ -1,10 +1,12 @@
 """The producer's chunks before they leave: records gathered per streamlet, packed per request.
 
-``Accumulator`` (the ``AsyncProducer``'s accumulating side, on any thread under
-its lock) puts each record in its streamlet's open ``Outgoing`` chunk, seals a
-chunk when it is full or its ``linger.ms`` is over (and its streamlet is not in a
-request: ``_seal_expired``), and queues it in ``ready``
-with the next sequence of its streamlet, where the sender (``sender``) takes it.
+``Accumulator`` puts each record in its lane's open ``Outgoing`` chunk (any
+thread, under the producer's lock), seals a chunk when it is full or its
+``linger.ms`` is over (unless its lane is in a request: ``seal_expired``), and
+queues it on its lane with the lane's next sequence. A lane with sealed chunks
+that is not in a request *waits* in ``waiting``, a queue per broker address,
+where the sender (``sender``) takes lanes from: a round costs the lanes sent,
+not a walk of every streamlet the producer knows.
 
 An ``Outgoing`` chunk collects one streamlet's records as plain lists while it is
 open; sealing gives it its sequence and its size but packs nothing. The chunks
@@ -16,31 +18,31 @@ A chunk keeps its bytes once packed: a resend sends the same ones.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import deque
 from itertools import chain
 
 import numpy as np
-import trio
 
 from kera import chunk as chunkfmt
 from kera.errors import RecordTooLarge
 from kera.limits import MAX_CHUNK
 
-from .delivery import Pending
-from .partitioner import RoundRobin, key_streamlet
-from .stream_view import StreamView
+from .delivery import Deliveries
+from .lanes import Buffer, Lane, Route, Waker
+from .partitioner import key_streamlet
+
+HEADER = chunkfmt.HEADER_SIZE
 
 
 class Outgoing:
     """One chunk: open (records still arrive), sealed (``seq`` set) and then packed (``data``)."""
 
-    __slots__ = ("key", "values", "keys", "ts", "size", "deadline", "created", "sticky", "seq",
+    __slots__ = ("lane", "values", "keys", "ts", "size", "deadline", "created", "sticky", "seq",
                  "records", "data", "start", "flags", "charged", "reports")
 
-    def __init__(self, key: tuple, created: float, deadline: float, sticky: int):
-        self.key = key
+    def __init__(self, lane: Lane, created: float, deadline: float, sticky: int):
+        self.lane = lane
         self.values: list[bytes] = []
         self.keys: list[bytes | None] | None = None   # only once a record has a key
         self.ts: list[int] | None = None              # only once a record has its own timestamp
@@ -56,6 +58,11 @@ class Outgoing:
         self.charged = 0        # bytes counted against buffer.memory until acked or given up (from sealing)
         self.reports = None     # its records' delivery callbacks (``delivery``), if any
 
+    @property
+    def key(self) -> tuple[int, int]:
+        """(stream id, streamlet)."""
+        return self.lane.route.id, self.lane.index
+
     def chunk(self):
         """The packed chunk's bytes."""
         if self.start == 0 and len(self.data) == self.size:
@@ -63,9 +70,9 @@ class Outgoing:
         return memoryview(self.data)[self.start:self.start + self.size]
 
     @classmethod
-    def packed(cls, key: tuple, seq: int, data, records: int, created: float, reports=None) -> Outgoing:
+    def packed(cls, lane: Lane, seq: int, data, records: int, created: float, reports=None) -> Outgoing:
         """A chunk built elsewhere (the columnar path)."""
-        c = cls(key, created, created, 0)
+        c = cls(lane, created, created, 0)
         c.seq, c.data, c.records, c.size, c.reports = seq, data, records, len(data), reports
         return c
 
@@ -77,7 +84,7 @@ def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
     if not todo:
         return None
     counts = [c.records for c in todo]
-    values = list(chain.from_iterable(c.values for c in todo))
+    values = list(chain.from_iterable([c.values for c in todo]))
     keys = None
     if any(c.keys is not None for c in todo):
         keys = list(chain.from_iterable(c.keys if c.keys is not None else [None] * c.records
@@ -91,8 +98,8 @@ def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
                                       for c, w in zip(todo, wall.tolist(), strict=True)))
     else:
         ts = np.repeat(wall, counts)
-    data, starts, sizes = chunkfmt.pack_many(
-        [c.key[0] for c in todo], [c.key[1] for c in todo], producer_id, [c.seq for c in todo],
+    data, starts, _ = chunkfmt.pack_many(
+        [c.lane.route.id for c in todo], [c.lane.index for c in todo], producer_id, [c.seq for c in todo],
         [c.flags for c in todo], counts, values, keys, ts)
     for c, s in zip(todo, starts, strict=True):
         c.data, c.start = data, s
@@ -118,84 +125,52 @@ def wall_ms(monotonic: float) -> int:
     return int((time.time() - (time.monotonic() - monotonic)) * 1000)
 
 
-class Accumulator:
-    """The accumulating side of ``AsyncProducer``: records -> open chunks -> sealed chunks in
-    ``ready``. Its state is its own but for what it shares with the sender (set up by the
-    producer): ``lock``, ``ready``, ``room``, ``buffered``, ``outstanding``, ``delivery``
-    and the sender's wake-up events."""
+def too_large(route: Route, n: int, what: str) -> RecordTooLarge:
+    seg = route.segment_size
+    bound = min(MAX_CHUNK, seg)
+    size = chunkfmt.chunk_size(1, n - 16)
+    return RecordTooLarge(
+        f"{what} of {n - 16} bytes (key and value) needs a chunk of {size} bytes; stream "
+        f"{route.name!r} takes chunks of at most {bound} bytes (the smaller of MAX_CHUNK, {MAX_CHUNK}, "
+        f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
+        bound=bound, size=size)
 
-    def __init__(self, cfg: dict):
+
+class Accumulator:
+    """Records -> open chunks -> sealed chunks on their lanes -> lanes waiting for the sender.
+    It owns the open chunks (``linger_q``, oldest deadline first) and ``waiting``; the
+    lanes' sequences and queues are written here only (the sender takes and returns chunks
+    through ``take`` / ``requeue`` / ``release``). Called under ``buffer.lock``."""
+
+    def __init__(self, cfg: dict, buffer: Buffer, delivery: Deliveries, waker: Waker):
         self.linger = float(cfg["linger.ms"]) / 1000
         self.chunk_size = min(int(cfg["chunk.size"]), MAX_CHUNK)
-        self.buffer_memory = int(cfg["buffer.memory"])
         self.by_key = cfg["partitioner"] != "round-robin"
-        self.rr = RoundRobin()
-        self.batches: dict[tuple, Outgoing] = {}
-        self.sticky: dict[int, Outgoing] = {}   # stream id -> open round-robin chunk
-        self.linger_q: deque = deque()
-        self.due: dict[tuple, Outgoing] = {}    # lingered out while their streamlet was in a request
-        self.seq: dict[tuple, int] = {}
-        self._woken = False
-        self._token = trio.lowlevel.current_trio_token()
-        self._loop_thread = threading.get_ident()
+        self.buffer, self.delivery, self.waker = buffer, delivery, waker
+        self.linger_q: deque[Outgoing] = deque()
+        # address (None: no live owner) -> lanes with sealed chunks, not in a request, in turn
+        self.waiting: dict[str | None, deque[Lane]] = {}
 
-    def _notify(self) -> None:
-        """Wake the sender, at most once per round of it (not once per chunk)."""
-        if self._woken:
-            return
-        self._woken = True
-        if threading.get_ident() == self._loop_thread:
-            self._wake.set()
-        else:
-            self._token.run_sync_soon(self._wake_now)
-
-    def _wake_now(self) -> None:
-        self._wake.set()  # the event current when this runs, not when it was scheduled
-
-    def _too_large(self, s: StreamView, n: int, what: str) -> RecordTooLarge:
-        seg = s.segment_size
-        bound = min(MAX_CHUNK, seg)
-        size = chunkfmt.chunk_size(1, n - 16)
-        return RecordTooLarge(
-            f"{what} of {n - 16} bytes (key and value) needs a chunk of {size} bytes; stream "
-            f"{s.name!r} takes chunks of at most {bound} bytes (the smaller of MAX_CHUNK, {MAX_CHUNK}, "
-            f"and its segment size, {seg})", limit="MAX_CHUNK" if bound == MAX_CHUNK else "segment_size",
-            bound=bound, size=size)
-
-    def _batch(self, s: StreamView, key) -> Outgoing:
-        if key is None or not self.by_key:
-            b = self.sticky.get(s.id)
-            if b is None:
-                n = s.streamlets
-                b = self._open(s, self.rr.streamlet(s.id, n) if n > 1 else 0, n)
-        else:
-            b = self.batches.get((s.id, key_streamlet(key, s.streamlets)))
-            if b is None:
-                b = self._open(s, key_streamlet(key, s.streamlets), 0)
-        return b
-
-    def _append(self, s: StreamView, value: bytes, key, timestamp, cb=None) -> None:
+    # -- records in ------------------------------------------------------------------------
+    def append(self, route: Route, value: bytes, key, timestamp, cb=None) -> None:
         """Add one record to its streamlet's open chunk (caller holds the lock).
 
-        The hot path of ``send``: a few attribute and dict operations, no
-        allocation but the list slots; chunks are packed when sealed. A record
-        that no chunk of its stream could hold is refused here, at once.
-        """
+        The hot path of ``send``: a few attribute and list operations; chunks are packed
+        when they leave. A record that no chunk of its stream could hold is refused here,
+        at once."""
         check_record(value, key, timestamp)
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
-        room = self.room[s.id]
+        room = route.room
         if n > room:
             if cb is None:
-                raise self._too_large(s, n, "record")
-            self.delivery.refused(s.name, key, value, cb, self._too_large(s, n, "record"))
+                raise too_large(route, n, "record")
+            self.delivery.refused(route.name, key, value, cb, too_large(route, n, "record"))
             return
-        b = self.sticky.get(s.id) if key is None or not self.by_key else None
-        if b is None:
-            b = self._batch(s, key)
+        b = self._chunk_for(route, key)
         if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
-            self._seal(b)
-            self._notify()
-            b = self._batch(s, key)
+            self.seal(b)
+            self.waker.notify()
+            b = self._chunk_for(route, key)
         if key is not None or b.keys is not None:
             if b.keys is None:
                 b.keys = [None] * len(b.values)
@@ -211,110 +186,185 @@ class Accumulator:
             b.reports.append((len(b.values), cb, time.monotonic(), key, value))
         b.values.append(value)
         b.size += n
-        self.buffered += n
-        self.outstanding += 1
+        self.buffer.bytes += n
+        self.buffer.records += 1
         if b.size >= self.chunk_size:
-            self._seal(b)
-            if not self._woken:
-                self._notify()
+            self.seal(b)
+            self.waker.notify()
 
-    def _open(self, s: StreamView, streamlet: int, sticky: int) -> Outgoing:
+    def _chunk_for(self, route: Route, key) -> Outgoing:
+        """The open chunk a record of ``key`` joins (opened if none)."""
+        if key is None or not self.by_key:
+            b = route.sticky
+            if b is None:
+                n = route.streamlets
+                b = self._open(route, route.rr if n > 1 else 0, n)
+            return b
+        i = key_streamlet(key, route.streamlets)
+        lane = route.lanes[i]
+        b = lane.open if lane is not None else None
+        return b if b is not None else self._open(route, i, 0)
+
+    def _open(self, route: Route, index: int, sticky: int) -> Outgoing:
+        lane = route.lanes[index] or route.lane(index)
+        if lane.open is not None:  # a keyed chunk open where round-robin put a keyless record: it
+            self.seal(lane.open)   # leaves first (replaced, it would be sealed by nothing and lost)
+            self.waker.notify()
         now = time.monotonic()
-        k = (s.id, streamlet)
-        old = self.batches.get(k)
-        if old is not None:  # a keyed chunk open where round-robin put a keyless record: it leaves
-            self._seal(old)  # first (replaced, it would be sealed by nothing and lost)
-            self._notify()
-        b = self.batches[k] = Outgoing(k, now, now + self.linger, sticky)
+        b = lane.open = Outgoing(lane, now, now + self.linger, sticky)
         if sticky:
-            self.sticky[s.id] = b
+            route.sticky = b
         self.linger_q.append(b)  # open chunks, oldest deadline first
         if len(self.linger_q) == 1:
-            self._notify()
+            self.waker.notify()
         return b
 
-    def _seal(self, b: Outgoing) -> None:
-        """Close the open chunk and queue it with the next sequence (as ``_enqueue``, inline:
-        once per chunk); it is packed with the other chunks of the request it leaves in
-        (``accumulator.pack``)."""
-        k = b.key
-        del self.batches[k]
+    # -- sealing ---------------------------------------------------------------------------
+    def seal(self, b: Outgoing) -> None:
+        """Close the open chunk and queue it on its lane with the lane's next sequence; it is
+        packed with the other chunks of the request it leaves in (``pack``)."""
+        lane = b.lane
+        lane.open = None
+        if lane.due is b:
+            lane.due = None
         if b.sticky:
-            del self.sticky[k[0]]
+            route = lane.route
+            route.sticky = None
             if b.sticky > 1:
-                self.rr.sealed(k[0], b.sticky)
-        b.seq = seq = self.seq.get(k, 0)
-        b.records = n = len(b.values)
-        b.charged = b.size      # what its records added to ``buffered``
-        b.size = chunkfmt.chunk_size(n, b.size - 16 * n)
-        self.seq[k] = seq + 1
-        q = self.ready.get(k)
+                route.rr = (route.rr + 1) % b.sticky
+        b.seq = lane.seq
+        lane.seq += 1
+        b.records = len(b.values)
+        b.charged = b.size      # what its records added to ``buffer.bytes``
+        b.size = HEADER + ((b.size + 15) & ~7)   # chunk_size: the index, keys and values, padded
+        q = lane.queue
         if q is None:
-            q = self.ready[k] = deque()
+            q = lane.queue = []
         q.append(b)
+        if not lane.busy and not lane.waits:
+            self._wait(lane)
 
-    def _enqueue(self, c: Outgoing) -> None:
-        """Queue a sealed chunk: only now is its sequence taken, so a build that failed
-        leaves no hole."""
-        k = c.key
-        self.seq[k] = c.seq + 1
-        q = self.ready.get(k)
+    def enqueue(self, lane: Lane, c: Outgoing) -> None:
+        """Queue a chunk built whole (``columnar``): only now is its sequence taken, so a build
+        that failed leaves no hole."""
+        lane.seq = c.seq + 1
+        q = lane.queue
         if q is None:
-            q = self.ready[k] = deque()
+            q = lane.queue = []
         q.append(c)
+        if not lane.busy and not lane.waits:
+            self._wait(lane)
 
-    def _wait_space(self) -> None:
-        """Block the calling (non-loop) thread while the buffer is full."""
-        while self.buffered >= self.buffer_memory:
-            self.space.wait(0.1)
-
-    async def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
-                   on_delivery=None, report: bool = False) -> Pending | None:
-        """Queue one record. ``on_delivery(error, DeliveryReport)`` is called once with its
-        outcome (default: the producer's); ``report=True`` returns a ``Pending`` to await instead.
-        A record to a stream not known yet waits for its lookup (``lookups``), not the caller:
-        if the stream does not exist, its report (or ``flush``) says so."""
-        cb = Pending() if report else on_delivery or self.delivery.default
-        while self.buffered >= self.buffer_memory:
-            await self._progress.wait()
-        s = self.streams.get(stream)
-        with self.lock:
-            if s is None:   # looked up with the other streams met meanwhile (``lookups``)
-                self._park(stream, value, key, timestamp, cb)
-            else:
-                self._append(s, value, key, timestamp, cb)
-        if self.delivery.ready:
-            self.delivery.hand()
-        return cb if report else None
-
-    def _seal_expired(self, now: float) -> None:
+    def seal_expired(self, now: float) -> None:
         """Seal the open chunks whose ``linger.ms`` is over (the sender's loop, under the lock).
 
         One whose streamlet is in a request could only wait sealed behind it (a streamlet
         is in one request at a time): it stays open, taking records up to ``chunk.size``,
-        and is sealed when that request is settled (``_release``). So under load chunks
+        and is sealed when that request is settled (``release``). So under load chunks
         grow instead of queueing one or two records each, as a Kafka producer's batches do
         while their partition waits to be sent."""
         q = self.linger_q
-        busy = self.inflight_keys
         while q and q[0].deadline <= now:
             b = q.popleft()
-            if self.batches.get(b.key) is b:
-                if b.key in busy:
-                    self.due[b.key] = b
+            lane = b.lane
+            if lane.open is b:
+                if lane.busy:
+                    lane.due = b
                 else:
-                    self._seal(b)
+                    self.seal(b)
 
-    def _release(self, k: tuple) -> None:
-        """Streamlet ``k`` left its request: seal its open chunk if its linger ran out meanwhile."""
-        b = self.due.pop(k, None)
-        if b is not None and self.batches.get(k) is b:
-            self._seal(b)
+    def add_sealed(self, route: Route, values: list, size: int, since: float) -> bool:
+        """Keyless records without callbacks or timestamps of their own, parked since ``since``
+        for their stream's lookup and lingered out meanwhile, as one chunk sealed at once on
+        the round-robin streamlet: what ``append`` and ``seal`` would do, without an open
+        chunk (the common first records of a stream). False if they are not such (the caller
+        appends them one by one)."""
+        n = route.streamlets
+        i = route.rr if n > 1 else 0
+        lane = route.lanes[i] or route.lane(i)
+        if lane.open is not None or lane.busy or size > route.room or size >= self.chunk_size \
+                or since + self.linger > time.monotonic():
+            return False
+        c = Outgoing(lane, since, since, n)
+        c.values, c.records, c.charged = values, len(values), size
+        c.size = HEADER + ((size + 15) & ~7)
+        c.seq = lane.seq
+        lane.seq += 1
+        if n > 1:
+            route.rr = (i + 1) % n
+        lane.queue = [c] if lane.queue is None else [*lane.queue, c]
+        if not lane.waits:
+            self._wait(lane)
+        self.buffer.bytes += size
+        self.buffer.records += len(values)
+        return True
+
+    def seal_lingered(self, route: Route, since: float) -> None:
+        """``route``'s open chunks, whose first records were sent at ``since`` (parked for its
+        lookup), are sealed now if their linger is over."""
+        if since + self.linger > time.monotonic():
+            return
+        for lane in route.lanes:
+            if lane is not None and lane.open is not None and not lane.busy:
+                self.seal(lane.open)
 
     def seal_all(self) -> None:
         """Seal every open chunk, lingering or not."""
-        with self.lock:
-            for b in list(self.batches.values()):
-                self._seal(b)
-            self.linger_q.clear()
+        for b in list(self.linger_q):
+            if b.lane.open is b:
+                self.seal(b)
+        self.linger_q.clear()
 
+    # -- lanes and the sender --------------------------------------------------------------
+    def _wait(self, lane: Lane) -> None:
+        """``lane`` has sealed chunks and is not in a request: it waits under its address."""
+        addr = lane.route.addrs[lane.index]
+        q = self.waiting.get(addr)
+        if q is None:
+            q = self.waiting[addr] = deque()
+        q.append(lane)
+        lane.waits, lane.at = True, addr
+        if not self.waker.woken:
+            self.waker.notify()   # the sender's next round takes it
+
+    def rewait(self, lane: Lane) -> None:
+        """A lane taken from ``waiting`` but not sent (its owner moved, its retry is not due)."""
+        if lane.queue and not lane.busy and not lane.waits:
+            self._wait(lane)
+
+    def release(self, lane: Lane) -> None:
+        """``lane`` left its request: its open chunk is sealed if its linger ran out meanwhile,
+        and it waits again if chunks are queued."""
+        lane.busy = False
+        due, lane.due = lane.due, None
+        if due is not None and lane.open is due:
+            self.seal(due)
+        elif lane.queue and not lane.waits:
+            self._wait(lane)
+
+    def requeue(self, lane: Lane, chunks: list, at: float) -> None:
+        """Chunks of ``lane`` refused for a reason that passes: back at the front of its queue
+        in sequence order, not sent again before ``at``."""
+        q = lane.queue
+        if q is None:
+            q = lane.queue = []
+        q[:0] = chunks
+        lane.retry_at = at
+
+    def fail(self, chunks, why: str) -> None:
+        """Chunks given up on (settled as failed); the next chunk sent after them on their
+        streamlet gets SEQ_RESET (the broker would otherwise wait for the missing sequences
+        forever)."""
+        buf = self.buffer
+        for c in chunks:
+            buf.failed += c.records
+            buf.records -= c.records
+            buf.bytes -= c.charged
+            lane = c.lane
+            if lane.gap is None or c.seq > lane.gap:
+                lane.gap = c.seq
+            if c.reports is not None:
+                self.delivery.settle(c, lane.route.name, why)
+            else:
+                self.delivery.failed_silently(c, why)
+        buf.space.notify_all()

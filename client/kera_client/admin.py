@@ -99,8 +99,8 @@ class AsyncAdmin:
     async def iter_streams(self, pattern: str | None = None, page: int | None = None):
         """The same, a page (``page`` streams, at most ``MAX_LIST_PAGE``) per request, so a
         caller can show the first ones before the last are fetched."""
-        async for streams in pages(self.coordinator, pattern or "*", timeout=self.timeout, limit=page):
-            for s in streams:
+        async for cols in pages(self.coordinator, pattern or "*", timeout=self.timeout, limit=page):
+            for s in cols.views(StreamView):
                 yield s
 
     async def describe_stream(self, name: str) -> StreamView:

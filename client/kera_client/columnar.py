@@ -3,7 +3,7 @@
 ``send_many`` and ``send_columns`` take records as Arrow-style columns (offsets
 into one buffer), cut them into chunks with ``cut`` and build each chunk whole
 (``chunk.build_arrays``), so these chunks skip the open-chunk stage of
-``accumulator`` and join its ``ready`` queues already packed, in sequence with
+``accumulator`` and join their lanes' queues already packed, in sequence with
 the records ``send`` queues on the same streamlets.
 """
 
@@ -17,8 +17,10 @@ import numpy as np
 from kera import chunk as chunkfmt
 from kera.errors import KeraError
 
-from .accumulator import Outgoing
-from .delivery import BatchWaiter, Pending
+from .accumulator import Accumulator, Outgoing, too_large
+from .delivery import BatchWaiter, Deliveries, Pending
+from .lanes import Buffer, Waker
+from .lookups import Lookups
 
 
 def offsets(items) -> tuple[np.ndarray, bytes]:
@@ -48,8 +50,14 @@ def cut(size: np.ndarray, chunk_size: int, room: int) -> list[int]:
 
 
 class Columnar:
-    """``AsyncProducer``'s batch calls, on top of its ``Accumulator`` (``_enqueue``, ``_notify``,
-    ``_too_large``, the round-robin and sequences) and its shared lock and counters."""
+    """The producer's batch calls: chunks built whole, queued on their lanes through the
+    ``Accumulator`` (sequences, round-robin), counted in the ``Buffer``."""
+
+    def __init__(self, acc: Accumulator, lookups: Lookups, buffer: Buffer, delivery: Deliveries,
+                 waker: Waker):
+        self.acc, self.lookups, self.buffer, self.delivery, self.waker = \
+            acc, lookups, buffer, delivery, waker
+        self.producer_id = 0   # set by the producer once the coordinator issued it
 
     async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None,
                         on_delivery=None, report: bool = False) -> Pending | None:
@@ -81,7 +89,9 @@ class Columnar:
         or given up on (``error``: the first failure); ``report=True`` returns a ``Pending``."""
         cb = Pending() if report else on_delivery
         w = None if cb is None else BatchWaiter(cb, stream)
-        s = self.streams.get(stream) or await self.stream(stream)
+        s = self.lookups.streams.get(stream) or await self.lookups.stream(stream)
+        if streamlet is not None and not 0 <= streamlet < s.streamlets:
+            raise ValueError(f"stream {stream!r} has streamlets 0 to {s.streamlets - 1}, not {streamlet}")
         voff = np.asarray(value_offsets, dtype=np.int64)
         koff = None if key_offsets is None else np.asarray(key_offsets, dtype=np.int64)
         n = len(voff) - 1
@@ -92,17 +102,17 @@ class Columnar:
         size = np.diff(voff) + 16
         if koff is not None:
             size += np.diff(koff)
-        room = self.room[s.id]
+        room = s.room
         big = int(np.argmax(size))
         if int(size[big]) > room:  # refused before any of them leaves
-            raise self._too_large(s, int(size[big]), f"record {big} of {n}")
-        bounds = cut(size, min(self.chunk_size, room), room)
+            raise too_large(s, int(size[big]), f"record {big} of {n}")
+        bounds = cut(size, min(self.acc.chunk_size, room), room)
         vdata, kdata = memoryview(value_data), memoryview(key_data)
         try:
             await self._queue_columns(s, bounds, voff, vdata, koff, kdata, ts, streamlet, w)
         except BaseException as e:   # cancelled or failed part-way: the report still comes, once
             if w is not None:
-                with self.lock:
+                with self.buffer.lock:
                     w.failed += n - w.queued
                     if w.error is None:
                         w.error = e if isinstance(e, KeraError) else KeraError(
@@ -112,6 +122,7 @@ class Columnar:
         return self._closed(w, cb)
 
     async def _queue_columns(self, s, bounds, voff, vdata, koff, kdata, ts, streamlet, w) -> None:
+        buf = self.buffer
         for a, b in pairwise(bounds):
             v0, v1 = int(voff[a]), int(voff[b])
             if koff is None:
@@ -119,34 +130,34 @@ class Columnar:
             else:
                 k0, k1 = int(koff[a]), int(koff[b])
                 ko, kb = (koff[a:b + 1] - k0).astype(np.uint32), kdata[k0:k1]
-            while self.buffered >= self.buffer_memory:
-                await self._progress.wait()
-            with self.lock:
-                sl = streamlet if streamlet is not None else self.rr.streamlet(s.id, s.streamlets)
-                if streamlet is None:
-                    self.rr.sealed(s.id, s.streamlets)
-                k = (s.id, sl)
-                seq = self.seq.get(k, 0)
-                data = chunkfmt.build_arrays(k[0], sl, self.producer_id, seq, ts[a:b], ko,
+            while buf.full():
+                await buf.progress.wait()
+            with buf.lock:
+                sl = streamlet if streamlet is not None else s.rr
+                if streamlet is None and s.streamlets > 1:
+                    s.rr = (s.rr + 1) % s.streamlets
+                lane = s.lane(sl)
+                seq = lane.seq
+                data = chunkfmt.build_arrays(s.id, sl, self.producer_id, seq, ts[a:b], ko,
                                              kb, (voff[a:b + 1] - v0).astype(np.uint32), vdata[v0:v1])
-                c = Outgoing.packed(k, seq, data, b - a, time.monotonic(), w)
+                c = Outgoing.packed(lane, seq, data, b - a, time.monotonic(), w)
                 c.charged = len(data)
-                self.buffered += len(data)
-                self.outstanding += b - a
+                buf.bytes += len(data)
+                buf.records += b - a
                 if w is not None:
                     w.pending += 1
                     w.queued += b - a
                     self.delivery.used = True
-                self._enqueue(c)
-            self._notify()
+                self.acc.enqueue(lane, c)
+            self.waker.notify()
 
     def _closed(self, w: BatchWaiter | None, cb):
         """A batch call has queued all its chunks: its report may now go out."""
         if w is None:
             return None
-        with self.lock:
+        with self.buffer.lock:
             self.delivery.close(w)
-            self.space.notify_all()
+            self.buffer.space.notify_all()
         self.delivery.hand()
         return cb if isinstance(cb, Pending) else None
 

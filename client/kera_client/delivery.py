@@ -123,7 +123,7 @@ class Deliveries:
             if error is None:
                 w.acked += c.records
                 g, s, o = position or (None, None, None)
-                w.chunks.append((c.key[1], g, s, o, c.records))
+                w.chunks.append((c.lane.index, g, s, o, c.records))
             else:
                 w.failed += c.records
                 w.error = w.error or error
@@ -132,7 +132,7 @@ class Deliveries:
             return
         if error is not None and c.records > len(w):  # some of its records have no callback
             self._silent(c.records - len(w), why if isinstance(why, str) else error.code)
-        self.ready.append((w, stream, c.key[1], error, position, now))
+        self.ready.append((w, stream, c.lane.index, error, position, now))
 
     def refused(self, stream: str, key, value, cb, error: KeraError) -> None:
         """A record refused before it joined a chunk (too large, unknown stream)."""

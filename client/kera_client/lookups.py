@@ -7,13 +7,13 @@ The first stream met starts a ``linger.ms`` wait, and every stream met before
 it ends is asked in the same lookup (as librdkafka does): one ``metadata``
 request per page (``kera_client.metadata``) for all of them, never one per
 stream. When the answer comes, each stream's parked records join its chunks
-in the order they were sent; those of unknown streams fail with
-``UnknownStream`` (their delivery report, or ``flush``). A lookup that fails
-(the coordinator away) is tried again with backoff; parked records older
-than ``delivery.timeout.ms`` then fail. Calls that need the stream itself
-(``send_many``, ``send_columns``) wait for the lookup (``stream``), and they
-and ``load_metadata`` wait for an unreachable coordinator up to
-``delivery.timeout.ms`` too (``Sender._patient``).
+in the order they were sent (sealed at once if they lingered out while parked);
+those of unknown streams fail with ``UnknownStream`` (their delivery report,
+or ``flush``). A lookup that fails (the coordinator away) is tried again with
+backoff; parked records older than ``delivery.timeout.ms`` then fail. Calls
+that need the stream itself (``send_many``, ``send_columns``) wait for the
+lookup (``stream``), and they and ``load_metadata`` wait for an unreachable
+coordinator up to ``delivery.timeout.ms`` too (``patient``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from kera import chunk as chunkfmt
 from kera.errors import KeraError, RecordTooLarge, Unavailable, UnknownStream
 from kera.limits import MAX_CHUNK
 
-from .accumulator import check_record
-from .delivery import TIMEOUT, error_for
+from .accumulator import Accumulator, check_record
+from .bulk import bulk
+from .delivery import TIMEOUT, Deliveries, error_for
+from .lanes import Buffer, Route, Waker
 from .metadata import fetch, unknown
-from .stream_view import StreamView
 
 log = logging.getLogger("kera.producer")
 
-RETRY_MIN, RETRY_MAX = 0.05, 2.0   # a failed lookup is tried again after these, doubling
+RETRY_MIN, RETRY_MAX = 0.05, 2.0   # a failed lookup or call is tried again after these, doubling
 MAX_ROOM = chunkfmt.record_room(MAX_CHUNK)   # record bytes (16 + key + value) the largest chunk holds
 
 
@@ -53,41 +54,80 @@ class Round:
 
 class Patient:
     """The coordinator as ``fetch`` calls it, each call waiting while it is unreachable, up to
-    ``delivery.timeout.ms`` (``Sender._patient``)."""
+    ``delivery.timeout.ms`` (``Lookups.patient``)."""
 
-    __slots__ = ("producer",)
+    __slots__ = ("lookups",)
 
-    def __init__(self, producer):
-        self.producer = producer
+    def __init__(self, lookups):
+        self.lookups = lookups
 
     async def call(self, method: str, meta: dict, timeout: float | None = None):
-        return await self.producer._patient(method, meta)
+        return await self.lookups.patient(method, meta)
 
 
 class Lookups:
-    """``AsyncProducer``'s metadata side: ``streams`` (name -> ``StreamView``), ``by_id`` and
-    ``room``, and the lookups that fill them. Shares the producer's lock and counters."""
+    """The producer's metadata side: ``streams`` (name -> ``Route``) and ``by_id``, the parked
+    records and the lookups that fill them. It hands the records it unparks to the
+    ``Accumulator`` and counts them in the ``Buffer`` (under its lock)."""
 
-    def __init__(self):
-        self.streams: dict[str, StreamView] = {}
-        self.by_id: dict[int, StreamView] = {}
-        self.room: dict[int, int] = {}          # stream id -> record bytes one chunk holds
+    def __init__(self, cfg: dict, coordinator, buffer: Buffer, delivery: Deliveries,
+                 acc: Accumulator, waker: Waker):
+        self.coordinator = coordinator          # a CoordinatorLink
+        self.linger = float(cfg["linger.ms"]) / 1000
+        self.delivery_timeout = cfg["delivery.timeout.ms"] / 1000
+        self.request_timeout = cfg["request.timeout.ms"] / 1000
+        self.buffer, self.delivery, self.acc, self.waker = buffer, delivery, acc, waker
+        self.nursery: trio.Nursery | None = None
+        self.streams: dict[str, Route] = {}
+        self.by_id: dict[int, Route] = {}
         self.parked: dict[str, list] = {}       # name -> [since, (value, key, timestamp, cb, n), ...]
         self.next_round = Round()               # the streams the next lookup asks for
         self.lookup_at = math.inf               # when it starts (a linger after the first)
         self.looking = False                    # one lookup at a time
-        self.lookup_backoff = RETRY_MIN
+        self.backoff = RETRY_MIN
         self.retry_after = 0.0                  # no lookup before this (a failed one's backoff)
-        self.metadata_requests = 0              # metadata requests sent (one per page)
+        self.requests = 0                       # metadata requests sent (one per page)
 
-    def _known(self, s: StreamView) -> None:
-        """Caller holds the lock."""
-        old = self.streams.get(s.name)
-        if old is not None and old.id != s.id:
-            self.by_id.pop(old.id, None)
-        self.streams[s.name] = s
-        self.by_id[s.id] = s
-        self.room[s.id] = chunkfmt.record_room(min(MAX_CHUNK, s.segment_size))
+    # -- answers ------------------------------------------------------------------------------
+    def _take(self, cols, unpark: bool) -> None:
+        """A page of streams (``kera.meta_columns``): routes made or moved (caller holds the
+        lock); with ``unpark``, their parked records join their chunks."""
+        streams, by_id = self.streams, self.by_id
+        addrs, owners = cols.routes()
+        for name, sid, n, size, a, o in zip(cols.names, cols.ids.tolist(), cols.streamlets.tolist(),
+                                             cols.segment_sizes.tolist(), addrs, owners, strict=True):
+            r = streams.get(name)
+            if r is not None and r.id == sid and r.streamlets == n:
+                r.addrs, r.owners = a, o
+            else:
+                if r is not None:   # re-created under its name: the old one is served nowhere
+                    r.gone()
+                    by_id.pop(r.id, None)
+                r = streams[name] = by_id[sid] = Route(name, sid, n, size, a, o)
+            if unpark:
+                held = self.parked.pop(name, None)
+                if held is not None:
+                    self._unpark(r, held)
+
+    def _unpark(self, r: Route, held: list) -> None:
+        """The records parked for ``r``, into its chunks in the order they were sent."""
+        buf, append = self.buffer, self.acc.append
+        if all(k is None and t is None and cb is None for _, k, t, cb, _ in held[1:]):
+            size = sum(rec[4] for rec in held[1:])
+            buf.bytes -= size
+            buf.records -= len(held) - 1
+            if self.acc.add_sealed(r, [rec[0] for rec in held[1:]], size, held[0]):
+                return
+            buf.bytes += size
+            buf.records += len(held) - 1
+        for value, key, timestamp, cb, n in held[1:]:
+            buf.bytes -= n
+            buf.records -= 1
+            try:
+                append(r, value, key, timestamp, cb)
+            except RecordTooLarge as e:   # sent without a callback: flush tells
+                self._lost(1, e.code)
+        self.acc.seal_lingered(r, held[0])
 
     async def _fetch(self, names, unpark: bool = False, patient: bool = False) -> list:
         """The metadata of ``names``, a page per request (with ``unpark``, their parked records
@@ -95,20 +135,17 @@ class Lookups:
         coordinator); returns the names that do not exist."""
         missing: list = []
 
-        def take(streams, gone):
-            self.metadata_requests += 1
-            with self.lock:
-                for s in streams:
-                    self._known(s)
-                    if unpark:
-                        self._unpark(s)
+        def take(cols, gone):
+            self.requests += 1
+            with self.buffer.lock, bulk():
+                self._take(cols, unpark)
             missing.extend(gone)
 
         await fetch(Patient(self) if patient else self.coordinator, names, on_page=take,
                     timeout=self.request_timeout)
         return missing
 
-    async def _load(self, names, patient: bool = False) -> None:
+    async def load(self, names, patient: bool = False) -> None:
         """The metadata of ``names``; UnknownStream (``missing``) for those that do not exist,
         once the others are known."""
         missing = await self._fetch(names, patient=patient)
@@ -117,40 +154,58 @@ class Lookups:
 
     async def load_metadata(self, names) -> None:
         """Fetch where many streams live up front (else they are looked up as they are met)."""
-        await self._load([n for n in names if n not in self.streams], patient=True)
+        await self.load([n for n in names if n not in self.streams], patient=True)
 
-    async def stream(self, name: str) -> StreamView:
-        """The stream's metadata, waiting for its lookup if need be (UnknownStream if none),
-        and for an unreachable coordinator up to ``delivery.timeout.ms``."""
+    async def stream(self, name: str) -> Route:
+        """The stream's route, waiting for its lookup if need be (UnknownStream if none), and
+        for an unreachable coordinator up to ``delivery.timeout.ms``."""
         deadline = time.monotonic() + self.delivery_timeout
         while True:
-            s = self.streams.get(name)
-            if s is not None:
-                return s
-            with self.lock:
-                r = self._ask(name)
-            await r.done.wait()
-            if name in r.missing:
+            r = self.streams.get(name)
+            if r is not None:
+                return r
+            with self.buffer.lock:
+                rnd = self._ask(name)
+            await rnd.done.wait()
+            if name in rnd.missing:
                 raise unknown([name])
-            if r.error is not None and name not in self.streams and (
-                    not isinstance(r.error, Unavailable) or time.monotonic() >= deadline):
-                raise r.error
+            if rnd.error is not None and name not in self.streams and (
+                    not isinstance(rnd.error, Unavailable) or time.monotonic() >= deadline):
+                raise rnd.error
 
-    # -- parking (any thread, producer lock held) ---------------------------------------------
+    async def patient(self, method: str, meta: dict):
+        """A call to the coordinator, retried with backoff while it is unreachable or not
+        serving (``unavailable``), up to ``delivery.timeout.ms``."""
+        deadline = time.monotonic() + self.delivery_timeout
+        delay = RETRY_MIN
+        while True:
+            try:
+                return await self.coordinator.call(
+                    method, meta, timeout=max(0.001, min(self.request_timeout, deadline - time.monotonic())))
+            except Unavailable as e:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                if delay == RETRY_MIN:
+                    log.warning("%s: coordinator unavailable (retrying for %.0f s more): %s", method, left, e)
+                await trio.sleep(min(delay, left))
+                delay = min(delay * 2, RETRY_MAX)
+
+    # -- parking (any thread, the lock held) --------------------------------------------------
     def _ask(self, name: str) -> Round:
         r = self.next_round
         if name not in r.names:
             r.names[name] = None
             if self.lookup_at == math.inf:
                 self.lookup_at = max(time.monotonic() + self.linger, self.retry_after)
-                self._notify()
+                self.waker.notify()
         return r
 
-    def _park(self, name: str, value, key, timestamp, cb) -> None:
+    def park(self, name: str, value, key, timestamp, cb) -> None:
         """A record for a stream not known yet: kept until its lookup answers."""
-        s = self.streams.get(name)
-        if s is not None:   # known since the caller looked (another thread's lookup)
-            self._append(s, value, key, timestamp, cb)
+        r = self.streams.get(name)
+        if r is not None:   # known since the caller looked (another thread's lookup)
+            self.acc.append(r, value, key, timestamp, cb)
             return
         check_record(value, key, timestamp)
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
@@ -167,88 +222,85 @@ class Lookups:
             held = self.parked[name] = [time.monotonic()]
             self._ask(name)
         held.append((value, key, timestamp, cb, n))
-        self.buffered += n
-        self.outstanding += 1
+        self.buffer.bytes += n
+        self.buffer.records += 1
 
     # -- the lookup (the sender's loop) ------------------------------------------------------
-    def _lookup_due(self, now: float) -> float:
+    def due(self, now: float) -> float:
         """Start the next lookup if it is due; returns when one is due next."""
         if self.looking or self.lookup_at == math.inf:
             return math.inf
         if now < self.lookup_at:
             return self.lookup_at
         self.looking = True
-        with self.lock:
+        with self.buffer.lock:
             r, self.next_round = self.next_round, Round()
             self.lookup_at = math.inf
         self.nursery.start_soon(self._lookup, r)
         return math.inf
+
+    def hurry(self) -> None:
+        """The streams met so far are looked up without waiting out the linger (``flush``)."""
+        with self.buffer.lock:
+            if self.lookup_at != math.inf:
+                self.lookup_at = 0.0
 
     async def _lookup(self, r: Round) -> None:
         names = list(r.names)
         missing: list = []
         try:
             missing = await self._fetch(names, unpark=True)
-            self.lookup_backoff = RETRY_MIN
+            self.backoff = RETRY_MIN
             self.retry_after = 0.0
         except KeraError as e:
             r.error = e
-            if self.lookup_backoff == RETRY_MIN:
-                log.warning("metadata lookup of %d streams failed (retrying with backoff): %s",
-                            len(names), e)
-            with self.lock:
-                self.retry_after = time.monotonic() + self.lookup_backoff
-                left = [n for n in names if n not in self.streams]
-                if not e.retriable:   # refused (an ACL, a bad name): asking again changes nothing
-                    for n in left:
-                        self._fail(n, e)
-                self._expire(left)
-                for n in left:
-                    if n in self.parked:
-                        self._ask(n)
-                if self.lookup_at != math.inf:
-                    self.lookup_at = max(self.lookup_at, self.retry_after)
-            self.lookup_backoff = min(self.lookup_backoff * 2, RETRY_MAX)
+            self._failed(names, e)
         finally:
             self.looking = False
         if missing:
             r.missing = set(missing)
             err = unknown(missing)
-            with self.lock:
+            with self.buffer.lock:
                 for n in missing:
                     self.streams.pop(n, None)
                     self._fail(n, err)
         r.done.set()
         self.delivery.hand()
-        self._progress.set()   # a send waiting for buffer space looks again
-        self._progress = trio.Event()
-        self._wake.set()
+        self.buffer.settled()   # a send waiting for buffer space looks again
+        self.waker.set()
 
-    def _unpark(self, s: StreamView) -> None:
-        """The records parked for ``s``, into its chunks in the order they were sent."""
-        held = self.parked.pop(s.name, None)
-        if held is None:
-            return
-        for value, key, timestamp, cb, n in held[1:]:
-            self.buffered -= n
-            self.outstanding -= 1
-            try:
-                self._append(s, value, key, timestamp, cb)
-            except RecordTooLarge as e:   # sent without a callback: flush tells
-                self._lost(1, e.code)
+    def _failed(self, names: list, e: KeraError) -> None:
+        """A lookup failed: asked again after a backoff (refused for good: its records fail)."""
+        if self.backoff == RETRY_MIN:
+            log.warning("metadata lookup of %d streams failed (retrying with backoff): %s",
+                        len(names), e)
+        with self.buffer.lock:
+            self.retry_after = time.monotonic() + self.backoff
+            left = [n for n in names if n not in self.streams]
+            if not e.retriable:   # refused (an ACL, a bad name): asking again changes nothing
+                for n in left:
+                    self._fail(n, e)
+            self._expire(left)
+            for n in left:
+                if n in self.parked:
+                    self._ask(n)
+            if self.lookup_at != math.inf:
+                self.lookup_at = max(self.lookup_at, self.retry_after)
+        self.backoff = min(self.backoff * 2, RETRY_MAX)
 
     def _fail(self, name: str, error: KeraError, why: str | None = None) -> None:
         """The records parked for ``name`` fail with ``error``."""
         held = self.parked.pop(name, None)
+        buf = self.buffer
         for value, key, _ts, cb, n in (held or [None])[1:]:
-            self.buffered -= n
-            self.outstanding -= 1
+            buf.bytes -= n
+            buf.records -= 1
             if cb is not None:
-                self.failed += 1
+                buf.failed += 1
                 self.delivery.refused(name, key, value, cb, error)
             else:
                 self._lost(1, why or error.code)
-        self.space.notify_all()
+        buf.space.notify_all()
 
     def _expire(self, names) -> None:
         """Records parked for longer than ``delivery.timeout.ms`` fail."""
@@ -259,16 +311,22 @@ class Lookups:
                 self._fail(n, error_for(TIMEOUT), TIMEOUT)
 
     def _lost(self, records: int, why: str) -> None:
-        self.failed += records
+        self.buffer.failed += records
         self.delivery.lost(records, why)
 
-    def _forget(self, names: set) -> None:
-        """Streams that no longer exist: their queued chunks fail with UnknownStream."""
-        with self.lock:
-            for k in list(self.ready):
-                s = self.by_id.get(k[0])
-                if s is not None and s.name in names and k not in self.inflight_keys:
-                    self._give_up(list(self.ready.pop(k)), UnknownStream.code)
+    def forget(self, names: set) -> None:
+        """Streams that no longer exist: their queued chunks fail with UnknownStream (those in
+        a request come back and fail the same way)."""
+        with self.buffer.lock:
             for name in names:
-                self.streams.pop(name, None)
+                r = self.streams.pop(name, None)
+                if r is None:
+                    continue
+                self.by_id.pop(r.id, None)
+                r.gone()
+                for lane in r.lanes:
+                    if lane is not None and lane.queue and not lane.busy:
+                        chunks = list(lane.queue)
+                        lane.queue.clear()
+                        self.acc.fail(chunks, UnknownStream.code)
         self.delivery.hand()

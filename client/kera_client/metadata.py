@@ -14,6 +14,11 @@ A pattern is listed in name order, or, with ``since`` (a stream id), only
 the streams created after it: a subscription learns its new streams without
 listing every old one again (``top`` of an answer is where the next
 ``since`` may start).
+
+Pages are asked as columns (``kera.meta_columns``): a page is a few arrays, not a
+map per stream, and callers that keep many streams (the producer, the consumer)
+read the columns; ``describe`` makes a ``StreamView`` of each. A coordinator too
+old to know columns refuses the field: the page is asked again as maps.
 """
 
 from __future__ import annotations
@@ -22,22 +27,33 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import trio
 
-from kera.errors import UnknownStream
+from kera import meta_columns
+from kera.errors import InvalidArgument, UnknownStream
 from kera.limits import MAX_LIST_PAGE
+from kera.meta_columns import Columns
 from kera.rpc import unwrapped
 
+from .bulk import bulk
 from .stream_view import StreamView
 
 PARALLEL = 4   # pages of names asked at once
 
 
-async def _ask(coordinator, meta: dict, timeout: float) -> dict:
-    r, _ = await coordinator.call("metadata", meta, timeout=timeout)
-    return r
+async def _ask(coordinator, meta: dict, timeout: float) -> tuple[dict, Columns]:
+    """One page: the answer and its streams as columns."""
+    try:
+        r, _ = await coordinator.call("metadata", {**meta, "columns": True}, timeout=timeout)
+    except InvalidArgument as e:
+        if "columns" not in str(e):
+            raise
+        r, _ = await coordinator.call("metadata", meta, timeout=timeout)   # an older coordinator
+    if "columns" in r:
+        return r, meta_columns.decode(r["columns"])
+    return r, meta_columns.from_views([StreamView.from_wire(d) for d in r["streams"]])
 
 
 async def pages(coordinator, pattern: str, *, since: int | None = None, timeout: float = 30.0,
-                limit: int | None = None, tops: list | None = None) -> AsyncIterator[list[StreamView]]:
+                limit: int | None = None, tops: list | None = None) -> AsyncIterator[Columns]:
     """The streams matching ``pattern``, a page per request: in name order, or those created
     after stream id ``since`` in id order. ``tops``: each answer's ``top`` is appended."""
     cursor = None
@@ -49,19 +65,19 @@ async def pages(coordinator, pattern: str, *, since: int | None = None, timeout:
             meta["after"] = cursor
         if limit is not None:
             meta["limit"] = limit
-        r = await _ask(coordinator, meta, timeout)
+        r, cols = await _ask(coordinator, meta, timeout)
         if tops is not None and "top" in r:
             tops.append(r["top"])
-        yield [StreamView.from_wire(d) for d in r["streams"]]
+        yield cols
         cursor = r.get("next")
         if cursor is None:
             return
 
 
 async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = None,
-                on_page: Callable[[list[StreamView], list], None] | None = None, *,
+                on_page: Callable[[Columns, list], None] | None = None, *,
                 since: int | None = None, timeout: float = 30.0) -> int | None:
-    """``on_page(streams, missing)`` for every answer: the streams ``names`` (the unknown ones
+    """``on_page(columns, missing)`` for every answer: the streams ``names`` (the unknown ones
     in ``missing``; pages of names in any order), then those matching ``pattern`` (created
     after ``since`` if given; the named ones may come again). Returns the lowest ``top`` of
     the answers (streams created since have higher ids), None from an older coordinator."""
@@ -72,10 +88,10 @@ async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = No
     async def part(ask: list) -> None:
         async with limiter:
             while ask:
-                r = await _ask(coordinator, {"names": ask}, timeout)
+                r, cols = await _ask(coordinator, {"names": ask}, timeout)
                 if "top" in r:
                     tops.append(r["top"])
-                on_page([StreamView.from_wire(d) for d in r["streams"]], r.get("missing") or [])
+                on_page(cols, r.get("missing") or [])
                 more = r.get("more") or 0
                 ask = ask[len(ask) - more:] if more else []
 
@@ -84,8 +100,8 @@ async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = No
             for i in range(0, len(names), MAX_LIST_PAGE):
                 n.start_soon(part, names[i:i + MAX_LIST_PAGE])
     if pattern is not None:
-        async for streams in pages(coordinator, pattern, since=since, timeout=timeout, tops=tops):
-            on_page(streams, [])
+        async for cols in pages(coordinator, pattern, since=since, timeout=timeout, tops=tops):
+            on_page(cols, [])
     return min(tops) if tops else None
 
 
@@ -98,9 +114,10 @@ async def describe(coordinator, names: Iterable[str] = (), pattern: str | None =
     out: dict[str, StreamView] = {}
     missing: list = []
 
-    def take(streams, gone):
-        for s in streams:
-            out[s.name] = s
+    def take(cols, gone):
+        with bulk():
+            for s in cols.views(StreamView):
+                out[s.name] = s
         missing.extend(gone)
 
     names = list(names)

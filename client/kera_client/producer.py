@@ -24,61 +24,180 @@ Delivery reports (``on_delivery``, see ``delivery``) hook in where a record
 joins its open chunk, where a sealed chunk is acknowledged and where one is
 given up on; records sent without a callback carry nothing.
 
-The producer is made of: ``producer_config`` (options), ``accumulator`` (records
-into chunks, linger), ``columnar`` (batch calls), ``lookups`` (streams' metadata,
-looked up together), ``sender`` (requests, retries, give-ups) and ``delivery``
-(reports); this module joins them into ``AsyncProducer`` and wraps that in the
-synchronous ``Producer``.
+The producer is made of parts, each owning its state and handed what it uses:
+``producer_config`` (options), ``lanes`` (a ``Route`` per stream, a ``Lane`` per
+streamlet, the shared ``Buffer`` and the sender's ``Waker``), ``accumulator``
+(records into chunks, linger, the lanes waiting to leave), ``lookups`` (streams'
+metadata, looked up together), ``sender`` (requests, retries, give-ups),
+``columnar`` (batch calls) and ``delivery`` (reports); ``AsyncProducer`` joins
+them, and the synchronous ``Producer`` wraps it.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
-from collections import deque
 from contextlib import asynccontextmanager
 
 import trio
 
 from kera.coordinator.link import CoordinatorLink
+from kera.errors import RETRIABLE
 from kera.rpc import open_pool, unwrapped
 from kera.security.client_config import credentials
 
 from .accumulator import Accumulator
 from .admin import default_coordinator
+from .bulk import bulk
 from .columnar import Columnar
-from .delivery import Deliveries
+from .delivery import Deliveries, Pending
+from .lanes import Buffer, Route, Waker
 from .lookups import Lookups
 from .portal import Portal
 from .producer_config import DEFAULTS, producer_config
-from .sender import RETRIABLE, ProduceError, Sender
+from .sender import ProduceError, Sender
 
 __all__ = ["DEFAULTS", "RETRIABLE", "AsyncProducer", "ProduceError", "Producer", "open_producer"]
 
 
-class AsyncProducer(Accumulator, Columnar, Lookups, Sender):
+class AsyncProducer:
     """The trio-native producer. Use ``open_producer`` (or ``Producer`` from sync code)."""
 
     def __init__(self, pool, nursery, coordinator: str, cfg: dict, deliveries: Deliveries | None = None):
-        self.pool = pool
-        self.nursery = nursery
-        self.coordinator = CoordinatorLink(pool, coordinator)
         self.cfg = cfg
-        self.producer_id = 0
-        self.producer_token = b""   # issued with the id: proves it is ours to the brokers
-        # shared by the accumulating side (any thread) and the sender (the loop), under lock
-        self.ready: dict[tuple, deque] = {}    # streamlet -> sealed chunks, in sequence order
-        self.buffered = 0        # bytes counted against buffer.memory
-        self.outstanding = 0     # records not yet acknowledged nor failed
+        self.nursery = nursery
         self.delivery = deliveries or Deliveries()
-        self.lock = threading.Lock()
-        self.space = threading.Condition(self.lock)
-        self._wake = trio.Event()       # the sender's next round
-        self._progress = trio.Event()   # set (and replaced) when a request's answer is settled
-        Accumulator.__init__(self, cfg)
-        Lookups.__init__(self)
-        Sender.__init__(self, cfg)
+        self.buffer = Buffer(int(cfg["buffer.memory"]))
+        self.waker = Waker()
+        self.acc = Accumulator(cfg, self.buffer, self.delivery, self.waker)
+        self.lookups = Lookups(cfg, CoordinatorLink(pool, coordinator), self.buffer, self.delivery,
+                               self.acc, self.waker)
+        self.lookups.nursery = nursery
+        self.sender = Sender(cfg, pool, self.buffer, self.delivery, self.acc, self.lookups, self.waker)
+        self.columnar = Columnar(self.acc, self.lookups, self.buffer, self.delivery, self.waker)
+
+    async def run(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The producer's loop (in its nursery): once it has its id, it is started."""
+        await self.sender.identify()
+        self.columnar.producer_id = self.sender.producer_id
+        task_status.started()
+        await self.sender.loop(self.nursery)
+
+    # -- records in ----------------------------------------------------------------------------
+    async def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
+                   on_delivery=None, report: bool = False) -> Pending | None:
+        """Queue one record. ``on_delivery(error, DeliveryReport)`` is called once with its
+        outcome (default: the producer's); ``report=True`` returns a ``Pending`` to await instead.
+        A record to a stream not known yet waits for its lookup (``lookups``), not the caller:
+        if the stream does not exist, its report (or ``flush``) says so."""
+        cb = Pending() if report else on_delivery or self.delivery.default
+        buf = self.buffer
+        while buf.bytes >= buf.memory:
+            await buf.progress.wait()
+        r = self.lookups.streams.get(stream)
+        with buf.lock:
+            if r is None:   # looked up with the other streams met meanwhile (``lookups``)
+                self.lookups.park(stream, value, key, timestamp, cb)
+            else:
+                self.acc.append(r, value, key, timestamp, cb)
+        if self.delivery.ready:
+            self.delivery.hand()
+        return cb if report else None
+
+    async def send_many(self, stream: str, values, keys=None, streamlet: int | None = None,
+                        on_delivery=None, report: bool = False) -> Pending | None:
+        """See ``Columnar.send_many``."""
+        return await self.columnar.send_many(stream, values, keys, streamlet, on_delivery, report)
+
+    async def send_columns(self, stream: str, value_offsets, value_data, key_offsets=None,
+                           key_data=b"", timestamps=None, streamlet: int | None = None,
+                           on_delivery=None, report: bool = False) -> Pending | None:
+        """See ``Columnar.send_columns``."""
+        return await self.columnar.send_columns(stream, value_offsets, value_data, key_offsets,
+                                                key_data, timestamps, streamlet, on_delivery, report)
+
+    async def load_metadata(self, names) -> None:
+        """Fetch where many streams live up front (else they are looked up as they are met)."""
+        await self.lookups.load_metadata(names)
+
+    async def stream(self, name: str) -> Route:
+        """Where the stream lives, looked up if need be (UnknownStream if it does not exist)."""
+        return await self.lookups.stream(name)
+
+    # -- settling ------------------------------------------------------------------------------
+    def seal_all(self) -> None:
+        """Seal every open chunk, lingering or not."""
+        with self.buffer.lock:
+            self.acc.seal_all()
+
+    def kick(self) -> None:
+        """Seal every open chunk, look up the streams met without waiting out the linger, and
+        wake the sender (what ``flush`` starts with)."""
+        self.seal_all()
+        self.lookups.hurry()
+        self.waker.set()
+
+    def check(self) -> None:
+        """Raise ProduceError if records failed that no delivery report told of."""
+        d = self.delivery
+        if d.silent:
+            raise ProduceError(f"{d.silent} records failed: {'; '.join(d.silent_why[:3])}")
+
+    async def flush(self) -> None:
+        """Wait until every record sent so far is acknowledged (or failed); raises ProduceError
+        for failed records sent without a delivery callback."""
+        self.kick()
+        while self.buffer.records > 0:
+            await self.buffer.progress.wait()
+        self.delivery.hand()
+        self.check()
+
+    def closed(self) -> None:
+        """The producer stopped: its figures stay readable, the routes of the streams it wrote
+        go (a producer that wrote to a million streams held a few objects for each)."""
+        with self.buffer.lock, bulk():
+            for r in self.lookups.streams.values():
+                r.lanes = []   # a lane and its route refer to each other: freed now, not by a
+            self.lookups.streams.clear()   # collection walking every object of the process
+            self.lookups.by_id.clear()
+
+    # -- figures -------------------------------------------------------------------------------
+    @property
+    def acked(self) -> int:
+        return self.buffer.acked
+
+    @property
+    def failed(self) -> int:
+        return self.buffer.failed
+
+    @property
+    def outstanding(self) -> int:
+        """Records sent and not settled yet."""
+        return self.buffer.records
+
+    @property
+    def latencies(self):
+        return self.buffer.latencies
+
+    @property
+    def producer_id(self) -> int:
+        return self.sender.producer_id
+
+    @property
+    def streams(self) -> dict[str, Route]:
+        return self.lookups.streams
+
+    @property
+    def metadata_requests(self) -> int:
+        return self.lookups.requests
+
+    @property
+    def request_size(self) -> int:
+        return self.sender.request_size
+
+    @property
+    def chunk_size(self) -> int:
+        return self.acc.chunk_size
 
 
 @asynccontextmanager
@@ -95,6 +214,7 @@ async def open_producer(coordinator: str | None = None, config: dict | None = No
             await p.flush()
         finally:
             nursery.cancel_scope.cancel()
+            p.closed()
 
 
 class Producer:
@@ -119,11 +239,16 @@ class Producer:
     async def _serve(self, coordinator, config, kw, task_status):
         cfg = producer_config(config, kw)
         async with open_pool(credentials=credentials(config)) as pool:
-            async with trio.open_nursery() as nursery:
-                p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
-                                  Deliveries(self._default, queued=True))
-                await nursery.start(p.run)
-                task_status.started(p)
+            p = None
+            try:
+                async with trio.open_nursery() as nursery:
+                    p = AsyncProducer(pool, nursery, coordinator or default_coordinator(), cfg,
+                                      Deliveries(self._default, queued=True))
+                    await nursery.start(p.run)
+                    task_status.started(p)
+            finally:
+                if p is not None:
+                    p.closed()
 
     def send(self, stream: str, value: bytes, key: bytes | None = None, timestamp: int | None = None,
              on_delivery=None) -> None:
@@ -133,14 +258,15 @@ class Producer:
         if self._d.ready:
             self._d.serve()
         cb = on_delivery or self._default
-        s = p.streams.get(stream)
-        with p.lock:
-            if p.buffered >= p.buffer_memory:
-                p._wait_space()
-            if s is None:   # looked up with the other streams met meanwhile (``lookups``)
-                p._park(stream, value, key, timestamp, cb)
+        r = p.lookups.streams.get(stream)
+        buf = p.buffer
+        with buf.lock:
+            if buf.bytes >= buf.memory:
+                buf.wait_space()
+            if r is None:   # looked up with the other streams met meanwhile (``lookups``)
+                p.lookups.park(stream, value, key, timestamp, cb)
             else:
-                p._append(s, value, key, timestamp, cb)
+                p.acc.append(r, value, key, timestamp, cb)
 
     def send_many(self, stream: str, values, keys=None, streamlet: int | None = None, on_delivery=None) -> None:
         """See ``AsyncProducer.send_many``; ``on_delivery(error, BatchReport)`` once for the call."""
@@ -157,10 +283,10 @@ class Producer:
         one if none is waiting; returns how many callbacks were called."""
         d = self._d
         if not d.ready and timeout > 0:
-            p = self._p
-            with p.lock:
+            buf = self._p.buffer
+            with buf.lock:
                 if not d.ready:
-                    p.space.wait(timeout)
+                    buf.space.wait(timeout)
         return d.serve()
 
     def flush(self, timeout: float | None = None) -> None:
@@ -173,16 +299,17 @@ class Producer:
             p.kick()
         self.portal.call(kick)
         end = time.monotonic() + (timeout if timeout is not None else math.inf)
+        buf = p.buffer
         while True:
             d.serve()
-            with p.lock:
-                if p.outstanding <= 0 and not d.ready:
+            with buf.lock:
+                if buf.records <= 0 and not d.ready:
                     break
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise trio.TooSlowError(f"{p.outstanding} records not acknowledged after {timeout} s")
+                    raise trio.TooSlowError(f"{buf.records} records not acknowledged after {timeout} s")
                 if not d.ready:
-                    p.space.wait(min(left, 0.1))
+                    buf.space.wait(min(left, 0.1))
         p.check()
 
     @property

@@ -19,7 +19,7 @@ from kera.errors import Conflict, KeraError, Unavailable, from_wire
 from kera.position import DONE
 
 from .admin import suspect
-from .consumer import AsyncConsumer
+from .reader import Reader
 
 RETRY = 0.05
 
@@ -48,8 +48,8 @@ class StreamletLog:
         self.sequence = 0          # of our next chunk: advanced only when one is appended
         self._unsure = False       # the last chunk sent got no answer (see append)
 
-    def _reader(self) -> AsyncConsumer:
-        return AsyncConsumer(self.pool, self.coordinator, [self.name], start="earliest",
+    def _reader(self) -> Reader:
+        return Reader(self.pool, self.coordinator, [self.name], start="earliest",
                              streamlets=[self.streamlet])
 
     async def open(self) -> None:

@@ -12,13 +12,23 @@ the *ready* ones: those just added or moved, those whose last read found data
 finds nothing leaves the ready set until it is touched again. So a pull costs
 what moved, not what the session holds, and an idle session costs nothing.
 
-The broker never moves a session's positions itself: only the reader's ``add``
-does, so a lost answer is read again, never skipped. A streamlet that fails
-(not owned here, recovering, out of range) is reported and leaves the session;
-the reader adds it again where and when it can. Sessions are soft state: a
-broker keeps at most ``MAX_PULL_SESSIONS`` (the least recently used goes) and
-forgets them when it restarts; a pull naming one it does not hold gets
-``UnknownSession`` and the reader opens a new one.
+A reader that says so (``epoch``) lets the broker move its positions as it
+answers: the positions after each streamlet's chunks are kept *tentatively*
+with the answer's epoch, and made the session's when the next pull names that
+epoch (the reader got the answer); a pull naming an older one (the answer was
+lost) drops them, and those streamlets are read again from where they were. So
+a lost answer is still read again, never skipped, and a reader no longer tells
+the broker every position its chunks moved (a reader of 100,000 streams of one
+chunk each named them all a second time). A reader that names no epoch moves
+them itself (``add``), as before. A streamlet whose read found data is read
+again only when it stopped at the pull's byte budget; newer data arrives by
+``touch``.
+
+A streamlet that fails (not owned here, recovering, out of range) is reported
+and leaves the session; the reader adds it again where and when it can.
+Sessions are soft state: a broker keeps at most ``MAX_PULL_SESSIONS`` (the
+least recently used goes) and forgets them when it restarts; a pull naming one
+it does not hold gets ``UnknownSession`` and the reader opens a new one.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ Key = tuple[int, int]   # (stream id, streamlet)
 
 
 class PullSession:
-    __slots__ = ("id", "owner", "readers", "positions", "ready", "queued", "event")
+    __slots__ = ("id", "owner", "readers", "positions", "ready", "queued", "event", "epoch", "moved")
 
     def __init__(self, sid: int, owner: str, readers: dict | None = None):
         self.id, self.owner = sid, owner   # the principal that opened it
@@ -43,12 +53,36 @@ class PullSession:
         self.ready: deque[Key] = deque()   # to read, oldest first
         self.queued: set[Key] = set()      # what ``ready`` holds
         self.event = trio.Event()          # set when a streamlet becomes ready
+        self.epoch = 0                     # of the last answer
+        self.moved: dict[Key, tuple[int, dict]] = {}   # positions after it, until acknowledged
 
     def set(self, key: Key, low: int, groups: dict) -> None:
         if key not in self.positions:
-            self.readers.setdefault(key, set()).add(self)
+            r = self.readers.get(key)
+            if r is None:
+                self.readers[key] = {self}
+            else:
+                r.add(self)
         self.positions[key] = (low, groups)
+        if self.moved:
+            self.moved.pop(key, None)
         self.mark(key)
+
+    def position(self, key: Key) -> tuple[int, dict]:
+        """Where the reader is in ``key``: as the last answer left it, if it moved there."""
+        return self.moved.get(key) or self.positions[key]
+
+    def acknowledged(self, epoch: int | None) -> None:
+        """A pull naming ``epoch`` (None: a reader moving its positions itself): the last
+        answer's moves become the session's if the reader got it, else they are dropped and
+        those streamlets read again."""
+        moved, self.moved = self.moved, {}
+        if epoch is not None and epoch == self.epoch:
+            self.positions.update((k, v) for k, v in moved.items() if k in self.positions)
+        else:
+            for key in moved:
+                if key in self.positions:
+                    self.mark(key)
 
     def drop(self, key: Key) -> None:
         if self.positions.pop(key, None) is not None:
@@ -56,6 +90,7 @@ class PullSession:
             readers.discard(self)
             if not readers:
                 del self.readers[key]
+        self.moved.pop(key, None)
         self.queued.discard(key)   # a stale entry of ``ready`` is skipped when reached
 
     def close(self) -> None:

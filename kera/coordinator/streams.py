@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import trio
 
-from .. import group_positions, limits
+from .. import group_positions, limits, meta_columns
 from ..errors import (
     InvalidArgument,
     InvalidName,
@@ -34,6 +34,10 @@ from .metadata import Metadata
 from .placement import Placement
 
 log = logging.getLogger("kera.coordinator")
+
+
+def _as_stored(d: dict) -> dict:
+    return d
 
 
 def _describes(peer):
@@ -191,6 +195,8 @@ class StreamAdmin:
             peer.require("describe", "stream", name)
         visible = _describes(peer)
         page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
+        # ``columns``: the page as ``kera.meta_columns`` (the maps, addressed there), not maps
+        describe = _as_stored if meta.get("columns") else self.addressed
         out = {"streams": page.streams, "missing": [], "more": 0, "next": None,
                "top": self.metadata.state["next_stream_id"] - 1,
                "kafka": {m.id: m.kafka for m in self.roster.live("broker") if m.kafka}}
@@ -199,17 +205,27 @@ class StreamAdmin:
             if d is None:
                 out["missing"].append(name)
             elif page.fits(d["streamlets"]):
-                page.add(self.addressed(d))
+                page.add(describe(d))
             else:
                 out["more"] = len(names) - k
                 out["next"] = (after if since is None else since) if pattern else None
-                return out
+                return self._columns(out, meta)
         if pattern and since is not None:
-            out["next"] = self.streams.created(page, self.addressed, pattern, since, visible)
+            out["next"] = self.streams.created(page, describe, pattern, since, visible)
         elif pattern:
-            out["next"] = self.streams.listing(page, self.addressed, pattern, after,
+            out["next"] = self.streams.listing(page, describe, pattern, after,
                                                skip=set(names), visible=visible)
+        return self._columns(out, meta)
+
+    def _columns(self, out: dict, meta) -> dict:
+        """A metadata answer's streams as columns, if they were asked so."""
+        if meta.get("columns"):
+            out["columns"] = meta_columns.encode(out.pop("streams"), self._live_addr)
         return out
+
+    def _live_addr(self, broker: int, epoch: int) -> str | None:
+        m = self.roster.live_broker(broker, epoch)
+        return m.addr if m is not None else None
 
     # -- changing ---------------------------------------------------------------------
     async def _tell_owners(self, owners, method: str, meta: Callable) -> None:

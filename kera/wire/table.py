@@ -221,7 +221,7 @@ COORDINATOR_RPCS = named({
     "describe_stream": Rpc(Client("describe", "stream", "name"), {"name": NAME}),
     "metadata": Rpc(Client("describe", "stream", per_entry=True), {
         "names?": ListOf(NAME, limits.MAX_LIST_PAGE, limit="MAX_LIST_PAGE"), "pattern?": Str(1024),
-        "after?": Str(MAX_NAME), "since?": UINT,
+        "after?": Str(MAX_NAME), "since?": UINT, "columns?": BOOL,
         "limit?": UInt(limits.MAX_LIST_PAGE, "MAX_LIST_PAGE", low=1)}, peer=True),
     "delete_stream": Rpc(Client("delete", "stream", "name"), {"name": NAME}),
     "alter_stream": Rpc(Client("alter-configs", "stream", "name"), {"name": NAME, **ALTER_SETTINGS}),
@@ -254,6 +254,7 @@ BROKER_RPCS = named({
         "streamlets?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
         "session?": UINT, "add?": ListOf(ANY, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
         "drop?": ListOf(PAIR, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS"),
+        "starts?": Bytes(16 * limits.MAX_PULL_STREAMLETS), "epoch?": UINT, "columns?": BOOL,
         "max_bytes?": INT, "max_wait_ms?": NUMBER}, peer=True),
     "offsets": Rpc(Client("describe", "stream", per_entry=True), {
         "streamlets?": ListOf(PAIR, limits.MAX_PULL_STREAMLETS, limit="MAX_PULL_STREAMLETS")},
