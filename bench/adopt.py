@@ -55,10 +55,10 @@ def owner(data_dir: str) -> BrokerService:
     """A broker recovering stream 1's streamlet 0, not serving (no sockets)."""
     svc = BrokerService("127.0.0.1:1", data_dir, "bench", VlogMapping(), cluster_secret=bytes(32))
     svc.nursery = _Nursery()
-    svc.lease_until = float("inf")
+    svc.membership.lease_until = float("inf")
     svc.claims = Claims(None, lambda: (1, 1), lambda b: "")
-    svc.hub = ReplicationHub(None, lambda: (1, 1), lambda b: "", 5.0)   # never run
-    svc._assign(StreamMeta(name="big", id=1, streamlets=1, groups=1, replication=3, segment_size=256 << 10,
+    svc.logs.hub = ReplicationHub(None, lambda: (1, 1), lambda b: "", 5.0)   # never run
+    svc.assignment.place(StreamMeta(name="big", id=1, streamlets=1, groups=1, replication=3, segment_size=256 << 10,
                            group_segments=1 << 20, owners=((1, 1),)), [0], True, False)
     return svc
 

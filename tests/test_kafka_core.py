@@ -12,7 +12,9 @@ from kio.records.readers import read_batch
 from kio.schema.errors import ErrorCode
 
 from kera import chunk, errors
-from kera.kafka import batch, codes, convert, framing, versions
+from kera.chunk import kafka_batch as batch
+from kera.chunk import kafka_records
+from kera.kafka import codes, convert, framing, versions
 from kera.kafka.log import OffsetLog
 
 
@@ -163,7 +165,7 @@ def test_compressed_batches_decode(codec):
     b = bytearray(head + packed)
     struct.pack_into(">i", b, 8, len(b) - batch.LOG_OVERHEAD)
     batch.seal(b)
-    ts, ko, kb, vo, vb = convert.records_of(bytes(b))
+    ts, ko, kb, vo, vb = kafka_records.records_of(bytes(b))
     assert len(ts) == 500 and vb == b"".join(b"v%d" % i * 20 for i in range(500))
 
 
@@ -172,7 +174,7 @@ def test_broken_records_are_refused_not_read_past_the_batch():
     b[batch.HEADER_SIZE] = 0x7E   # the first record's length: far past the batch
     batch.seal(b)
     with pytest.raises(batch.CorruptRecord):
-        convert.records_of(bytes(b))
+        kafka_records.records_of(bytes(b))
 
 
 def test_compacted_chunks_keep_their_offsets_as_deltas():

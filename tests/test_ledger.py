@@ -4,7 +4,8 @@ its reclaim pass and its compactor never walk every streamlet it owns."""
 from __future__ import annotations
 
 from kera import chunk
-from kera.broker.streamlet import Ledger, Streamlet
+from kera.broker.ledger import Ledger
+from kera.broker.streamlet import Streamlet
 
 from .conftest import stream_meta
 

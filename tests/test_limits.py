@@ -122,7 +122,7 @@ def test_streamlet_refuses_chunks_over_its_segment_or_max_chunk():
 
 
 def test_broker_vseg_size_is_bounded():
-    from kera.broker.service import main
+    from kera.broker.main import main
 
     for bad in ("0", str(limits.MAX_VSEG_SIZE + 1)):
         with pytest.raises(SystemExit) as e:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kera import chunk
+from kera.broker import retention
 from kera.broker.memory import MemoryBudget
 from kera.broker.segment import MIN_BUFFER, MMAP_BUFFER, buffer_size
 from kera.broker.streamlet import Streamlet
@@ -133,7 +134,7 @@ def test_a_partly_filled_segment_is_evicted_for_what_its_buffer_takes():
     assert memory.used == held(sl) == 64 << 10
     assert (seg.ends, list(seg.vseg_ids), list(seg.vseg_offs)) == ([len(small)], [0], [0])
     assert seg.part(0, seg.head) is None            # read back from a backup (kera.broker.tiered)
-    sl.expired(0.0)                                 # no retention here: nothing freed
+    retention.expired(sl, 0.0)                                 # no retention here: nothing freed
     memory.free(nxt)                                # the stream leaves: the rest is credited
     assert memory.used == 0
 

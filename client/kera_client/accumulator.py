@@ -1,10 +1,10 @@
 """The producer's chunks before they leave: records gathered per streamlet, packed per request.
 
 ``Accumulator`` puts each record in its lane's open ``Outgoing`` chunk (any
-thread, under the producer's lock), seals a chunk when it is full or its
-``linger.ms`` is over (unless its lane is in a request: ``seal_expired``), and
-queues it on its lane with the lane's next sequence. A lane with sealed chunks
-that is not in a request *waits* in ``waiting``, a queue per broker address,
+thread, under the producer's lock), seals a chunk when it is full, or when its
+``linger.ms`` is over and the sender takes its lane (``seal_expired``: until then
+it keeps taking records), and queues it on its lane with the lane's next sequence.
+A lane with sealed or due chunks that is not in a request *waits* in ``waiting``, a queue per broker address,
 where the sender (``sender``) takes lanes from: a round costs the lanes sent,
 not a walk of every streamlet the producer knows.
 
@@ -260,18 +260,26 @@ class Accumulator:
 
         One whose streamlet is in a request could only wait sealed behind it (a streamlet
         is in one request at a time): it stays open, taking records up to ``chunk.size``,
-        and is sealed when that request is settled (``release``). So under load chunks
-        grow instead of queueing one or two records each, as a Kafka producer's batches do
-        while their partition waits to be sent."""
+        and is sealed when that request is settled (``release``). One whose lane is free is
+        *due*: its lane waits for the sender with the chunk still open, sealed when the
+        sender takes the lane (``take_due``). So under load, while lanes wait for a free
+        request, chunks grow instead of queueing one or two records each, as a Kafka
+        producer's batches do while their partition waits to be sent; unloaded, the sender
+        takes the lane in the same round and nothing changes."""
         q = self.linger_q
         while q and q[0].deadline <= now:
             b = q.popleft()
             lane = b.lane
             if lane.open is b:
-                if lane.busy:
-                    lane.due = b
-                else:
-                    self.seal(b)
+                lane.due = b
+                if not lane.busy and not lane.waits:
+                    self._wait(lane)
+
+    def take_due(self, lane: Lane) -> None:
+        """The sender takes ``lane`` (still in ``waiting``): its due chunk is sealed now."""
+        b = lane.due
+        if b is not None and not lane.busy and lane.open is b:
+            self.seal(b)
 
     def add_sealed(self, route: Route, values: list, size: int, since: float) -> bool:
         """Keyless records without callbacks or timestamps of their own, parked since ``since``
@@ -317,7 +325,7 @@ class Accumulator:
 
     # -- lanes and the sender --------------------------------------------------------------
     def _wait(self, lane: Lane) -> None:
-        """``lane`` has sealed chunks and is not in a request: it waits under its address."""
+        """``lane`` has sealed or due chunks and is not in a request: it waits under its address."""
         addr = lane.route.addrs[lane.index]
         q = self.waiting.get(addr)
         if q is None:
@@ -329,17 +337,16 @@ class Accumulator:
 
     def rewait(self, lane: Lane) -> None:
         """A lane taken from ``waiting`` but not sent (its owner moved, its retry is not due)."""
-        if lane.queue and not lane.busy and not lane.waits:
+        if (lane.queue or lane.due is not None) and not lane.busy and not lane.waits:
             self._wait(lane)
 
     def release(self, lane: Lane) -> None:
-        """``lane`` left its request: its open chunk is sealed if its linger ran out meanwhile,
-        and it waits again if chunks are queued."""
+        """``lane`` left its request: it waits again if chunks are queued or its open chunk
+        lingered out meanwhile (due: sealed when the sender takes the lane)."""
         lane.busy = False
-        due, lane.due = lane.due, None
-        if due is not None and lane.open is due:
-            self.seal(due)
-        elif lane.queue and not lane.waits:
+        if lane.due is not None and lane.open is not lane.due:
+            lane.due = None
+        if (lane.queue or lane.due is not None) and not lane.waits:
             self._wait(lane)
 
     def requeue(self, lane: Lane, chunks: list, at: float) -> None:

@@ -67,7 +67,8 @@ class Lane:
     chunk, ``queue`` its sealed chunks in sequence order, ``busy`` in a request (a streamlet
     is in at most one at a time), ``retry_at`` not sent before this (a refused chunk's
     backoff), ``gap`` the highest sequence given up on and not yet reset (the next chunk
-    sent carries ``SEQ_RESET``), ``due`` its open chunk lingered out while it was busy;
+    sent carries ``SEQ_RESET``), ``due`` its open chunk lingered out (sealed once the lane is free and the
+    sender takes it);
     ``waits``: it is in the accumulator's ``waiting`` queue of address ``at`` (once)."""
 
     __slots__ = ("route", "index", "seq", "open", "queue", "busy", "retry_at", "gap", "due",

@@ -165,6 +165,8 @@ class Sender:
         acc = self.acc
         for _ in range(len(q)):
             lane = q[0]
+            if lane.due is not None:
+                acc.take_due(lane)
             chunks = lane.queue
             if size and chunks and size + chunks[0].size > limit:
                 break   # the request is full: this lane goes first in the next one
@@ -225,6 +227,8 @@ class Sender:
         given up. Returns when to look again."""
         acc = self.acc
         for _ in range(len(q)):
+            if q[0].due is not None:
+                acc.take_due(q[0])
             lane = q.popleft()
             lane.waits = False
             if not lane.queue or lane.busy:

@@ -49,6 +49,7 @@ import trio
 import xxhash
 
 from .. import chunk as chunkfmt
+from . import retention
 from .segment import Compacted, close_waiting
 
 log = logging.getLogger("kera.broker")
@@ -176,7 +177,7 @@ class Compactor:
         done = 0
         now = time.time()
         for sl in [sl for sl in self.compacted if not sl.recovering]:
-            sl.roll(now)
+            retention.roll(sl, now)
             job = self._job(sl, now)
             if job is None:
                 continue
@@ -237,7 +238,7 @@ class Compactor:
             self.records_out += seg.compacted.records
             self.bytes_out += len(seg.compacted.buf)
         sl.tombstone_due = None if due is None else due / 1000
-        self.free(sl.drop_empty())
+        self.free(retention.drop_empty(sl))
         return len(result)
 
     def _swap(self, seg, new: Compacted) -> None:

@@ -1,20 +1,24 @@
-"""The broker's membership: registration, heartbeats (its lease), live backups, fencing.
+"""The broker's membership: registration, heartbeats (its lease), fencing.
 
 A heartbeat answer renews the lease under which the broker serves writes and names
-the live backups (a backup gone or restarted is replaced at once in every vlog); a
-fenced incarnation forgets its state (``_reset``) and registers again.
+the live backups (handed on: a backup gone or restarted is replaced at once in every
+vlog); a fenced incarnation forgets its state (the service's ``_reset``) and registers
+again.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 
 from .. import metafile
+from ..coordinator.link import CoordinatorLink
 from ..errors import Fenced, KeraError, UnknownMember
-from .adopted import Claims
+from ..security.credentials import Credentials
+from ..security.gate import Gate
 
 log = logging.getLogger("kera.broker")
 
@@ -22,17 +26,49 @@ HEARTBEAT = 0.5
 
 
 class Membership:
-    """``BrokerService``'s link to the coordinator (its state: ids, epoch, lease, backups)."""
+    """The broker's incarnation as the coordinator knows it: it owns the broker's id and
+    epoch, the lease and whether it is fenced. Handed the file keeping the id
+    (``id_path``), the connections' ``credentials`` (which take the id), the ``gate``
+    (users and ACLs a register or heartbeat answer carries), what a register says of us
+    (``hello``: address, node, Kafka listener), what a heartbeat reports (``stats``) and
+    where the live backups it names go (``on_backups``); the coordinator's link once the
+    broker runs (``coord``)."""
 
-    async def _register(self) -> None:
+    def __init__(self, id_path: str, credentials: Credentials, gate: Gate, *,
+                 hello: Callable[[], dict], stats: Callable[[], dict],
+                 on_backups: Callable[[list], None]):
+        self.id_path, self.credentials, self.gate = id_path, credentials, gate
+        self.hello, self.stats, self.on_backups = hello, stats, on_backups
+        self.coord: CoordinatorLink | None = None
+        self.broker_id: int | None = (metafile.load(id_path) or {}).get("id")
+        self.epoch = 0
+        self.fenced = False
+        self.heartbeat = HEARTBEAT
+        self.lease = 0.0           # seconds a heartbeat answer lets us serve
+        self.lease_until = 0.0     # monotonic time our lease ends
+
+    def check_epoch(self, meta) -> None:
+        if self.fenced or meta.get("epoch") != self.epoch:
+            raise Fenced(f"broker {self.broker_id} is at epoch {self.epoch}, request for {meta.get('epoch')}")
+
+    def check_lease(self) -> None:
+        if time.monotonic() > self.lease_until:
+            raise Fenced(f"broker {self.broker_id}: no heartbeat answer for too long; not serving")
+
+    def reset(self) -> None:
+        """A new incarnation follows: nothing to claim back, no lease yet."""
+        self.fenced = False
+        self.lease_until = 0.0
+        self.epoch = 0
+
+    async def register(self) -> None:
         delay = 0.05
         while True:
             try:
                 r, _ = await self.coord.call("register", {
-                    "role": "broker", "addr": self.addr, "node": self.node, "id": self.broker_id,
+                    "role": "broker", **self.hello(), "id": self.broker_id,
                     "epoch": self.epoch or None,  # claimed back after a coordinator restart
-                    "auth": self.gate.auth,
-                    **({"kafka": self.kafka.addr} if self.kafka is not None else {})}, timeout=5)
+                    "auth": self.gate.auth}, timeout=5)
                 break
             except KeraError as e:
                 log.info("coordinator not reachable yet: %s", e)
@@ -47,7 +83,7 @@ class Membership:
         self.lease_until = time.monotonic() + self.lease
         metafile.save(self.id_path, {"id": self.broker_id})
 
-    async def _heartbeats(self) -> None:
+    async def heartbeats(self) -> None:
         while True:
             sent = time.monotonic()
             try:
@@ -55,13 +91,13 @@ class Membership:
                     "role": "broker", "id": self.broker_id, "epoch": self.epoch,
                     "stats": self.stats(), "security": self.gate.version}, timeout=5)
                 self.lease_until = sent + self.lease
-                self._set_backups(r.get("backups") or [])
+                self.on_backups(r.get("backups") or [])
                 if r.get("security") is not None:   # a push it missed
                     self.gate.apply(r["security"])
             except UnknownMember:
                 # the coordinator restarted: rejoin as this incarnation, keeping every streamlet
                 epoch = self.epoch
-                await self._register()
+                await self.register()
                 if self.epoch != epoch:
                     log.error("broker %d could not rejoin as epoch %d (got %d): its state is gone",
                               self.broker_id, epoch, self.epoch)
@@ -75,43 +111,3 @@ class Membership:
             except KeraError as e:
                 log.warning("heartbeat failed: %s", e)
             await trio.sleep(self.heartbeat)
-
-    def _set_backups(self, live: list[dict]) -> None:
-        """Membership from a heartbeat answer: a backup gone or restarted is replaced at once."""
-        new = {b["id"]: b for b in live}
-        same = new.keys() == self.backups.keys() and all(
-            new[k]["addr"] == self.backups[k]["addr"] and new[k]["epoch"] == self.backups[k]["epoch"]
-            for k in new)
-        if same and all(new[k].get("damage") == self.backups[k].get("damage") for k in new):
-            return
-        self.backups = new
-        if not same:
-            changed = self.backup_set.set_live({b: (v["node"], v["epoch"]) for b, v in new.items()})
-            log.info("live backups: %s", sorted(new))
-            for b in changed:
-                log.warning("backup %d gone or restarted: its copies are made again", b)
-            for v in self.vlogs.values():
-                v.poke()
-        if self.rebuilder is not None:   # a backup that found damage on its disk is asked too
-            self.rebuilder.poke()
-
-    def _reset(self) -> None:
-        """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
-        self.streams.clear()
-        self.names.clear()
-        self.streamlets.clear()
-        self.ledger.clear()
-        self.memory.used = 0
-        self.memory.resident.clear()
-        if self.tiered is not None:
-            self.tiered.cache.clear()
-            self.tiered.cached = 0
-        self.vlogs.clear()
-        self.unsettled.clear()
-        self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
-        self.mapping.turn = 0
-        self.backups.clear()
-        self.backup_set.set_live({})
-        self.fenced = False
-        self.lease_until = 0.0
-        self.epoch = 0  # a new incarnation follows: nothing to claim back

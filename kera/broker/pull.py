@@ -14,6 +14,8 @@ in one call instead of 100,000 lists).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import trio
 
@@ -21,7 +23,9 @@ from .. import limits
 from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering, Unauthorized
 from ..position import DONE, unpack
 from ..security.mechanisms import CLIENT
-from .pull_sessions import PullSession
+from .pull_sessions import PullSession, PullSessions
+from .streamlet import Streamlet
+from .tiered import TieredReader
 
 # an entry of an answer: the streamlet, a group read, where its bytes start, their length and
 # the position after them (DONE: the group was read to its end)
@@ -30,15 +34,38 @@ ENTRY = ("stream_id", "streamlet", "group", "segment", "offset", "length", "next
 MAX_PULL_WAIT = 30.0
 
 
-class Pulls:
-    """``BrokerService``'s consume side (its state: streamlets, durable_event, tiered,
-    pull sessions)."""
+class Served(Protocol):
+    """What the consume side reads of the broker: its streamlets, the readers' pull sessions,
+    the reader of evicted segments, the event set whenever more is durable, the counters
+    a pull adds to (and the produce side's, which price a lag in records), and the checks
+    of a reader's rights and of a streamlet served here."""
 
-    async def rpc_pull(self, meta, payload, peer):
+    streamlets: dict
+    sessions: PullSessions
+    tiered: TieredReader | None
+    durable_event: trio.Event
+    pulls: int
+    records_out: int
+    bytes_out: int
+    records_in: int
+    bytes_in: int
+
+    def _may(self, peer, op: str, stream_id) -> bool: ...
+    def _streamlet(self, stream_id, index) -> Streamlet: ...
+
+
+class Pulls:
+    """The broker's consume side: pulls, offsets, seeks and lag, served from what the broker
+    holds (``Served``); it keeps no state of its own."""
+
+    def __init__(self, broker: Served):
+        self.broker = broker
+
+    async def pull(self, meta, payload, peer):
         max_bytes = meta.get("max_bytes", limits.DEFAULT_PULL)
         wait = meta.get("max_wait_ms", 0)
         max_bytes = max(1, min(max_bytes, limits.MAX_PULL))
-        self.pulls += 1
+        self.broker.pulls += 1
         # no lease needed: only durable data is served, a prefix of what any successor holds
         deadline = trio.current_time() + max(0.0, min(wait / 1000, MAX_PULL_WAIT))
         if meta.get("session") is not None:
@@ -47,7 +74,7 @@ class Pulls:
         if reqs is None:
             raise InvalidArgument("pull needs streamlets, or a session")
         while True:
-            event = self.durable_event
+            event = self.broker.durable_event
             entries, parts, errors, moved = self._collect(reqs, max_bytes, peer)
             if parts or errors or moved or trio.current_time() >= deadline:
                 if any(isinstance(p, tuple) for p in parts):
@@ -65,7 +92,7 @@ class Pulls:
         names the session (and its ``epoch``) and reads its ready streamlets."""
         sid = meta["session"]
         # a session is its opener's: another principal naming it is told it does not exist
-        s = self.sessions.open(peer.principal) if sid == 0 else self.sessions.get(sid, peer.principal)
+        s = self.broker.sessions.open(peer.principal) if sid == 0 else self.broker.sessions.get(sid, peer.principal)
         epoch = meta.get("epoch")
         s.acknowledged(epoch)
         errors = []
@@ -95,13 +122,13 @@ class Pulls:
         member, or user authentication off): nothing to ask per streamlet."""
         if peer.role is not None and (peer.role != CLIENT or not peer.gate.auth):
             return None
-        return lambda stream_id: self._may(peer, "read", stream_id)
+        return lambda stream_id: self.broker._may(peer, "read", stream_id)
 
     def _starts(self, s: PullSession, starts: bytes, errors: list, judge) -> None:
         """Streamlets the reader reads from their start (``starts``: int64 pairs)."""
         if len(starts) % 16:
             raise InvalidArgument("pull: starts must be int64 pairs of stream id and streamlet")
-        streamlets = self.streamlets
+        streamlets = self.broker.streamlets
         for sid, index in np.frombuffer(starts, "<i8").reshape(-1, 2).tolist():
             key = (sid, index)
             sl = streamlets.get(key)
@@ -109,7 +136,7 @@ class Pulls:
                 if judge is not None and not judge(sid):
                     raise Unauthorized()
                 if sl is None or sl.recovering:
-                    self._streamlet(sid, index)   # raises the right error
+                    self.broker._streamlet(sid, index)   # raises the right error
             except KeraError as e:
                 errors.append([sid, index, e.code])
                 continue
@@ -123,7 +150,7 @@ class Pulls:
         entries, parts = [], []
         moved = False
         budget = max_bytes
-        streamlets = self.streamlets
+        streamlets = self.broker.streamlets
         for _ in range(len(s.queued)):
             if budget <= 0 or len(entries) + len(errors) >= limits.MAX_PULL_STREAMLETS - 64:
                 break
@@ -136,7 +163,7 @@ class Pulls:
                 if judge is not None and not judge(key[0]):   # the ACLs may have changed since
                     raise Unauthorized()
                 if sl is None or sl.recovering:
-                    sl = self._streamlet(*key)   # raises the right error
+                    sl = self.broker._streamlet(*key)   # raises the right error
                 got = sl.read(low, positions, budget)
             except OutOfRange:
                 errors.append([key[0], key[1], OutOfRange.code, sl.starts()])
@@ -164,7 +191,7 @@ class Pulls:
         """A streamlet's read into a pull's entries and parts; True if it moved with no data."""
         moved = False
         if sl is None:
-            sl = self.streamlets[(stream_id, index)]
+            sl = self.broker.streamlets[(stream_id, index)]
         for gid, si, off, n, nxt in got:
             entries.append((stream_id, index, gid, si, off, n, nxt))
             if n:
@@ -172,8 +199,8 @@ class Pulls:
                 # an evicted segment: read back from a backup before the reply goes
                 part = seg.part(off, n)
                 parts.append(part if part is not None else (seg, gid, off, n))
-                self.bytes_out += n
-                self.records_out += seg.records_in(off, off + n) or 0
+                self.broker.bytes_out += n
+                self.broker.records_out += seg.records_in(off, off + n) or 0
             else:
                 moved = True
         return moved
@@ -185,9 +212,9 @@ class Pulls:
             stream_id, index, low, positions = r
             if not isinstance(positions, dict) or not isinstance(low, int):
                 raise InvalidArgument("pull entry is [stream_id, streamlet, low, {group: position}]")
-            if not self._may(peer, "read", stream_id):
+            if not self.broker._may(peer, "read", stream_id):
                 raise Unauthorized()
-            return stream_id, index, low, positions, self._streamlet(stream_id, index)
+            return stream_id, index, low, positions, self.broker._streamlet(stream_id, index)
         except KeraError as e:
             errors.append([r[0] if isinstance(r, list) and r else None,
                            r[1] if isinstance(r, list) and len(r) > 1 else None, e.code])
@@ -229,42 +256,42 @@ class Pulls:
         got: dict = {}
 
         async def one(seg, gid):
-            got[seg] = await self.tiered.segment(seg, gid)
+            got[seg] = await self.broker.tiered.segment(seg, gid)
 
         async with trio.open_nursery() as n:
             for seg, gid in need.items():
                 n.start_soon(one, seg, gid)
         return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
 
-    def rpc_offsets(self, meta, payload, peer):
+    def offsets(self, meta, payload, peer):
         """Latest durable positions of streamlets (at most ``MAX_PULL_STREAMLETS``): where a
         consumer 'from latest' starts."""
         out, errors = [], []
         for stream_id, index in meta.get("streamlets") or []:
             try:
-                if not self._may(peer, "describe", stream_id):
+                if not self.broker._may(peer, "describe", stream_id):
                     raise Unauthorized()
-                low, pos = self._streamlet(stream_id, index).latest()
+                low, pos = self.broker._streamlet(stream_id, index).latest()
                 out.append([stream_id, index, low, pos])
             except KeraError as e:
                 errors.append([stream_id, index, e.code])
         return {"offsets": out, "errors": errors}
 
-    def rpc_seek(self, meta, payload, peer):
+    def seek(self, meta, payload, peer):
         """The first chunk boundary at or after each position, so a reader (Spark's admission
         control) may end a batch at any byte: ``seeks`` [[stream_id, streamlet, group, pos]]."""
         out, errors = [], []
         for stream_id, index, gid, pos in meta.get("seeks") or []:
             try:
-                if not self._may(peer, "describe", stream_id):
+                if not self.broker._may(peer, "describe", stream_id):
                     raise Unauthorized()
-                g = self._streamlet(stream_id, index).groups.get(gid)
+                g = self.broker._streamlet(stream_id, index).groups.get(gid)
                 out.append([stream_id, index, gid, g.align(pos) if g is not None else pos])
             except KeraError as e:
                 errors.append([stream_id, index, e.code])
         return {"positions": out, "errors": errors}
 
-    def rpc_lag(self, meta, payload):
+    def lag(self, meta, payload):
         """How far committed positions are behind the durable end of their streamlets:
         ``positions`` [[stream_id, streamlet, low, {group: position}]] answered as ``lag``
         [[stream_id, streamlet, records behind, bytes behind, records held]] (a consumer
@@ -277,7 +304,7 @@ class Pulls:
         for e in entries:
             try:
                 sid, index, low, positions = e
-                sl = self._streamlet(sid, index)
+                sl = self.broker._streamlet(sid, index)
                 out.append([sid, index, *self._behind(sl, int(low),
                                                       {int(g): int(p) for g, p in positions.items()})])
             except KeraError as err:
@@ -287,7 +314,7 @@ class Pulls:
         return {"lag": out, "errors": errors}
 
     def _behind(self, sl, low: int, positions: dict) -> tuple[int, int, int]:
-        per_byte = self.records_in / self.bytes_in if self.bytes_in else 0.0
+        per_byte = self.broker.records_in / self.broker.bytes_in if self.broker.bytes_in else 0.0
 
         def records(seg, start, end):
             n = seg.records_in(start, end)

@@ -1,6 +1,6 @@
 """Reclaiming: retention, release of unreferenced vsegs, eviction to the memory budget.
 
-A background pass (``_reclaim_once``) applies retention (whole segments freed),
+A background pass (``once``) applies retention (whole segments freed),
 releases the vsegs nothing live references (their backups delete the files) and
 evicts replicated segments down to the memory budget's low-water mark (closing
 the open vsegs that keep the oldest filled ones from settling); claims on
@@ -10,29 +10,48 @@ foreign vsegs (adopted segments) are released by a loop of their own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import trio
 
-from .adopted import AdoptedSegment
+from ..stream_meta import StreamMeta
+from . import retention
+from .adopted import AdoptedSegment, Claims
+from .ledger import Ledger
+from .memory import MemoryBudget
 from .segment import close_waiting
+from .streamlet import Streamlet
+from .tiered import TieredReader
 
 RECLAIM_INTERVAL = 0.25
 
 
 class Reclaim:
-    """``BrokerService``'s freeing of segments and its reclaim loops."""
+    """The broker's freeing of segments and its reclaim loops: it owns the counts of what it
+    freed. Handed what the broker holds (``streams``, ``streamlets``, the ``ledger`` of those
+    under retention, the ``memory`` budget), its virtual logs (``vlogs``: their floors move,
+    their open vsegs close) and, as they are made for each run, the reader of evicted
+    segments (``tiered``) and the claims on adopted segments' vsegs (``claims``)."""
 
-    def _free(self, segments) -> None:
+    def __init__(self, streams: dict[int, StreamMeta], streamlets: dict[tuple[int, int], Streamlet],
+                 ledger: Ledger, memory: MemoryBudget, vlogs: dict, *,
+                 tiered: Callable[[], TieredReader | None], claims: Callable[[], Claims]):
+        self.streams, self.streamlets, self.ledger, self.memory = streams, streamlets, ledger, memory
+        self.vlogs, self.tiered, self.claims = vlogs, tiered, claims
+        self.freed_segments = 0    # by retention or deletion
+        self.freed_bytes = 0
+
+    def free(self, segments) -> None:
         """Segments gone for good: their memory, their share of their vsegs' lives."""
         for seg in segments:
             if seg.freed and seg.buf is None and seg.capacity == 0:
                 continue  # a placeholder (recovery) never held anything
             settled = seg.replicated()
             self.memory.free(seg)
-            if self.tiered is not None:
-                self.tiered.forget(seg)
+            if self.tiered() is not None:
+                self.tiered().forget(seg)
             if isinstance(seg, AdoptedSegment):
-                self.claims.free(seg)
+                self.claims().free(seg)
             for vs in seg.vsegs:
                 vs.live -= 1
                 if settled:
@@ -44,7 +63,7 @@ class Reclaim:
                 seg.drop_buffer()
             seg.vsegs, seg.ends = [], []
 
-    def _reclaim_once(self) -> None:
+    def once(self) -> None:
         """One pass: retention frees whole expired segments, vsegs nothing live references are
         released (their backups are told), memory is brought down to the low-water mark (the
         vlogs whose open vseg the budget closed are poked, so the close reaches the copies)."""
@@ -56,9 +75,9 @@ class Reclaim:
                 continue
             if sl.recovering or sl.pending:
                 continue
-            freed = sl.expired(now)
+            freed = retention.expired(sl, now)
             if freed:
-                self._free(freed)
+                self.free(freed)
             if sl.waiting is not None and close_waiting(sl.waiting):
                 sl.waiting.vlog.poke()
         for v in self.vlogs.values():
@@ -67,17 +86,17 @@ class Reclaim:
         for v in self.memory.relieve():
             v.poke()
 
-    async def _reclaimer(self) -> None:
+    async def reclaimer(self) -> None:
         while True:
             await trio.sleep(RECLAIM_INTERVAL)
-            self._reclaim_once()
+            self.once()
 
-    async def _releaser(self) -> None:
+    async def releaser(self) -> None:
         """Claims on foreign vsegs nothing of ours needs any more go (apart from the reclaim
         pass, so a slow backup never delays retention or eviction)."""
         while True:
             await trio.sleep(RECLAIM_INTERVAL)
-            await self.claims.release()
+            await self.claims().release()
 
     def retention_stats(self) -> dict:
         """Per stream here: retained chunk bytes, evicted bytes, and where each streamlet

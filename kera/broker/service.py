@@ -5,24 +5,29 @@ appended with one copy into its streamlet's active group, stamped with its
 placement, and referenced in its virtual log. The request then waits (for
 ``acks=all``) until every vlog it touched is durable past its chunks.
 
-This module holds the service's state, streamlet assignment, the produce and
-compare-and-append paths and ``main``; the rest is joined in from modules named
-after their part of the design: ``pull`` (consume), ``takeover`` (recovery of a
-dead broker's streamlets), ``reclaim`` (retention, release, eviction) and
-``membership`` (registration, heartbeats, lease, fencing).
+The service is the broker's RPC face and its life: what it holds (streams, streamlets,
+the ledger, the memory budget), streamlet assignment, the produce and compare-and-append
+paths, and its virtual logs. The rest is done by parts that each own their state and
+are handed what they need of the others:
+
+- ``membership`` (``kera.broker.membership``): the incarnation (id, epoch, lease, fenced),
+  registration and heartbeats;
+- ``reads`` (``kera.broker.pull.Pulls``): pulls, offsets, seeks and lag;
+- ``takeover`` (``kera.broker.takeover``): the recovery RPCs, and the adoptions not yet
+  settled;
+- ``reclaim`` (``kera.broker.reclaim``): retention, release, eviction, and what was freed.
+
+The command line is ``kera.broker.main``.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import time
 
 import trio
 
-from .. import chunk, door, group_positions, limits, metafile, metrics, wire
-from ..coordinator import link
+from .. import chunk, group_positions, limits, metafile, wire
 from ..coordinator.link import CoordinatorLink
 from ..door import Door
 from ..errors import (
@@ -33,31 +38,28 @@ from ..errors import (
     NotOwner,
     Recovering,
     Unauthorized,
-    Unavailable,
 )
 from ..rpc import Later, Pool, advertised
-from ..security import secret as secret_
-from ..security import tls as tls_
 from ..security.credentials import Credentials
 from ..security.gate import Gate, take_state
 from ..security.mechanisms import BROKER, CLIENT
 from ..server import Service
 from ..stream_meta import StreamMeta
-from ..vlog import BackupSet, VirtualLog, VlogMapping, vlog_id
+from ..vlog import VlogMapping
 from .adopted import Claims
+from .assignment import Assignment
 from .compactor import Compactor
-from .group_close import close_chunk
-from .membership import HEARTBEAT, Membership
-from .memory import MemoryBudget, default_budget
+from .ledger import Ledger
+from .membership import Membership
+from .memory import MemoryBudget
 from .pull import Pulls
 from .pull_sessions import PullSessions
-from .rebuild import Rebuilder
 from .reclaim import Reclaim
-from .replicator import ReplicationHub, Replicator
-from .segment import VlogChunk
-from .streamlet import Ledger, Streamlet
+from .replicator import Replicator
+from .streamlet import Streamlet
 from .takeover import Takeover
 from .tiered import TieredReader
+from .vlogs import VirtualLogs
 
 log = logging.getLogger("kera.broker")
 
@@ -65,7 +67,7 @@ log = logging.getLogger("kera.broker")
 BROKER_FLAGS = chunk.INDEX | chunk.CLOSE | chunk.COMPACTED
 
 
-class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
+class BrokerService(Service):
     rpcs = wire.BROKER_RPCS
 
     def __init__(self, coordinator: str, data_dir: str, node: str, mapping: VlogMapping,
@@ -78,180 +80,86 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         self.door = door or Door()
         self.data_dir = data_dir
         self.node = node
-        self.mapping = mapping
-        self.vseg_size = vseg_size
-        self.replicate_timeout = replicate_timeout
         self.memory = MemoryBudget(memory)
         os.makedirs(data_dir, exist_ok=True)
-        self.id_path = os.path.join(data_dir, "broker.id")
-        ident = metafile.load(self.id_path) or {}
-        self.broker_id: int | None = ident.get("id")
+        id_path = os.path.join(data_dir, "broker.id")
         # what this broker's connections present to the others: a broker, as itself
-        self.credentials = Credentials.member(cluster_secret, BROKER, self.broker_id, tls=tls[1])
-        self.epoch = 0
+        self.credentials = Credentials.member(cluster_secret, BROKER, (metafile.load(id_path) or {}).get("id"),
+                                              tls=tls[1])
         self.addr = ""
         self.advertise = ""        # HOST[:PORT] others reach us at (default: the bound host and port)
         self.streams: dict[int, StreamMeta] = {}
         self.streamlets: dict[tuple[int, int], Streamlet] = {}
         self.ledger = Ledger()     # what is kept over all of them (kera.broker.streamlet)
-        self.compactor = Compactor(self.streamlets, self.ledger.compacted, self.memory,
-                                   self._free)  # key compaction
-        self.vlogs: dict[tuple, Replicator] = {}
-        self.backups: dict[int, dict] = {}
-        self.backup_set = BackupSet(node)
-        self.durable_event = trio.Event()
         self.sessions = PullSessions()   # readers' pull sessions (kera.broker.pull_sessions)
         self.pool: Pool | None = None
         self.nursery: trio.Nursery | None = None
-        self.hub: ReplicationHub | None = None   # the incarnation's replication (all its vlogs)
-        self.rebuilder: Rebuilder | None = None  # its frozen vsegs' lost copies made again
         self.requests = 0
-        self.fenced = False
-        self.heartbeat = HEARTBEAT
-        self.lease = 0.0           # seconds a heartbeat answer lets us serve
-        self.lease_until = 0.0     # monotonic time our lease ends
         self.tiered: TieredReader | None = None
         self.claims: Claims | None = None   # foreign vsegs of adopted segments (kera.broker.adopted)
-        self.unsettled: dict[Replicator, int] = {}   # vlog -> its last adoption not yet settled
-        self.freed_segments = 0    # by retention or deletion
-        self.freed_bytes = 0
         # what producers sent and consumers read (per request and per pull entry, never per record)
         self.records_in = self.bytes_in = self.records_out = self.bytes_out = self.pulls = 0
-        self.recoveries_served = 0  # assignments of a dead broker's streamlets to rebuild here
         self.metrics = None        # kera.metrics.broker, with --metrics-port
         self.kafka = None          # kera.kafka's gateway, with --kafka-listener
         self.names: dict[str, int] = {}   # stream name -> id, of the streams held here
+        # the parts
+        self.membership = Membership(id_path, self.credentials, self.gate, hello=self._hello,
+                                     stats=self.stats, on_backups=self._set_backups)
+        self.logs = VirtualLogs(node, mapping, vseg_size, replicate_timeout, self.streams,
+                                lambda: (self.broker_id, self.epoch))
+        self.vlog_for, self.notify_durable = self.logs.vlog_for, self.logs.notify_durable
+        self.reclaim = Reclaim(self.streams, self.streamlets, self.ledger, self.memory, self.logs.vlogs,
+                               tiered=lambda: self.tiered, claims=lambda: self.claims)
+        self.compactor = Compactor(self.streamlets, self.ledger.compacted, self.memory,
+                                   self.reclaim.free)  # key compaction
+        self.takeover = Takeover(self.streams, self.streamlets, self.membership, vlog_for=self.vlog_for,
+                                 append_close=self.logs.append_close, durable=self._durable,
+                                 free=self.reclaim.free, claims=lambda: self.claims)
+        self.reads = Pulls(self)
+        self.assignment = Assignment(self.streams, self.names, self.streamlets, self.memory, self.ledger,
+                                     self.membership, self.logs, self.reclaim)
 
-    # -- virtual logs ----------------------------------------------------------------
-    def notify_durable(self) -> None:
-        self.durable_event.set()
-        self.durable_event = trio.Event()
+    # -- the incarnation (kera.broker.membership) -----------------------------------
+    @property
+    def broker_id(self) -> int | None:
+        return self.membership.broker_id
 
-    def backup_addr(self, backup_id: int) -> str:
-        b = self.backups.get(backup_id)
-        if b is None:
-            raise Unavailable(f"backup {backup_id} is not alive")
-        return b["addr"]
+    @property
+    def epoch(self) -> int:
+        return self.membership.epoch
 
-    def backup_damage(self) -> dict[int, int]:
-        """Live backup -> how many corrupt chunks it has found on its disk (this incarnation)."""
-        return {b: v.get("damage", 0) for b, v in self.backups.items()}
+    @property
+    def fenced(self) -> bool:
+        return self.membership.fenced
 
-    def vlog_for(self, stream: StreamMeta, streamlet: int, g) -> Replicator:
-        """The group's virtual log (chosen on its first chunk, then cached on it)."""
-        if g.vlog is not None:
-            return g.vlog
-        key = self.mapping.key(stream, streamlet, g.id)
-        v = self.vlogs.get(key)
-        if v is None:
-            # ids unique across incarnations: a restarted broker never mixes with its old replicas
-            vid = vlog_id(self.epoch, len(self.vlogs))
-            vlog = VirtualLog(vid, stream.replication, self.vseg_size, self.backup_set,
-                              self.replicate_timeout)
-            v = self.vlogs[key] = Replicator(vlog, self.hub, self.notify_durable,
-                                             lambda: [(b, m["addr"]) for b, m in self.backups.items()])
-        g.vlog = v
-        return v
+    def _hello(self) -> dict:
+        """What a register tells the coordinator of us."""
+        return {"addr": self.addr, "node": self.node,
+                **({"kafka": self.kafka.addr} if self.kafka is not None else {})}
+
+    def _check_epoch(self, meta) -> None:
+        self.membership.check_epoch(meta)
+
+    def _check_lease(self) -> None:
+        self.membership.check_lease()
+
+    # -- virtual logs (kera.broker.vlogs) ----------------------------------------------
+    @property
+    def durable_event(self) -> trio.Event:
+        return self.logs.durable_event
+
+    def _set_backups(self, live: list[dict]) -> None:
+        self.logs.set_backups(live)
 
     # -- control -----------------------------------------------------------------
-    def _check_epoch(self, meta) -> None:
-        if self.fenced or meta.get("epoch") != self.epoch:
-            raise Fenced(f"broker {self.broker_id} is at epoch {self.epoch}, request for {meta.get('epoch')}")
-
     def rpc_assign(self, meta, payload):
-        """Streamlets to own; ``recovering`` ones are rebuilt by backups before they serve.
-
-        One stream (``stream``, ``streamlets``) or many (``streams``: [[stream, streamlets],
-        ...]): a batch of new streams costs one request per broker.
-        """
-        self._check_epoch(meta)
-        entries = meta.get("streams")
-        if entries is None:
-            if meta.get("stream") is None or meta.get("streamlets") is None:
-                raise InvalidArgument("assign needs a stream and streamlets, or streams")
-            entries = [[meta["stream"], meta["streamlets"]]]
-        entries = [(StreamMeta.from_wire(s), streamlets) for s, streamlets in entries]
-        recovering = meta.get("recovering") is True
-        seal = meta.get("seal") is True
-        self.recoveries_served += recovering
-        backups = meta.get("backups")
-        if backups is not None:
-            # the coordinator's view as of this stream: its first vsegs get copies on every
-            # node, not only on the backups our last heartbeat answer knew of
-            self._set_backups(backups)
-        for s, streamlets in entries:
-            self._assign(s, streamlets, recovering, seal)
-        self.notify_durable()  # pulls waiting on these streamlets look again
-        return {}
-
-    def _assign(self, s: StreamMeta, streamlets: list, recovering: bool, seal: bool) -> None:
-        self.streams[s.id] = s
-        self.names[s.name] = s.id
-        for i in streamlets:
-            sl = self.streamlets.get((s.id, i))
-            if sl is not None:
-                sl.configure(s)
-            if sl is None:
-                sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory, self.ledger)
-                sl.on_close = self._close_group
-                sl.recovering = recovering
-            elif sl.recovering and recovering:   # an attempt again: it tells what is pending anew
-                sl.forget_pending()
-            elif sl.recovering and not recovering:
-                sl.finish_recovery()
-                if not sl.pending:   # else once its older groups are adopted (``rpc_pend``)
-                    self._free(sl.expired(time.time(), settled_only=False))
-                if seal:
-                    log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
-                              s.name, i)
-                    sl.seal()
+        return self.assignment.assign(meta)
 
     def rpc_configure(self, meta, payload):
-        """A stream's changed configuration (retention): applied by the next reclaim pass."""
-        self._check_epoch(meta)
-        s = StreamMeta.from_wire(meta.get("stream"))
-        if s.id in self.streams:
-            self.streams[s.id] = s
-            for i in range(s.streamlets):   # its streamlets here, not every one held
-                sl = self.streamlets.get((s.id, i))
-                if sl is not None:
-                    sl.configure(s)
-        return {}
-
-    def _close_group(self, sl: Streamlet, g, producer: int) -> None:
-        """``g`` is full and closed: its close chunk goes to its vlog, after all its chunks."""
-        c = close_chunk(sl.stream_id, sl.index, g, producer)
-        self._append_close(sl, g, c, chunk.parse_header(c.view).body_checksum)
-
-    def _append_close(self, sl: Streamlet, g, c: VlogChunk, body_checksum: int) -> tuple:
-        vlog = self.vlog_for(self.streams[sl.stream_id], sl.index, g)
-        return vlog, vlog.append(c, 0, c.head, body_checksum)
+        return self.assignment.configure(meta)
 
     def rpc_unassign(self, meta, payload):
-        """Streamlets to drop: of one stream (``stream_id``, ``streamlets``, all if None) or of
-        many (``streams``: [[stream id, streamlets or None], ...]). Costs what is dropped,
-        not what this broker holds."""
-        self._check_epoch(meta)
-        entries = meta.get("streams")
-        if entries is None:
-            if meta.get("stream_id") is None:
-                raise InvalidArgument("unassign needs a stream_id, or streams")
-            entries = [[meta["stream_id"], meta.get("streamlets")]]
-        for sid, only in entries:
-            s = self.streams.get(sid)
-            if s is None:
-                continue
-            every = range(s.streamlets)
-            for i in every if only is None else only:
-                sl = self.streamlets.pop((sid, i), None)
-                if sl is not None:
-                    self._free(sl.leave())
-            if not any((sid, i) in self.streamlets for i in every):
-                self.streams.pop(sid, None)
-                if self.names.get(s.name) == sid:
-                    del self.names[s.name]
-        self._reclaim_once()
-        return {}
+        return self.assignment.unassign(meta)
 
     def rpc_security(self, meta, payload):
         """The users and ACLs, pushed by the coordinator when they change."""
@@ -264,10 +172,6 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         """Kafka offsets of streamlets held here as positions, or back (kera.kafka.offsets)."""
         from ..kafka.offsets import kafka_map
         return kafka_map(self, meta)
-
-    def _check_lease(self) -> None:
-        if time.monotonic() > self.lease_until:
-            raise Fenced(f"broker {self.broker_id}: no heartbeat answer for too long; not serving")
 
     # -- produce -------------------------------------------------------------------
     def _streamlet(self, stream_id, index) -> Streamlet:
@@ -479,55 +383,69 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
         for vlog, idx in waits.items():
             await vlog.wait_durable(idx)
 
+    # -- the parts' RPCs --------------------------------------------------------------
+    async def rpc_pull(self, meta, payload, peer):
+        return await self.reads.pull(meta, payload, peer)
+
+    def rpc_offsets(self, meta, payload, peer):
+        return self.reads.offsets(meta, payload, peer)
+
+    def rpc_seek(self, meta, payload, peer):
+        return self.reads.seek(meta, payload, peer)
+
+    def rpc_lag(self, meta, payload):
+        return self.reads.lag(meta, payload)
+
+    async def rpc_recover(self, meta, payload):
+        return await self.takeover.recover(meta, payload)
+
+    async def rpc_adopt(self, meta, payload):
+        return await self.takeover.adopt(meta, payload)
+
+    def rpc_pend(self, meta, payload):
+        return self.takeover.pend(meta, payload)
+
+    async def rpc_settle(self, meta, payload):
+        return await self.takeover.settle(meta, payload)
+
     # -- stats -------------------------------------------------------------------
     def stats(self) -> dict:
-        vl = []
-        for r in self.vlogs.values():
-            v = r.log
-            vl.append({"vlog": v.id, "replication": v.replication, "appended": v.appended,
-                       "durable": v.durable, "lag": v.lag(), "messages": v.messages,
-                       "failures": v.failures, "give_ups": v.give_ups, **v.copies_held(),
-                       "trimmed": r.trimmed, "reclaimed": r.reclaimed})
-        t = self.tiered
+        t, logs = self.tiered, self.logs
         return {"memory": self.memory.used, "memory_limit": self.memory.limit,
                 "evictions": self.memory.evictions, "evicted_bytes": self.memory.evicted_bytes,
-                "freed_segments": self.freed_segments, "freed_bytes": self.freed_bytes,
+                "freed_segments": self.reclaim.freed_segments, "freed_bytes": self.reclaim.freed_bytes,
                 "tiered_reads": t.reads if t else 0, "tiered_bytes": t.bytes if t else 0,
                 "tiered_seconds": round(t.seconds, 3) if t else 0.0,
                 "tiered_cache": t.cached if t else 0,
                 "foreign_vsegs": len(self.claims.vsegs) if self.claims else 0,
                 "foreign_released": self.claims.released if self.claims else 0,
                 "chunks": self.ledger.chunks, "bytes": self.ledger.bytes,
-                "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": vl,
-                "replication": self.hub.stats() if self.hub else {},
-                "rebuild": self.rebuilder.stats() if self.rebuilder else {},
+                "streamlets": len(self.streamlets), "requests": self.requests, "vlogs": logs.stats(),
+                "replication": logs.hub.stats() if logs.hub else {},
+                "rebuild": logs.rebuilder.stats() if logs.rebuilder else {},
                 "compaction": self.compactor.stats(),
                 "records_in": self.records_in, "bytes_in": self.bytes_in,
                 "records_out": self.records_out, "bytes_out": self.bytes_out, "pulls": self.pulls,
-                "recoveries_served": self.recoveries_served,
+                "recoveries_served": self.assignment.recoveries_served,
                 "door": self.door.describe(),
                 **({"kafka": self.kafka.stats()} if self.kafka is not None else {}),
                 **({"metrics": self.metrics.addr} if self.metrics else {})}
 
     def rpc_vsegs(self, meta, payload):
-        """Every virtual segment: [vlog, id, size, closed, the backups holding it (the broker's
-        belief: a frozen vseg keeps a departed backup's copy), replication, frozen]."""
-        return {"broker": self.broker_id, "vsegs": [
-            [v.log.id, vs.id, vs.size, vs.closed, sorted(vs.copies), v.log.replication, vs.frozen]
-            for v in self.vlogs.values() for vs in v.log.vsegs]}
+        return {"broker": self.broker_id, "vsegs": self.logs.vsegs()}
 
     def rpc_stats(self, meta, payload):
         out = {"broker": self.broker_id, **self.stats()}
         if meta.get("streams"):
-            out["streams"] = self.retention_stats()
+            out["streams"] = self.reclaim.retention_stats()
         return out
 
     async def run(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.pool = Pool(nursery, credentials=self.credentials)
-            self.coord = CoordinatorLink(self.pool, self.coordinator)
-            self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.backup_addr)
-            self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.backup_addr,
+            self.coord = self.membership.coord = CoordinatorLink(self.pool, self.coordinator)
+            self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.logs.backup_addr)
+            self.tiered = TieredReader(self.pool, lambda: self.broker_id, self.logs.backup_addr,
                                        min(limits.TIERED_CACHE, max(1 << 20, self.memory.limit // 8))
                                        if self.memory.limit else limits.TIERED_CACHE)
             bound = await nursery.start(self.serve, host, port)
@@ -535,7 +453,7 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
             if self.kafka is not None:   # its address is registered with ours
                 await nursery.start(self.kafka.run, self.pool)
             while True:
-                await self._register()
+                await self.membership.register()
                 print(f"broker {self.broker_id} listening on {self.addr} (epoch {self.epoch})", flush=True)
                 task_status.started(bound)
                 task_status = trio.TASK_STATUS_IGNORED
@@ -543,16 +461,10 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                     # one incarnation: its vlogs' replication and its heartbeats
                     async with trio.open_nursery() as incarnation:
                         self.nursery = incarnation
-                        self.hub = ReplicationHub(self.pool, lambda: (self.broker_id, self.epoch),
-                                                  self.backup_addr, self.replicate_timeout)
-                        incarnation.start_soon(self.hub.run)
-                        self.rebuilder = Rebuilder(self.pool, lambda: (self.broker_id, self.epoch),
-                                                   self.backup_addr, self.backup_set,
-                                                   lambda: self.vlogs.values(), self.backup_damage)
-                        incarnation.start_soon(self.rebuilder.run)
-                        incarnation.start_soon(self._heartbeats)
-                        incarnation.start_soon(self._reclaimer)
-                        incarnation.start_soon(self._releaser)
+                        self.logs.start(incarnation, self.pool)
+                        incarnation.start_soon(self.membership.heartbeats)
+                        incarnation.start_soon(self.reclaim.reclaimer)
+                        incarnation.start_soon(self.reclaim.releaser)
                         incarnation.start_soon(self.compactor.run)
                 except* Fenced:
                     log.error("broker %d epoch %d fenced: dropping its state, joining again",
@@ -560,75 +472,24 @@ class BrokerService(Takeover, Pulls, Reclaim, Membership, Service):
                 self._reset()
 
 
+    def _reset(self) -> None:
+        """Forget everything: a fenced incarnation's streamlets now live elsewhere."""
+        self.streams.clear()
+        self.names.clear()
+        self.streamlets.clear()
+        self.ledger.clear()
+        self.memory.used = 0
+        self.memory.resident.clear()
+        if self.tiered is not None:
+            self.tiered.cache.clear()
+            self.tiered.cached = 0
+        self.logs.reset()
+        self.takeover.unsettled.clear()
+        self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.logs.backup_addr)
+        self.membership.reset()
+
 def _broker_flags(flags: int) -> InvalidArgument:
     """A client's chunk flagged as only brokers flag theirs: stored, it would be taken for an
     index or close chunk (or compacted one) by a recovery or a reader."""
     return InvalidArgument(f"chunk flags {flags:#x}: INDEX, CLOSE and COMPACTED are set by brokers "
                            f"only, never in a produced chunk")
-
-
-def _vseg_size(text: str) -> int:
-    n = int(text)
-    if not 0 < n <= limits.MAX_VSEG_SIZE:
-        raise argparse.ArgumentTypeError(f"must be 1..MAX_VSEG_SIZE ({limits.MAX_VSEG_SIZE}), not {n}")
-    return n
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="kera broker")
-    ap.add_argument("--coordinator", default=os.environ.get(link.ENV, link.DEFAULT))
-    ap.add_argument("--data", default="kera-data/broker")
-    ap.add_argument("--node", default="")
-    ap.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    ap.add_argument("--port", type=int, default=0, help="0 picks a free port")
-    ap.add_argument("--advertise", default="", metavar="HOST[:PORT]",
-                    help="address clients and the coordinator reach this broker at (default: "
-                         "--host and the port bound)")
-    ap.add_argument("--vlogs", type=int, default=4, help="virtual logs per broker (shared policy)")
-    ap.add_argument("--vlog-policy", default="shared", choices=["shared", "per-stream", "per-group"])
-    ap.add_argument("--vseg-size", type=_vseg_size, default=limits.DEFAULT_VSEG_SIZE,
-                    help=f"virtual segment capacity, bytes (at most MAX_VSEG_SIZE, {limits.MAX_VSEG_SIZE})")
-    ap.add_argument("--memory", type=int, default=None,
-                    help="bytes of segments this broker keeps in memory; older replicated ones are "
-                         "evicted and read back from backups (default: a quarter of the machine's "
-                         "RAM; 0: no limit)")
-    ap.add_argument("--replicate-timeout", type=float, default=5.0,
-                    help="seconds before a silent backup is replaced")
-    metrics.add_arguments(ap)
-    ap.add_argument("--metrics-top-streams", type=int, default=0, metavar="N",
-                    help="per-stream series for the N streams with the most bytes in (default 0: "
-                         "none; finding them walks the broker's streamlets at each scrape)")
-    secret_.add_arguments(ap)
-    tls_.add_arguments(ap)
-    door.add_arguments(ap)
-    ap.add_argument("--kafka-listener", default=None, metavar="HOST:PORT",
-                    help="also serve Kafka's wire protocol here (port 0 picks a free one)")
-    ap.add_argument("--kafka-advertise", default="", metavar="HOST[:PORT]",
-                    help="the address Kafka clients are told to reach this broker at "
-                         "(default: the listener's host and port)")
-    args = ap.parse_args(argv)
-    cluster_secret = secret_.from_args(ap, args)
-    tls = tls_.from_args(ap, args)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s broker %(levelname)s %(message)s")
-    svc = BrokerService(args.coordinator, args.data, args.node or f"{os.uname().nodename}-{os.getpid()}",
-                        VlogMapping(args.vlog_policy, args.vlogs), args.vseg_size,
-                        args.replicate_timeout,
-                        default_budget() if args.memory is None else args.memory,
-                        cluster_secret=cluster_secret, auth=args.auth,
-                        door=Door(door.from_args(args)), tls=tls)
-    svc.advertise = args.advertise
-    if args.kafka_listener is not None:
-        from ..kafka.gateway import Gateway
-        svc.kafka = Gateway(svc, args.kafka_listener, args.kafka_advertise)
-    if args.metrics_port is not None:
-        from ..metrics.broker import install
-        install(svc, args.metrics_top_streams)
-
-    async def run():
-        async with trio.open_nursery() as n:
-            if svc.metrics is not None:
-                await n.start(svc.metrics.serve, args.metrics_host or args.host, args.metrics_port)
-            await svc.run(args.host, args.port)
-
-    from ..process import run_until_signal
-    run_until_signal(run)

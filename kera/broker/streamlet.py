@@ -30,73 +30,14 @@ from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from ..stream_meta import StreamMeta
 from .group import Group
+from .ledger import Ledger
 from .segment import Segment
+from .sequences import ProducerState
 
 DELETE_RETENTION_MS = 86_400_000  # Kafka's delete.retention.ms default: tombstones kept a day
 SEGMENT_MS = 60_000  # segment.ms of compacted streams: their newest segment is compacted a minute on
 SEAL_GAP = 1 << 16  # group ids skipped after a loss: more groups than one lost range can hold
 NONE: MappingProxyType = MappingProxyType({})  # what a streamlet has none of yet (its maps made on first use)
-
-
-class Ledger:
-    """What a broker keeps over all its streamlets, updated as they change, so that nothing
-    periodic or per request walks every streamlet: the chunks and bytes appended (stats),
-    the streamlets under retention holding filled segments (the reclaim pass) and those of
-    compacted streams (the compactor). The sets are dicts, in the order streamlets joined."""
-
-    __slots__ = ("chunks", "bytes", "expiring", "compacted")
-
-    def __init__(self):
-        self.chunks = self.bytes = 0
-        self.expiring: dict[Streamlet, None] = {}
-        self.compacted: dict[Streamlet, None] = {}
-
-    def clear(self) -> None:
-        self.chunks = self.bytes = 0
-        self.expiring.clear()
-        self.compacted.clear()
-
-
-class ProducerState:
-    """A producer's newest sequence here, and per vlog its chunks went to, its newest ref.
-
-    Groups change vlogs, so a duplicate's chunk may sit in another vlog than
-    the producer's newest one: it is durable once every vlog listed is
-    durable up to its ref (conservative, and the list is short: vlogs whose
-    refs are all durable are forgotten when the producer moves to a new one).
-    Each ref comes with its chunk's segment and end, which say it is durable.
-    The refs are one flat list, [vlog, ref, segment or None, end, ...]: most
-    producers use one vlog of a streamlet at a time, and a list of four costs a
-    third of a dict of tuples.
-    """
-
-    __slots__ = ("last_seq", "refs")
-
-    def __init__(self, last_seq: int, refs: list):
-        self.last_seq = last_seq
-        self.refs = refs  # [vlog, ref, segment or None, end of the chunk in it, ...]
-
-    def waits(self):
-        """(vlog, ref) pairs that must be durable before a duplicate is acknowledged."""
-        r = self.refs
-        return [(r[i], r[i + 1]) for i in range(0, len(r), 4)
-                if r[i + 2] is None or r[i + 2].durable < r[i + 3]]
-
-    def note(self, vlog, ref: int, segment, end: int) -> None:
-        """The producer's chunk ``ref`` in ``vlog``: kept if it is that vlog's newest."""
-        r = self.refs
-        for i in range(0, len(r), 4):
-            if r[i] == vlog:
-                if ref > r[i + 1]:
-                    r[i + 1:i + 4] = ref, segment, end
-                return
-        # a new group's vlog (rare): forget the vlogs already durable
-        keep = []
-        for i in range(0, len(r), 4):
-            seg = r[i + 2]
-            if seg is None or seg.durable < r[i + 3]:
-                keep += r[i:i + 4]
-        self.refs = [*keep, vlog, ref, segment, end]
 
 
 class Streamlet:
@@ -174,7 +115,7 @@ class Streamlet:
     def retained_bytes(self) -> int:
         return self.appended_bytes - self.freed_bytes
 
-    def _on_filled(self, g: Group, seg) -> None:
+    def mark_filled(self, g: Group, seg) -> None:
         if seg.filled_at:  # rolled by segment.ms already
             return
         seg.filled_at = time.time()
@@ -186,44 +127,6 @@ class Streamlet:
         # a compacted stream's segments are not evicted: compaction rewrites them in memory
         if self.memory is not None and not self.compact:
             self.memory.filled(seg)
-
-    def roll(self, now: float) -> None:
-        """Kafka's ``segment.ms``: an active segment older than it takes no more chunks (the
-        next chunk opens a new one), so compaction, which only rewrites closed segments,
-        reaches the newest records of a stream that stopped writing."""
-        for g in self.active:
-            if g is None or not g.segments:
-                continue
-            seg = g.segments[-1]
-            if seg.head and not seg.filled_at and now - seg.opened_at >= self.segment_ms / 1000:
-                seg.capacity = seg.head
-                self._on_filled(g, seg)
-
-    def expired(self, now: float, settled_only: bool = True) -> list:
-        """Retention: free whole segments, oldest first, while the rest still holds
-        ``retention_bytes`` or while the oldest is older than ``retention_ms``. Only segments
-        whose chunks are settled on the backups go (the others wait for the next pass).
-        Returns the segments freed (the caller releases their memory and vsegs).
-        ``settled_only`` False: a streamlet just recovered drops what its dead broker had
-        freed already (replayed from vsegs shared with live data) before it serves."""
-        out = []
-        self.waiting = None
-        rb, rm = self.retention_bytes, self.retention_ms
-        if rb < 0 and rm < 0:
-            return out
-        retained = self.retained_bytes
-        while self.filled:
-            g, seg = self.filled[0]
-            old = (rb >= 0 and retained - seg.head >= rb) or \
-                (rm >= 0 and seg.filled_at * 1000 <= now * 1000 - rm)
-            if not old or g.segments[g.start] is not seg:
-                break
-            if settled_only and not seg.replicated():
-                self.waiting = seg
-                break
-            retained -= seg.head
-            out.append(self._free_first())
-        return out
 
     def _count(self, chunks: int, nbytes: int) -> None:
         """Chunks appended here (and counted by the broker): appended, placed or adopted."""
@@ -247,28 +150,6 @@ class Streamlet:
         self.producers = NONE
         return segs
 
-    def _free_first(self):
-        """The oldest filled segment, first of its group, goes (the caller frees its bytes)."""
-        g, seg = self.filled.popleft()
-        g.free_front()
-        self.freed_bytes += seg.head
-        self.freed_segments += 1
-        if g.gone():
-            del self.groups[g.id]
-        return seg
-
-    def drop_empty(self) -> list:
-        """Compaction left the oldest segments without a record (every one superseded): they
-        go like expired ones, so their vsegs' floors move and the backups delete their files.
-        Returns the segments (the caller frees them)."""
-        out = []
-        while self.filled:
-            g, seg = self.filled[0]
-            if seg.compacted is None or seg.compacted.records or g.segments[g.start] is not seg:
-                break
-            out.append(self._free_first())
-        return out
-
     def starts(self) -> dict:
         """Where a reader may restart: each group's first position, and the next group id."""
         return {"next": self.next_group, "groups": {gid: g.first() for gid, g in self.groups.items()}}
@@ -284,7 +165,7 @@ class Streamlet:
         if gid is None:
             gid = self.next_group
         g = Group(gid, slot, self.segment_size, self.max_segments, self.memory)
-        g.on_filled = self._on_filled
+        g.on_filled = self.mark_filled
         self.groups[gid] = g
         self.next_group = max(self.next_group, gid + 1)
         return g
@@ -402,7 +283,7 @@ class Streamlet:
             raise DataLoss(f"stream {self.stream_id} streamlet {self.index}: adopted segment "
                            f"{seg.id} of group {group} after {n} segments")
         g.segments.append(seg)
-        self._on_filled(g, seg)
+        self.mark_filled(g, seg)
         self._count(len(seg.ends), seg.head)
         self.kafka_log().adopted(group, seg)   # its Kafka offsets, as the dead broker gave them
         return True
@@ -536,7 +417,7 @@ class Streamlet:
         held = {id(seg) for _, seg in self.filled}
         for g in self.groups.values():
             if g.closed and len(g.segments) > g.start and id(g.segments[-1]) not in held:
-                self._on_filled(g, g.segments[-1])
+                self.mark_filled(g, g.segments[-1])
 
     def seal(self) -> None:
         """Recovered with a range lost on every copy: close every group and number new ones

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import numpy as np
 import trio
@@ -19,7 +21,9 @@ from .. import chunk, limits
 from ..errors import InvalidArgument, KeraError, NotOwner, ProtocolError
 from ..recovery import index_chunk
 from ..rpc import unwrapped
-from .adopted import AdoptedSegment, IndexHolder, adopted_segments
+from ..stream_meta import StreamMeta
+from . import retention
+from .adopted import AdoptedSegment, Claims, IndexHolder, adopted_segments
 from .group_close import mark
 from .replicator import Replicator
 from .segment import VlogChunk
@@ -28,16 +32,39 @@ from .streamlet import Streamlet
 log = logging.getLogger("kera.broker")
 
 
+class Guard(Protocol):
+    """The membership's checks (``kera.broker.membership``): the request's epoch is ours, our
+    lease is live."""
+
+    broker_id: int | None
+
+    def check_epoch(self, meta) -> None: ...
+    def check_lease(self) -> None: ...
+
 
 class Takeover:
-    """``BrokerService``'s recovery RPCs (its state: streamlets, vlogs, claims)."""
+    """The broker's side of a recovery: it owns the adoptions made here and not yet settled
+    (``unsettled``). Handed what the broker holds (``streams``, ``streamlets``), the
+    membership's checks (``guard``), its virtual logs' ways in (``vlog_for``: a group's vlog;
+    ``append_close``: a group's close chunk in it; ``durable``: wait until indexes are
+    durable), the freeing of segments (``free``, the reclaimer's) and, as they are made for
+    each incarnation, the claims on adopted segments' vsegs (``claims``)."""
 
-    async def rpc_recover(self, meta, payload):
+    def __init__(self, streams: dict[int, StreamMeta], streamlets: dict[tuple[int, int], Streamlet],
+                 guard: Guard, *, vlog_for: Callable, append_close: Callable,
+                 durable: Callable[[dict], Awaitable[None]], free: Callable[[list], None],
+                 claims: Callable[[], Claims]):
+        self.streams, self.streamlets, self.guard = streams, streamlets, guard
+        self.vlog_for, self.append_close, self.durable, self.free = vlog_for, append_close, durable, free
+        self.claims = claims
+        self.unsettled: dict[Replicator, int] = {}   # vlog -> its last adoption not yet settled
+
+    async def recover(self, meta, payload):
         """Chunks replayed by a backup: placed where their headers say, then replicated
         through our own virtual logs; answered once they are durable here. An index chunk
         (segments the dead broker had adopted) is adopted again (``_adopt_index``)."""
-        self._check_epoch(meta)
-        self._check_lease()
+        self.guard.check_epoch(meta)
+        self.guard.check_lease()
         waits: dict[Replicator, int] = {}
         claim: dict = {}
         placed = dup = 0
@@ -66,7 +93,7 @@ class Takeover:
                                               f"flagged CLOSE that is not a group's close chunk")
                     g = mark(sl, h.group)
                     if g is not None:  # recorded again in our vlog, after the group's chunks
-                        vlog, idx = self._append_close(sl, g, VlogChunk(bytes(mv)), h.body_checksum)
+                        vlog, idx = self.append_close(sl, g, VlogChunk(bytes(mv)), h.body_checksum)
                         waits[vlog] = idx
                     dup += 1
                     continue
@@ -85,15 +112,15 @@ class Takeover:
             placed += 1
         return await self._claimed_and_durable(claim, waits, {"placed": placed, "duplicates": dup})
 
-    async def rpc_adopt(self, meta, payload):
+    async def adopt(self, meta, payload):
         """Recovery re-points a dead broker's settled segments here as evicted segments: the
         payload holds one index chunk per run of a group's segments (``kera.recovery.index_chunk``), in
         group order. Answered once they are built and their index chunks appended to our own
         vlogs (each vlog's open vseg closed behind them: what is placed later goes to another
         vseg, released apart from the adoptions), so the replay of what follows them in their
         groups can start; ``settle`` answers once they are durable and claimed."""
-        self._check_epoch(meta)
-        self._check_lease()
+        self.guard.check_epoch(meta)
+        self.guard.check_lease()
         todo = []
         for h, off in chunk.scan(payload):  # all checked before anything changes
             sl = self.streamlets.get((h.stream_id, h.streamlet))
@@ -121,7 +148,7 @@ class Takeover:
                     vlogs[vlog] = None
                     self.unsettled[vlog] = max(idx, self.unsettled.get(vlog, 0))
                     for seg in segs:
-                        self.claims.pending.update(dict.fromkeys(seg.foreign))
+                        self.claims().pending.update(dict.fromkeys(seg.foreign))
                     rows.setdefault(sl, []).append(ix.rows)
                     adopted += len(segs)
         finally:  # one pass per streamlet over every adopted segment's rows
@@ -132,14 +159,14 @@ class Takeover:
                     v.poke()
         return {"adopted": adopted}
 
-    def rpc_pend(self, meta, payload):
+    def pend(self, meta, payload):
         """A recovery hands streamlets over before the closed groups of the dead broker's
         history are adopted (``kera.recovery.adoption``): ``entries`` [[stream_id, streamlet, [[lo,
         hi], ...] group id ranges, [[producer, highest sequence], ...], [[slot, newest group],
         ...], optionally the end of their Kafka offsets], ...] of ``source``
         [broker, epoch] wait here until adopted (no range: adopted, served). Every streamlet
         named must be ours and every field well formed; nothing changes otherwise."""
-        self._check_epoch(meta)
+        self.guard.check_epoch(meta)
         src = tuple(meta["source"])
         todo = [(self.streamlets.get((sid, i)), sid, i, [tuple(r) for r in rs], dict(map(tuple, highest)),
                  dict(map(tuple, tops)), *knext) for sid, i, rs, highest, tops, *knext in meta["entries"]]
@@ -150,7 +177,7 @@ class Takeover:
                                       f"{limits.MAX_PENDING_GROUPS} group ids per streamlet")
         for sl, sid, i, *_ in todo:
             if sl is None:
-                raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.broker_id}")
+                raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.guard.broker_id}")
         for sl, _, _, ranges, highest, tops, *knext in todo:
             if ranges:
                 sl.pend(src, ranges, highest, tops, *knext)
@@ -159,18 +186,18 @@ class Takeover:
                 if not sl.pending and not sl.recovering:
                     # what the dead broker had freed already and came back with the adoption goes
                     # before a reader sees it, as at a hand-over (``BrokerService._assign``)
-                    self._free(sl.expired(time.time(), settled_only=False))
+                    self.free(retention.expired(sl, time.time(), settled_only=False))
         return {}
 
-    async def rpc_settle(self, meta, payload):
+    async def settle(self, meta, payload):
         """Answered once every adoption made here so far is durable in our vlogs and every
         foreign vseg it reads is claimed on its backups (a claim is an fsync on each backup):
         a recovery asks while it replays the rest and hands over only after the answer, so
         neither a failure of ours nor the backups' letting go of the dead incarnation loses
         an adopted segment once it serves."""
-        self._check_epoch(meta)
-        self._check_lease()
-        pending = self.claims.pending
+        self.guard.check_epoch(meta)
+        self.guard.check_lease()
+        pending = self.claims().pending
         for vs in [vs for vs in pending if vs.live <= 0]:
             del pending[vs]   # no segment of ours reads it any more (a failed recovery's, unassigned)
         waits, claim = dict(self.unsettled), dict(pending)
@@ -180,15 +207,15 @@ class Takeover:
                 del self.unsettled[v]
         for vs in claim:
             if vs.claimed:
-                self.claims.pending.pop(vs, None)
+                self.claims().pending.pop(vs, None)
         return {}
 
     async def _claimed_and_durable(self, claim: dict, waits: dict, reply: dict) -> dict:
         """``reply`` once the foreign vsegs are claimed and what was placed is durable: the two
         at once (each an fsync away)."""
         async with unwrapped(), trio.open_nursery() as n:  # a failure cancels the other, typed
-            n.start_soon(self.claims.claim, claim)
-            n.start_soon(self._durable, waits)
+            n.start_soon(self.claims().claim, claim)
+            n.start_soon(self.durable, waits)
         return reply
 
     def _adopt_index(self, sl: Streamlet, h, data, ix):
@@ -208,7 +235,7 @@ class Takeover:
             # again, and answered once what that try appended is durable
             vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
             return vlog, vlog.log.appended, segs
-        new = adopted_segments(ix, sl.segment_size, self.claims)[held:]
+        new = adopted_segments(ix, sl.segment_size, self.claims())[held:]
         for seg in new:
             sl.adopt(h.group, h.producer_id, seg)   # DataLoss past a hole (only the first can be)
         if h.flags & chunk.CLOSE:  # the group's last segment: nothing is appended after it
@@ -217,5 +244,5 @@ class Takeover:
         vlog = self.vlog_for(self.streams[h.stream_id], h.streamlet, sl.groups[h.group])
         idx = vlog.append(holder, 0, holder.head, h.body_checksum)
         for seg in new:
-            self.claims.attach(seg, holder)
+            self.claims().attach(seg, holder)
         return vlog, idx, segs + new

@@ -6,6 +6,10 @@ in memory and on disk.
 - ``builders``: chunks made from records (``build``), from columns (``build_arrays``), or many
   at once (``pack_many``).
 - ``view``: a chunk's records as numpy views (``ChunkView``), and compaction's ``rewrite``.
+- ``kafka_batch``: Kafka's RecordBatch, which a chunk flagged ``KAFKA`` carries as it arrived
+  (its header read and checked, its base offset written; ``kera.kafka`` serves it).
+- ``kafka_records``: such a chunk's records in kera's layout (``to_chunk``), which a
+  ``ChunkView`` reads: every reader of chunks meets Kafka's here, below ``kera.kafka``.
 
 Every name is handed on here: ``from kera import chunk``, then ``chunk.build``.
 """

@@ -9,6 +9,7 @@ import struct
 import numpy as np
 
 from ..errors import ProtocolError
+from .kafka_records import to_chunk
 from .layout import (
     _RESERVED_AT,
     COMPACTED,
@@ -34,7 +35,6 @@ class ChunkView:
         self.buf = memoryview(buf)[offset:offset + self.header.size]
         self._base = HEADER_SIZE
         if self.header.flags & KAFKA:   # its records, converted to this layout (in numpy)
-            from ..kafka.convert import to_chunk
             self.buf = memoryview(to_chunk(self.buf))
             self.header = parse_header(self.buf)
         self._check_offsets()

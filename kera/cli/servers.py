@@ -51,7 +51,7 @@ def serve(role: str, argv: list[str]) -> None:
         from ..coordinator.main import main
         main(argv, open_log=StreamletLog)
     elif role == "broker":
-        from ..broker.service import main
+        from ..broker.main import main
         main(argv)
     else:
         from ..backup.main import main

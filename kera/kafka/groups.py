@@ -72,6 +72,26 @@ class Coordinator:
         self._positions: tuple[float, dict, dict] | None = None
         self.offsets = offsets.Offsets(gw, self)
 
+    async def refused(self, conn, group: str) -> ErrorCode | None:
+        """The error code refusing a request about ``group`` here, or None (OffsetCommit and
+        OffsetFetch ask it too)."""
+        if not conn.peer.may("read", "group", group):
+            return ErrorCode.group_authorization_failed
+        if not await self.mine(group):
+            return ErrorCode.not_coordinator
+        return None
+
+    @staticmethod
+    def stale(g: Group | None, mid: str, generation: int) -> ErrorCode | None:
+        """The error code refusing member ``mid`` of generation ``generation`` of ``g``, or
+        None (and the member is seen now)."""
+        if g is None or mid not in g.members:
+            return ErrorCode.unknown_member_id
+        if generation != g.generation:
+            return ErrorCode.illegal_generation
+        g.members[mid].seen = time.monotonic()
+        return None
+
     async def run(self) -> None:
         async with trio.open_nursery() as n:
             self.nursery = n
@@ -199,19 +219,10 @@ async def _find(gw, conn, req, version):
     return {**out, "error_code": ErrorCode.none, "node_id": owner, "host": host, "port": int(port)}
 
 
-async def _checked(c: Coordinator, conn, group: str):
-    """The error code refusing a request about ``group`` here, or None."""
-    if not conn.peer.may("read", "group", group):
-        return ErrorCode.group_authorization_failed
-    if not await c.mine(group):
-        return ErrorCode.not_coordinator
-    return None
-
-
 async def _join(c: Coordinator, conn, req, version):
     out = {"throttle_time": 0, "generation_id": -1, "protocol_type": None, "protocol_name": None,
            "leader": "", "member_id": req.member_id, "members": ()}
-    err = await _checked(c, conn, req.group_id)
+    err = await c.refused(conn, req.group_id)
     if err is not None:
         return {**out, "error_code": err}
     g = c.group(req.group_id)
@@ -243,20 +254,11 @@ async def _join(c: Coordinator, conn, req, version):
             "member_id": mid, "members": members}
 
 
-def _member(g: Group | None, mid: str, generation: int) -> ErrorCode | None:
-    if g is None or mid not in g.members:
-        return ErrorCode.unknown_member_id
-    if generation != g.generation:
-        return ErrorCode.illegal_generation
-    g.members[mid].seen = time.monotonic()
-    return None
-
-
 async def _sync(c: Coordinator, conn, req, version):
     out = {"throttle_time": 0, "protocol_type": None, "protocol_name": None, "assignment": b""}
-    err = await _checked(c, conn, req.group_id)
+    err = await c.refused(conn, req.group_id)
     g = c.groups.get(req.group_id)
-    err = err or _member(g, req.member_id, req.generation_id)
+    err = err or c.stale(g, req.member_id, req.generation_id)
     if err is None and g.state == "PreparingRebalance":
         err = ErrorCode.rebalance_in_progress
     if err is not None:
@@ -278,16 +280,16 @@ async def _sync(c: Coordinator, conn, req, version):
 
 
 async def _heartbeat(c: Coordinator, conn, req, version):
-    err = await _checked(c, conn, req.group_id)
+    err = await c.refused(conn, req.group_id)
     g = c.groups.get(req.group_id)
-    err = err or _member(g, req.member_id, req.generation_id)
+    err = err or c.stale(g, req.member_id, req.generation_id)
     if err is None and g.state == "PreparingRebalance":
         err = ErrorCode.rebalance_in_progress
     return {"throttle_time": 0, "error_code": err or ErrorCode.none}
 
 
 async def _leave(c: Coordinator, conn, req, version):
-    err = await _checked(c, conn, req.group_id)
+    err = await c.refused(conn, req.group_id)
     ids = [m.member_id for m in req.members] if hasattr(req, "members") else [req.member_id]
     g = c.groups.get(req.group_id)
     out = []
@@ -302,7 +304,7 @@ async def _leave(c: Coordinator, conn, req, version):
 async def _describe(c: Coordinator, conn, req, version):
     out = []
     for name in req.groups:
-        err = await _checked(c, conn, name)
+        err = await c.refused(conn, name)
         g = c.groups.get(name)
         d = {"error_code": err or ErrorCode.none, "group_id": name, "group_state": "Dead",
              "protocol_type": "", "protocol_data": "", "members": (), "authorized_operations": -1}

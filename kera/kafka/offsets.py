@@ -192,11 +192,9 @@ class Offsets:
             for name, parts in result.items()]}
 
     async def _checked(self, conn, group: str, gen: int, member: str):
-        from .groups import _checked, _member
-        err = await _checked(self.c, conn, group)
+        err = await self.c.refused(conn, group)
         if err is None and gen >= 0:
-            g = self.c.groups.get(group)
-            err = _member(g, member, gen)
+            err = self.c.stale(self.c.groups.get(group), member, gen)
         return err
 
     async def _commit(self, conn, group: str, topics, result: dict) -> None:

@@ -20,10 +20,11 @@ from __future__ import annotations
 from kio.schema.errors import ErrorCode
 
 from .. import chunk
+from ..chunk import kafka_batch as batch
 from ..errors import Fenced, KeraError
 from ..names import is_internal
 from ..rpc import Later
-from . import batch, codes, convert
+from . import codes, convert
 from .answers import Waiting
 from .produce_answer import ProduceAnswer
 

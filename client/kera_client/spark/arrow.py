@@ -25,6 +25,7 @@ from pyspark.sql.types import (
 )
 
 from kera import chunk as chunkfmt
+from kera.chunk import kafka_records
 from kera.errors import ProtocolError
 
 SCHEMA = StructType([
@@ -80,8 +81,7 @@ class ChunkBatch:
         """One verified chunk at ``buf[offset:]`` (its header already parsed, or parsed here)."""
         h = header or chunkfmt.parse_header(buf, offset)
         if h.flags & chunkfmt.KAFKA:   # a Kafka producer's batch: its records in this layout (numpy)
-            from kera.kafka.convert import to_chunk
-            buf, offset = to_chunk(memoryview(buf)[offset:offset + h.size]), 0
+            buf, offset = kafka_records.to_chunk(memoryview(buf)[offset:offset + h.size]), 0
             h = chunkfmt.parse_header(buf)
         n = h.record_count
         body = offset + chunkfmt.HEADER_SIZE

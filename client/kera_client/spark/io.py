@@ -313,6 +313,96 @@ class Stats:
             f.write(line + "\n")
 
 
+class _Reading:
+    """What a task reading ranges keeps between rounds: the ranges of each streamlet still to
+    read (in order), the owners' addresses, the batch being filled and the stats."""
+
+    def __init__(self, coordinator: str, wires: list, addrs: dict, rt, pull_bytes: int, settings: tuple):
+        self.coordinator, self.rt, self.pull_bytes, self.settings = coordinator, rt, pull_bytes, settings
+        self.stats = Stats()
+        self.queues: dict[tuple, deque] = {}
+        for w in wires:
+            r = _Range(w)
+            if r.pending():
+                self.queues.setdefault((r.sid, r.streamlet), deque()).append(r)
+        self.addrs = {k: list(v) for k, v in addrs.items()}
+        self.names = {w[1]: w[0] for w in wires}
+        self.ids = {w[0]: w[1] for w in wires}
+        self.batch = ChunkBatch()
+
+    def active(self) -> dict:
+        queues = self.queues
+        for key in list(queues):
+            q = queues[key]
+            while q and not q[0].pending():
+                q.popleft()
+            if not q:
+                del queues[key]
+        return {k: q[0] for k, q in queues.items()}
+
+    def refresh(self, stale_streams) -> None:
+        """New owner addresses; streams deleted (or re-created) since planning are dropped."""
+        try:
+            meta = metadata(self.coordinator, sorted(stale_streams), strict=False, settings=self.settings)
+        except KeraError as e:
+            log.warning("metadata refresh failed: %s", e)
+            return
+        for name in stale_streams:
+            s = meta.get(name)
+            sid = self.ids.get(name)
+            if s is None or s.id != sid:
+                log.warning("stream %s was deleted while being read: its records are skipped", name)
+                for key in [k for k in self.queues if k[0] == sid]:
+                    del self.queues[key]
+            else:
+                self.addrs[name] = list(s.addrs)
+
+    def plan_pull(self):
+        """The next round: one request per broker, built here (the loop thread owns the ranges)."""
+        cur = self.active()
+        by_addr: dict[str, list] = {}
+        reqs: dict[str, list] = {}
+        stale = set()
+        for (_sid, i), r in cur.items():
+            a = self.addrs.get(r.stream, [None] * (i + 1))[i]
+            if a is None:
+                stale.add(r.stream)
+            else:
+                by_addr.setdefault(a, []).append(r)
+                reqs.setdefault(a, []).append(r.request())
+        fut = self.rt.submit(_pull_all, self.rt.pool, reqs, self.pull_bytes) if reqs else None
+        return cur, by_addr, stale, fut
+
+    def absorb(self, answers, cur: dict, by_addr: dict, stale: set) -> bool:
+        """A round's answers into the batch; the streams whose owners refused or vanished
+        join ``stale``. Whether any range moved."""
+        moved = False
+        for addr, r, payload in answers:
+            if r is None:
+                stale.update(x.stream for x in by_addr[addr])
+                continue
+            for e in r["errors"]:
+                if e[0] in self.names:
+                    stale.add(self.names[e[0]])
+            at = 0
+            for sid, i, gid, seg, off, n, nxt in r["entries"]:
+                buf = payload[at:at + n] if n else None
+                at += n
+                rng = cur.get((sid, i))
+                if rng is not None and rng.absorb(gid, seg, off, nxt, buf, self.batch):
+                    moved = True
+        return moved
+
+    def emit(self):
+        t = time.perf_counter()
+        rb = self.batch.build()
+        self.stats.records += rb.num_rows
+        self.stats.bytes += self.batch.nbytes
+        self.batch = ChunkBatch()
+        self.stats.decode += time.perf_counter() - t
+        return rb
+
+
 def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int = 8 << 20,
                 batch_bytes: int = 8 << 20, timeout: float = 120.0, stats_file: str | None = None,
                 settings: tuple = ()):
@@ -323,108 +413,32 @@ def read_ranges(coordinator: str, wires: list, addrs: dict, *, pull_bytes: int =
     range that makes no progress for ``timeout`` seconds fails the task (Spark
     retries it; nothing is skipped silently).
     """
-    rt = Runtime.get(settings)
-    stats = Stats()
-    queues: dict[tuple, deque] = {}
-    for w in wires:
-        r = _Range(w)
-        if r.pending():
-            queues.setdefault((r.sid, r.streamlet), deque()).append(r)
-    addrs = {k: list(v) for k, v in addrs.items()}
-    names = {w[1]: w[0] for w in wires}
-    ids = {w[0]: w[1] for w in wires}
+    rd = _Reading(coordinator, wires, addrs, Runtime.get(settings), pull_bytes, settings)
+    stats = rd.stats
     last_progress = time.monotonic()
-    batch = ChunkBatch()
-
-    def active():
-        for key in list(queues):
-            q = queues[key]
-            while q and not q[0].pending():
-                q.popleft()
-            if not q:
-                del queues[key]
-        return {k: q[0] for k, q in queues.items()}
-
-    def refresh(stale_streams):
-        """New owner addresses; streams deleted (or re-created) since planning are dropped."""
-        try:
-            meta = metadata(coordinator, sorted(stale_streams), strict=False, settings=settings)
-        except KeraError as e:
-            log.warning("metadata refresh failed: %s", e)
-            return
-        for name in stale_streams:
-            s = meta.get(name)
-            sid = ids.get(name)
-            if s is None or s.id != sid:
-                log.warning("stream %s was deleted while being read: its records are skipped", name)
-                for key in [k for k in queues if k[0] == sid]:
-                    del queues[key]
-            else:
-                addrs[name] = list(s.addrs)
-
-    def plan_pull():
-        """The next round: one request per broker, built here (the loop thread owns the ranges)."""
-        cur = active()
-        by_addr: dict[str, list] = {}
-        reqs: dict[str, list] = {}
-        stale = set()
-        for (_sid, i), r in cur.items():
-            a = addrs.get(r.stream, [None] * (i + 1))[i]
-            if a is None:
-                stale.add(r.stream)
-            else:
-                by_addr.setdefault(a, []).append(r)
-                reqs.setdefault(a, []).append(r.request())
-        fut = rt.submit(_pull_all, rt.pool, reqs, pull_bytes) if reqs else None
-        return cur, by_addr, stale, fut
-
-    def emit():
-        nonlocal batch
-        t = time.perf_counter()
-        rb = batch.build()
-        stats.records += rb.num_rows
-        stats.bytes += batch.nbytes
-        batch = ChunkBatch()
-        stats.decode += time.perf_counter() - t
-        return rb
-
     try:
-        cur, by_addr, stale, fut = plan_pull()
+        cur, by_addr, stale, fut = rd.plan_pull()
         while cur:
             t = time.perf_counter()
             answers = fut.result() if fut is not None else []
             stats.pull += time.perf_counter() - t
             stats.pulls += len(by_addr)
             t = time.perf_counter()
-            moved = False
-            for addr, r, payload in answers:
-                if r is None:
-                    stale.update(x.stream for x in by_addr[addr])
-                    continue
-                for e in r["errors"]:
-                    if e[0] in names:
-                        stale.add(names[e[0]])
-                at = 0
-                for sid, i, gid, seg, off, n, nxt in r["entries"]:
-                    buf = payload[at:at + n] if n else None
-                    at += n
-                    rng = cur.get((sid, i))
-                    if rng is not None and rng.absorb(gid, seg, off, nxt, buf, batch):
-                        moved = True
+            moved = rd.absorb(answers, cur, by_addr, stale)
             stats.decode += time.perf_counter() - t
             if moved:
                 last_progress = time.monotonic()
             elif time.monotonic() - last_progress > timeout:
-                left = ", ".join(f"{r.stream}/{r.streamlet}" for r in active().values())
+                left = ", ".join(f"{r.stream}/{r.streamlet}" for r in rd.active().values())
                 raise TimeoutError(f"kera: no progress for {timeout:.0f} s reading {left}")
             if stale:
-                refresh(stale)
+                rd.refresh(stale)
                 if not moved:
                     time.sleep(0.05)  # the owner is being recovered: ask again shortly
             # the next pull runs while this batch is built and handed to Spark
-            cur, by_addr, stale, fut = plan_pull()
-            if batch.nbytes >= batch_bytes or (not cur and len(batch)):
-                rb = emit()
+            cur, by_addr, stale, fut = rd.plan_pull()
+            if rd.batch.nbytes >= batch_bytes or (not cur and len(rd.batch)):
+                rb = rd.emit()
                 t = time.perf_counter()
                 yield rb
                 stats.outside += time.perf_counter() - t
