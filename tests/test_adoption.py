@@ -84,13 +84,13 @@ def test_a_recovery_tells_its_new_owners_the_groups_a_record_still_holds():
     (as ranges of ids, with the newest per slot), beside the recovery's own with their
     sequences; streamlets not handed over are not."""
     ad = _adoptions()
-    ad.record(2, 2, {(1, 0): ({3, 4, 9}, {7: 10}, {3: 7, 4: 6, 9: 5}), (1, 1): ({5}, {}, {5: 0})}, [[0, 3]], True)
+    ad.record(2, 2, {(1, 0): ({3, 4, 9}, {7: 10}, {3: 7, 4: 6, 9: 5}, [0]), (1, 1): ({5}, {}, {5: 0}, [0])}, [[0, 3]], True)
     assert list(ad.records) == [key_of(2, 2)]
     assert ad.records[key_of(2, 2)]["streamlets"] == [[1, 0, [[3, 4], [9, 9]], [[1, 9], [2, 4], [3, 3]]],
                                                       [1, 1, [[5, 5]], [[0, 5]]]]
     new = _Member()
-    got = ad.pending_for({(1, 0): new}, (1, 1), {(1, 0): ({8}, {7: 20}, {8: 7})})
-    assert got == {(new, (1, 1)): [[1, 0, [[8, 8]], [(7, 20)], [[3, 8]]]],
+    got = ad.pending_for({(1, 0): new}, (1, 1), {(1, 0): ({8}, {7: 20}, {8: 7}, [120])})
+    assert got == {(new, (1, 1)): [[1, 0, [[8, 8]], [(7, 20)], [[3, 8]], 120]],
                    (new, (2, 2)): [[1, 0, [[3, 4], [9, 9]], [], [[1, 9], [2, 4], [3, 3]]]]}
     assert ad.pending_for({(1, 0): new}, (2, 2)) == {}   # its own record: told from its plan
 
@@ -101,10 +101,32 @@ def test_a_second_hand_over_of_the_same_incarnation_adds_to_its_record():
     hand-over's other streamlets keep theirs, a streamlet handed over again is as the new
     plan says; what the replays covered is the smaller, complete only if both were."""
     ad = _adoptions()
-    ad.record(2, 2, {(1, 0): ({3, 4}, {}, {3: 0, 4: 0}), (1, 2): ({1}, {}, {1: 0})},
+    ad.record(2, 2, {(1, 0): ({3, 4}, {}, {3: 0, 4: 0}, [0]), (1, 2): ({1}, {}, {1: 0}, [0])},
               [[0, 3], [1, 5]], True, [(1, 0), (1, 2)])
-    ad.record(2, 2, {(1, 1): ({6}, {}, {6: 1})}, [[0, 4], [1, 4]], False, [(1, 1), (1, 2)])
+    ad.record(2, 2, {(1, 1): ({6}, {}, {6: 1}, [0])}, [[0, 4], [1, 4]], False, [(1, 1), (1, 2)])
     r = ad.records[key_of(2, 2)]
     assert r["streamlets"] == [[1, 0, [[3, 4]], [[0, 4]]], [1, 1, [[6, 6]], [[1, 6]]]]
     assert r["covered"] == [[0, 3], [1, 4]] and r["complete"] is False
     assert ad.has(2, 2) and not ad.has(2, 3)
+
+
+def test_appends_while_a_history_is_pending_go_on_past_its_kafka_offsets():
+    """A dead incarnation's closed groups hold Kafka offsets 2..49 and are adopted after the
+    hand-over: appends made meanwhile go on from 50 (the end a recovery tells ``pend``), the
+    adopted rows (a run of chunks is one row) join the index in offset order once adopted,
+    and offsets of chunks written before offsets were kept are numbered after the rest."""
+    import numpy as np
+    sl = _streamlet()   # offsets 0 and 1
+    sl.recovering = True
+    sl.pend((4, 2), [[5, 5]], {}, {0: 5}, 50)
+    sl.finish_recovery()
+    sl.append(chunk.build(1, 0, 1, 1, [b"r", b"s"]), 1)
+    log = sl.kafka_log()
+    assert (log.bases[-1], log.next) == (50, 52)
+    seg = SimpleNamespace(id=0, ends=[100, 300, 340], kafka=(np.array([3, 13, 0], np.uint64),
+                                                            np.array([10, 37, 4], np.uint64)))
+    log.adopted(5, seg)
+    assert seg.kafka is None   # let go once indexed
+    sl.unpend((4, 2))
+    assert list(log.bases) == [0, 1, 2, 12, 50, 52] and list(log.ends) == [1, 2, 12, 49, 52, 56]
+    assert log.row(3) == (12, 49, 5, 0, 100, 200) and log.find(30) == 3 and log.next == 56

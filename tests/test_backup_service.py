@@ -30,6 +30,7 @@ from kera.coordinator.service import Coordinator
 from kera.errors import BackupError, ChecksumError, Fenced, InvalidArgument
 from kera.recovery import index_chunk
 from kera.recovery.plan import Listing
+from kera.wire.columns import INDEX_COLUMNS
 
 from .conftest import free_port, stream_meta
 from .damage import flip_bits
@@ -850,13 +851,14 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
                 if "error" in e:
                     return e
                 assert e["bytes"] == len(data)
-                return e, np.frombuffer(data[:e["rows"]], "<u8").reshape(-1, 10), data[e["rows"]:]
+                return e, np.frombuffer(data[:e["rows"]], "<u8").reshape(-1, INDEX_COLUMNS), data[e["rows"]:]
 
             _, rows, tail = await index()
             heads = [chunk.parse_header(c) for c in a]
             assert rows.tolist() == [
                 [s, len(c), h.stream_id, h.streamlet, h.group, h.segment, h.offset, h.producer_id, h.sequence,
-                 h.flags] for s, c, h in zip(starts, a, heads, strict=True)]
+                 h.flags, chunk.HEADER.unpack_from(c)[15], h.record_count]
+                for s, c, h in zip(starts, a, heads, strict=True)]
             assert tail == a[3] and rows[3, 9] == chunk.INDEX | chunk.CLOSE
 
             async def runs_of(vseg=0):

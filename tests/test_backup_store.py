@@ -304,11 +304,12 @@ def test_a_closed_replica_keeps_its_index_rows_within_the_bound_and_gives_them_b
     rows = np.frombuffer(rep.index.rows, "<u8").reshape(-1, INDEX_COLUMNS)
     heads = [chunk.parse_header(c) for c in a + b]
     assert rows.tolist() == [[st, en - st, h.stream_id, h.streamlet, h.group, h.segment, h.offset,
-                              h.producer_id, h.sequence, h.flags]
-                             for st, en, h in zip(rep.starts, rep.ends, heads, strict=True)]
+                              h.producer_id, h.sequence, h.flags, chunk.HEADER.unpack_from(c)[15],
+                              h.record_count]
+                             for c, st, en, h in zip(a + b, rep.starts, rep.ends, heads, strict=True)]
     runs = index_runs(rows)   # and the rows of its runs of chunks, made once
     assert rep.index.runs == runs.tobytes() and rep.index.marks == ()   # no index chunk
-    assert s.index_bytes == rep.index.nbytes == 3 * 80 + len(runs) * 88 and rep.heads is None
+    assert s.index_bytes == rep.index.nbytes == 3 * 96 + len(runs) * 104 and rep.heads is None
     kept = s.index_bytes
     monkeypatch.setattr(limits, "INDEX_CACHE", s.index_bytes + 100)  # no room for another
     other = (7, 2, 6)
@@ -323,8 +324,9 @@ def test_index_runs_join_a_producers_chunks_that_follow_each_other_and_nothing_e
     one segment, following each other in the segment and in the vseg, are one row (first
     offsets, sizes summed, the highest sequence) and their count; a flagged chunk, another
     producer, segment or group, a gap, or another vseg's rows start a new row."""
-    def row(voff, size, group=2, segment=0, offset=None, producer=5, seq=0, flags=0):
-        return [voff, size, 3, 1, group, segment, voff if offset is None else offset, producer, seq, flags]
+    def row(voff, size, group=2, segment=0, offset=None, producer=5, seq=0, flags=0, kafka=0):
+        return [voff, size, 3, 1, group, segment, voff if offset is None else offset, producer, seq,
+                flags, kafka, 2]
     rows = [row(0, 10, seq=1), row(10, 20, seq=2), row(30, 5, seq=3),     # one run
             row(35, 7, flags=chunk.CLOSE),                                 # flagged: its own
             row(42, 10, producer=6, seq=1), row(52, 10, producer=6, seq=2),  # another producer
@@ -334,11 +336,16 @@ def test_index_runs_join_a_producers_chunks_that_follow_each_other_and_nothing_e
     a = np.array(rows, np.uint64)
     got = index_runs(a[:8]).tolist() + index_runs(a[8:]).tolist()   # rows 8.. are of another vseg
     assert [r[-1] for r in got] == [3, 1, 2, 1, 1, 2]
-    assert got[0] == [0, 35, 3, 1, 2, 0, 0, 5, 3, 0, 3]
+    assert got[0] == [0, 35, 3, 1, 2, 0, 0, 5, 3, 0, 0, 6, 3]
     assert got[2][:2] == [42, 20] and got[2][8] == 2
-    assert got[5] == [0, 20, 3, 1, 2, 1, 10, 5, 6, 0, 2]
+    assert got[5] == [0, 20, 3, 1, 2, 1, 10, 5, 6, 0, 0, 4, 2]
     assert [r[-1] for r in index_runs(a).tolist()] == [3, 1, 2, 1, 1, 2]   # 72+10 != 0: no join anyway
     assert index_runs(a[:0]).shape == (0, INDEX_COLUMNS + 1)
+    # Kafka offsets (base + 1, 2 records each): chunks following each other in them join,
+    # a gap in them (a chunk compacted away, offsets of another partition) starts a new row
+    k = np.array([row(0, 10, seq=1, kafka=1), row(10, 10, seq=2, kafka=3), row(20, 10, seq=3, kafka=9),
+                  row(30, 10, seq=4, kafka=11)], np.uint64)
+    assert [(r[10], r[11], r[-1]) for r in index_runs(k).tolist()] == [(1, 4, 2), (9, 4, 2)]
 
 
 def test_a_file_read_is_not_served_when_its_replica_is_dropped_meanwhile(tmp_path):

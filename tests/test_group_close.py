@@ -23,6 +23,7 @@ from kera.broker.group_close import mark
 from kera.broker.streamlet import Streamlet
 from kera.errors import InvalidArgument
 from kera.recovery import index_chunk
+from kera.wire.columns import INDEX_COLUMNS
 
 from .conftest import stream_meta
 from .members import open_members
@@ -33,11 +34,11 @@ pytestmark = pytest.mark.timeout(300) if hasattr(pytest.mark, "timeout") else []
 
 SEGMENT = 64 << 10
 GROUP_SEGMENTS = 2
-COLUMNS = 10  # u64s per chunk in a backup's index answer
+COLUMNS = INDEX_COLUMNS  # u64s per chunk in a backup's index answer
 
 
 async def _index_rows(c, addr: str, stream: int) -> np.ndarray:
-    """Index rows (vlog, vseg, then the backup's 10 columns) of ``stream``'s chunks in every
+    """Index rows (vlog, vseg, then the backup's columns) of ``stream``'s chunks in every
     closed vseg of the broker at ``addr``, each asked of one backup holding it."""
     async with open_admin(c.coordinator) as a:
         st = await a.status()
@@ -67,7 +68,7 @@ def _check_close_rows(rows: np.ndarray) -> dict[int, tuple[int, int]]:
     assert len(close) and len(close) + len(data) == len(rows), "unexpected flags"
     groups = close[:, 6].tolist()
     assert len(set(groups)) == len(groups), "a group closed twice"
-    for vlog, vseg, voff, size, _, _, g, s, off, _, seq, _ in close.tolist():
+    for vlog, vseg, voff, size, _, _, g, s, off, _, seq, _, _, _ in close.tolist():
         mine = data[(data[:, 6] == g) & (data[:, 7] == s)]
         assert s == GROUP_SEGMENTS - 1 and seq == 0
         assert off == int((mine[:, 8] + mine[:, 3]).max()), "close chunk not at the segment's head"

@@ -15,14 +15,14 @@ def rows_of(vseg: int, group: int, segment: int, sizes, at: int = 0, flags: int 
     """Index rows (see ``kera.repoint_plan``'s columns) of one segment's chunks in one vseg of vlog 1."""
     out, off = [], 0
     for i, n in enumerate(sizes):
-        out.append((1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags, segment, 1))
+        out.append((1, vseg, at + off, n, 7, 0, group, segment, off, 3, segment * 10 + i, flags, 0, 1, segment, 1))
         off += n
     return out
 
 
 def close_row(vseg: int, group: int, segment: int, offset: int, at: int) -> list[tuple]:
     """A group's close chunk, as the index lists it."""
-    return [(1, vseg, at, 120, 7, 0, group, segment, offset, 3, 0, chunk.CLOSE, segment, 1)]
+    return [(1, vseg, at, 120, 7, 0, group, segment, offset, 3, 0, chunk.CLOSE, 0, 1, segment, 1)]
 
 
 def plan(rows, settled, **kw):
@@ -48,7 +48,7 @@ def test_an_index_chunk_is_repointed_even_as_the_last_segment_listed():
 
 
 def test_index_chunk_round_trip_and_bad_input():
-    rows = np.array([[100, 3, 0, 7, 1], [250, 4, 0, 9, 5]], "<u8")
+    rows = np.array([[100, 3, 0, 7, 1, 11, 4], [250, 4, 0, 9, 5, 15, 6]], "<u8")  # Kafka 10.., 14..
     ix = index_chunk.SegmentIndex(5, 1, 2, 3, 8, (2 << 32) | 1, rows, {3: [1, 2], 4: [2]})
     data = index_chunk.build(ix)
     h = chunk.verify(data)
@@ -56,6 +56,8 @@ def test_index_chunk_round_trip_and_bad_input():
     back = index_chunk.parse(data, h)
     assert (back.source, back.vlog, back.copies, back.head) == (8, (2 << 32) | 1, {3: [1, 2], 4: [2]}, 250)
     assert back.producers() == {7: 1, 9: 5} and (back.rows == rows).all()
+    old = index_chunk.SegmentIndex(5, 1, 2, 3, 8, 1, rows[:, :5].copy(), {3: [1, 2], 4: [2]})
+    assert (index_chunk.parse(index_chunk.build(old)).rows[:, 5:] == 0).all()  # offsets unknown
     closed = index_chunk.build(ix, closed=True)  # a closed group's last segment
     h = chunk.verify(closed)
     assert h.flags == chunk.INDEX | chunk.CLOSE and index_chunk.parse(closed, h).head == 250
@@ -125,7 +127,7 @@ def test_the_dead_brokers_closed_index_chunk_is_repointed_as_it_stands():
 
 
 def test_a_closed_last_segment_with_a_gap_or_in_a_replayed_streamlet_is_not_adopted():
-    gap = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + [(1, 2, 0, 30, 7, 0, 0, 3, 60, 3, 9, 0, 3, 1)]
+    gap = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + [(1, 2, 0, 30, 7, 0, 0, 3, 60, 3, 9, 0, 0, 1, 3, 1)]
     rp = plan(gap + close_row(2, 0, 3, 90, 30), {1: [1, 2]})
     assert [a.segment for a in rp.adopted] == [2] and rp.skip == {}
     rows = rows_of(1, 0, 2, [100, 100]) + rows_of(1, 0, 3, [50], 200) + close_row(1, 0, 3, 50, 250)
@@ -150,8 +152,8 @@ def test_a_group_begun_in_released_vsegs_drops_its_first_listed_segment_only():
 
 def test_an_index_chunk_of_a_run_covers_its_segments_and_the_longest_run_is_taken():
     # the dead broker adopted segments 0..2 in one index chunk, and 0..4 in another (a retry)
-    run = [r[:12] + (2, 1) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
-    longer = [r[:2] + (300,) + r[3:12] + (4, 1) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
+    run = [r[:14] + (2, 1) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
+    longer = [r[:2] + (300,) + r[3:14] + (4, 1) for r in rows_of(0, 0, 0, [300], flags=chunk.INDEX)]
     rows = run + longer + rows_of(1, 0, 5, [100, 100]) + rows_of(1, 0, 6, [50], 200) + rows_of(2, 0, 7, [80])
     rp = plan(rows, {1: [0, 1, 2]})
     assert [(a.segment, a.indexed) for a in rp.adopted] == [(0, True), (5, False), (6, False)]
@@ -166,7 +168,7 @@ def test_an_index_chunk_of_a_run_round_trip_and_the_one_segment_format_still_par
     ix = index_chunk.SegmentIndex(5, 1, 2, 3, 8, 1, rows, {3: [1, 2], 4: [2]}, [2, 1])
     back = index_chunk.parse(index_chunk.build(ix, closed=True))
     assert (back.segment, back.counts, back.heads, back.starts) == (3, [2, 1], [250, 60], [0, 2])
-    assert (back.rows == rows).all() and back.producers() == {7: 6, 9: 5}
+    assert (back.rows[:, :5] == rows).all() and back.producers() == {7: 6, 9: 5}
     for counts in ([1, 1], [3, 0], [1, 1, 1, 1]):   # counts that do not add up to the rows
         bad = index_chunk.SegmentIndex(5, 1, 2, 3, 8, 1, rows, {3: [1, 2], 4: [2]}, counts)
         with pytest.raises(InvalidArgument):
@@ -212,5 +214,10 @@ def test_the_groups_adopted_after_the_hand_over_carry_each_producers_highest_seq
     ended = [i for i in range(len(rp.spans)) if rp.ends(i)]
     assert sorted(rp.spans[i][:3] for i in ended) == [(7, 0, 0), (7, 0, 1), (7, 1, 0)]
     # sequences: segment * 10 + chunk (rows_of): group 0 gives producer 3 0, 4 1; group 1: 4 1, 3 2
-    assert _deferred(rp, ended, {}) == {(7, 0): ({0, 1}, {3: 2, 4: 1}, {0: 3, 1: 4}),
-                                        (7, 1): ({0}, {4: 0}, {0: 4})}
+    assert _deferred(rp, ended, {}) == {(7, 0): ({0, 1}, {3: 2, 4: 1}, {0: 3, 1: 4}, [0]),
+                                        (7, 1): ({0}, {4: 0}, {0: 4}, [0])}
+    # with Kafka offsets (base + 1, records): each streamlet's end, where its appends go on
+    kafka = [r[:12] + ((10 * i + 1, 10) if r[11] == 0 else (0, 1)) + r[14:] for i, r in enumerate(rows)]
+    rp = plan(kafka, {1: [0, 1]})
+    got = _deferred(rp, ended, {})
+    assert (got[(7, 0)][3], got[(7, 1)][3]) == ([60], [80])

@@ -151,7 +151,7 @@ def test_catches_a_last_segment_adopted_without_its_close_chunk(monkeypatch):
             if key not in last or (r[cols.SEGMENT], r[cols.OFFSET]) > (last[key][cols.SEGMENT], last[key][cols.OFFSET]):
                 last[key] = r
         forged = [[*r[:cols.OFFSET], r[cols.OFFSET] + r[cols.SIZE], *r[cols.OFFSET + 1:cols.FLAGS],
-                   chunk.CLOSE, *r[cols.LAST:]] for r in last.values()]
+                   chunk.CLOSE, 0, 0, *r[cols.LAST:]] for r in last.values()]
         return plan(np.concatenate([rows, np.array(forged, np.uint64).reshape(-1, cols.COLUMNS)]),
                     settled, replayed)
 

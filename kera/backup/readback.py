@@ -83,7 +83,8 @@ class ReadBack:
         history), for ``vsegs`` ([[vlog, vseg], ...] of ``broker``): one request per backup
         and batch, however long the history. Per vseg, in order, an ``answers`` entry and its
         bytes in the payload: ``{"rows": r, "bytes": n}`` (r bytes of rows, ``INDEX_COLUMNS``
-        little-endian u64s per chunk from each verified header, ``kera.wire.columns``; then its index chunks
+        little-endian u64s per chunk from each verified header, Kafka offsets included,
+        ``kera.wire.columns``; then its index chunks
         (``kera.recovery.index_chunk``), whole and verified, up to n), ``{"error": code, "message": m}``
         (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
         the answer holds ``limits.INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).

@@ -44,21 +44,23 @@ from .segment_file import FILE_HEADER_SIZE, TRAILER_SIZE, Loaded
 
 def index_rows(starts: np.ndarray, ends: np.ndarray, h: np.ndarray) -> bytes:
     """A vseg's index: per chunk a row of ``INDEX_COLUMNS`` little-endian u64s (vseg offset,
-    size, stream, streamlet, group, segment, segment offset, producer, sequence, flags:
-    ``kera.wire.columns``) from its verified headers."""
+    size, stream, streamlet, group, segment, segment offset, producer, sequence, flags, Kafka
+    base offset + 1 (0: none), records: ``kera.wire.columns``) from its verified headers: what
+    a new owner adopting the chunks needs, their partition offsets included."""
     return np.column_stack((starts, ends - starts, h["stream_id"], h["streamlet"], h["group"],
                             h["segment"], h["offset"], h["producer_id"], h["sequence"],
-                            h["flags"])).astype("<u8").tobytes()
+                            h["flags"], h["reserved"], h["record_count"])).astype("<u8").tobytes()
 
 
 
 
 def index_runs(rows: np.ndarray) -> np.ndarray:
-    """A vseg's index ((n, 10) u64 rows, ``index_rows``) as runs: consecutive chunks of one
-    producer in one segment, each following the one before in the segment and in the vseg,
-    plain (no flag: index and close chunks stay rows of their own), are one row spanning
-    them (first offsets, the sizes summed, the highest sequence) followed by their count.
-    What a recovery plans the settled history from: a row per run, not per chunk."""
+    """A vseg's index ((n, 12) u64 rows, ``index_rows``) as runs: consecutive chunks of one
+    producer in one segment, each following the one before in the segment, in the vseg and
+    in its partition's Kafka offsets, plain (no flag: index and close chunks stay rows of
+    their own), are one row spanning them (first offsets, the sizes and record counts
+    summed, the highest sequence) followed by their count. What a recovery plans the
+    settled history from: a row per run, not per chunk."""
     n = len(rows)
     out = np.empty((n, columns.RUN_COLUMNS), np.uint64)
     if not n:
@@ -66,8 +68,10 @@ def index_runs(rows: np.ndarray) -> np.ndarray:
     c = columns
     voff, size, offset = rows[:, c.IX_VOFF], rows[:, c.IX_SIZE], rows[:, c.IX_OFFSET]
     seq, flags = rows[:, c.IX_SEQUENCE], rows[:, c.IX_FLAGS]
+    kafka, records = rows[:, c.IX_KAFKA], rows[:, c.IX_RECORDS]
     joins = (flags[1:] == 0) & (flags[:-1] == 0) & (voff[1:] == voff[:-1] + size[:-1]) \
-        & (offset[1:] == offset[:-1] + size[:-1])
+        & (offset[1:] == offset[:-1] + size[:-1]) \
+        & (kafka[1:] == np.where(kafka[:-1] > 0, kafka[:-1] + records[:-1], 0))
     for k in (c.IX_STREAM, c.IX_STREAMLET, c.IX_GROUP, c.IX_SEGMENT, c.IX_PRODUCER):
         joins &= rows[1:, k] == rows[:-1, k]
     first = np.flatnonzero(np.append(True, ~joins))
@@ -75,6 +79,7 @@ def index_runs(rows: np.ndarray) -> np.ndarray:
     out[:, :c.INDEX_COLUMNS] = rows[first]
     out[:, c.IX_SIZE] = np.add.reduceat(size, first)
     out[:, c.IX_SEQUENCE] = np.maximum.reduceat(seq, first)
+    out[:, c.IX_RECORDS] = np.add.reduceat(records, first)
     out[:, c.IX_COUNT] = np.diff(np.append(first, n))
     return out
 

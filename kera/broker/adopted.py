@@ -34,7 +34,7 @@ from array import array
 import trio
 
 from ..errors import DataLoss, Fenced, KeraError, ProtocolError, Unavailable
-from ..recovery.index_chunk import SegmentIndex
+from ..recovery.index_chunk import KAFKA, RECORDS, SegmentIndex
 from .segment import Segment, VlogChunk
 
 log = logging.getLogger("kera.broker")
@@ -98,7 +98,7 @@ class IndexHolder(VlogChunk):
 
 
 class AdoptedSegment(Segment):
-    __slots__ = ("holder", "foreign")
+    __slots__ = ("holder", "foreign", "kafka")   # kafka: its rows' Kafka columns, until indexed
 
 
 def adopted_segments(ix: SegmentIndex, capacity: int, claims: Claims) -> list[AdoptedSegment]:
@@ -124,6 +124,7 @@ def adopted_segments(ix: SegmentIndex, capacity: int, claims: Claims) -> list[Ad
         seg.vsegs = [foreign[v] for v in dict.fromkeys(seg.vseg_ids)]
         seg.foreign = list(seg.vsegs)
         seg.holder = None
+        seg.kafka = (ix.rows[at:at + c, KAFKA], ix.rows[at:at + c, RECORDS])
         out.append(seg)
         at += c
     return out

@@ -422,6 +422,7 @@ class BrokerService(Service):
                 "records_out": self.records_out, "bytes_out": self.bytes_out, "pulls": self.pulls,
                 "recoveries_served": self.assignment.recoveries_served,
                 "door": self.door.describe(),
+                **({"kafka": self.kafka.stats()} if self.kafka is not None else {}),
                 **({"metrics": self.metrics.addr} if self.metrics else {})}
 
     def rpc_vsegs(self, meta, payload):

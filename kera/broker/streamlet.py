@@ -285,18 +285,20 @@ class Streamlet:
         g.segments.append(seg)
         self.mark_filled(g, seg)
         self._count(len(seg.ends), seg.head)
+        self.kafka_log().adopted(group, seg)   # its Kafka offsets, as the dead broker gave them
         return True
 
-    def pend(self, source: tuple[int, int], ranges, highest: dict[int, int], tops: dict[int, int]) -> None:
+    def pend(self, source: tuple[int, int], ranges, highest: dict, tops: dict, kafka_next=0) -> None:
         """``source``'s closed groups (``ranges`` of ids, [lo, hi] each; ``tops``: per slot,
         the newest of them) are adopted here after we serve. Until ``unpend``: a read
         reaching one of them is refused (``Recovering``, retried), retention frees nothing,
         no new group takes their ids, and the groups held that are pending (partly adopted)
         or older than a pending group of their slot take no more chunks; the producers'
         highest sequences in them are noted now, so a resend of one of their chunks stays a
-        duplicate."""
+        duplicate; ``kafka_next``: the end of their Kafka offsets, where appends go on."""
         if not self.pending:
             self.pending, self.pending_tops = {}, {}
+        self.kafka_log().reach(kafka_next)
         self.pending[source] = sorted((lo, hi) for lo, hi in ranges)
         self.pending_tops[source] = dict(tops)
         self.next_group = max(self.next_group, self.pending_top() + 1)
@@ -331,6 +333,7 @@ class Streamlet:
         if source in self.pending:
             del self.pending[source]
             del self.pending_tops[source]
+            self.kafka_log().finish()   # the adopted chunks' offsets in order
             self._closed_last()
             self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
 

@@ -162,14 +162,15 @@ class Takeover:
     def pend(self, meta, payload):
         """A recovery hands streamlets over before the closed groups of the dead broker's
         history are adopted (``kera.recovery.adoption``): ``entries`` [[stream_id, streamlet, [[lo,
-        hi], ...] group id ranges, [[producer, highest sequence], ...]], ...] of ``source``
+        hi], ...] group id ranges, [[producer, highest sequence], ...], [[slot, newest group],
+        ...], optionally the end of their Kafka offsets], ...] of ``source``
         [broker, epoch] wait here until adopted (no range: adopted, served). Every streamlet
         named must be ours and every field well formed; nothing changes otherwise."""
         self.guard.check_epoch(meta)
         src = tuple(meta["source"])
         todo = [(self.streamlets.get((sid, i)), sid, i, [tuple(r) for r in rs], dict(map(tuple, highest)),
-                 dict(map(tuple, tops))) for sid, i, rs, highest, tops in meta["entries"]]
-        for *_, rs, _, _ in todo:
+                 dict(map(tuple, tops)), *knext) for sid, i, rs, highest, tops, *knext in meta["entries"]]
+        for _, _, _, rs, *_ in todo:
             if not all(lo <= hi < 1 << 32 for lo, hi in rs) or \
                     sum(hi - lo + 1 for lo, hi in rs) > limits.MAX_PENDING_GROUPS:
                 raise InvalidArgument(f"pend: group id ranges [lo, hi] with lo <= hi < 2**32, at most "
@@ -177,9 +178,9 @@ class Takeover:
         for sl, sid, i, *_ in todo:
             if sl is None:
                 raise NotOwner(f"stream {sid} streamlet {i} is not on broker {self.guard.broker_id}")
-        for sl, _, _, ranges, highest, tops in todo:
+        for sl, _, _, ranges, highest, tops, *knext in todo:
             if ranges:
-                sl.pend(src, ranges, highest, tops)
+                sl.pend(src, ranges, highest, tops, *knext)
             elif src in sl.pending:
                 sl.unpend(src)
                 if not sl.pending and not sl.recovering:

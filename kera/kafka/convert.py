@@ -19,29 +19,40 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import xxhash
 
 from .. import chunk
 from ..chunk import kafka_batch as batch
 
 _PAD = bytes(8)
 _U64 = np.uint64
+_BASE = struct.Struct(">q")
+_HCHECK = struct.Struct("<I")
+_CHECKED = chunk.HEADER_SIZE - 4   # the header checksum covers what comes before it
 
 
 def wrap(data, start: int, b: batch.Batch, stream_id: int, streamlet: int, producer: int,
          sequence: int, base: int) -> bytes:
     """The kera chunk holding the batch ``b`` (at ``start`` of ``data``) at offset ``base``."""
-    head = bytearray(data[start:start + 8])
-    struct.pack_into(">q", head, 0, base)
-    rest = memoryview(data)[start + 8:start + b.size]
-    pad = _PAD[:-b.size % 8 or 8] if b.size % 8 else b""
+    return wrapped(data, start, b, stream_id, streamlet, producer, sequence, base)[0]
+
+
+def wrapped(data, start: int, b: batch.Batch, stream_id: int, streamlet: int, producer: int,
+            sequence: int, base: int) -> tuple[bytes, int]:
+    """``wrap``'s chunk (not placed, its header sealed) and its body checksum: one join,
+    one hash of the body, one of the header."""
+    size = b.size
+    body = b"".join((_BASE.pack(base), memoryview(data)[start + 8:start + size],
+                     _PAD[:-size % 8] if size % 8 else b""))
     ts_min = b.base_timestamp
     ts_max = b.max_timestamp if b.max_timestamp >= ts_min else ts_min
-    out = bytearray(chunk.seal(stream_id, streamlet, producer, sequence, b.count, ts_min,
-                                       ts_max, [head, rest, pad], chunk.KAFKA))
-    chunk.set_kafka_offset(out, 0, base)
+    digest = xxhash.xxh3_64_intdigest(body)
     np_ = chunk.NO_PLACEMENT
-    chunk.place(out, 0, np_, np_, np_)   # sealed (the broker places it again on append)
-    return bytes(out)
+    head = chunk.HEADER.pack(chunk.MAGIC, chunk.VERSION, chunk.KAFKA, stream_id, streamlet, b.count,
+                             producer, sequence, ts_min, ts_max, np_, np_, np_, len(body), digest,
+                             base + 1, 0)
+    seal = _HCHECK.pack(xxhash.xxh32_intdigest(memoryview(head)[:_CHECKED]))
+    return b"".join((memoryview(head)[:_CHECKED], seal, body)), digest
 
 
 def batch_of(view, offset: int = 0) -> memoryview:

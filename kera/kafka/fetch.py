@@ -45,7 +45,8 @@ def streamlet(broker, conn, topic: str, index: int, op: str = "read"):
     sl = broker.streamlets.get((sid, index)) if sid is not None else None
     if sl is None:
         return ErrorCode.not_leader_or_follower
-    if sl.recovering:
+    if sl.recovering or (sl.pending and op != "write"):
+        # pending: a dead broker's history is still being adopted, its offsets not indexed yet
         return ErrorCode.leader_not_available
     return sl
 
@@ -75,25 +76,36 @@ def _read(sl, offset: int, budget: int, first: bool):
             items.append((base, bytes(seg.part(at, m)), True))
         else:
             part = seg.part(off, n)
-            items.append((base, part if part is not None else (seg, gid, off, n), False))
+            items.append((base, part if part is not None else (seg, gid, off, n), False, offset))
         size += n
     return hw, start, items, size
 
 
 async def _bytes(broker, items: list) -> list:
-    """Each item's batch bytes: evicted segments read back, kera chunks converted."""
+    """Each item's batch bytes: evicted segments read back, kera chunks converted. An item
+    of an adopted segment may be a run of chunks (one row of its index): each chunk of it
+    ending past the offset asked is a batch."""
     out = []
-    for base, part, compacted in items:
+    for base, part, compacted, *asked in items:
         if isinstance(part, tuple):
             seg, gid, off, n = part
             part = memoryview(await broker.tiered.segment(seg, gid))[off:off + n]
-        h = chunk.parse_header(part)
-        if h.flags & chunk.KAFKA:
-            out.append(convert.batch_of(part))
-        else:
-            view = chunk.ChunkView(part, 0, h)
-            deltas = chunk.original_indices(view) if compacted else None
-            out.append(convert.to_batch(view, base, deltas))
+        at = 0
+        while at < len(part):
+            h = chunk.parse_header(part, at)
+            size = chunk.HEADER_SIZE + h.body_len
+            c = part[at:at + size] if at or size < len(part) else part
+            at += size
+            if asked and base + h.record_count <= asked[0]:
+                base += h.record_count
+                continue
+            if h.flags & chunk.KAFKA:
+                out.append(convert.batch_of(c))
+            else:
+                view = chunk.ChunkView(c, 0, h)
+                deltas = chunk.original_indices(view) if compacted else None
+                out.append(convert.to_batch(view, base, deltas))
+            base += h.record_count
     return out
 
 
@@ -130,12 +142,16 @@ async def _fetch(gw, conn, req, version):
             break
         with trio.move_on_at(deadline):
             await event.wait()
+    counts = gw.counts
     for t in responses:
         for r in t["partitions"]:
             if r["records"] is not None:
+                counts["fetch_batches"] += len(r["records"])
                 r["records"] = Records(await _bytes(broker, r["records"]))
             else:
                 r["records"] = Records([])
+            counts["fetch_partitions"] += 1
+    counts["fetch_requests"] += 1
     broker.pulls += 1
     broker.bytes_out += total
     return {"throttle_time": 0, "error_code": ErrorCode.none, "session_id": 0, "responses": responses}

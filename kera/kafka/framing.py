@@ -37,33 +37,40 @@ _write_v1 = entity_writer(ResponseHeaderV1)
 
 
 class FrameDecoder:
-    """Bytes in, whole request frames out (``next``), each at most ``max_frame`` bytes."""
+    """Bytes in, whole request frames out (``next``), each at most ``max_frame`` bytes. Frames
+    are cut at a read position; the buffer is compacted once per ``feed``, not per frame."""
 
-    __slots__ = ("buf", "max_frame")
+    __slots__ = ("buf", "at", "max_frame")
 
     def __init__(self, max_frame: int = MAX_FRAME):
         self.buf = bytearray()
+        self.at = 0
         self.max_frame = max_frame
 
     def feed(self, data) -> None:
+        if self.at:
+            del self.buf[:self.at]
+            self.at = 0
         self.buf += data
 
     @property
     def pending(self) -> int:
-        return len(self.buf)
+        return len(self.buf) - self.at
 
     def next(self) -> bytes | None:
-        buf = self.buf
-        if len(buf) < 4:
+        buf, at = self.buf, self.at
+        if len(buf) - at < 4:
             return None
-        size = _SIZE.unpack_from(buf)[0]
+        size = _SIZE.unpack_from(buf, at)[0]
         if size < MIN_REQUEST or size > self.max_frame:
             raise ProtocolError(f"a Kafka request of {size} bytes (at least {MIN_REQUEST}, at most "
                                 f"{self.max_frame})")
-        if len(buf) < 4 + size:
+        end = at + 4 + size
+        if len(buf) < end:
             return None
-        out = bytes(buf[4:4 + size])
-        del buf[:4 + size]
+        with memoryview(buf) as mv:
+            out = bytes(mv[at + 4:end])
+        self.at = end
         return out
 
 
@@ -104,6 +111,15 @@ class Records:
 
     def __eq__(self, other) -> bool:   # kio compares tagged fields with their defaults
         return other is self
+
+
+class Encoded:
+    """An answer already encoded but for its correlation id: ``frame(cid)`` gives its frame."""
+
+    __slots__ = ()
+
+    def frame(self, correlation_id: int) -> list:
+        raise NotImplementedError
 
 
 class Parts:

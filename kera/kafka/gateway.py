@@ -38,6 +38,13 @@ class Gateway:
         for module in (metadata, produce, fetch, groups):
             handlers.update(module.handlers(self))
         self.listener = KafkaListener(broker, handlers)
+        # what Kafka clients asked (per request and per batch, never per record)
+        self.counts = {"produce_requests": 0, "produce_batches": 0, "fetch_requests": 0,
+                       "fetch_partitions": 0, "fetch_batches": 0}
+
+    def stats(self) -> dict:
+        return {"requests": self.listener.requests, "dropped": self.listener.dropped,
+                "connections": self.listener.connections, **self.counts}
 
     async def run(self, pool, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve Kafka clients (started once the broker's own listener is bound)."""

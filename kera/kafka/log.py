@@ -71,9 +71,43 @@ class OffsetLog:
         self._row(base, count, group, seg, off, size)
         self.next = max(self.next, base + count)
 
+    def reach(self, end: int) -> None:
+        """Offsets below ``end`` are taken (a history still to be adopted holds them)."""
+        self.next = max(self.next, end)
+
+    def adopted(self, group: int, seg) -> None:
+        """A segment adopted from a dead broker's backups (``kera.broker.adopted``): per chunk
+        (or run of chunks following each other in offsets) its end in the segment
+        (``seg.ends``), its Kafka base offset + 1 (0: written before offsets were kept) and
+        its records (``seg.kafka``, let go once indexed); ``finish`` puts the rows in offset
+        order. Columns in, columns appended: nothing per chunk."""
+        (kafka, records), seg.kafka = seg.kafka, None
+        self._adopted(group, seg.id, seg.ends, kafka, records)
+
+    def _adopted(self, group: int, seg: int, ends, kafka: np.ndarray, records: np.ndarray) -> None:
+        ends = np.asarray(ends, np.int64)
+        starts = np.concatenate(([0], ends[:-1]))
+        known = kafka > 0
+        for off, end, n in zip(starts[~known].tolist(), ends[~known].tolist(),
+                               records[~known].tolist(), strict=True):   # old chunks only
+            self.unknown.append((group, seg, off, n, end - off))
+        if not known.any():
+            return
+        bases = kafka[known].astype(np.int64) - 1
+        tops = bases + records[known].astype(np.int64)
+        if self.bases and bases[0] < self.bases[-1]:
+            self.unsorted = True
+        m = len(bases)
+        for a, col in ((self.bases, bases), (self.ends, tops), (self.groups, np.full(m, group)),
+                       (self.segs, np.full(m, seg)), (self.offs, starts[known]),
+                       (self.sizes, (ends - starts)[known])):
+            a.frombytes(col.astype(a.typecode).tobytes())
+        self.next = max(self.next, int(tops.max()))
+
     def finish(self) -> None:
         """A recovery placed every chunk: rows in offset order, unknown ones numbered after."""
         if self.unsorted:
+            self.first = 0   # rows adopted may go before the retention cursor: looked at again
             cols = [np.frombuffer(a, a.typecode).copy() for a in
                     (self.bases, self.ends, self.groups, self.segs, self.offs, self.sizes)]
             order = np.argsort(cols[0], kind="stable")

@@ -89,6 +89,11 @@ def _row_at(log, gid: int, si: int, off: int) -> int | None:
     return None
 
 
+def _mapped(sl) -> bool:
+    """Its offsets are indexed: not recovering, no adoption pending."""
+    return sl is not None and not sl.recovering and not sl.pending
+
+
 def kafka_map(broker, meta: dict) -> dict:
     """The broker RPC: ``offsets`` [[stream, streamlet, offset]] as positions, or
     ``positions`` [[stream, streamlet, low, groups, skips]] as offsets."""
@@ -96,8 +101,7 @@ def kafka_map(broker, meta: dict) -> dict:
         out = []
         for sid, index, x in meta["offsets"]:
             sl = broker.streamlets.get((sid, index))
-            out.append([sid, index, *position_of(sl, x)] if sl is not None and not sl.recovering
-                       else [sid, index, None])
+            out.append([sid, index, *position_of(sl, x)] if _mapped(sl) else [sid, index, None])
         return {"positions": out}
     out = []
     for e in meta.get("positions") or []:
@@ -106,7 +110,7 @@ def kafka_map(broker, meta: dict) -> dict:
             sl = broker.streamlets.get((sid, index))
             out.append([sid, index, offset_of(sl, low, {int(g): p for g, p in groups.items()},
                                               {int(g): s for g, s in (skips or {}).items()})
-                        if sl is not None and not sl.recovering else None])
+                        if _mapped(sl) else None])
         except (TypeError, ValueError, AttributeError):
             raise InvalidArgument("kafka_map positions are [stream, streamlet, low, groups, skips]") from None
     return {"offsets": out}

@@ -17,14 +17,16 @@ epoch starts again at sequence 0. Transactions are not served.
 
 from __future__ import annotations
 
-import trio
 from kio.schema.errors import ErrorCode
 
 from .. import chunk
 from ..chunk import kafka_batch as batch
 from ..errors import Fenced, KeraError
 from ..names import is_internal
+from ..rpc import Later
 from . import codes, convert
+from .answers import Waiting
+from .produce_answer import ProduceAnswer
 
 APPEND, DUPLICATE = 0, 1
 SCAN = 4096                # newest chunks searched for a resent batch's offset after a recovery
@@ -75,11 +77,11 @@ def append(broker, stream, sl, data, b: batch.Batch, waits: dict) -> int:
     base = log.next
     kseq = b.producer_epoch << 32 | b.last_sequence if b.producer_id >= 0 else 0
     producer = b.producer_id if b.producer_id >= 0 else NO_PRODUCER
-    c = convert.wrap(data, b.start, b, stream.id, sl.index, producer, kseq, base)
+    c, digest = convert.wrapped(data, b.start, b, stream.id, sl.index, producer, kseq, base)
     g, seg, soff = sl.append(c, producer)
-    chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
+    chunk.place(seg.view, soff, g.id, seg.id, soff, base)
     vlog = g.vlog or broker.vlog_for(stream, sl.index, g)
-    idx = waits[vlog] = vlog.append(seg, soff, len(c), chunk.parse_header(c).body_checksum)
+    idx = waits[vlog] = vlog.append(seg, soff, len(c), digest)
     sl.note_producer(producer, kseq, vlog, idx, seg, soff + len(c))
     sl.plain_last = sl.appended_chunks
     if b.producer_id >= 0:
@@ -108,34 +110,29 @@ def duplicate_base(sl, producer: int, kseq: int) -> int:
     return base
 
 
-def _partition(broker, conn, topic: str, p, waits: dict) -> dict:
-    """One partition's batches appended: its answer (base offset or error)."""
-    out = {"index": p.index, "base_offset": -1, "log_append_time": -1, "log_start_offset": -1}
+def _partition(broker, conn, topic: str, p, waits: dict, counts: dict) -> list:
+    """One partition's batches appended: its answer's row [partition, error code, base
+    offset, log start offset, error message]."""
     sid = broker.names.get(topic)
     if is_internal(topic):
-        out["error_code"] = ErrorCode.invalid_topic_exception
-        return out
+        return [p.index, ErrorCode.invalid_topic_exception, -1, -1, None]
     if not conn.peer.may("write", "stream", topic):
-        out["error_code"] = ErrorCode.topic_authorization_failed
-        return out
+        return [p.index, ErrorCode.topic_authorization_failed, -1, -1, None]
     sl = broker.streamlets.get((sid, p.index)) if sid is not None else None
     if sl is None or sl.recovering:
-        out["error_code"] = ErrorCode.not_leader_or_follower if sl is None \
-            else ErrorCode.leader_not_available
-        return out
+        return [p.index, ErrorCode.not_leader_or_follower if sl is None
+                else ErrorCode.leader_not_available, -1, -1, None]
     try:
         batches = batch.read_all(p.records or b"")
     except KeraError as e:
-        out["error_code"] = ErrorCode.corrupt_message
-        out["error_message"] = str(e)
-        return out
+        return [p.index, ErrorCode.corrupt_message, -1, -1, str(e)]
     stream = broker.streams[sid]
+    counts["produce_batches"] += len(batches)
     first = None
     for b in batches:
         verdict = check(sl, b)
         if isinstance(verdict, ErrorCode):
-            out["error_code"] = verdict
-            return out
+            return [p.index, verdict, -1, -1, None]
         try:
             if verdict[0] == DUPLICATE:
                 st = sl.producers[b.producer_id]
@@ -145,62 +142,66 @@ def _partition(broker, conn, topic: str, p, waits: dict) -> dict:
             else:
                 base = append(broker, stream, sl, p.records, b, waits)
         except KeraError as e:
-            out["error_code"] = codes.of(e)
-            out["error_message"] = str(e)
-            return out
+            return [p.index, codes.of(e), -1, -1, str(e)]
         first = base if first is None else first
-    out["base_offset"] = first
-    out["log_start_offset"] = sl.kafka_log().log_start(_held(sl))
-    out["error_code"] = ErrorCode.none
-    return out
+    return [p.index, ErrorCode.none, first, sl.kafka_log().log_start(_held(sl)), None]
 
 
 def _produce(gw, conn, req, version):
+    """Every partition's batches appended in request order; the answer at once (acks 1),
+    none (acks 0), or once every chunk is durable (acks -1: ``Waiting``, settled by the
+    virtual logs' durability callbacks, no task per request)."""
     broker = gw.broker
     if req.transactional_id is not None:
-        return _all(req, ErrorCode.transactional_id_authorization_failed)
+        return _all(req, version, ErrorCode.transactional_id_authorization_failed)
     if broker.fenced:
-        return _all(req, ErrorCode.not_leader_or_follower)
+        return _all(req, version, ErrorCode.not_leader_or_follower)
     try:
         broker._check_lease()
     except Fenced:
-        return _all(req, ErrorCode.not_leader_or_follower)
+        return _all(req, version, ErrorCode.not_leader_or_follower)
     broker.requests += 1
+    counts = gw.counts
+    counts["produce_requests"] += 1
     waits: dict = {}
-    responses = [{"name": t.name, "partition_responses": [
-        _partition(broker, conn, t.name, p, waits) for p in t.partition_data]} for t in req.topic_data]
-    body = {"responses": responses, "throttle_time": 0}
+    answer = ProduceAnswer(version)
+    for t in req.topic_data:
+        rows = answer.topic(t.name)
+        for p in t.partition_data:
+            rows.append(_partition(broker, conn, t.name, p, waits, counts))
     if req.acks == 0:
         return None
     if req.acks == 1 or not waits:
-        return body
-    return _durable(broker, waits, body, req.timeout.total_seconds())
+        return answer
+    later = Later()
+    _when_durable(waits, answer, later)
+    return Waiting(later, max(req.timeout.total_seconds(), 1.0), answer.timed_out)
 
 
-async def _durable(broker, waits: dict, body: dict, timeout: float) -> dict:
-    """``body`` once every vlog of ``waits`` is durable; the partitions waiting are told
-    ``REQUEST_TIMED_OUT`` (retriable: a resend is a duplicate) if that takes ``timeout``."""
-    code = None
-    with trio.move_on_after(max(timeout, 1.0)):
-        try:
-            await broker._durable(waits)
-        except KeraError as e:
-            code = codes.of(e)
-        else:
-            return body
-    code = code or ErrorCode.request_timed_out
-    for t in body["responses"]:
-        for p in t["partition_responses"]:
-            if p["error_code"] == ErrorCode.none:
-                p["error_code"], p["base_offset"] = code, -1
-    return body
+def _when_durable(waits: dict, answer: ProduceAnswer, later: Later) -> None:
+    """``later`` is given ``answer`` once every vlog of ``waits`` is durable up to its index
+    (or with its appended partitions failed, if the broker's incarnation ends first)."""
+    left = [len(waits)]
+
+    def one(error) -> None:
+        if left[0] <= 0:
+            return
+        if error is not None:
+            left[0] = 0
+            later.done(answer.failed(codes.of(error)))
+            return
+        left[0] -= 1
+        if not left[0]:
+            later.done(answer)
+    for vlog, idx in waits.items():
+        vlog.when_durable(idx, one)
 
 
-def _all(req, code: ErrorCode) -> dict:
-    return {"throttle_time": 0, "responses": [
-        {"name": t.name, "partition_responses": [
-            {"index": p.index, "error_code": code, "base_offset": -1, "log_append_time": -1,
-             "log_start_offset": -1} for p in t.partition_data]} for t in req.topic_data]}
+def _all(req, version: int, code: ErrorCode) -> ProduceAnswer:
+    answer = ProduceAnswer(version)
+    for t in req.topic_data:
+        answer.topic(t.name).extend([p.index, code, -1, -1, None] for p in t.partition_data)
+    return answer
 
 
 async def _init_producer_id(gw, conn, req, version):

@@ -103,18 +103,19 @@ class Adoptions:
     def record(self, broker: int, epoch: int, deferred: dict, covered: list, complete: bool,
                handed: Iterable = ()) -> None:
         """At a hand-over of ``handed`` ((stream id, streamlet) pairs): ``deferred`` ((stream
-        id, streamlet) -> (groups, highest sequences, a producer per group)) of the
+        id, streamlet) -> (groups, highest sequences, a producer per group, [Kafka end])) of the
         incarnation is adopted after it (durable with the hand-over's commit). A record of the
         same incarnation (an earlier hand-over of other streamlets of it, whose commit was cut
         short) is merged into: its other streamlets' groups are still pending, the handed
         ones are as this plan says; what a replay covered is the smaller, complete only if
-        both were. The sequences are not kept (a successor learns them from the adoption)."""
+        both were. The sequences and Kafka offsets are not kept (a successor learns them from
+        the adoption)."""
         k = key_of(broker, epoch)
         old = self.records.get(k)
         kept = {(sid, i): (rs, tops) for sid, i, rs, tops in (old or {}).get("streamlets", [])}
         for key in handed:
             kept.pop(key, None)
-        for key, (gs, _, producers) in deferred.items():
+        for key, (gs, _, producers, _) in deferred.items():
             kept[key] = (ranges(gs), self._tops(key[0], producers))
         if old is not None:
             low = dict(old["covered"])
@@ -138,10 +139,10 @@ class Adoptions:
         for: (member, source incarnation) -> pend entries; the recovery's own ``deferred``
         (source ``own``), and the groups of every record on streamlets it hands over."""
         out: dict = {}
-        for (sid, i), (gs, hs, producers) in (deferred or {}).items():
+        for (sid, i), (gs, hs, producers, kafka) in (deferred or {}).items():
             m = owners[(sid, i)]
             out.setdefault((m, own), []).append([sid, i, ranges(gs), sorted(hs.items()),
-                                                 self._tops(sid, producers)])
+                                                 self._tops(sid, producers), kafka[0]])
         for r in self.records.values():
             src = (r["broker"], r["epoch"])
             for sid, i, rs, tops in r["streamlets"]:

@@ -19,15 +19,18 @@ group's last: nothing follows it in the group); its header places it at
 segment's first producer (the group's slot). Its one value is little-endian
 u64s::
 
-    MAGIC2, source broker, source vlog, n (chunks), m (vsegs), k (copies), s (segments)
+    MAGIC3, source broker, source vlog, n (chunks), m (vsegs), k (copies), s (segments)
     s counts: chunks of each segment of the run, in turn
-    n rows: end in its segment, vseg, offset in the vseg, producer, sequence
+    n rows: end in its segment, vseg, offset in the vseg, producer, sequence,
+            Kafka base offset + 1 (0: none), records
     m vsegs: vseg id, copies of it
     k backup ids, the copies of each vseg in turn
 
-An index chunk written before runs (``MAGIC``: no ``s`` and no counts, one
-segment) is read the same way, so a vlog holding either is replayed and
-re-pointed as it stands.
+The Kafka columns let the new owner index the adopted chunks' partition offsets
+(``kera.kafka.log``) without reading them. An index chunk written before them
+(``MAGIC2``: five u64s per row) or before runs (``MAGIC``: no ``s`` and no
+counts, one segment) is read the same way, its chunks' offsets unknown, so a
+vlog holding any of them is replayed and re-pointed as it stands.
 
 One format serves the ``adopt`` request, the owner's vlog and the replay.
 """
@@ -45,8 +48,11 @@ from ..limits import MAX_CHUNK
 
 MAGIC = 0x3158444E494B   # "KINDX1": one segment
 MAGIC2 = 0x3258444E494B  # "KINDX2": a run of segments
-ROW = 5                  # u64s per chunk row
-HEAD = 6                 # u64s before the rows (KINDX1); KINDX2 adds s and the s counts
+MAGIC3 = 0x3358444E494B  # "KINDX3": a run of segments, its chunks' Kafka offsets
+ROW = 7                  # u64s per chunk row
+OLD_ROW = 5              # of KINDX1 and KINDX2: no Kafka columns
+KAFKA, RECORDS = 5, 6    # a row's Kafka base offset + 1 (0: none) and records
+HEAD = 6                 # u64s before the rows (KINDX1); KINDX2 and 3 add s and the s counts
 MAX_ROWS = (MAX_CHUNK - chunk.HEADER_SIZE - 4096) // (8 * (ROW + 3))  # rows an index chunk holds
 
 
@@ -61,7 +67,8 @@ class SegmentIndex:
     segment: int           # the run's first segment
     source: int            # the broker whose vsegs hold the chunks
     vlog: int              # its vlog (the epoch in the high bits)
-    rows: np.ndarray       # (n, 5) u64: end in its segment, vseg, vseg offset, producer, sequence
+    rows: np.ndarray       # (n, 7) u64: end in its segment, vseg, vseg offset, producer, sequence,
+    #                        Kafka base offset + 1 (0: none), records
     copies: dict[int, list[int]]  # vseg -> backups holding it whole
     counts: list[int] | None = None  # rows of each segment of the run; None: one segment
 
@@ -110,17 +117,26 @@ def build(ix: SegmentIndex, closed: bool = False) -> bytes:
     if not 0 < n <= MAX_ROWS or sum(ix.counts) != n or min(ix.counts) < 1:
         raise InvalidArgument(f"an index chunk holds 1..{MAX_ROWS} rows, at least one per segment, "
                               f"not {n} in {ix.counts}")
+    rows = _with_kafka(ix.rows)
     vsegs = sorted(ix.copies)
     per = [x for v in vsegs for x in (v, len(ix.copies[v]))]
     backups = [b for v in vsegs for b in ix.copies[v]]
     value = b"".join((
-        np.array([MAGIC2, ix.source, ix.vlog, n, len(vsegs), len(backups), len(ix.counts), *ix.counts],
+        np.array([MAGIC3, ix.source, ix.vlog, n, len(vsegs), len(backups), len(ix.counts), *ix.counts],
                  "<u8").tobytes(),
-        np.ascontiguousarray(ix.rows, "<u8").tobytes(), np.array(per + backups, "<u8").tobytes()))
+        np.ascontiguousarray(rows, "<u8").tobytes(), np.array(per + backups, "<u8").tobytes()))
     data = bytearray(chunk.build(ix.stream, ix.streamlet, int(ix.rows[0, 3]), 0, [value], timestamps=0,
                                  flags=chunk.INDEX | (chunk.CLOSE if closed else 0)))
     chunk.place(data, 0, ix.group, ix.segment, 0)
     return bytes(data)
+
+
+def _with_kafka(rows: np.ndarray) -> np.ndarray:
+    """Rows of ``ROW`` columns: rows without the Kafka ones (written before them) get zeros,
+    their chunks' offsets unknown."""
+    if rows.shape[1] == ROW:
+        return rows
+    return np.concatenate((rows, np.zeros((len(rows), ROW - rows.shape[1]), np.uint64)), axis=1)
 
 
 def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
@@ -136,7 +152,7 @@ def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
     a = np.frombuffer(value, "<u8")
     magic, source, vlog, n, m, k = a[:HEAD].tolist()
     at = HEAD
-    if magic == MAGIC2 and len(a) > HEAD:
+    if magic in (MAGIC2, MAGIC3) and len(a) > HEAD:
         s = int(a[HEAD])
         at = HEAD + 1 + s
         counts = a[HEAD + 1:at].tolist() if s <= len(a) else []
@@ -146,14 +162,16 @@ def parse(data, h: chunk.ChunkHeader | None = None) -> SegmentIndex:
         counts = [n]
     else:
         raise ProtocolError("index chunk is not a segment index")
-    if n == 0 or len(a) != at + ROW * n + 2 * m + k:
+    w = ROW if magic == MAGIC3 else OLD_ROW
+    if n == 0 or len(a) != at + w * n + 2 * m + k:
         raise ProtocolError("index chunk is not a segment index")
-    rows = a[at:at + ROW * n].reshape(n, ROW)
-    per = a[at + ROW * n:at + ROW * n + 2 * m]
+    rows = a[at:at + w * n].reshape(n, w)
+    rows = _with_kafka(rows)
+    per = a[at + w * n:at + w * n + 2 * m]
     vsegs, cs = per[0::2].tolist(), per[1::2].tolist()
     if sum(cs) != k:
         raise ProtocolError("index chunk copies disagree")
-    backups = a[at + ROW * n + 2 * m:].tolist()
+    backups = a[at + w * n + 2 * m:].tolist()
     copies, b = {}, 0
     for v, c in zip(vsegs, cs, strict=True):  # per vseg (a few), not per row
         copies[v] = backups[b:b + c]

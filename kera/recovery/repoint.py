@@ -49,8 +49,10 @@ from .repoint_plan import (
     COUNT,
     FLAGS,
     GROUP,
+    KAFKA,
     OFFSET,
     PRODUCER,
+    RECORDS,
     SEGMENT,
     SEQUENCE,
     SIZE,
@@ -297,28 +299,34 @@ def _recovered(rows: np.ndarray, owners: dict, cut: dict[int, int], only: dict |
 
 def _deferred(rp: Repoint, spans: list[int], indexes: dict) -> dict:
     """(stream id, streamlet) -> (groups, producer -> highest sequence, group -> one of its
-    producers: its slot, ``producer % groups``) of the plan's ``spans``: the rows of all their
-    records in one pass, not group by group (the closed history is most of them)."""
+    producers: its slot, ``producer % groups``, [the end of their Kafka offsets]) of the
+    plan's ``spans``: the rows of all their records in one pass, not group by group (the
+    closed history is most of them)."""
     out: dict = {}
     parts, at = [], []   # the records' (producer, sequence) columns, and their streamlet's number
     slots: dict[tuple[int, int], int] = {}
     for i in spans:
         sid, sl, gid, _, _ = rp.spans[i]
-        groups, highest, producers = out.setdefault((sid, sl), (set(), {}, {}))
+        groups, highest, producers, kafka = out.setdefault((sid, sl), (set(), {}, {}, [0]))
         groups.add(gid)
         rows = rp.records(i)
         if rows is not None:   # records only: all its rows at once
             producers[gid] = int(rows[0, PRODUCER])
             parts.append(rows[:, [PRODUCER, SEQUENCE]])
             at.append(slots.setdefault((sid, sl), len(slots)))
+            kafka[0] = max(kafka[0], _kafka_end(rows[:, KAFKA], rows[:, RECORDS]))
             continue
         for a in rp.span(i):
             producers[gid] = int(a.rows[0, PRODUCER])
             if a.indexed:
                 r = a.rows[0].tolist()
-                got = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])]).producers()
+                ix = index_chunk.parse(indexes[(r[VLOG], r[VSEG], r[VOFF])])
+                got = ix.producers()
+                end = _kafka_end(ix.rows[:, index_chunk.KAFKA], ix.rows[:, index_chunk.RECORDS])
             else:
                 got = index_chunk.highest_sequences(a.rows[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]])
+                end = _kafka_end(a.rows[:, KAFKA], a.rows[:, RECORDS])
+            kafka[0] = max(kafka[0], end)
             for p, q in got.items():
                 if q > highest.get(p, -1):
                     highest[p] = q
@@ -334,6 +342,11 @@ def _deferred(rp: Repoint, spans: list[int], indexes: dict) -> dict:
             if q > highest.get(p, -1):
                 highest[p] = q
     return out
+
+
+def _kafka_end(kafka: np.ndarray, records: np.ndarray) -> int:
+    """The end of the Kafka offsets of rows (base + 1, 0 for none; records)."""
+    return int(np.max(np.where(kafka > 0, kafka - 1 + records, 0), initial=0))
 
 
 def _requests(rec, runs: list, indexes: dict, whole: dict, owners: dict) -> dict[int, list[bytes]]:
@@ -379,7 +392,7 @@ def _runs(adopted: list[Adopted]):
 def _index_chunk(broker: int, run: list[Adopted], whole: dict) -> bytes:
     """The index chunk of a run of a group's segments re-pointed at ``broker``'s copies."""
     r = np.concatenate([a.rows for a in run]) if len(run) > 1 else run[0].rows
-    rows = r[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE]]   # one gather
+    rows = r[:, [OFFSET, VSEG, VOFF, PRODUCER, SEQUENCE, KAFKA, RECORDS]]   # one gather
     rows[:, 0] += r[:, SIZE]
     vlog = int(r[0, VLOG])
     vs = r[:, VSEG]   # ascending: a group's chunks are in vlog order (np.unique imports numpy.ma)

@@ -49,28 +49,29 @@ from .index_chunk import MAX_ROWS
 
 # the columns of a row: one chunk of a settled vseg as a backup's index lists it, or a run of
 # chunks (``kera.backup.replica.index_runs``: one producer's, following each other in one
-# segment and one vseg, SIZE their bytes, SEQUENCE the highest, COUNT how many)
-VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, LAST, COUNT = \
-    range(14)
+# segment, one vseg and its partition's offsets, SIZE their bytes, SEQUENCE the highest,
+# RECORDS their records, COUNT how many); KAFKA: the first one's Kafka base offset + 1 (0: none)
+(VLOG, VSEG, VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, KAFKA,
+ RECORDS, LAST, COUNT) = range(16)
 _32, _40 = np.uint64(32), np.uint64(1 << 40)
-COLUMNS = 14        # VOFF..FLAGS are the backup's answer (and COUNT, of runs); VLOG, VSEG the vseg
-# it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's last
-# (``kera.recovery.repoint``)
-# VOFF..FLAGS are an index row as the wire lays it out (``kera.wire.columns``): each is the
+COLUMNS = 16        # VOFF..RECORDS are the backup's answer (and COUNT, of runs); VLOG, VSEG the
+# vseg it answered for; LAST the last segment the row covers: SEGMENT, or an index chunk's run's
+# last (``kera.recovery.repoint``)
+# VOFF..RECORDS are an index row as the wire lays it out (``kera.wire.columns``): each is the
 # wire's IX_ column of its name, VOFF on
-assert (VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS) == tuple(
-    VOFF + getattr(columns, "IX_" + name) for name in (
-        "VOFF", "SIZE", "STREAM", "STREAMLET", "GROUP", "SEGMENT", "OFFSET", "PRODUCER", "SEQUENCE",
-        "FLAGS")) and FLAGS + 1 - VOFF == columns.INDEX_COLUMNS, \
+assert (VOFF, SIZE, STREAM, STREAMLET, GROUP, SEGMENT, OFFSET, PRODUCER, SEQUENCE, FLAGS, KAFKA,
+        RECORDS) == tuple(VOFF + getattr(columns, "IX_" + name) for name in (
+            "VOFF", "SIZE", "STREAM", "STREAMLET", "GROUP", "SEGMENT", "OFFSET", "PRODUCER",
+            "SEQUENCE", "FLAGS", "KAFKA", "RECORDS")) and RECORDS + 1 - VOFF == columns.INDEX_COLUMNS, \
     "the planner's rows carry an index row whole, in the wire's order"
 
 
 def answer_rows(a: np.ndarray, vlog, vseg, runs: bool) -> np.ndarray:
-    """A backup's index answer (per row VOFF..FLAGS, then the count if ``runs``) for ``vlog``
+    """A backup's index answer (per row VOFF..RECORDS, then the count if ``runs``) for ``vlog``
     and ``vseg`` (each a number, or an array of one per row) as rows of the plan."""
     out = np.empty((len(a), COLUMNS), np.uint64)
     out[:, VLOG], out[:, VSEG] = vlog, vseg
-    out[:, VOFF:FLAGS + 1] = a[:, :columns.INDEX_COLUMNS]
+    out[:, VOFF:RECORDS + 1] = a[:, :columns.INDEX_COLUMNS]
     out[:, LAST] = out[:, SEGMENT]
     out[:, COUNT] = a[:, columns.IX_COUNT] if runs else 1
     return out

@@ -21,7 +21,7 @@ from ..backup.replica import index_runs
 from ..recovery.plan import RecoveryPlan
 from ..recovery.repoint_plan import (
     COLUMNS,
-    FLAGS,
+    RECORDS,
     VLOG,
     VOFF,
     VSEG,
@@ -54,7 +54,7 @@ def repoint(plan: RecoveryPlan, backups: dict, rows_of, replayed: frozenset,
     settled = {v: list(vs) for v, vs in whole.items()}
     rp = plan_repoint(rows, settled, replayed)
     # a recovery plans from runs of chunks (``index_runs``): the same decisions
-    merged = np.concatenate([answer_rows(index_runs(r[:, VOFF:FLAGS + 1]), v, s, True)
+    merged = np.concatenate([answer_rows(index_runs(r[:, VOFF:RECORDS + 1]), v, s, True)
                              for v, s, r in answers]) if answers else rows
     stats["index_rows"] += len(rows)
     stats["index_runs"] += len(merged)

@@ -286,6 +286,11 @@ class World:
             (c.vlog, c.vseg, c.voff, c.size, c.streamlet, c.group, c.segment, c.offset, c.producer,
              c.sequence, c.flags) for c in self.chunks] or np.zeros((0, 11))
         h[:, cols.STREAM] = STREAM_ID
+        plain = h[:, cols.FLAGS] == 0   # Kafka offsets, dense per streamlet in append order
+        h[plain, cols.RECORDS] = 1
+        for s in np.unique(h[plain, cols.STREAMLET]):
+            mine = plain & (h[:, cols.STREAMLET] == s)
+            h[mine, cols.KAFKA] = np.arange(1, int(mine.sum()) + 1, dtype=np.uint64)
         h[:, cols.LAST] = h[:, cols.SEGMENT]
         h[:, cols.COUNT] = 1
         replayed = frozenset()

@@ -271,7 +271,7 @@ BROKER_RPCS = named({
     "pend": Rpc(Members(COORDINATOR), {
         **EPOCH, "source": PAIR,
         "entries": ListOf(Tuple(UINT, UINT, ListOf(PAIR, MANY), ListOf(PAIR, MANY),
-                                ListOf(PAIR, limits.MAX_GROUPS)), MANY)}),
+                                ListOf(PAIR, limits.MAX_GROUPS), UINT, least=5), MANY)}),
     "settle": Rpc(Members(COORDINATOR), EPOCH),
     "security": Rpc(Members(COORDINATOR), SECURITY),
     # Kafka offsets <-> positions of streamlets held here, for a group's coordinator (kera.kafka.offsets)
