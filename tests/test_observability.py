@@ -223,18 +223,22 @@ def test_prometheus_scrapes_the_cluster(cluster, prometheus_bin, tmp_path):
         produced_in = time.monotonic() - t0
         until("records in counted", lambda: value("sum(kera_broker_records_in_total)") == before + n)
         kera("consume", "prom", "--group", "pg", "--max", "25000", "--count-only", env=cluster.env)
-        # the produce took ``produced_in`` seconds: its peak rate over 2 s windows is at least
-        # the average, and no more than everything in one 2 s window (give or take the
-        # extrapolation ``rate`` makes to the window's edges from the samples it holds)
-        peak = value("max_over_time(sum(rate(kera_broker_records_in_total[2s]))[2m:1s])")
-        assert n / (produced_in + 4) <= peak <= n * 1.1, (peak, produced_in)
+        # the produce took ``produced_in`` seconds (half a second is common): some 5 s window
+        # holds a scrape before it and one after it even when a busy broker answers a scrape
+        # late, so the peak rate over 5 s windows is at least the average over the produce and
+        # its window, and no more than everything in one second (give or take the
+        # extrapolation ``rate`` makes to the window's edges from the samples it holds); a 2 s
+        # window could hold no scrape on one side of a produce that short, and showed 0
+        peak = value("max_over_time(sum(rate(kera_broker_records_in_total[5s]))[2m:1s])")
+        assert n / (produced_in + 6) <= peak <= n * 1.1, (peak, produced_in)
         p99 = value('histogram_quantile(0.99, sum by (le) (rate('
                     'kera_broker_request_latency_seconds_bucket{rpc="produce"}[2m])))')
         assert p99 is not None and 0 < p99 <= 10, p99
         until("group pg's lag of 35,000", lambda: value(
             'sum(kera_consumergroup_lag{group="pg",stream="prom"})') == n - 25_000)
         assert value('sum(kera_consumergroup_committed_records{group="pg",stream="prom"})') == 25_000
-        assert value("sum(kera_broker_under_replicated_vsegs)") == 0
+        # a vseg opened by the last appends may be scraped before its copies are open
+        until("no vseg under-replicated", lambda: value("sum(kera_broker_under_replicated_vsegs)") == 0)
         # R=3 keeps two backup copies beside the broker's: with two of the three backups
         # killed, no vseg can be whole on two live backups, and none can be healed
         cluster.kill("node3-backup")
