@@ -45,7 +45,7 @@ from ..security.gate import Gate, take_state
 from ..security.mechanisms import BROKER, CLIENT
 from ..server import Service
 from ..stream_meta import StreamMeta
-from ..vlog import VlogMapping
+from ..vlog import VlogMapping, when_all_durable
 from .adopted import Claims
 from .assignment import Assignment
 from .compactor import Compactor
@@ -354,21 +354,7 @@ class BrokerService(Service):
     def _acked_when_durable(waits: dict, reply: dict) -> Later:
         """``reply``, given once every vlog of ``waits`` is durable up to its index."""
         later = Later()
-        left = [len(waits)]
-
-        def one(error) -> None:
-            if error is not None:
-                if left[0] > 0:
-                    left[0] = 0
-                    later.done(error)
-                return
-            left[0] -= 1
-            if not left[0]:
-                later.done(reply)
-        for vlog, idx in waits.items():
-            vlog.when_durable(idx, one)
-        if not waits:
-            later.done(reply)
+        when_all_durable(waits, lambda: later.done(reply), later.done)
         return later
 
     @staticmethod

@@ -24,6 +24,7 @@ from ..chunk import kafka_batch as batch
 from ..errors import Fenced, KeraError
 from ..names import is_internal
 from ..rpc import Later
+from ..vlog import when_all_durable
 from . import codes, convert
 from .answers import Waiting
 from .produce_answer import ProduceAnswer
@@ -174,27 +175,9 @@ def _produce(gw, conn, req, version):
     if req.acks == 1 or not waits:
         return answer
     later = Later()
-    _when_durable(waits, answer, later)
+    when_all_durable(waits, lambda: later.done(answer),
+                     lambda error: later.done(answer.failed(codes.of(error))))
     return Waiting(later, max(req.timeout.total_seconds(), 1.0), answer.timed_out)
-
-
-def _when_durable(waits: dict, answer: ProduceAnswer, later: Later) -> None:
-    """``later`` is given ``answer`` once every vlog of ``waits`` is durable up to its index
-    (or with its appended partitions failed, if the broker's incarnation ends first)."""
-    left = [len(waits)]
-
-    def one(error) -> None:
-        if left[0] <= 0:
-            return
-        if error is not None:
-            left[0] = 0
-            later.done(answer.failed(codes.of(error)))
-            return
-        left[0] -= 1
-        if not left[0]:
-            later.done(answer)
-    for vlog, idx in waits.items():
-        vlog.when_durable(idx, one)
 
 
 def _all(req, version: int, code: ErrorCode) -> ProduceAnswer:

@@ -351,3 +351,27 @@ class VirtualLog:
         """Every copy took the close: recovery can tell this vseg's end from a lost tail, so
         the head may pass into its successor (RAMCloud's rule for a log's segments)."""
         return len(vs.copies) >= self.need and all(c.closed for c in vs.copies.values())
+
+
+def when_all_durable(waits: dict, done, failed) -> None:
+    """``done()`` once every log of ``waits`` (a log with ``when_durable`` -> its index) is
+    durable up to its index, or ``failed(error)`` once, at the first error (the broker's
+    incarnation ended): a request that appended to several logs is answered once. With no
+    waits, ``done()`` at once."""
+    if not waits:
+        done()
+        return
+    left = [len(waits)]
+
+    def one(error) -> None:
+        if left[0] <= 0:
+            return
+        if error is not None:
+            left[0] = 0
+            failed(error)
+            return
+        left[0] -= 1
+        if not left[0]:
+            done()
+    for vlog, idx in waits.items():
+        vlog.when_durable(idx, one)
