@@ -58,6 +58,7 @@ from collections.abc import Callable
 import trio
 
 from ..errors import KeraError, Unavailable
+from ..limits import MAX_BATCH_STREAMS
 from .adoption import Adoptions
 from .listing import list_backups
 from .needs import Liveness, MetaStore, Owners, RecoveredList, Settings
@@ -445,8 +446,12 @@ class RecoveryManager:
                                 f"{' and '.join(why)}: they may hold the rest")
 
     async def _unassign(self, m, entries: list) -> None:
+        """What a failed attempt assigned to ``m`` (its epoch named, as every coordinator
+        request to a broker is; as many requests as the batch limit asks)."""
         try:
-            await self._call(m.addr, "unassign", {"streams": [[s.id, idx] for s, idx in entries]})
+            for k in range(0, len(entries), MAX_BATCH_STREAMS):
+                await self._call(m.addr, "unassign", {"epoch": m.epoch, "streams": [
+                    [s.id, idx] for s, idx in entries[k:k + MAX_BATCH_STREAMS]]})
         except KeraError as e:
             log.info("unassign after a failed recovery: %s", e)
 
