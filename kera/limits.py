@@ -96,8 +96,8 @@ RECV_SIZE = 1 * MiB               # bytes one receive takes from a socket
 VECTOR_FROM = 64 * KiB            # a frame of parts this large goes out vectored (writev), not
 VECTOR_PART = 4 * KiB             # joined first, when its parts average this much
 TLS_RECORD = 16 * KiB             # the most plaintext one TLS record carries (RFC 8446)
-TLS_PIECE = 256 * KiB             # plaintext encrypted at once over TLS (a frame's buffers joined
-#                                   up to it); its ciphertext is all a connection holds unsent
+TLS_PIECE = 256 * KiB             # plaintext whose ciphertext leaves in one buffer over TLS (one
+#                                   write); that ciphertext is all a connection holds unsent
 
 # -- connections, at the door of every listener (kera.rpc) -------------------------------
 MAX_CONNECTIONS = 10_000          # open connections per listener

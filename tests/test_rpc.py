@@ -16,8 +16,9 @@ from kera import wire
 from kera.coordinator.link import CoordinatorLink
 from kera.errors import Fenced, InvalidArgument, KeraError, NotLeader, Unavailable, UnknownMethod
 from kera.iov import IOV_MAX
-from kera.limits import VECTOR_FROM
+from kera.limits import TLS_PIECE, TLS_RECORD, VECTOR_FROM
 from kera.rpc import Later, advertised, open_pool, send_frame
+from kera.rpc.channel import Tls
 from kera.security.credentials import Credentials
 from kera.server import Service
 
@@ -475,6 +476,31 @@ async def test_frames_over_tls_arrive_whole(tls_server, size, pieces):
             meta, payload = await pool.call(addr, "echo_parts", {"cuts": cuts}, parts=parts, timeout=50)
             assert meta == {"n": size} and bytes(payload) == data.tobytes()
     assert svc.connections == 1
+
+
+async def test_tls_seals_a_frame_of_chunks_a_piece_at_a_time(tls_contexts):
+    """A frame of 16 KB chunks (a replicate's, a produce's) leaves as one ciphertext buffer,
+    one system call, per ``TLS_PIECE`` of plaintext, not one per chunk, and decrypts to the
+    frame's bytes in order."""
+    a, b = trio.socket.socketpair()
+    server = Tls(trio.SocketStream(a), tls_contexts[0], server_side=True)
+    client = Tls(trio.SocketStream(b), tls_contexts[1], server_side=False, server_hostname="localhost")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.handshake)
+            nursery.start_soon(client.handshake)
+    parts = [memoryview(bytes([i]) * (TLS_RECORD + 184)) for i in range(64)]
+    parts[10:10] = [memoryview(b"small") for _ in range(3)]
+    sealed = list(client.sealing(parts))
+    total = sum(map(len, parts))
+    assert len(sealed) <= -(-total // TLS_PIECE) + 1
+    server.incoming.write(b"".join(sealed))
+    got = b""
+    while (data := server._open()) is not None:
+        got += data
+    assert got == b"".join(parts)
+    for t in (server, client):
+        t.socket.close()
 
 
 async def test_posted_and_later_answers_over_tls(tls_server):

@@ -81,9 +81,10 @@ def pieces(vs: list[memoryview]):
 
 
 class Sealed(Outgoing):
-    """A frame over TLS: encrypted a piece at a time, each once the last one's ciphertext is
-    written (a frame of one buffer no larger than a piece, most of them, at once). Made
-    under the connection's send lock: ciphertext leaves in the order it was made."""
+    """A frame over TLS: encrypted ``TLS_PIECE`` bytes of plaintext at a time into one
+    ciphertext buffer (``Tls.sealing``), each once the last one's ciphertext is written (a
+    frame of one buffer no larger than a piece, most of them, at once). Made under the
+    connection's send lock: ciphertext leaves in the order it was made."""
 
     __slots__ = ("left", "tls")
 
@@ -93,7 +94,7 @@ class Sealed(Outgoing):
             self.left = None
         else:
             super().__init__([])
-            self.left = pieces(vs)
+            self.left = tls.sealing(vs)
         self.tls = tls
 
     def push(self, sock) -> bool:
@@ -102,7 +103,7 @@ class Sealed(Outgoing):
             if piece is None:
                 self.tls.sending = False
                 return True
-            self.vs, self.i = [memoryview(self.tls.seal(piece))], 0
+            self.vs, self.i = [memoryview(piece)], 0
         self.tls.sending = True   # ciphertext not on the wire yet: no close_notify now
         return False
 
@@ -249,11 +250,29 @@ class Tls(Plain):
 
     def seal(self, piece) -> bytes:
         """``piece`` encrypted into records, after anything TLS itself had to send."""
+        self._write(piece)
+        return self.out.read()
+
+    def _write(self, piece) -> None:
         try:
             self.obj.write(piece)
         except ssl.SSLError as e:
             raise trio.BrokenResourceError from e
-        return self.out.read()
+
+    def sealing(self, vs: list[memoryview]):
+        """``vs`` encrypted: the ciphertext of its ``pieces``, gathered until it holds
+        ``TLS_PIECE`` bytes of plaintext (one buffer and one system call for them all).
+        Each piece was a buffer and a system call of its own: a replicate of 16 KB chunks
+        made one per chunk."""
+        held = 0
+        for piece in pieces(vs):
+            self._write(piece)
+            held += len(piece)
+            if held >= TLS_PIECE:
+                yield self.out.read()
+                held = 0
+        if held:
+            yield self.out.read()
 
     def outgoing(self, vs: list[memoryview]) -> Sealed:
         return Sealed(vs, self)
