@@ -8,6 +8,12 @@ batch.size 16 KB, acks=all. Each cell is run ``repeats`` times with the systems 
 rotating order; medians are reported. kera runs 3 nodes (broker + backup each) with a
 Kafka listener per broker; topics are created with CreateTopics. Writes
 bench/results/kafka.json and kafka.png (not with --quick).
+
+Per hop on kera's side (``hops`` of a row): each kind of server's CPU time (utime + stime
+from /proc, all processes of the kind) over the produce stage, in µs per Kafka Produce
+request and per record batch the brokers took (librdkafka sends one partition per request
+here, so the two differ only when a request carries several). CPU, not wall time: the
+figures hold on a loaded machine.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import time
 
 from kera.cluster import LocalCluster
 
+from .kera_side import proc_cpu
 from .peer import consume_worker, create_topics, high_watermarks, produce_worker, run_peer
 from .stage import run_stage, summarize
 
@@ -56,11 +63,44 @@ class KeraKafka:
         start = high_watermarks(self.bootstrap, self.topics)
         pj = [("p", 0, produce_worker, (self.bootstrap, self.topics, n_records, SIZE, LINGER, BATCH, "all"),
                {"count": "callback"})]
+        h0 = self.counters()
         outs = run_stage(ctx, pj, 360)
+        h1 = self.counters()
         cj = [("c", 0, consume_worker, (self.bootstrap, self.topics, outs[("p", 0)]["records"], 300),
                {"start_offsets": start, "touch": True})]
         outs.update(run_stage(ctx, cj, 360))
-        return summarize([outs[("p", 0)]], [outs[("c", 0)]], outs[("c", 0)]["t_start"])
+        return {**summarize([outs[("p", 0)]], [outs[("c", 0)]], outs[("c", 0)]["t_start"]),
+                "hops": hops(h0, h1)}
+
+    def counters(self) -> dict:
+        """CPU seconds so far per kind of server, and the produce requests and batches the
+        brokers' Kafka listeners took."""
+        import trio
+        from kera_client import open_admin
+
+        async def go():
+            async with open_admin(self.cluster.coordinator) as a:
+                return await a.broker_stats()
+        st = trio.run(go)
+        out = {kind: sum(proc_cpu(p.pid) for name, p in self.cluster.procs.items()
+                         if name.split("-")[-1].rstrip("0123456789") == kind)
+               for kind in ("coordinator", "broker", "backup")}
+        for k in ("produce_requests", "produce_batches"):
+            out[k] = sum(r.get("kafka", {}).get(k, 0) for r in st)
+        return out
+
+
+def hops(h0: dict, h1: dict) -> dict:
+    """Each kind of server's CPU µs per Produce request and per batch between two ``counters``."""
+    req = h1["produce_requests"] - h0["produce_requests"]
+    bat = h1["produce_batches"] - h0["produce_batches"]
+    out: dict = {"requests": req, "batches": bat}
+    for kind in ("broker", "backup", "coordinator"):
+        cpu = h1[kind] - h0[kind]
+        out[f"{kind}_cpu_s"] = round(cpu, 2)
+        out[f"{kind}_us_per_request"] = round(cpu / req * 1e6, 1) if req else None
+        out[f"{kind}_us_per_batch"] = round(cpu / bat * 1e6, 1) if bat else None
+    return out
 
 
 def cell(system: str, n_topics: int, n_records: int, clusters: dict) -> dict:
@@ -70,7 +110,7 @@ def cell(system: str, n_topics: int, n_records: int, clusters: dict) -> dict:
         r = clusters[system].run(n_records)
     return {"system": system, "topics": n_topics, "produce_rps": r["produce_rps"],
             "consume_rps": r.get("consume_rps"), "produce_p50_ms": r.get("produce_p50_ms"),
-            "produce_p99_ms": r.get("produce_p99_ms")}
+            "produce_p99_ms": r.get("produce_p99_ms"), **({"hops": r["hops"]} if "hops" in r else {})}
 
 
 def run(counts: list[int], n_records: int, repeats: int) -> dict:
@@ -89,7 +129,18 @@ def run(counts: list[int], n_records: int, repeats: int) -> dict:
                     rows.append(r)
     return {"experiment": "kafka", "records": n_records, "size": SIZE, "linger_ms": LINGER,
             "batch_size": BATCH, "acks": "all", "repeats": repeats, "rows": rows,
-            "medians": medians(rows)}
+            "medians": medians(rows), "hops": hop_medians(rows)}
+
+
+def hop_medians(rows: list[dict]) -> dict:
+    """Per kera system and topic count, the median of each hop's µs per request and per batch."""
+    out: dict = {}
+    for r in rows:
+        for k, v in r.get("hops", {}).items():
+            if k.endswith(("_per_request", "_per_batch")) and v is not None:
+                out.setdefault(r["system"], {}).setdefault(r["topics"], {}).setdefault(k, []).append(v)
+    return {s: {n: {k: round(statistics.median(v), 1) for k, v in d.items()} for n, d in by.items()}
+            for s, by in out.items()}
 
 
 def medians(rows: list[dict]) -> dict:
@@ -136,6 +187,11 @@ def main(argv=None) -> None:
     m = res["medians"]
     for s, by in m.items():
         print(s, {k: (round(v["produce"]), round(v["consume"])) for k, v in sorted(by.items())})
+    for s, by in res["hops"].items():
+        for n, d in sorted(by.items()):
+            print(s, n, "topics, CPU us per request / per batch:", {
+                kind: (d.get(f"{kind}_us_per_request"), d.get(f"{kind}_us_per_batch"))
+                for kind in ("broker", "backup", "coordinator")})
     if not a.quick:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "kafka.json"), "w") as f:

@@ -77,13 +77,14 @@ def _run_kera(k: KeraRun, r: int, streams: int, n: int, seconds: float, concurre
     t0 = time.monotonic()
     names = k.create(streams, replication=r)
     create_s = round(time.monotonic() - t0, 3)
+    k.idle()   # the new streams' assignment done: the run measures its produce
     n, seconds = _size(n, seconds, concurrent)
     try:
         out = k.measure(names, n, SIZE, 1, 1, CFG, sequential=not concurrent, touch=True,
                         chunk_read=not concurrent, seconds=seconds)
     finally:
         k.delete(names)
-    return {**out, "create_s": create_s}
+    return {**out, "create_s": create_s, "idle_after_delete_s": k.idle_s}
 
 
 def _run_peer(streams: int, n: int, seconds: float, concurrent: bool) -> dict:

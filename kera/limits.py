@@ -59,6 +59,9 @@ REPLICATE_BATCH = 8 * MiB         # one vseg copy's entry carries up to this, or
 # and the time it spends verifying one request's checksums stay small
 REPLICATE_RPC = 2 * REPLICATE_BATCH
 REPLICATE_ENTRIES = 1024
+# replicate messages one vseg copy may have out at once, and replicate RPCs one broker may have
+# out to one backup: the next acknowledgement round leaves before the last one is answered
+REPLICATE_INFLIGHT = 2
 REPLICATE_ENTRY_META = 512        # an entry's description and its answer (a typed error's message)
 MAX_REPLICATE_PAYLOAD = max(REPLICATE_RPC, MAX_CHUNK)
 DEFAULT_VSEG_SIZE = 8 * MiB
@@ -133,6 +136,7 @@ assert MAX_CHUNK <= MAX_REPLICATE_PAYLOAD <= MAX_PAYLOAD, "every chunk must be r
 assert max(REPLICATE_BATCH, MAX_CHUNK) <= MAX_REPLICATE_PAYLOAD, "every entry must fit a replicate"
 assert REPLICATE_ENTRIES * REPLICATE_ENTRY_META <= MAX_META, \
     "every replicate and its answer must fit a frame's meta"
+assert REPLICATE_INFLIGHT >= 1
 assert MAX_VSEG_BYTES <= MAX_REPLICA_BYTES, "every virtual segment must fit a replica"
 assert MAX_PRODUCE_PAYLOAD <= MAX_PAYLOAD, "every producer request must fit a frame"
 assert max(MAX_READ, MAX_CHUNK) <= MAX_PAYLOAD, "every read reply must fit a frame"

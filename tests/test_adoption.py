@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import trio
 
 from kera import chunk
 from kera.broker.streamlet import Streamlet
@@ -84,14 +85,14 @@ def test_a_recovery_tells_its_new_owners_the_groups_a_record_still_holds():
     (as ranges of ids, with the newest per slot), beside the recovery's own with their
     sequences; streamlets not handed over are not."""
     ad = _adoptions()
-    ad.record(2, 2, {(1, 0): ({3, 4, 9}, {7: 10}, {3: 7, 4: 6, 9: 5}, [0]), (1, 1): ({5}, {}, {5: 0}, [0])}, [[0, 3]], True)
+    ad.record(2, 2, {(1, 0): ({3, 4, 9}, {7: 10}, {3: 7, 4: 6, 9: 5}, [77]), (1, 1): ({5}, {}, {5: 0}, [0])}, [[0, 3]], True)
     assert list(ad.records) == [key_of(2, 2)]
-    assert ad.records[key_of(2, 2)]["streamlets"] == [[1, 0, [[3, 4], [9, 9]], [[1, 9], [2, 4], [3, 3]]],
-                                                      [1, 1, [[5, 5]], [[0, 5]]]]
+    assert ad.records[key_of(2, 2)]["streamlets"] == [[1, 0, [[3, 4], [9, 9]], [[1, 9], [2, 4], [3, 3]], 77],
+                                                      [1, 1, [[5, 5]], [[0, 5]], 0]]
     new = _Member()
     got = ad.pending_for({(1, 0): new}, (1, 1), {(1, 0): ({8}, {7: 20}, {8: 7}, [120])})
     assert got == {(new, (1, 1)): [[1, 0, [[8, 8]], [(7, 20)], [[3, 8]], 120]],
-                   (new, (2, 2)): [[1, 0, [[3, 4], [9, 9]], [], [[1, 9], [2, 4], [3, 3]]]]}
+                   (new, (2, 2)): [[1, 0, [[3, 4], [9, 9]], [], [[1, 9], [2, 4], [3, 3]], 77]]}
     assert ad.pending_for({(1, 0): new}, (2, 2)) == {}   # its own record: told from its plan
 
 
@@ -105,7 +106,7 @@ def test_a_second_hand_over_of_the_same_incarnation_adds_to_its_record():
               [[0, 3], [1, 5]], True, [(1, 0), (1, 2)])
     ad.record(2, 2, {(1, 1): ({6}, {}, {6: 1}, [0])}, [[0, 4], [1, 4]], False, [(1, 1), (1, 2)])
     r = ad.records[key_of(2, 2)]
-    assert r["streamlets"] == [[1, 0, [[3, 4]], [[0, 4]]], [1, 1, [[6, 6]], [[1, 6]]]]
+    assert r["streamlets"] == [[1, 0, [[3, 4]], [[0, 4]], 0], [1, 1, [[6, 6]], [[1, 6]], 0]]
     assert r["covered"] == [[0, 3], [1, 4]] and r["complete"] is False
     assert ad.has(2, 2) and not ad.has(2, 3)
 
@@ -130,3 +131,35 @@ def test_appends_while_a_history_is_pending_go_on_past_its_kafka_offsets():
     sl.unpend((4, 2))
     assert list(log.bases) == [0, 1, 2, 12, 50, 52] and list(log.ends) == [1, 2, 12, 49, 52, 56]
     assert log.row(3) == (12, 49, 5, 0, 100, 200) and log.find(30) == 3 and log.next == 56
+
+
+def test_a_pend_again_from_the_record_carries_the_kafka_end():
+    """A new coordinator term (or a failed try) adopts from the record alone: its ``pend``
+    tells the owner the end of the pending groups' Kafka offsets, as the hand-over's did, so
+    appends meanwhile go on past them; a record written before the end was kept reads as 0."""
+    ad = _adoptions()
+    ad.record(2, 2, {(1, 0): ({3, 4}, {}, {3: 0, 4: 0}, [120])}, [[0, 3]], False, [(1, 0)])
+    ad.records["1:1"] = {"broker": 1, "epoch": 1, "covered": [], "complete": False,
+                         "streamlets": [[1, 1, [[6, 6]], [[1, 6]]]]}   # the format before
+    new = _Member()
+    ad.roster = SimpleNamespace(live_broker=lambda *owner: new)
+    ad.metadata.streams["s"].owners = [(3, 3), (3, 3)]
+    ad.metadata.delete = lambda path: ad.records.pop(path[1])
+    sent = []
+
+    async def call(m, method, meta):
+        sent.append((method, meta["source"], meta["entries"]))
+
+    async def repoint(*args):
+        pass
+
+    async def commit():
+        pass
+    ad._call, ad._repoint, ad.metadata.commit = call, repoint, commit
+    for k in (key_of(2, 2), "1:1"):
+        trio.run(ad._adopt, k, ad.records[k])
+    assert sent == [("pend", [2, 2], [[1, 0, [[3, 4]], [], [[0, 4]], 120]]),
+                    ("pend", [2, 2], [[1, 0, [], [], []]]),
+                    ("pend", [1, 1], [[1, 1, [[6, 6]], [], [[1, 6]], 0]]),
+                    ("pend", [1, 1], [[1, 1, [], [], []]])]
+    assert not ad.records

@@ -95,6 +95,35 @@ async def test_one_report_per_record_served_on_the_callers_thread(make_cluster):
             assert len({r.streamlet for r in mine if r.stream == s}) == 1 and at == sorted(at)
 
 
+async def test_sampled_callbacks_over_many_streams_get_their_own_positions(make_cluster):
+    """One record to each of many streams, a callback on every 7th only: a request carries
+    many one-record chunks and the broker answers where it placed only those with reports
+    (``positions_of``); each report still names its own record's place."""
+    cluster = make_cluster(1)
+    coord = cluster.coordinator
+    names = [f"sp{i:03d}" for i in range(300)]
+    await create(coord, names, replication=1)
+    got = Reports()
+
+    def produce():
+        with Producer(coord, **{"linger.ms": 2}) as p:
+            p.portal.call(p._p.load_metadata, names)
+            for rnd in range(2):
+                for i, s in enumerate(names):
+                    v = b"%d-%s" % (rnd, s.encode())
+                    if i % 7 == 3:
+                        p.send(s, v, on_delivery=got)
+                    else:
+                        p.send(s, v)
+            p.flush()
+
+    await trio.to_thread.run_sync(produce)
+    reports = got.ok()
+    assert len(reports) == len(got.got) == 2 * len(range(3, 300, 7))
+    chunks = await chunks_of(coord, names, 2 * len(names))
+    assert all(readable(chunks, r) for r in reports)
+
+
 async def test_failures_are_reported_with_typed_errors(make_cluster):
     cluster = make_cluster(1)
     coord = cluster.coordinator

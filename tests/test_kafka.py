@@ -332,3 +332,26 @@ def test_list_offsets_by_time_and_topic_configs(cluster):
     a = _admin(bs)
     r = list(a.describe_configs([ConfigResource(ConfigResource.Type.TOPIC, "lo")]).values())[0].result(30)
     assert r["retention.ms"].value == "3600000" and r["cleanup.policy"].value == "delete"
+
+
+def test_requests_past_the_answer_limit_in_one_read_are_all_answered(cluster):
+    """More requests than a connection may have answers waiting (``MAX_INFLIGHT``) in one
+    read: once the answers at the limit are written, the rest of the read is handled too,
+    not left in the buffer until the client sends again (a client that waits for their
+    answers, as librdkafka does once it sent all it had, would stall until its timeout)."""
+    import struct
+
+    from kera.kafka.listener import MAX_INFLIGHT
+    n = MAX_INFLIGHT + 300
+    s = _sock(cluster.kafka_bootstrap().split(",")[0])
+    s.settimeout(20)
+    for burst in range(3):
+        # ApiVersions v0 (header v1, null client id): 14 bytes each, the burst in one segment
+        data = b"".join(struct.pack(">ihhih", 10, 18, 0, burst * n + i, -1) for i in range(n))
+        s.sendall(data)
+        for i in range(n):
+            head = _recv(s, 4)
+            assert head is not None, f"burst {burst}: the connection closed after {i} answers"
+            frame = _recv(s, struct.unpack(">i", head)[0])
+            assert struct.unpack_from(">i", frame)[0] == burst * n + i
+    s.close()

@@ -31,7 +31,7 @@ from kera.errors import KeraError, RecordTooLarge, Unavailable, UnknownStream
 from kera.limits import MAX_CHUNK
 
 from .accumulator import Accumulator, check_record
-from .bulk import bulk
+from .bulk import bulk, settled
 from .delivery import TIMEOUT, Deliveries, error_for
 from .lanes import Buffer, Route, Waker
 from .metadata import fetch, refusal, unknown
@@ -143,6 +143,7 @@ class Lookups:
             self.requests += 1
             with self.buffer.lock, bulk():
                 self._take(cols, unpark)
+            settled(len(cols.names))
             missing.extend(gone)
             refused.extend(denied)
 

@@ -36,7 +36,7 @@ from kera.limits import MAX_LIST_PAGE
 from kera.meta_columns import Columns
 from kera.rpc import unwrapped
 
-from .bulk import bulk
+from .bulk import bulk, settled
 from .stream_view import StreamView
 
 PARALLEL = 4   # pages of names asked at once
@@ -123,6 +123,7 @@ async def describe(coordinator, names: Iterable[str] = (), pattern: str | None =
         with bulk():
             for s in cols.views(StreamView):
                 out[s.name] = s
+        settled(len(cols.names))
         missing.extend(gone)
         refused.extend(denied)
 

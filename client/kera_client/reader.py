@@ -36,7 +36,7 @@ from kera.errors import KeraError, Unavailable
 from kera.limits import MAX_PULL_STREAMLETS
 from kera.position import DONE
 
-from .bulk import bulk
+from .bulk import bulk, settled
 from .metadata import describe, fetch
 from .received import Chunk, Record
 from .sessions import Sessions
@@ -171,6 +171,7 @@ class Reader:
                         if dirty is not None and f"{name}/{i}" not in saved:
                             dirty.add(key)   # not the group's yet: the next commit stores it
                         place(key, addrs[i])
+        settled(len(streams))
 
     def _start_positions(self, streams, saved: dict) -> list:
         """Where each new streamlet is read from: the ``start`` given, the group's committed

@@ -27,6 +27,7 @@ import logging
 import math
 import time
 
+import numpy as np
 import trio
 
 from kera import chunk as chunkfmt
@@ -295,8 +296,10 @@ class Sender:
     async def _request(self, flight: Flight, items: list) -> None:
         addr = flight.addr
         meta = {"producer": self.producer_id, "token": self.producer_token, "acks": self.acks}
-        if self.delivery.used and any(c.reports is not None for c in items):
-            meta["positions"] = True  # where each chunk was placed, for its delivery reports
+        if self.delivery.used:   # where the chunks with delivery reports were placed
+            want = [i for i, c in enumerate(items) if c.reports is not None]
+            if want:
+                meta["positions_of"] = np.array(want, "<u4").tobytes()
         where: dict = {}
         results = None
         try:

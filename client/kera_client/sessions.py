@@ -191,11 +191,11 @@ class Sessions:
         for e in r["errors"]:
             await self._refusal(link, e)
         entries = r["entries"]
-        if type(entries) is bytes:
-            if len(entries) % (8 * ROW):
-                raise ProtocolError("pull answer: entries are not whole rows")
-            entries = np.frombuffer(entries, "<i8").reshape(-1, ROW).tolist()
+        if type(entries) is bytes and len(entries) % (8 * ROW):
+            raise ProtocolError("pull answer: entries are not whole rows")
         with bulk():
+            if type(entries) is bytes:
+                entries = np.frombuffer(entries, "<i8").reshape(-1, ROW).tolist()
             self._absorb(entries, payload, out, None if tracked else link)
 
     async def _failed(self, link: Link, told: list, e: KeraError) -> None:

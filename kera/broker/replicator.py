@@ -1,9 +1,9 @@
-"""Replication of a broker's virtual logs: one replicate RPC in flight per backup.
+"""Replication of a broker's virtual logs: ``REPLICATE_INFLIGHT`` replicate RPCs in flight per backup.
 
 Each ``Replicator`` is one pure ``VirtualLog`` with what producers wait on. The
 broker's ``ReplicationHub`` drives them all with trio and the RPC pool: each
-round it polls every vlog with work for the copies whose backup has no RPC in
-flight, and sends each such backup one ``replicate`` carrying the new bytes of
+round it polls every vlog with work for the copies whose backup has room for
+another RPC in flight, and sends each such backup one ``replicate`` carrying the new bytes of
 all of them (group commit across vlogs: the RPCs follow the backups, not the
 vlogs or the streams). Each entry's answer goes to its own vlog as if it had
 been sent alone; a lost connection or a timeout fails every entry of its RPC.
@@ -25,7 +25,7 @@ from functools import partial
 import trio
 
 from ..errors import Fenced, KeraError, ProtocolError, Unavailable, from_wire
-from ..limits import REPLICATE_ENTRIES, REPLICATE_RPC
+from ..limits import REPLICATE_ENTRIES, REPLICATE_INFLIGHT, REPLICATE_RPC
 from ..rpc import Pool
 from ..vlog import VirtualLog
 from ..vlog.virtual_log import Send
@@ -58,8 +58,10 @@ class ReplicationHub:
         self.addr_of = addr_of        # backup id -> address
         self.timeout = timeout
         self.vlogs: list[Replicator] = []
-        self.busy: set[int] = set()   # backups with a replicate in flight
-        self.posted: dict[int, tuple] = {}  # backup -> (deadline, connection, request id, batch)
+        self.out: dict[int, int] = {}  # backup -> replicate RPCs in flight to it
+        self.busy: set[int] = set()   # backups with ``REPLICATE_INFLIGHT`` of them
+        self.posted: dict[int, tuple] = {}  # key -> (deadline, connection, request id, backup, batch)
+        self._keys = 0
         self.wake = trio.Event()
         self.appended = False         # chunks were appended since the last round began
         self.rpcs = 0                 # replicate RPCs sent
@@ -72,13 +74,13 @@ class ReplicationHub:
 
     def stats(self) -> dict:
         return {"rpcs": self.rpcs, "entries": self.entries, "bytes": self.bytes,
-                "backups_busy": len(self.busy)}
+                "backups_busy": len(self.busy), "in_flight": sum(self.out.values())}
 
     async def run(self) -> None:
         try:
             await self._rounds()
         finally:  # the incarnation ended: answers to its posted RPCs are dropped, as its tasks are
-            for _, conn, rid, _ in list(self.posted.values()):
+            for _, conn, rid, _, _ in list(self.posted.values()):
                 conn.forget(rid)
             self.posted.clear()
             ended = Fenced("this broker incarnation ended before the chunks were durable")
@@ -111,13 +113,13 @@ class ReplicationHub:
                     if d is not None:
                         deadline = min(deadline, d)
                 for backup, sends in out.items():
-                    self.busy.add(backup)
+                    self._taken(backup)
                     if not self._post(backup, sends, now):
                         nursery.start_soon(self._send, backup, sends)
-                for backup, (t, conn, rid, batch) in list(self.posted.items()):
+                for key, (t, conn, rid, backup, batch) in list(self.posted.items()):
                     if t <= now:
                         conn.forget(rid, timed_out=True)
-                        self._done(backup, batch, Unavailable(
+                        self._done(key, backup, batch, Unavailable(
                             f"replicate to {conn.addr} timed out after {self.timeout} s"))
                     else:
                         deadline = min(deadline, t)
@@ -126,6 +128,17 @@ class ReplicationHub:
                 else:
                     with trio.move_on_at(deadline):
                         await self.wake.wait()
+
+    def _taken(self, backup: int) -> None:
+        n = self.out[backup] = self.out.get(backup, 0) + 1
+        if n >= REPLICATE_INFLIGHT:
+            self.busy.add(backup)
+
+    def _freed(self, backup: int) -> None:
+        n = self.out[backup] = self.out[backup] - 1
+        if n < REPLICATE_INFLIGHT:
+            self.busy.discard(backup)
+        self.wake.set()
 
     def _post(self, backup: int, sends: list[tuple[Replicator, Send]], now: float) -> bool:
         """Send the one RPC ``sends`` make without a task, if the backup's connection is open
@@ -140,22 +153,23 @@ class ReplicationHub:
         if conn is None:
             return False
         meta, parts = self._request(sends, sum(sizes))
-        rid = conn.post("replicate", meta, partial(self._done, backup, sends), parts=parts)
+        self._keys += 1
+        key = self._keys
+        rid = conn.post("replicate", meta, partial(self._done, key, backup, sends), parts=parts)
         if rid is None:
             self.rpcs -= 1  # not sent: ``_send`` sends it
             self.entries -= len(sends)
             self.bytes -= sum(sizes)
             return False
-        self.posted[backup] = (now + self.timeout, conn, rid, sends)
+        self.posted[key] = (now + self.timeout, conn, rid, backup, sends)
         return True
 
-    def _done(self, backup: int, batch: list[tuple[Replicator, Send]], answer) -> None:
+    def _done(self, key: int, backup: int, batch: list[tuple[Replicator, Send]], answer) -> None:
         """A posted RPC's answer (or failure, or timeout)."""
-        if self.posted.pop(backup, None) is None:
+        if self.posted.pop(key, None) is None:
             return  # timed out already
         self._answered(backup, batch, answer[0] if isinstance(answer, tuple) else answer)
-        self.busy.discard(backup)
-        self.wake.set()
+        self._freed(backup)
 
     async def _send(self, backup: int, sends: list[tuple[Replicator, Send]]) -> None:
         """Every message for ``backup``, one RPC at a time (more than one only past the limits)."""
@@ -174,8 +188,7 @@ class ReplicationHub:
                     break
                 sends = sends[j:]
         finally:
-            self.busy.discard(backup)
-            self.wake.set()
+            self._freed(backup)
 
     async def _call(self, backup: int, batch: list[tuple[Replicator, Send]],
                     size: int) -> KeraError | None:

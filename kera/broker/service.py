@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import trio
 
 from .. import chunk, group_positions, limits, metafile, wire
@@ -236,7 +237,7 @@ class BrokerService(Service):
         decided = peer.decisions() if acl else None   # stream id -> may write
         self.requests += 1
         errors = []
-        placed = [] if meta.get("positions") else None  # [chunk, group, segment, offset], when asked
+        placed, want = _placed_wanted(meta)  # [chunk, group, segment, offset], when asked
         waits: dict[Replicator, int] = {}
         touched: dict[Replicator, list] | None = {} if self.sessions else None
         streams, streamlets = self.streams, self.streamlets
@@ -264,7 +265,7 @@ class BrokerService(Service):
                     continue
                 g, seg, soff = sl.append(payload[off:off + size], producer)
                 chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
-                if placed is not None:
+                if placed is not None and (want is None or i in want):
                     placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
                 idx = waits[vlog] = vlog.append(seg, soff, size, checksum)
@@ -467,6 +468,19 @@ class BrokerService(Service):
         self.takeover.unsettled.clear()
         self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.logs.backup_addr)
         self.membership.reset()
+
+def _placed_wanted(meta: dict) -> tuple[list | None, set | None]:
+    """Where a produce's chunks were placed is answered for those it names (``positions_of``:
+    little-endian uint32 chunk indices, the chunks carrying delivery callbacks), for all of
+    them (``positions``), or for none: a request of thousands of one-record chunks with a
+    sampled callback pays for its few, not an entry per chunk each way."""
+    of = meta.get("positions_of")
+    if of is not None:
+        if len(of) % 4:
+            raise InvalidArgument("positions_of holds 4-byte chunk indices")
+        return [], set(np.frombuffer(of, "<u4").tolist())
+    return ([], None) if meta.get("positions") else (None, None)
+
 
 def _broker_flags(flags: int) -> InvalidArgument:
     """A client's chunk flagged as only brokers flag theirs: stored, it would be taken for an

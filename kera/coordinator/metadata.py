@@ -81,12 +81,12 @@ class Metadata:
 
     def set_owner(self, s: StreamMeta, i: int, m) -> None:
         """Streamlet ``i`` of ``s`` is now member ``m``'s (durable once ``commit`` returns)."""
-        now = self.streams.get(s.name)
-        if now is None or now.id != s.id:   # deleted (or re-created) meanwhile: nothing to keep
+        now = self.streams.wire(s.name)    # its map, not decoded: the owner it has now
+        if now is None or now["id"] != s.id:   # deleted (or re-created) meanwhile: nothing to keep
             if s.id in self._deleting:      # (a delete still committing unassigns it from m too)
                 self._deleting[s.id][i] = (m.id, m.epoch)
             return
-        self.streams.set_owner(now, i, (m.id, m.epoch))
+        self.streams.set_owner(s.name, i, tuple(now["owners"][i]), (m.id, m.epoch))
 
     async def delete_stream(self, s: StreamMeta) -> list:
         """``s`` deleted, durably; returns the owners to unassign it from (an owner a recovery

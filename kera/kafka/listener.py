@@ -128,15 +128,7 @@ class KafkaListener:
                             break
                         decoder.feed(data)
                         deadline.active = trio.current_time()
-                        # no scheduling point while a read's requests are handled: their
-                        # appends leave in one replication round, their answers in one write
-                        while True:
-                            while not answers.full() and (f := decoder.next()) is not None:
-                                self._request(conn, f, answers, nursery)
-                            answers.flush()
-                            if not answers.full():
-                                break
-                            await answers.wait_room()
+                        await self._handle(conn, decoder, answers, nursery)
                         deadline.frame_since = (deadline.frame_since or deadline.active) \
                             if decoder.pending else None
                 if waiting.cancelled_caught:
@@ -145,6 +137,27 @@ class KafkaListener:
                 drop(str(e))
                 return
             answers.close()   # the peer closed: the answers due are written, then it ends
+
+    async def _handle(self, conn: Conn, decoder, answers: Answers, nursery) -> None:
+        """Every whole request ``decoder`` holds, handled in order with no scheduling point
+        but while ``answers`` is full: a read's appends leave in one replication round, its
+        answers in one write. Returns once no whole request is left and there is room (a
+        connection at its limit is not read). A flush that makes room is no reason to stop:
+        requests left in ``decoder`` would wait for bytes that may never come, from a client
+        waiting for their answers (librdkafka then stalls until its request timeout)."""
+        while True:
+            drained = False
+            while not answers.full():
+                f = decoder.next()
+                if f is None:
+                    drained = True
+                    break
+                self._request(conn, f, answers, nursery)
+            answers.flush()
+            if answers.full():
+                await answers.wait_room()
+            elif drained:
+                return
 
     def _request(self, conn: Conn, frame: bytes, answers: Answers, nursery) -> None:
         """Run one request's handler; its answer joins ``answers`` (none for acks=0). ``Drop``

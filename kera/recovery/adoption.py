@@ -76,6 +76,12 @@ def ids(rs) -> set[int]:
     return {g for lo, hi in rs for g in range(lo, hi + 1)}
 
 
+def _kafka_end(rest: list) -> int:
+    """The Kafka end offset a record's streamlet entry carries after its four fields (0 in a
+    record written before it was kept)."""
+    return int(rest[0]) if rest else 0
+
+
 class Adoptions:
     """The coordinator's pending adoptions (``meta["deferred"]``) and the task doing them.
     Handed the term's ``roster``, ``metadata`` (the records, the streams, commits),
@@ -108,22 +114,23 @@ class Adoptions:
         same incarnation (an earlier hand-over of other streamlets of it, whose commit was cut
         short) is merged into: its other streamlets' groups are still pending, the handed
         ones are as this plan says; what a replay covered is the smaller, complete only if
-        both were. The sequences and Kafka offsets are not kept (a successor learns them from
-        the adoption)."""
+        both were. The sequences are not kept (a successor learns them from the adoption);
+        the end of the pending groups' Kafka offsets is (``pend`` again, after a new term or
+        a failed try, tells the owner where appends go on before the adoption brings them)."""
         k = key_of(broker, epoch)
         old = self.records.get(k)
-        kept = {(sid, i): (rs, tops) for sid, i, rs, tops in (old or {}).get("streamlets", [])}
+        kept = {(sid, i): (rs, tops, _kafka_end(e)) for sid, i, rs, tops, *e in (old or {}).get("streamlets", [])}
         for key in handed:
             kept.pop(key, None)
-        for key, (gs, _, producers, _) in deferred.items():
-            kept[key] = (ranges(gs), self._tops(key[0], producers))
+        for key, (gs, _, producers, kafka) in deferred.items():
+            kept[key] = (ranges(gs), self._tops(key[0], producers), kafka[0])
         if old is not None:
             low = dict(old["covered"])
             covered = sorted([v, min(low.get(v, last), last)] for v, last in covered)
             complete = complete and old["complete"]
         self.metadata.set(("deferred", k), {
             "broker": broker, "epoch": epoch, "covered": covered, "complete": complete,
-            "streamlets": [[sid, i, rs, tops] for (sid, i), (rs, tops) in sorted(kept.items())]})
+            "streamlets": [[sid, i, rs, tops, kafka] for (sid, i), (rs, tops, kafka) in sorted(kept.items())]})
 
     def _tops(self, stream_id: int, producers: dict[int, int]) -> list[list[int]]:
         """[[slot, newest group], ...] of pending groups (``producers``: group -> a producer)."""
@@ -145,10 +152,10 @@ class Adoptions:
                                                  self._tops(sid, producers), kafka[0]])
         for r in self.records.values():
             src = (r["broker"], r["epoch"])
-            for sid, i, rs, tops in r["streamlets"]:
+            for sid, i, rs, tops, *e in r["streamlets"]:
                 m = owners.get((sid, i))
                 if m is not None and src != own:
-                    out.setdefault((m, src), []).append([sid, i, rs, [], tops])
+                    out.setdefault((m, src), []).append([sid, i, rs, [], tops, _kafka_end(e)])
         return out
 
     async def pend(self, calls: dict) -> None:
@@ -163,7 +170,7 @@ class Adoptions:
     def describe(self) -> list[dict]:
         return [{"broker": r["broker"], "epoch": r["epoch"],
                  "streamlets": len(r["streamlets"]),
-                 "groups": sum(hi - lo + 1 for _, _, rs, _ in r["streamlets"] for lo, hi in rs),
+                 "groups": sum(hi - lo + 1 for _, _, rs, *_ in r["streamlets"] for lo, hi in rs),
                  **self.state.get(k, {})} for k, r in sorted(self.records.items())]
 
     async def run(self) -> None:
@@ -217,16 +224,16 @@ class Adoptions:
         broker, epoch = r["broker"], r["epoch"]
         live = {sid: md.streams.by_id(sid) for sid in {e[0] for e in r["streamlets"]}}
         owners, only, pending = {}, {}, {}
-        for sid, i, rs, tops in r["streamlets"]:
+        for sid, i, rs, tops, *e in r["streamlets"]:
             owners[(sid, i)] = self.roster.live_broker(*live[sid].owners[i])
             only[(sid, i)] = ids(rs)
-            pending[(sid, i)] = (rs, tops)
+            pending[(sid, i)] = (rs, tops, _kafka_end(e))
         if owners:
             await failpoints.hit("adoption.start", k)
             calls: dict = {}
             for (sid, i), m in owners.items():
-                rs, tops = pending[(sid, i)]
-                calls.setdefault((m, (broker, epoch)), []).append([sid, i, rs, [], tops])
+                rs, tops, kafka = pending[(sid, i)]
+                calls.setdefault((m, (broker, epoch)), []).append([sid, i, rs, [], tops, kafka])
             await self.pend(calls)   # again: a new term or a retry starts from the record
             await self._repoint(broker, epoch, owners, only)
             async with trio.open_nursery() as n:

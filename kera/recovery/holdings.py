@@ -65,10 +65,19 @@ class Holdings:
     def count(self, owner: Incarnation) -> int:
         return self._count.get(tuple(owner), 0)
 
+    def dead(self, alive: Callable[[int, int], bool]) -> list[Incarnation]:
+        """The incarnations owning streamlets that ``alive`` says are gone (their streamlets
+        are listed only for a recovery that starts: after a whole-cluster restart that is
+        every streamlet, which the recovery manager must not list ten times a second)."""
+        return [key for key in self._by if not alive(*key)]
+
+    def streamlets(self, key: Incarnation) -> list[StreamletRef]:
+        """The streamlets incarnation ``key`` owns."""
+        return [(name, i) for name, bits in self._by.get(key, {}).items() for i in _ones(bits)]
+
     def orphans(self, alive: Callable[[int, int], bool]) -> dict[Incarnation, list[StreamletRef]]:
         """The streamlets of every incarnation that ``alive`` says is gone."""
-        return {key: [(name, i) for name, bits in held.items() for i in _ones(bits)]
-                for key, held in self._by.items() if not alive(*key)}
+        return {key: self.streamlets(key) for key in self.dead(alive)}
 
 
 def _ones(bits: int):

@@ -58,6 +58,7 @@ from collections.abc import Callable
 import trio
 
 from ..errors import KeraError, Unavailable
+from ..limits import MAX_BATCH_STREAMS
 from .adoption import Adoptions
 from .listing import list_backups
 from .needs import Liveness, MetaStore, Owners, RecoveredList, Settings
@@ -80,6 +81,7 @@ log = logging.getLogger("kera.recovery")
 REPLAY_TIMEOUT = 600.0
 RETRY_DELAY = 0.5
 WAIT_DELAY = 2.0  # between attempts while a log ends early and backups may still bring the rest
+PACE = 4096      # streamlets a recovery's bulk steps handle between checkpoints (a few ms each)
 
 
 class LogIncomplete(Unavailable):
@@ -119,10 +121,10 @@ class RecoveryManager:
         # the backups it waits for (one of them back: tried again at once)
         self.waiting: dict[tuple[int, int], tuple[Recovery, frozenset[int]]] = {}
 
-    def orphans(self) -> dict[tuple[int, int], list]:
-        """Streamlets by owning incarnation, of incarnations no longer alive (an index
-        lookup, not a walk over every stream: it runs ten times a second)."""
-        return self.metadata.holdings.orphans(lambda b, e: self.roster.live_broker(b, e) is not None)
+    def orphans(self) -> list[tuple[int, int]]:
+        """The incarnations no longer alive that own streamlets (an index lookup, not a walk
+        over every stream or streamlet: it runs ten times a second)."""
+        return self.metadata.holdings.dead(lambda b, e: self.roster.live_broker(b, e) is not None)
 
     def _backups_ready(self) -> bool:
         """Every backup ever known is back, or was seen dying, or the grace is over.
@@ -144,17 +146,18 @@ class RecoveryManager:
                 now = time.monotonic()
                 if now - self.started < self.settings.rejoin_wait:
                     continue  # after a coordinator restart live brokers rejoin as themselves first
-                orphans = self.orphans()
+                orphans = set(self.orphans())
                 up = {m.id for m in self.roster.live("backup")}
-                for key, sls in orphans.items():
+                for key in orphans:
                     if key not in self.active and (self.not_before.get(key, 0) <= now or (
                             key in self.waiting and self.waiting[key][1] & up)):
                         self.first_try.setdefault(key, now)
+                        sls = self.metadata.holdings.streamlets(key)
                         rec = self.active[key] = Recovery(key[0], key[1], sls)
                         nursery.start_soon(self._run_one, rec)
                 self._forget(orphans)
 
-    def _forget(self, orphans: dict) -> None:
+    def _forget(self, orphans: set) -> None:
         """Drop what is kept of incarnations that own nothing any more (recovered, or their
         streams deleted): replaced members, waits."""
         self.roster.forget(lambda k: k in orphans or k in self.active)
@@ -203,21 +206,32 @@ class RecoveryManager:
                 self.losses = (self.losses + [rec])[-100:]
             self.roster.notify()
 
-    def _need(self, rec: Recovery) -> int:
+    async def _streams(self, rec: Recovery) -> dict:
+        """The streams of the incarnation's streamlets that still exist, read a slice at a
+        time: after a whole-cluster restart an incarnation owned a third of a million, and a
+        coordinator that decodes them in one go answers no heartbeat for seconds (every
+        broker's lease runs out, and the recovery fails on brokers that stopped serving)."""
+        known, out = self.metadata.streams, {}
+        for k, (n, _) in enumerate(rec.streamlets):
+            if n not in out and n in known:
+                out[n] = known[n]
+            if k % PACE == PACE - 1:
+                await trio.sleep(0)
+        return out
+
+    @staticmethod
+    def _need(streams: dict) -> int:
         """Backup copies of the incarnation's least replicated vlog: of its streams' (vlogs
         never mix replication factors), those of streamlets it still owns."""
-        streams = self.metadata.streams
-        return min((max(1, streams[n].replication - 1) for n, _ in rec.streamlets if n in streams),
-                   default=1)
+        return min((max(1, s.replication - 1) for s in streams.values()), default=1)
 
-    def _prove(self, rec: Recovery, backups: list) -> None:
+    def _prove(self, rec: Recovery, backups: list, need: int) -> None:
         """Raise ``BackupsAwaited`` unless the live ``backups`` hold a copy of every chunk the
         incarnation had acknowledged (see the module doc); past the grace, note on ``rec``
         which backups it goes on without."""
         inc = self.roster.incarnation(rec.broker, rec.epoch)
         could = inc.told if inc is not None and inc.told_all else set(self.metadata.state["backups"])
         down = sorted(could - {b.id for b in backups})
-        need = self._need(rec)
         if len(down) < need:
             return
         first = self.first_try.get((rec.broker, rec.epoch), time.monotonic())
@@ -232,7 +246,8 @@ class RecoveryManager:
     async def _recover(self, rec: Recovery) -> None:
         md, members = self.metadata, self.roster.members
         backups = self.roster.live("backup")
-        self._prove(rec, backups)
+        streams = await self._streams(rec)
+        self._prove(rec, backups, self._need(streams))
         # 1. fence the dead incarnation everywhere it could still write
         with rec.phase("fence"):
             md.fence(rec.broker, rec.epoch)
@@ -241,17 +256,7 @@ class RecoveryManager:
                 for b in backups:  # a backup that does not answer gets the fence when it registers
                     n.start_soon(self._quiet, b.addr, "fence", {"broker": rec.broker, "epoch": rec.epoch})
         # 2. new owners, in recovering state
-        known = md.streams   # those deleted meanwhile are left out
-        streams = {n: known[n] for n, _ in rec.streamlets if n in known}
-        sls = [(n, i) for n, i in rec.streamlets if n in streams]
-        targets = self.placement.spread(len(sls), salt=rec.broker)
-        plan: dict[tuple, object] = {}
-        per_target: dict[int, dict[str, list[int]]] = {}   # broker -> stream -> streamlets
-        for (name, i), m in zip(sls, targets, strict=True):
-            plan[(name, i)] = m
-            per_target.setdefault(m.id, {}).setdefault(name, []).append(i)
-        entries = {mid: [[streams[name], idx] for name, idx in mine.items()]
-                   for mid, mine in per_target.items()}
+        plan, entries = await self._plan(rec, streams)
 
         async def assign_all(recovering: bool, seal: bool = False) -> None:
             """One request per target broker (or as few as a frame allows), all in parallel."""
@@ -281,8 +286,10 @@ class RecoveryManager:
             if deferred:
                 self.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
                                        complete, [(streams[n].id, i) for n, i in plan])
-            for (name, i), m in plan.items():
-                md.set_owner(streams[name], i, m)
+            for k, ((name, i), m) in enumerate(plan.items()):
+                md.set_owner(streams[name], i, m)   # (one deleted or re-created meanwhile: kept out)
+                if k % PACE == PACE - 1:
+                    await trio.sleep(0)
             if complete and not deferred:  # else what is left may be all there is of
                 # the lost range: kept. Every backup, now or when it is back, drops this
                 # incarnation's files (a claimed one stays until released) and releases its
@@ -291,6 +298,35 @@ class RecoveryManager:
             await md.commit()
         rec.served = time.time()
         self.adoptions.poke()
+
+    async def _plan(self, rec: Recovery, streams: dict) -> tuple[dict, dict]:
+        """New owners for the streamlets of ``streams`` (those deleted meanwhile left out),
+        spread over the live brokers a slice at a time: ``plan`` ((stream, streamlet) ->
+        member) and ``entries`` (broker id -> [[stream, streamlets], ...])."""
+        known = self.metadata.streams
+        for k, n in enumerate(list(streams)):
+            if n not in known:
+                del streams[n]
+            if k % PACE == PACE - 1:
+                await trio.sleep(0)
+        sls = [(n, i) for n, i in rec.streamlets if n in streams]
+        loads = self.placement.loads()
+        plan: dict[tuple, object] = {}
+        per_target: dict[int, dict[str, list[int]]] = {}   # broker -> stream -> streamlets
+        for start in range(0, len(sls), PACE):
+            part = sls[start:start + PACE]
+            for (name, i), m in zip(part, self.placement.spread(len(part), rec.broker, loads), strict=True):
+                plan[(name, i)] = m
+                per_target.setdefault(m.id, {}).setdefault(name, []).append(i)
+            await trio.sleep(0)
+        entries: dict[int, list] = {}
+        for mid, mine in per_target.items():
+            out = entries[mid] = []
+            for k, (name, idx) in enumerate(mine.items()):
+                out.append([streams[name], idx])
+                if k % PACE == PACE - 1:
+                    await trio.sleep(0)
+        return plan, entries
 
     async def _replay(self, rec, backups, streams, plan) -> RecoveryPlan:
         """3. What the backups hold of the incarnation (one that does not answer fails this
@@ -301,12 +337,18 @@ class RecoveryManager:
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
             replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
-        owners_of, routes = pack_routes([(streams[n].id, i, m.addr, m.epoch) for (n, i), m in plan.items()])
+        rows, owners = [], {}
+        for k, ((n, i), m) in enumerate(plan.items()):
+            sid = streams[n].id
+            rows.append((sid, i, m.addr, m.epoch))
+            owners[(sid, i)] = m
+            if k % PACE == PACE - 1:
+                await trio.sleep(0)
+        owners_of, routes = pack_routes(rows)
         rec.vlogs = len(replay_plan.vlogs)
         rec.total = replay_plan.total_bytes
         replay_from: list = []
         settle = None
-        owners = {(streams[n].id, i): m for (n, i), m in plan.items()}
         if self.settings.repoint_evicted:
             # compacted streams are never evicted (their segments are rewritten in memory): they
             # are replayed whole, so the new owner keeps compacting them
@@ -404,8 +446,12 @@ class RecoveryManager:
                                 f"{' and '.join(why)}: they may hold the rest")
 
     async def _unassign(self, m, entries: list) -> None:
+        """What a failed attempt assigned to ``m`` (its epoch named, as every coordinator
+        request to a broker is; as many requests as the batch limit asks)."""
         try:
-            await self._call(m.addr, "unassign", {"streams": [[s.id, idx] for s, idx in entries]})
+            for k in range(0, len(entries), MAX_BATCH_STREAMS):
+                await self._call(m.addr, "unassign", {"epoch": m.epoch, "streams": [
+                    [s.id, idx] for s, idx in entries[k:k + MAX_BATCH_STREAMS]]})
         except KeraError as e:
             log.info("unassign after a failed recovery: %s", e)
 

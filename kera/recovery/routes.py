@@ -21,8 +21,10 @@ def pack_routes(routes) -> tuple[list, bytes]:
     owners ``[[addr, epoch], ...]`` (its meta) and a ``ROUTE`` row per streamlet (its payload)."""
     owners: dict[tuple[str, int], int] = {}
     rows = np.empty(len(routes), ROUTE)
-    for k, (sid, i, addr, epoch) in enumerate(routes):
-        rows[k] = (sid, i, owners.setdefault((addr, epoch), len(owners)))
+    if len(routes):   # column by column: a row at a time cost a third of a second per 333,334
+        sids, sls, addrs, epochs = zip(*routes, strict=True)
+        rows["stream"], rows["streamlet"] = sids, sls
+        rows["owner"] = [owners.setdefault(o, len(owners)) for o in zip(addrs, epochs, strict=True)]
     return [list(o) for o in owners], rows.tobytes()
 
 

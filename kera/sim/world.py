@@ -32,6 +32,7 @@ from collections import Counter
 
 import numpy as np
 
+from ..limits import REPLICATE_INFLIGHT
 from ..recovery import repoint_plan as cols
 from ..recovery.plan import Done, RecoveryPlan, Step
 from ..vlog import BackupSet, VirtualLog, vlog_id
@@ -51,10 +52,14 @@ class Violation(AssertionError):
 
 
 class World:
-    def __init__(self, seed: int, steps_limit: int = 200_000):
+    def __init__(self, seed: int, steps_limit: int = 200_000, window: int | None = None):
+        """``window``: replicate messages a vseg copy may have in flight; by default one or the
+        broker's ``REPLICATE_INFLIGHT``, drawn apart from the seed's other choices (a seed
+        found with one in flight replays with ``window=1``)."""
         self.seed = seed
         self.rng = random.Random(seed)
         r = self.rng
+        self.window = window or random.Random(seed ^ 0x77AD).choice((1, REPLICATE_INFLIGHT))
         self.now = 0.0
         self.heap: list = []
         self._seq = 0
@@ -68,7 +73,8 @@ class World:
         self.set = BackupSet("n0", random.Random(seed ^ 0x5EED))
         self._membership()
         self.vlogs = [VirtualLog(vlog_id(EPOCH, i), self.replication, r.choice((1000, 4000, 20000)),
-                                 self.set, RPC_TIMEOUT, batch=r.choice((100, 400, 2000)))
+                                 self.set, RPC_TIMEOUT, batch=r.choice((100, 400, 2000)),
+                                 window=self.window)
                       for i in range(r.choice((1, 2, 3)))]
         self.placement = SimPlacement(r, self.vlogs, self.replication)
         self.rebuild = SimRebuild(self, RPC_TIMEOUT, DEAD_AFTER)   # frozen vsegs' lost copies

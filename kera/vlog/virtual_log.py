@@ -7,8 +7,12 @@ the simulator drive it alike. ``append`` records a reference (O(1));
 an avoidance ends.
 
 - Every virtual segment (vseg) with work is replicated at once (the open one
-  and closed ones being re-replicated), each copy with at most one message
-  in flight: what arrives meanwhile leaves in the next one (group commit).
+  and closed ones being re-replicated), each copy with at most ``window``
+  messages in flight (``REPLICATE_INFLIGHT``), each carrying what was appended
+  since the one before (group commit; the next round leaves before the last
+  is answered). A copy's acknowledged length only grows by answers that say
+  the backup holds a prefix of ours; a failure or an answer that does not fit
+  forgets the copy's other messages and sends again from what it holds.
   One stuck vseg never holds back the copies of another.
 - A failure (timeout, lost connection, a backup's error) is retried with
   exponential backoff. A copy that made no progress for ``timeout`` seconds,
@@ -35,7 +39,7 @@ from bisect import bisect_right
 from collections.abc import Container
 from dataclasses import dataclass
 
-from ..limits import REPLICATE_BATCH
+from ..limits import REPLICATE_BATCH, REPLICATE_INFLIGHT
 from .placement import BackupSet
 from .virtual_segment import Copy, VirtualSegment
 
@@ -77,7 +81,8 @@ class Send:
 
 class VirtualLog:
     def __init__(self, id: int, replication: int, capacity: int, backups: BackupSet,
-                 timeout: float = 5.0, batch: int = REPLICATE_BATCH):
+                 timeout: float = 5.0, batch: int = REPLICATE_BATCH,
+                 window: int = REPLICATE_INFLIGHT):
         self.id = id
         self.replication = replication
         self.need = max(1, replication - 1)   # backup copies: at least one disk copy, even for R=1
@@ -85,6 +90,7 @@ class VirtualLog:
         self.backups = backups
         self.timeout = timeout
         self.batch = batch
+        self.window = window  # messages one copy may have in flight
         self.vsegs: list[VirtualSegment] = []
         self.open: VirtualSegment | None = None
         self.active: dict[int, VirtualSegment] = {}   # vsegs with replication work, by id
@@ -180,8 +186,8 @@ class VirtualLog:
 
     def poll(self, now: float, busy: Container[int] = ()) -> list[Send]:
         """The messages to send now. ``busy``: backups no message may leave for yet (the broker
-        keeps one replicate RPC in flight per backup); their copies wait for a later poll, which
-        then carries everything appended meanwhile."""
+        keeps at most ``REPLICATE_INFLIGHT`` replicate RPCs in flight per backup); their copies
+        wait for a later poll, which then carries everything appended meanwhile."""
         if self.fenced:
             return []
         if self._membership != self.backups.version:
@@ -209,30 +215,35 @@ class VirtualLog:
                 for b in self.backups.choose(vs.copies, avoid, self.need - len(vs.copies)):
                     vs.copies[b] = Copy(b, self.backups.incarnation(b))
             for c in vs.copies.values():
-                if c.inflight or c.backup in busy or c.retry_at > now or (
+                if len(c.inflight) >= self.window or c.backup in busy or c.retry_at > now or (
                         c.acked == vs.size and (c.closed or not vs.closed)):
                     continue
                 s = self._message(vs, c)
                 if s is not None:
                     if not c.fails:
                         c.since = now
-                    c.inflight = s.token
+                    c.inflight.append(s.token)
+                    c.sent = s.end
                     self.sent[s.token] = s
                     out.append(s)
         self.messages += len(out)
         return out
 
     def _message(self, vs: VirtualSegment, c: Copy) -> Send | None:
-        start = vs.index_at(c.acked)
+        """The next message of copy ``c``: from where its messages in flight end (from what it
+        acknowledged if none is). A close alone leaves only with nothing else in flight (so it
+        is never sent twice)."""
+        offset = c.sent if c.inflight else c.acked
+        start = vs.index_at(offset)
         n = len(vs.refs)
         # the refs that fit ``batch`` bytes, at least one: a search over the cumulative ends
         base = vs.ends[start - 1] if start else 0
         stop = min(n, max(start + 1, bisect_right(vs.ends, base + self.batch, start)))
         close = vs.closed and stop == n and not c.closed
-        if stop == start and not close:
+        if stop == start and (not close or c.inflight):
             return None
         self._tokens += 1
-        return Send(self._tokens, c.backup, vs, c.acked, start, stop, close)
+        return Send(self._tokens, c.backup, vs, offset, start, stop, close)
 
     def next_deadline(self, now: float) -> float | None:
         """When the next backoff or avoidance after ``now`` ends (None: nothing timed is pending)."""
@@ -253,10 +264,18 @@ class VirtualLog:
         if s is None:
             return None
         c = s.vseg.copies.get(s.backup)
-        if c is None or c.inflight != token:  # given up meanwhile: a stale answer
+        if c is None or token not in c.inflight:  # given up meanwhile: a stale answer
             return None
-        c.inflight = 0
+        c.inflight.remove(token)
         return s, c
+
+    def _forget(self, c: Copy) -> None:
+        """Forget ``c``'s messages in flight (their answers will be stale): the next one is
+        sent from what the copy acknowledged."""
+        for t in c.inflight:
+            self.sent.pop(t, None)
+        c.inflight.clear()
+        c.sent = c.acked
 
     def on_reply(self, token: int, length: int, now: float) -> bool:
         """A backup acknowledged a replicate with its copy's length; True if the head moved."""
@@ -267,7 +286,7 @@ class VirtualLog:
         vs = s.vseg
         if length != s.end or not vs.boundary(length):
             return self._resync(vs, c, length, now)
-        c.acked = max(c.acked, length)
+        c.acked = max(c.acked, length)   # answers of one copy may come out of order
         if s.close:
             c.closed = True
         c.fails, c.retry_at = 0, 0.0
@@ -293,6 +312,7 @@ class VirtualLog:
         if 0 <= length <= vs.size and vs.boundary(length):
             c.acked = length
             c.fails, c.retry_at = 0, 0.0
+            self._forget(c)   # the messages after the one answered start elsewhere
             return self._confirm(vs)
         self._failed(vs, c, now, give_up=True)  # not our bytes: a copy that cannot be trusted
         return False
@@ -300,6 +320,7 @@ class VirtualLog:
     def _failed(self, vs: VirtualSegment, c: Copy, now: float, give_up: bool = False) -> None:
         self.failures += 1
         c.fails += 1
+        self._forget(c)   # the messages after the one that failed cannot fit
         if give_up or c.fails >= MAX_FAILS or now - c.since >= self.timeout:
             self._drop_copy(vs, c.backup, now, avoid=True)
         else:
@@ -307,8 +328,7 @@ class VirtualLog:
 
     def _drop_copy(self, vs: VirtualSegment, backup: int, now: float, avoid: bool) -> None:
         c = vs.copies.pop(backup)
-        if c.inflight:
-            self.sent.pop(c.inflight, None)
+        self._forget(c)
         if avoid:
             self.give_ups += 1
             vs.avoid[backup] = now + self.timeout
@@ -320,9 +340,7 @@ class VirtualLog:
         before is not about this copy: its message is forgotten, as a given-up one."""
         c.incarnation = self.backups.incarnation(c.backup)
         c.acked, c.closed, c.fails, c.retry_at = 0, False, 0, 0.0
-        if c.inflight:
-            self.sent.pop(c.inflight, None)
-            c.inflight = 0
+        self._forget(c)
         self.active[vs.id] = vs
 
     def _confirm(self, vs: VirtualSegment) -> bool:

@@ -18,14 +18,16 @@ import xxhash
 class Copy:
     """One backup's copy of a virtual segment, as the broker drives it."""
 
-    __slots__ = ("backup", "incarnation", "acked", "closed", "inflight", "fails", "since", "retry_at")
+    __slots__ = ("backup", "incarnation", "acked", "closed", "inflight", "sent", "fails", "since",
+                 "retry_at")
 
     def __init__(self, backup: int, incarnation: int):
         self.backup = backup
         self.incarnation = incarnation  # of the backup process: a restarted one is asked again
         self.acked = 0          # bytes the backup acknowledged (a prefix)
         self.closed = False     # the backup acknowledged the close
-        self.inflight = 0       # token of the replicate out now (0: none)
+        self.inflight: list[int] = []  # tokens of the replicates out now, in the order sent
+        self.sent = 0           # bytes those replicates carry it to (the next one starts there)
         self.fails = 0          # failed attempts since the last progress
         self.since = 0.0        # when the current streak of attempts began
         self.retry_at = 0.0     # no new attempt before this time (backoff)

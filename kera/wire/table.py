@@ -245,7 +245,8 @@ BROKER_RPCS = named({
         "streams?": ListOf(Tuple(UINT, Nullable(ListOf(UINT, limits.MAX_STREAMLETS))),
                            limits.MAX_BATCH_STREAMS)}),
     "produce": Rpc(Client("write", "stream", per_entry=True), {
-        **PRODUCER, "acks?": OneOf("all", "leader", "none"), "positions?": BOOL}, peer=True),
+        **PRODUCER, "acks?": OneOf("all", "leader", "none"), "positions?": BOOL,
+        "positions_of?": Bytes(limits.MAX_PRODUCE_PAYLOAD)}, peer=True),
     "append_if": Rpc(Client("write", "stream", per_entry=True), {**PRODUCER, "expect?": ANY},
                      peer=True),
     "tail": Rpc(Client("read", "stream", per_entry=True), {"stream_id": UINT, "streamlet": UINT},

@@ -1,0 +1,53 @@
+"""The client's bulk steps: the collector paused for one step, long-lived entries frozen."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from kera_client import bulk as bulk_mod
+from kera_client.bulk import SETTLE_EVERY, bulk, settled
+
+
+@pytest.fixture
+def fresh():
+    """The collector on and nothing frozen or counted, before and after."""
+    was = gc.isenabled()
+    gc.enable()
+    gc.unfreeze()
+    bulk_mod._unsettled = 0
+    yield
+    gc.unfreeze()
+    bulk_mod._unsettled = 0
+    (gc.enable if was else gc.disable)()
+
+
+def test_bulk_pauses_the_collector_and_nests(fresh):
+    with bulk():
+        assert not gc.isenabled()
+        with bulk():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()   # a program that turned it off keeps it off
+    with bulk():
+        pass
+    assert not gc.isenabled()
+
+
+def test_settled_freezes_once_enough_entries_were_made(fresh):
+    kept = [[i] for i in range(1000)]   # long-lived containers the collector tracks
+    settled(SETTLE_EVERY - 1)
+    assert gc.get_freeze_count() == 0
+    with bulk():   # never inside a step: it is still making them
+        settled(10)
+    assert gc.get_freeze_count() == 0
+    settled(1)     # the count carried over: now past SETTLE_EVERY
+    assert gc.get_freeze_count() >= len(kept)
+    assert bulk_mod._unsettled == 0
+
+
+def test_settled_leaves_a_disabled_collector_alone(fresh):
+    gc.disable()
+    settled(2 * SETTLE_EVERY)
+    assert gc.get_freeze_count() == 0 and not gc.isenabled()
