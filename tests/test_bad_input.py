@@ -131,8 +131,9 @@ async def test_bad_chunks_unknown_streams_and_foreign_streamlets(cluster):
         # a chunk for a stream no broker has: refused for that chunk, typed
         r, _ = await pool.call(broker, "produce", mine, chunk.build(424242, 0, pid, 0, [b"x"]), timeout=5)
         assert r["errors"] == [[0, "not_owner"]]
-        # positions asked for chunks by index: 4-byte indices, else refused whole, typed
-        for bad_of in (b"\x00\x00\x00", "0"):
+        # positions asked for chunks by index: 4-byte indices of its chunks, else refused whole,
+        # typed, before anything is stored (``stored`` below)
+        for bad_of in (b"\x00\x00\x00", "0", (1).to_bytes(4, "little"), bytes(8)):
             with pytest.raises(Exception) as e:
                 await pool.call(broker, "produce", {**mine, "positions_of": bad_of}, good, timeout=5)
             assert e.value.code == "invalid_argument"

@@ -237,7 +237,7 @@ class BrokerService(Service):
         decided = peer.decisions() if acl else None   # stream id -> may write
         self.requests += 1
         errors = []
-        placed, want = _placed_wanted(meta)  # [chunk, group, segment, offset], when asked
+        placed, want = _placed_wanted(meta, len(offs))  # [chunk, group, segment, offset], when asked
         waits: dict[Replicator, int] = {}
         touched: dict[Replicator, list] | None = {} if self.sessions else None
         streams, streamlets = self.streams, self.streamlets
@@ -265,7 +265,7 @@ class BrokerService(Service):
                     continue
                 g, seg, soff = sl.append(payload[off:off + size], producer)
                 chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
-                if placed is not None and (want is None or i in want):
+                if placed is not None and (want is None or want[i]):
                     placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
                 idx = waits[vlog] = vlog.append(seg, soff, size, checksum)
@@ -469,16 +469,22 @@ class BrokerService(Service):
         self.claims = Claims(self.pool, lambda: (self.broker_id, self.epoch), self.logs.backup_addr)
         self.membership.reset()
 
-def _placed_wanted(meta: dict) -> tuple[list | None, set | None]:
+def _placed_wanted(meta: dict, n: int) -> tuple[list | None, list | None]:
     """Where a produce's chunks were placed is answered for those it names (``positions_of``:
-    little-endian uint32 chunk indices, the chunks carrying delivery callbacks), for all of
-    them (``positions``), or for none: a request of thousands of one-record chunks with a
-    sampled callback pays for its few, not an entry per chunk each way."""
+    little-endian uint32 indices of its ``n`` chunks, those carrying delivery callbacks), for
+    all of them (``positions``), or for none: a request of thousands of one-record chunks with a
+    sampled callback pays for its few, not an entry per chunk each way. Checked before anything
+    is stored; ``want`` is one flag per chunk."""
     of = meta.get("positions_of")
     if of is not None:
         if len(of) % 4:
             raise InvalidArgument("positions_of holds 4-byte chunk indices")
-        return [], set(np.frombuffer(of, "<u4").tolist())
+        idx = np.frombuffer(of, "<u4")
+        if len(idx) > n or (len(idx) and int(idx.max()) >= n):
+            raise InvalidArgument(f"positions_of names chunks past the request's {n}")
+        want = np.zeros(n, bool)
+        want[idx] = True
+        return [], want.tolist()
     return ([], None) if meta.get("positions") else (None, None)
 
 
