@@ -200,11 +200,10 @@ class StreamAdmin:
         out = {"streams": page.streams, "missing": [], "refused": [], "more": 0, "next": None,
                "top": self.metadata.state["next_stream_id"] - 1,
                "kafka": {m.id: m.kafka for m in self.roster.live("broker") if m.kafka}}
-        for k, name in enumerate(names):
+        for k, (name, d) in enumerate(zip(names, self.streams.wires(names), strict=True)):
             if not visible(name):
                 out["refused"].append(name)
                 continue
-            d = self.streams.wire(name)
             if d is None:
                 out["missing"].append(name)
             elif page.fits(d["streamlets"]):
