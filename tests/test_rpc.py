@@ -6,6 +6,7 @@ connection (the server never reads the rest as a request)."""
 from __future__ import annotations
 
 import socket
+import ssl
 from functools import partial
 
 import numpy as np
@@ -536,3 +537,56 @@ async def test_tls_connections_end_cleanly_and_refuse_the_clear(tls_server):
         async with open_pool() as clear:
             with pytest.raises(Unavailable, match="TLS only"):
                 await clear.call(addr, "echo", {"n": 2}, timeout=5)
+
+
+class _CountingReads:
+    """An ``SSLObject`` whose reads that found nothing to open are counted."""
+
+    def __init__(self, obj):
+        self.obj, self.empty = obj, 0
+
+    def read(self, n, buf):
+        try:
+            return self.obj.read(n, buf)
+        except ssl.SSLWantReadError:
+            self.empty += 1
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self.obj, name)
+
+
+async def test_tls_opens_records_cut_anywhere_without_reading_past_them(tls_contexts):
+    """Ciphertext arriving cut anywhere (inside a record's header, inside its body, whole
+    records) opens to the frame's bytes in order, then the peer's close_notify to b"";
+    a receive of whole records reads no further than them (an empty read raises, which
+    costs as much as opening a small record)."""
+    a, b = trio.socket.socketpair()
+    server = Tls(trio.SocketStream(a), tls_contexts[0], server_side=True)
+    client = Tls(trio.SocketStream(b), tls_contexts[1], server_side=False, server_hostname="localhost")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.handshake)
+            nursery.start_soon(client.handshake)
+    server.obj = counting = _CountingReads(server.obj)
+    plain = np.random.default_rng(7).integers(0, 256, 5 * TLS_RECORD + 999, dtype=np.uint8).tobytes()
+    sealed = b"".join(client.sealing([memoryview(plain)]))
+    server.incoming.write(sealed)
+    got = server._open()
+    assert got == plain and counting.empty == 0 and server._open() is None and counting.empty == 0
+    sealed = b"".join(client.sealing([memoryview(plain)]))
+    got, at = b"", 0
+    for cut in [1, 3, 2, 100, TLS_RECORD, 7, TLS_RECORD + 30, 1 << 20]:
+        server.incoming.write(sealed[at:at + cut])
+        at += cut
+        while (data := server._open()) is not None:
+            got += data
+    assert got == plain
+    try:
+        client.obj.unwrap()
+    except ssl.SSLWantReadError:
+        pass
+    server.incoming.write(client.out.read())
+    assert server._open() == b"" and server.ended
+    for t in (server, client):
+        t.socket.close()

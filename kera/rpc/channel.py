@@ -209,10 +209,13 @@ class Tls(Plain):
         return True
 
     def _open(self) -> bytes | None:
-        """The plaintext of every whole record received (b"": the peer closed), or None."""
-        buf, n = _buffers.plain, 0
-        try:
-            while n <= RECV_SIZE:
+        """The plaintext of every whole record received (b"": the peer closed), or None.
+        ``obj`` is read only while ``incoming`` holds a byte (or its end) or ``obj`` holds
+        plaintext: with nothing left, a read raises ``SSLWantReadError``, which costs as much
+        as opening a small record, and a receive made one or two of them."""
+        buf, n, bio = _buffers.plain, 0, self.incoming
+        try:   # a read with no byte left in bio nor plaintext in obj would raise WantRead (2 us)
+            while n <= RECV_SIZE and (bio.pending or bio.eof or self.obj.pending()):
                 got = self.obj.read(TLS_RECORD, buf[n:])
                 if not got:   # the peer's close_notify
                     self.ended = True
