@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import trio
 from kera_client import open_admin, open_consumer, open_producer
+from kera_client.metadata import pages
 
 from kera.errors import KeraError, Unavailable
 
@@ -36,11 +38,16 @@ def value(name: str) -> bytes:
 async def first_unserved(coord) -> str | None:
     """The first stream (in name order) a streamlet of which has no live owner, None once a
     listing of them all finds none: a pass stops there, since a whole listing of 1,000,000
-    streams every half second was most of the load on the coordinator it waited for."""
+    streams every half second was most of the load on the coordinator it waited for. Each
+    page is checked as its columns (an owner whose address is None is not alive), not as a
+    view per stream: with views, the pass that found all 1,000,000 served took 23.6 s of
+    this client's time, longer than the coordinator took to list them."""
     async with open_admin(coord) as a:
-        async for s in a.iter_streams():
-            if not all(s.addrs):
-                return s.name
+        async for cols in pages(a.coordinator, "*", timeout=a.timeout):
+            dead = np.array([addr is None for _, addr in cols.members] or [False], bool)
+            if dead[cols.owner].any():
+                stream = np.searchsorted(cols.first, np.flatnonzero(dead[cols.owner])[0], "right") - 1
+                return cols.names[stream]
     return None
 
 
