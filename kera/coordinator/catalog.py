@@ -88,11 +88,12 @@ class NameIndex:
         i = bisect.bisect_right(names, start) if after is not None and start == after \
             else bisect.bisect_left(names, start)
         exact = pattern is not None and prefix == pattern
+        every = pattern is None or pattern == prefix + "*"   # all the names under the prefix
         for j in range(i, len(names)):
             name = names[j]
             if not name.startswith(prefix):
                 return
-            yield name, pattern is None or (name == pattern if exact else fnmatch.fnmatchcase(name, pattern))
+            yield name, every or (name == pattern if exact else fnmatch.fnmatchcase(name, pattern))
 
 
 class Page:
@@ -195,19 +196,27 @@ class Catalog:
 
     def _fill(self, page: Page, describe, start, items, visible=None):
         """``items``: (cursor, name, wanted) in order; at most ``MAX_LIST_SCAN`` are looked at.
-        Returns the cursor to go on from, None once ``items`` is exhausted."""
-        last, scanned = start, 0
+        Returns the cursor to go on from, None once ``items`` is exhausted. The page's maps
+        are decoded in one call (``wires``) once its names are known."""
+        room = page.limit - len(page.streams)
+        names: list = []    # (the cursor before it, name) of the streams for this page
+        last, scanned, rest = start, 0, None
         for cursor, name, wanted in items:
             if wanted and (visible is None or visible(name)):
-                d = self.wire(name)
-                if not page.fits(d["streamlets"]):
-                    return last
-                page.add(describe(d))
+                if len(names) == room:
+                    rest = last
+                    break
+                names.append((last, name))
             last = cursor
             scanned += 1
             if scanned == limits.MAX_LIST_SCAN:
-                return cursor
-        return None
+                rest = cursor
+                break
+        for (before, _), d in zip(names, self.wires([n for _, n in names]), strict=True):
+            if not page.fits(d["streamlets"]):
+                return before
+            page.add(describe(d))
+        return rest
 
     # -- changes (each recorded in the store) ----------------------------------------------
     def create(self, s: StreamMeta, listed: bool = True) -> None:
