@@ -104,6 +104,12 @@ class Metadata:
         now = self.streams.get(s.name)
         return now if now is not None and now.id == s.id else s
 
+    def wires(self, ss: list[StreamMeta]) -> list[dict]:
+        """``wire`` of each of ``ss``, their maps decoded in one call (a recovery hands a third
+        of a million to a broker)."""
+        return [d if d is not None and d["id"] == s.id else s.to_wire()
+                for s, d in zip(ss, self.streams.wires([s.name for s in ss]), strict=True)]
+
     def wire(self, s: StreamMeta) -> dict:
         """``s``'s map as it is now (altered or moved since it was read: as the store holds
         it), or ``s.to_wire()`` once deleted."""

@@ -71,7 +71,8 @@ class Placement:
         groups are closed."""
         backups = self.roster.tell_backups(m)
         for part in batches(entries):
-            streams = [[self.metadata.wire(s), sl] for s, sl in part]
+            maps = self.metadata.wires([s for s, _ in part])
+            streams = [[d, sl] for d, (_, sl) in zip(maps, part, strict=True)]
             await self.pool().call(m.addr, "assign", {"epoch": m.epoch, "streams": streams,
                                                       "recovering": recovering, "seal": seal,
                                                       "backups": backups}, timeout=10)
