@@ -37,6 +37,9 @@ POINTS = {
     # kera.recovery.repoint: a recovery planned from runs of chunks asks for the chunks' own rows of the
     # segments it adopts before the replay (an error: as if no copy answered)
     "repoint.chunk_rows",
+    # kera.recovery.manager: a recovery replayed what its new owners were assigned and is about
+    # to hand them over (the streams they were given by map are named by id there)
+    "recovery.handover",
 }
 PAUSE_POLL = 0.01
 

@@ -253,6 +253,13 @@ async def test_bad_internal_requests_to_brokers_and_backups(cluster):
             == "invalid_argument"
         held, _ = await pool.call(broker["addr"], "stats", {"streams": True}, timeout=5)
         assert wire["id"] in held["streams"] and fresh["id"] not in held["streams"]
+        # a stream named by id (a recovery's hand-over) whose map this broker never had: refused
+        # before any entry is placed, the map sent beside it included
+        assert await code(broker["addr"], "assign", {"epoch": ep, "streams": [[fresh, [0]]],
+                                                     "ids": [[fresh["id"] + 1, [0]]]}) == "invalid_argument"
+        assert await code(broker["addr"], "assign", {"epoch": ep, "ids": [["1", [0]]]}) == "invalid_argument"
+        held, _ = await pool.call(broker["addr"], "stats", {"streams": True}, timeout=5)
+        assert fresh["id"] not in held["streams"] and fresh["id"] + 1 not in held["streams"]
         assert await code(broker["addr"], "configure", {"epoch": ep, "stream": {**wire, "id": "1"}}) \
             == "invalid_argument"
         assert await code(broker["addr"], "assign", {"epoch": ep, "stream": wire, "streamlets": [0],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import trio
@@ -224,3 +225,38 @@ async def test_a_coordinator_hearing_nobody_suspects_itself(make_cluster):
     assert after["recoveries"] == [], after["recoveries"]
     assert "went silent at once" in cluster.log("coordinator")
     ledger.check({(s, p): 30 for s in streams for p in range(2)})
+
+
+async def test_a_stream_altered_during_its_recovery_reaches_its_new_owner(make_cluster, monkeypatch, tmp_path):
+    """A recovery's hand-over names by id the streams it assigned, resending only the maps of
+    those altered since: streams altered between the assign and the hand-over (failpoint
+    ``recovery.handover``) are served by their new owners with the altered settings, the
+    others with theirs."""
+    gate = str(tmp_path / "handover")
+    monkeypatch.setenv("KERA_FAILPOINTS", f"recovery.handover=pause({gate})")
+    cluster = make_cluster(3)
+    monkeypatch.delenv("KERA_FAILPOINTS")
+    coord = cluster.coordinator
+    names = [f"alt{i}" for i in range(12)]
+    await create(coord, names, replication=3)
+    with trio.fail_after(120):
+        await produce_all(coord, names, 1, 5, 1)
+        async with open_admin(coord) as a:
+            views = [await a.describe_stream(n) for n in names]
+        victim = cluster.addrs["node1-broker"]
+        moved = {v.id: v.name for v in views if victim in v.addrs}
+        assert len(moved) >= 2, views
+        altered = dict(list(moved.items())[::2])
+        cluster.kill("node1-broker")
+        while not os.path.exists(gate):   # replayed, not handed over
+            await trio.sleep(0.05)
+        async with open_admin(coord) as a:
+            for name in altered.values():
+                await a.alter_stream(name, retention_bytes=123_456)
+        os.remove(gate)
+        await until(coord, lambda st: any(r["state"] == "done" for r in st["recoveries"]),
+                    "the recovery done")
+        async with open_admin(coord) as a:
+            held = {sid: e for r in await a.broker_stats(streams=True) for sid, e in r["streams"].items()}
+    assert {sid: held[sid]["retention_bytes"] for sid in moved} == {
+        sid: 123_456 if sid in altered else -1 for sid in moved}, held

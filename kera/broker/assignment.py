@@ -38,15 +38,22 @@ class Assignment:
         """Streamlets to own; ``recovering`` ones are rebuilt by backups before they serve.
 
         One stream (``stream``, ``streamlets``) or many (``streams``: [[stream, streamlets],
-        ...]): a batch of new streams costs one request per broker.
+        ...]): a batch of new streams costs one request per broker; ``ids`` ([[stream id,
+        streamlets], ...]) names streams whose maps an earlier assign gave (a recovery's
+        hand-over).
         """
         self.guard.check_epoch(meta)
-        entries = meta.get("streams")
-        if entries is None:
+        entries, ids = meta.get("streams"), meta.get("ids")
+        if entries is None and ids is None:
             if meta.get("stream") is None or meta.get("streamlets") is None:
-                raise InvalidArgument("assign needs a stream and streamlets, or streams")
+                raise InvalidArgument("assign needs a stream and streamlets, streams, or ids")
             entries = [[meta["stream"], meta["streamlets"]]]
-        entries = [(StreamMeta.from_wire(s), streamlets) for s, streamlets in entries]
+        entries = [(StreamMeta.from_wire(s), streamlets) for s, streamlets in entries or ()]
+        for sid, streamlets in ids or ():   # streams whose map an earlier assign gave
+            s = self.streams.get(sid)
+            if s is None:
+                raise InvalidArgument(f"assign names stream {sid} by id, and no map of it is held here")
+            entries.append((s, streamlets))
         recovering = meta.get("recovering") is True
         seal = meta.get("seal") is True
         self.recoveries_served += recovering

@@ -131,6 +131,10 @@ class Catalog:
         pairs.sort()
         self._ids = array("q", [i for i, _ in pairs])   # ascending, beside the names they are
         self._id_names = [n for _, n in pairs]
+        # alters so far, and the last one of each stream altered: a recovery's hand-over
+        # resends the maps of those altered since its assign, and names the others by id
+        self.alters = 0
+        self._altered: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -240,11 +244,18 @@ class Catalog:
         self.holdings.move(name, i, old, owner)
 
     def alter(self, s: StreamMeta, changes: dict) -> StreamMeta:
+        self.alters += 1
+        self._altered[s.name] = self.alters
         for key, v in changes.items():
             self.store.set(("streams", s.name, key), v)
         return s.altered(changes)
 
+    def altered_since(self, name: str, mark: int) -> bool:
+        """Whether stream ``name`` was altered after ``alters`` was ``mark``."""
+        return self._altered.get(name, 0) > mark
+
     def delete(self, s: StreamMeta) -> None:
+        self._altered.pop(s.name, None)
         self.store.delete(("streams", s.name))
         self.holdings.remove(s.name, s.owners)
         self.names.discard(s.name)

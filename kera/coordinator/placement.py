@@ -65,17 +65,25 @@ class Placement:
             out.append(m)
         return out
 
-    async def assign(self, m: Member, entries: list, recovering: bool = False, seal: bool = False) -> None:
+    async def assign(self, m: Member, entries: list, recovering: bool = False, seal: bool = False,
+                     held_since: int | None = None) -> None:
         """Tell ``m`` it owns ``entries`` ([[StreamMeta, [streamlet, ...]], ...]), in as few
         requests as a frame allows. ``seal``: the recovery of these streamlets lost data; their
-        groups are closed."""
+        groups are closed. ``held_since``: ``m`` was given these streams' maps when the
+        catalog's ``alters`` was this (a recovery's hand-over): those not altered since are
+        named by id, not sent again (a third of a million maps per broker after a
+        whole-cluster restart)."""
         backups = self.roster.tell_backups(m)
+        altered = self.metadata.streams.altered_since
         for part in batches(entries):
-            maps = self.metadata.wires([s for s, _ in part])
-            streams = [[d, sl] for d, (_, sl) in zip(maps, part, strict=True)]
-            await self.pool().call(m.addr, "assign", {"epoch": m.epoch, "streams": streams,
-                                                      "recovering": recovering, "seal": seal,
-                                                      "backups": backups}, timeout=10)
+            meta = {"epoch": m.epoch, "recovering": recovering, "seal": seal, "backups": backups}
+            if held_since is not None:
+                meta["ids"] = [[s.id, sl] for s, sl in part if not altered(s.name, held_since)]
+                part = [e for e in part if altered(e[0].name, held_since)]
+            if part:
+                maps = self.metadata.wires([s for s, _ in part])
+                meta["streams"] = [[d, sl] for d, (_, sl) in zip(maps, part, strict=True)]
+            await self.pool().call(m.addr, "assign", meta, timeout=10)
 
     async def assign_owners(self, streams: list[StreamMeta]) -> None:
         """Tell each owner broker about its streamlets of ``streams``: one request per broker,

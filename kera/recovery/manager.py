@@ -57,6 +57,7 @@ from collections.abc import Callable
 
 import trio
 
+from .. import failpoints
 from ..errors import KeraError, Unavailable
 from ..limits import MAX_BATCH_STREAMS
 from .adoption import Adoptions
@@ -258,12 +259,14 @@ class RecoveryManager:
         # 2. new owners, in recovering state
         plan, entries = await self._plan(rec, streams)
 
-        async def assign_all(recovering: bool, seal: bool = False) -> None:
+        async def assign_all(recovering: bool, seal: bool = False, held_since=None) -> None:
             """One request per target broker (or as few as a frame allows), all in parallel."""
             async with trio.open_nursery() as n:
                 for mid, mine in entries.items():
-                    n.start_soon(self.placement.assign, members["broker"][mid], mine, recovering, seal)
+                    n.start_soon(self.placement.assign, members["broker"][mid], mine, recovering,
+                                 seal, held_since)
 
+        assigned = md.streams.alters   # the maps the new owners are given below are as of this
         try:
             with rec.phase("assign"):
                 await assign_all(recovering=True)
@@ -278,8 +281,9 @@ class RecoveryManager:
         # 4. hand over: the new owners serve, the metadata says so
         # after a loss the groups are sealed: no position of the lost range is ever reused
         complete = replayed.complete and not rec.unproven
+        await failpoints.hit("recovery.handover", f"{rec.broker} {rec.epoch}")
         with rec.phase("handover"):
-            await assign_all(recovering=False, seal=not complete)
+            await assign_all(recovering=False, seal=not complete, held_since=assigned)
             # before the owners (etcd stores it first): never owners without it; merged into a
             # record an earlier hand-over of this incarnation left (its commit cut short)
             deferred = rec.deferred or self.adoptions.has(rec.broker, rec.epoch)

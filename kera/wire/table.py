@@ -236,6 +236,7 @@ BROKER_RPCS = named({
     "assign": Rpc(Members(COORDINATOR), {
         **EPOCH, "stream?": MAP, "streamlets?": ListOf(UINT, limits.MAX_STREAMLETS),
         "streams?": ListOf(Tuple(MAP, ListOf(UINT, limits.MAX_STREAMLETS)), limits.MAX_BATCH_STREAMS),
+        "ids?": ListOf(Tuple(UINT, ListOf(UINT, limits.MAX_STREAMLETS)), limits.MAX_BATCH_STREAMS),
         "recovering?": BOOL, "seal?": BOOL,
         "backups?": ListOf(Struct({"id": UINT, "addr": ADDR, "node": Str(MAX_NAME), "epoch": UINT},
                                   extra=True), MANY)}),
