@@ -237,6 +237,13 @@ class Catalog:
             self._ids.insert(k, s.id)
             self._id_names.insert(k, s.name)
 
+    def owned(self, name: str, sid: int, i: int, owner: Owner) -> bool:
+        """Whether streamlet ``i`` of stream ``name`` (id ``sid``) is ``owner``'s, from the
+        indexes (no map decoded)."""
+        k = bisect.bisect_left(self._ids, sid)
+        return (k < len(self._ids) and self._ids[k] == sid and self._id_names[k] == name
+                and self.holdings.holds(owner, name, i))
+
     def set_owner(self, name: str, i: int, old: Owner, owner: Owner) -> None:
         """Streamlet ``i`` of stream ``name``, served by ``old`` now, is served by ``owner``
         (a recovery hands over a third of a million at once: no stream is decoded here)."""

@@ -62,6 +62,11 @@ class Holdings:
             if not held:
                 del self._by[key], self._count[key]
 
+    def holds(self, key: Incarnation, name: str, i: int) -> bool:
+        """Whether incarnation ``key`` owns streamlet ``i`` of stream ``name``."""
+        held = self._by.get(tuple(key))
+        return held is not None and held.get(name, 0) >> i & 1 == 1
+
     def count(self, owner: Incarnation) -> int:
         return self._count.get(tuple(owner), 0)
 

@@ -291,7 +291,8 @@ class RecoveryManager:
                 self.adoptions.record(rec.broker, rec.epoch, rec.deferred, replayed.covered(),
                                        complete, [(streams[n].id, i) for n, i in plan])
             for k, ((name, i), m) in enumerate(plan.items()):
-                md.set_owner(streams[name], i, m)   # (one deleted or re-created meanwhile: kept out)
+                # (one deleted or re-created meanwhile: kept out)
+                md.set_owner(streams[name], i, m, was=(rec.broker, rec.epoch))
                 if k % PACE == PACE - 1:
                     await trio.sleep(0)
             if complete and not deferred:  # else what is left may be all there is of
