@@ -68,11 +68,13 @@ class Assignment:
         return {}
 
     def place(self, s: StreamMeta, streamlets: list, recovering: bool, seal: bool) -> None:
+        same = self.streams.get(s.id) is s   # named by id (``ids``): its streamlets have its settings
         self.streams[s.id] = s
         self.names[s.name] = s.id
+        now = time.time()
         for i in streamlets:
             sl = self.streamlets.get((s.id, i))
-            if sl is not None:
+            if sl is not None and not same:
                 sl.configure(s)
             if sl is None:
                 sl = self.streamlets[(s.id, i)] = Streamlet(s, i, self.memory, self.ledger)
@@ -83,7 +85,7 @@ class Assignment:
             elif sl.recovering and not recovering:
                 sl.finish_recovery()
                 if not sl.pending:   # else once its older groups are adopted (``Takeover.pend``)
-                    self.reclaim.free(retention.expired(sl, time.time(), settled_only=False))
+                    self.reclaim.free(retention.expired(sl, now, settled_only=False))
                 if seal:
                     log.error("stream %s streamlet %d: recovered with data lost; its groups are sealed",
                               s.name, i)

@@ -409,11 +409,14 @@ class Streamlet:
         if self.offsets is not None:
             self.offsets.finish()
         # replayed vlog by vlog: oldest first is group order, not the order they were placed
-        self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
+        if self.filled:
+            self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
         self.recovering = False
 
     def _closed_last(self) -> None:
         """A closed group's last segment takes no more chunks: retention and eviction may take it."""
+        if not self.groups:
+            return
         held = {id(seg) for _, seg in self.filled}
         for g in self.groups.values():
             if g.closed and len(g.segments) > g.start and id(g.segments[-1]) not in held:

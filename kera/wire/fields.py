@@ -115,8 +115,7 @@ class ListOf(Spec):
         self.text = f"a list of {least} to {most} of {item.text}"
 
     def ok(self, v) -> bool:
-        ok = self.item.ok
-        return type(v) is list and self.least <= len(v) <= self.most and all(ok(x) for x in v)
+        return type(v) is list and self.least <= len(v) <= self.most and all(map(self.item.ok, v))
 
     def check(self, v, where: str) -> None:
         if type(v) is list and len(v) > self.most and self.limit:
@@ -139,8 +138,12 @@ class Tuple(Spec):
         self.text = "[" + ", ".join(i.text for i in items) + "]"
 
     def ok(self, v) -> bool:
-        return (type(v) is list and self.least <= len(v) <= len(self.items)
-                and all(s.ok(x) for s, x in zip(self.items, v, strict=False)))
+        if type(v) is not list or not self.least <= len(v) <= len(self.items):
+            return False
+        for s, x in zip(self.items, v, strict=False):   # a loop: a generator costs more than
+            if not s.ok(x):                             # the two or three items it looks at
+                return False
+        return True
 
 
 class MapOf(Spec):
