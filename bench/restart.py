@@ -85,6 +85,9 @@ async def back(coord, t0: float, data: int) -> dict:
             pass
         await trio.sleep(0.5)
     serving, pass_s = time.monotonic() - t0, time.monotonic() - t
+    async with open_admin(coord) as a:   # each attempt, so an outlier says why (a failed one)
+        recoveries = [{k: r.get(k) for k in ("broker", "epoch", "state", "seconds", "error")}
+                      for r in (await a.status())["recoveries"]]
     got: dict[str, bytes] = {}
     twice = 0
     t = time.monotonic()
@@ -100,7 +103,7 @@ async def back(coord, t0: float, data: int) -> dict:
     exact = sum(got.get(n) == value(n) for n in (f"d{i:07d}" for i in range(data)))
     return {"answering_s": round(answering, 2), "serving_s": round(serving, 2),
             "unserved_pass_s": round(pass_s, 2), "read_s": round(time.monotonic() - t, 2),
-            "read": len(got), "exact": exact, "twice": twice}
+            "read": len(got), "exact": exact, "twice": twice, "recoveries": recoveries}
 
 
 def run(args, say) -> dict:
