@@ -93,6 +93,9 @@ MAX_PULL_SESSIONS = 1024          # pull sessions a broker keeps (the least rece
 MAX_INFLIGHT = 256                # requests of one connection a server runs at once (past it,
 #                                   the connection is not read: backpressure)
 RECV_SIZE = 1 * MiB               # bytes one receive takes from a socket
+SERVE_SLICE = 0.05                # seconds of requests one connection runs before the others,
+#                                   heartbeats and replication get a turn (a read of several
+#                                   produce requests to fresh streamlets is ~1 s of work)
 VECTOR_FROM = 64 * KiB            # a frame of parts this large goes out vectored (writev), not
 VECTOR_PART = 4 * KiB             # joined first, when its parts average this much
 TLS_RECORD = 16 * KiB             # the most plaintext one TLS record carries (RFC 8446)

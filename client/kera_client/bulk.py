@@ -17,11 +17,20 @@ each time the long-lived objects grew by a quarter, so a client that learns
 1,000,000 streams walks its whole heap some ten times over (a quarter of the
 CPU of writing one record to each of 1,000,000 streams, five of twenty
 seconds). ``settled(n)``, after a step that made ``n`` such entries, counts
-them; every ``SETTLE_EVERY`` it collects what is not frozen yet (what was made
-since the last time: cheap) and freezes the survivors (``gc.freeze``), which
-no collection walks again. Reference counting still frees a frozen object
-that is dropped; only a frozen cycle dropped later is never reclaimed, which
-costs at most what was in flight at one freeze per ``SETTLE_EVERY`` entries.
+them; every ``SETTLE_EVERY`` it collects the young generations (not the old
+one: collecting everything made since the last freeze cost 30-50 ms a time,
+5 s of a consumer's 17 s of CPU reading 1,000,000 streams) and freezes what
+is left (``gc.freeze``), which no collection walks again. The first time, it
+also makes the young collections rarer (``BIG_THRESHOLDS``, as the servers
+have them): a process that learns that many streams allocates millions of
+objects a second. Both are the whole process's: a program holding a million
+streams' client is a big client. Reference counting still frees a frozen
+object that is dropped; only a cycle frozen while alive and dropped later,
+or dropped after it grew old and before the next freeze, is never
+reclaimed: at most what one interval of ``SETTLE_EVERY`` entries left.
+Figures (1,000,000 streams of one record, one producer, one consumer by
+pattern, this process's CPU): writing 14.3 -> 11.8 s, reading 17.4 -> 10.6 s;
+with no collector at all, 10.2 s and 10.2 s.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ _lock = threading.Lock()
 _depth = 0
 _was_on = True
 _unsettled = 0
+BIG_THRESHOLDS = (50_000, 10, 500)
 SETTLE_EVERY = 20_000   # long-lived entries (streams, streamlets) learned between freezes
 
 
@@ -64,5 +74,7 @@ def settled(n: int) -> None:
         if _unsettled < SETTLE_EVERY or _depth or not gc.isenabled():
             return
         _unsettled = 0
-    gc.collect()
+    if gc.get_threshold()[0] < BIG_THRESHOLDS[0]:
+        gc.set_threshold(*BIG_THRESHOLDS)
+    gc.collect(1)
     gc.freeze()

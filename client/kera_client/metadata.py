@@ -26,7 +26,7 @@ old to know columns refuses the field: the page is asked again as maps.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 
 import trio
 
@@ -77,6 +77,25 @@ async def pages(coordinator, pattern: str, *, since: int | None = None, timeout:
             return
 
 
+async def listed(coordinator, pattern: str, on_page: Callable[[Columns], Awaitable[None]], *,
+                 since: int | None = None, timeout: float = 30.0, tops: list | None = None) -> None:
+    """``await on_page(columns)`` for every page of ``pages``, the next page asked for while
+    this one is taken in (a million streams' listing and what the caller makes of it overlap,
+    rather than adding up)."""
+    send, receive = trio.open_memory_channel(1)
+
+    async def pager() -> None:
+        async with send:
+            async for cols in pages(coordinator, pattern, since=since, timeout=timeout, tops=tops):
+                await send.send(cols)
+
+    async with unwrapped(), trio.open_nursery() as n:   # the pager's error, as it was raised
+        n.start_soon(pager)
+        async with receive:
+            async for cols in receive:
+                await on_page(cols)
+
+
 async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = None,
                 on_page: Callable[[Columns, list, list], None] | None = None, *,
                 since: int | None = None, timeout: float = 30.0) -> int | None:
@@ -104,8 +123,10 @@ async def fetch(coordinator, names: Iterable[str] = (), pattern: str | None = No
             for i in range(0, len(names), MAX_LIST_PAGE):
                 n.start_soon(part, names[i:i + MAX_LIST_PAGE])
     if pattern is not None:
-        async for cols in pages(coordinator, pattern, since=since, timeout=timeout, tops=tops):
+        async def take(cols) -> None:
             on_page(cols, [], [])
+
+        await listed(coordinator, pattern, take, since=since, timeout=timeout, tops=tops)
     return min(tops) if tops else None
 
 

@@ -37,7 +37,7 @@ from kera.limits import MAX_PULL_STREAMLETS
 from kera.position import DONE
 
 from .bulk import bulk, settled
-from .metadata import describe, fetch
+from .metadata import describe, fetch, listed
 from .received import Chunk, Record
 from .sessions import Sessions
 from .stream_view import StreamView
@@ -92,10 +92,20 @@ class Reader:
         their starting position, moved ones are read from their new owners."""
         self._meta_at = time.monotonic()
         tops: list = []
-        got = await describe(self.coordinator, self.names, self.pattern, tops=tops)
+        if self.names:
+            got = await describe(self.coordinator, self.names, self.pattern, tops=tops)
+            await self._learn(got.values())
+        else:   # a pattern only: each page learnt while the next is listed
+            async def learn(cols) -> None:
+                with bulk():
+                    views = list(cols.views(StreamView))
+                settled(len(views))
+                await self._learn(views)
+
+            await listed(self.coordinator, self.pattern, learn, tops=tops)
+            tops = [min(tops) if tops else None]
         top = tops[0]
         self._top = top if self._top is None or top is None else max(self._top, top)
-        await self._learn(got.values())
 
     async def _discover(self) -> None:
         """A pattern's streams created since the last look (not every name again)."""

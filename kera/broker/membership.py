@@ -110,4 +110,10 @@ class Membership:
                 raise
             except KeraError as e:
                 log.warning("heartbeat failed: %s", e)
+            took = time.monotonic() - sent
+            if took > self.lease / 2:
+                log.warning("heartbeat answered after %.2f s (lease %.2f s)", took, self.lease)
             await trio.sleep(self.heartbeat)
+            late = time.monotonic() - sent - took - self.heartbeat
+            if late > self.heartbeat:
+                log.warning("event loop stalled %.2f s: heartbeat late", late)

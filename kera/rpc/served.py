@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
 from functools import partial
 
 import trio
@@ -22,7 +23,7 @@ import trio
 from .. import frame
 from ..door import Deadline, Door
 from ..errors import AuthenticationFailed, KeraError, PeerTooSlow, ProtocolError
-from ..limits import MAX_INFLIGHT
+from ..limits import MAX_INFLIGHT, SERVE_SLICE
 from .answers import Later, error_frame, result_frame
 from .writer import FrameWriter
 
@@ -116,10 +117,14 @@ class Served:
         decoder = self.decoder
         decoder.feed(data)
         now = self.deadline.active = trio.current_time()
+        turn = time.monotonic() + SERVE_SLICE
         while (f := decoder.next()) is not None:
             if f.kind != frame.REQUEST:
                 raise ProtocolError("expected a request frame")
-            try:  # no scheduling point while requests are queued: appends batch up
+            if time.monotonic() > turn:   # past its slice: the others' turn (heartbeats above all)
+                await trio.lowlevel.checkpoint()
+                turn = time.monotonic() + SERVE_SLICE
+            try:  # else no scheduling point while requests are queued: appends batch up
                 self.slots.acquire_nowait()
             except trio.WouldBlock:
                 await self.slots.acquire()
