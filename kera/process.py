@@ -44,14 +44,14 @@ def _gc_pauses(phase: str, info: dict) -> None:
     took = time.perf_counter() - _gc_started
     if took > GC_PAUSE_LOG:
         logging.getLogger("kera.gc").warning(
-            "collection of generation %d took %.2f s (%d freed, %d objects frozen)",
-            info["generation"], took, info["collected"],
-            gc.get_freeze_count())
+            "collection of generation %d took %.2f s (%d freed)", info["generation"], took,
+            info["collected"])
 
 
 def run_until_signal(async_fn, *args) -> None:
     gc.set_threshold(*GC_THRESHOLDS)
-    gc.callbacks.append(_gc_pauses)
+    if _gc_pauses not in gc.callbacks:
+        gc.callbacks.append(_gc_pauses)
     async def main():
         async with trio.open_nursery() as nursery:
             async def watch_signals():

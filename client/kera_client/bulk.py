@@ -21,8 +21,8 @@ them; every ``SETTLE_EVERY`` it collects the young generations (not the old
 one: collecting everything made since the last freeze cost 30-50 ms a time,
 5 s of a consumer's 17 s of CPU reading 1,000,000 streams) and freezes what
 is left (``gc.freeze``), which no collection walks again. The first time, it
-also makes the young collections rarer (``BIG_THRESHOLDS``, as the servers
-have them): a process that learns that many streams allocates millions of
+also makes the young collections rarer (``kera.process.GC_THRESHOLDS``, the
+servers' own): a process that learns that many streams allocates millions of
 objects a second. Both are the whole process's: a program holding a million
 streams' client is a big client. Reference counting still frees a frozen
 object that is dropped; only a cycle frozen while alive and dropped later,
@@ -39,11 +39,12 @@ import gc
 import threading
 from contextlib import contextmanager
 
+from kera.process import GC_THRESHOLDS
+
 _lock = threading.Lock()
 _depth = 0
 _was_on = True
 _unsettled = 0
-BIG_THRESHOLDS = (50_000, 10, 500)
 SETTLE_EVERY = 20_000   # long-lived entries (streams, streamlets) learned between freezes
 
 
@@ -74,7 +75,7 @@ def settled(n: int) -> None:
         if _unsettled < SETTLE_EVERY or _depth or not gc.isenabled():
             return
         _unsettled = 0
-    if gc.get_threshold()[0] < BIG_THRESHOLDS[0]:
-        gc.set_threshold(*BIG_THRESHOLDS)
+    if gc.get_threshold()[0] < GC_THRESHOLDS[0]:
+        gc.set_threshold(*GC_THRESHOLDS)
     gc.collect(1)
     gc.freeze()
