@@ -21,7 +21,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from itertools import chain
-from operator import attrgetter
 
 import numpy as np
 
@@ -78,39 +77,34 @@ class Outgoing:
         return c
 
 
-_COLUMNS = attrgetter("lane.route.id", "lane.index", "seq", "flags", "records", "created", "values",
-                      "keys", "ts")
-
-
 def pack(items: list[Outgoing], producer_id: int) -> bytes | None:
     """Pack every chunk of ``items`` not packed yet, all in one pass; returns the request's
-    payload when that was all of them (else the caller joins the chunks' own bytes). The
-    chunks' fields are read as columns in one C-level pass (``_COLUMNS``), not a Python loop
-    per field."""
+    payload when that was all of them (else the caller joins the chunks' own bytes)."""
     todo = [c for c in items if c.data is None]
     if not todo:
         return None
-    k = len(todo)
-    sids, idx, seqs, flags, counts, created, vals, keyl, tsl = zip(*map(_COLUMNS, todo), strict=True)
-    values = list(chain.from_iterable(vals))
+    counts = [c.records for c in todo]
+    values = list(chain.from_iterable([c.values for c in todo]))
     keys = None
-    if keyl.count(None) != k:
-        keys = list(chain.from_iterable(x if x is not None else [None] * n
-                                        for x, n in zip(keyl, counts, strict=True)))
+    if any(c.keys is not None for c in todo):
+        keys = list(chain.from_iterable(c.keys if c.keys is not None else [None] * c.records
+                                        for c in todo))
     # records without their own timestamp get their chunk's first record's arrival, in wall
     # milliseconds: one clock reading for the request, not one per chunk
     to_wall = time.time() - time.monotonic()
-    wall = ((np.array(created, np.float64) + to_wall) * 1000).astype(np.int64)
-    if tsl.count(None) != k:
-        ts = list(chain.from_iterable(x if x is not None else [w] * n
-                                      for x, n, w in zip(tsl, counts, wall.tolist(), strict=True)))
+    wall = ((np.fromiter([c.created for c in todo], np.float64, len(todo)) + to_wall) * 1000).astype(np.int64)
+    if any(c.ts is not None for c in todo):
+        ts = list(chain.from_iterable(c.ts if c.ts is not None else [w] * c.records
+                                      for c, w in zip(todo, wall.tolist(), strict=True)))
     else:
         ts = np.repeat(wall, counts)
-    data, starts, _ = chunkfmt.pack_many(sids, idx, producer_id, seqs, flags, counts, values, keys, ts)
+    data, starts, _ = chunkfmt.pack_many(
+        [c.lane.route.id for c in todo], [c.lane.index for c in todo], producer_id, [c.seq for c in todo],
+        [c.flags for c in todo], counts, values, keys, ts)
     for c, s in zip(todo, starts, strict=True):
         c.data, c.start = data, s
         c.values = c.keys = c.ts = None  # the bytes are in the chunk now
-    return data if k == len(items) else None
+    return data if len(todo) == len(items) else None
 
 
 _BYTES = (bytes, bytearray, memoryview)
@@ -164,8 +158,7 @@ class Accumulator:
         The hot path of ``send``: a few attribute and list operations; chunks are packed
         when they leave. A record that no chunk of its stream could hold is refused here,
         at once."""
-        if type(value) is not bytes or key is not None or timestamp is not None:
-            check_record(value, key, timestamp)
+        check_record(value, key, timestamp)
         n = len(value) + 16 if key is None else len(value) + len(key) + 16
         room = route.room
         if n > room:
@@ -173,13 +166,7 @@ class Accumulator:
                 raise too_large(route, n, "record")
             self.delivery.refused(route.name, key, value, cb, too_large(route, n, "record"))
             return
-        if key is None or not self.by_key:   # ``_chunk_for``'s keyless case, without the call
-            b = route.sticky
-            if b is None:
-                k = route.streamlets
-                b = self._open(route, route.rr if k > 1 else 0, k)
-        else:
-            b = self._chunk_for(route, key)
+        b = self._chunk_for(route, key)
         if b.size + n > room:  # the open chunk would outgrow what the stream takes: seal it first
             self.seal(b)
             self.waker.notify()
@@ -252,9 +239,8 @@ class Accumulator:
         b.size = HEADER + ((b.size + 15) & ~7)   # chunk_size: the index, keys and values, padded
         q = lane.queue
         if q is None:
-            lane.queue = [b]
-        else:
-            q.append(b)
+            q = lane.queue = []
+        q.append(b)
         if not lane.busy and not lane.waits:
             self._wait(lane)
 
@@ -362,16 +348,6 @@ class Accumulator:
             lane.due = None
         if (lane.queue or lane.due is not None) and not lane.waits:
             self._wait(lane)
-
-    def release_all(self, lanes) -> None:
-        """``release`` of each of a request's lanes, in one loop."""
-        for lane in lanes:
-            lane.busy = False
-            due = lane.due
-            if due is not None and lane.open is not due:
-                lane.due = due = None
-            if (lane.queue or due is not None) and not lane.waits:
-                self._wait(lane)
 
     def requeue(self, lane: Lane, chunks: list, at: float) -> None:
         """Chunks of ``lane`` refused for a reason that passes: back at the front of its queue

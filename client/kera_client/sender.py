@@ -26,8 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from itertools import compress, count, repeat
-from operator import attrgetter, is_not
 
 import numpy as np
 import trio
@@ -54,8 +52,6 @@ RETRY_AFTER = 0.1       # seconds before chunks refused for a passing reason are
 # time plus at most this, not the request timeout; a broker merely slow costs a metadata request
 # per period, nothing more
 CHECK_AFTER = 1.0
-_SETTLED = attrgetter("records", "charged", "created", "reports")
-_REPORTS = attrgetter("reports")
 
 
 class ProduceError(KeraError):
@@ -301,7 +297,7 @@ class Sender:
         addr = flight.addr
         meta = {"producer": self.producer_id, "token": self.producer_token, "acks": self.acks}
         if self.delivery.used:   # where the chunks with delivery reports were placed
-            want = list(compress(count(), map(is_not, map(_REPORTS, items), repeat(None))))
+            want = [i for i, c in enumerate(items) if c.reports is not None]
             if want:
                 meta["positions_of"] = np.array(want, "<u4").tobytes()
         where: dict = {}
@@ -341,13 +337,7 @@ class Sender:
         """Each chunk of an answer: acknowledged, back to its lane (retried), or failed; then
         the request's lanes are released (lock held)."""
         now = time.monotonic()
-        buf, acc = self.buffer, self.acc
-        if results.count(None) == len(items):   # all acknowledged (the common answer): in columns
-            self._settle_all(items, where, now)
-            acc.release_all(flight.lanes)
-            buf.space.notify_all()
-            return
-        latency = buf.latencies.append
+        buf, acc, latency = self.buffer, self.acc, self.buffer.latencies.append
         retry: dict[Lane, list] = {}
         acked = charged = 0
         for i, (c, res) in enumerate(zip(items, results, strict=False)):
@@ -374,21 +364,6 @@ class Sender:
         for lane, cs in retry.items():
             acc.requeue(lane, cs, now + RETRY_AFTER)
             self.stale.add(lane.route.name)
-        acc.release_all(flight.lanes)
+        for lane in flight.lanes:
+            acc.release(lane)
         buf.space.notify_all()
-
-    def _settle_all(self, items: list, where: dict, now: float) -> None:
-        """Every chunk of an answer acknowledged: the books in one pass over their columns;
-        only chunks with delivery reports are settled one by one (lock held)."""
-        buf = self.buffer
-        records, charged, created, reports = zip(*map(_SETTLED, items), strict=True)
-        acked = sum(records)
-        buf.acked += acked
-        buf.records -= acked
-        buf.bytes -= sum(charged)
-        buf.latencies.extend([now - t for t in created])
-        if reports.count(None) != len(items):
-            settle = self.delivery.settle
-            for i, c in enumerate(items):
-                if c.reports is not None:
-                    settle(c, c.lane.route.name, None, where.get(i))
