@@ -66,10 +66,12 @@ def encode_parts(kind: int, request_id: int, meta: dict, parts) -> bytes:
     return b"".join(frame_buffers(kind, request_id, meta, parts))
 
 
-def frame_buffers(kind: int, request_id: int, meta: dict, parts) -> list:
-    """The same frame as a list of buffers, ``parts`` uncopied, for a vectored send."""
+def frame_buffers(kind: int, request_id: int, meta: dict, parts, plen: int | None = None) -> list:
+    """The same frame as a list of buffers, ``parts`` uncopied, for a vectored send (``plen``:
+    their byte size, when the caller counted it already)."""
     m = msgpack.packb(meta, use_bin_type=True)
-    plen = sum(map(nbytes, parts))
+    if plen is None:
+        plen = sum(map(nbytes, parts))
     _check(len(m), plen)
     return [PREFIX.pack(MAGIC, VERSION, kind, request_id, len(m), plen) + m, *parts]
 

@@ -16,8 +16,9 @@ from .channel import Outgoing, send_rest
 def parts_frame(kind: int, rid: int, meta: dict, parts) -> bytes | list:
     """A frame whose payload is ``parts``: joined when small or of tiny parts, else its buffers
     as they are (written vectored: no copy into one buffer)."""
-    bufs = frame.frame_buffers(kind, rid, meta, parts)
-    total = sum(map(frame.nbytes, bufs))
+    plen = sum(map(frame.nbytes, parts))   # counted once: a replication frame has a part per chunk
+    bufs = frame.frame_buffers(kind, rid, meta, parts, plen)
+    total = len(bufs[0]) + plen
     return bufs if total >= VECTOR_FROM and total >= len(bufs) * VECTOR_PART else b"".join(bufs)
 
 
