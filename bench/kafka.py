@@ -1,6 +1,7 @@
 """The same librdkafka client on both sides: kera's Kafka listener (R=1, R=3) beside the peer.
 
     python -m bench kafka [--quick] [--counts 1,128,512,2048] [--records N] [--repeats 3]
+                          [--systems peer,kera R=1,kera R=3]
 
 One producer process, then one consumer process (confluent-kafka, ``bench.peer``'s workers,
 unchanged): 100-byte records round-robin over N one-partition topics, linger 5 ms,
@@ -19,6 +20,7 @@ figures hold on a loaded machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -113,15 +115,17 @@ def cell(system: str, n_topics: int, n_records: int, clusters: dict) -> dict:
             "produce_p99_ms": r.get("produce_p99_ms"), **({"hops": r["hops"]} if "hops" in r else {})}
 
 
-def run(counts: list[int], n_records: int, repeats: int) -> dict:
-    systems = ["peer", "kera R=1", "kera R=3"]
+SYSTEMS = ["peer", "kera R=1", "kera R=3"]
+
+
+def run(counts: list[int], n_records: int, repeats: int, systems: list[str] = SYSTEMS) -> dict:
     rows = []
     for n in counts:
         topics = [f"t{i:05d}" for i in range(n)]
-        with KeraKafka(1, topics) as k1, KeraKafka(3, topics) as k3:
-            clusters = {"kera R=1": k1, "kera R=3": k3}
+        with contextlib.ExitStack() as stack:
+            clusters = {s: stack.enter_context(KeraKafka(int(s[-1]), topics)) for s in systems if s != "peer"}
             for rep in range(repeats):
-                order = systems[rep % 3:] + systems[:rep % 3]
+                order = systems[rep % len(systems):] + systems[:rep % len(systems)]
                 for s in order:
                     r = cell(s, n, n_records, clusters)
                     r["repeat"] = rep
@@ -177,12 +181,16 @@ def main(argv=None) -> None:
     ap.add_argument("--counts", default="")
     ap.add_argument("--records", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--systems", default=",".join(SYSTEMS), help="a subset of: " + ", ".join(SYSTEMS))
     ap.add_argument("--out", default=RESULTS)
     a = ap.parse_args(argv)
     counts = [int(x) for x in a.counts.split(",")] if a.counts else ([1, 128] if a.quick else [1, 128, 512, 2048])
     n = a.records or (50_000 if a.quick else 400_000)
     t0 = time.monotonic()
-    res = run(counts, n, 1 if a.quick else a.repeats)
+    systems = [s.strip() for s in a.systems.split(",")]
+    if set(systems) - set(SYSTEMS):
+        ap.error(f"--systems: each of {SYSTEMS}")
+    res = run(counts, n, 1 if a.quick else a.repeats, systems)
     res["seconds"] = round(time.monotonic() - t0, 1)
     m = res["medians"]
     for s, by in m.items():

@@ -101,6 +101,16 @@ VECTOR_PART = 4 * KiB             # joined first, when its parts average this mu
 TLS_RECORD = 16 * KiB             # the most plaintext one TLS record carries (RFC 8446)
 TLS_PIECE = 256 * KiB             # plaintext whose ciphertext leaves in one buffer over TLS (one
 #                                   write); that ciphertext is all a connection holds unsent
+# -- the Kafka listener (kera.kafka) ---------------------------------------------------------
+KAFKA_INFLIGHT = 256              # answers of one Kafka connection ready or waiting at once (past
+#                                   it the connection is not read; librdkafka keeps up to
+#                                   max.in.flight = 1,000,000 requests in flight when not idempotent)
+KAFKA_RCVBUF = 102_400            # a Kafka connection's socket receive buffer: Kafka's own broker
+#                                   default (socket.receive.buffer.bytes). Left to the kernel it
+#                                   grows to 32 MiB here, and a producer's requests queue there
+#                                   unanswered instead of in its accumulator, where they would
+#                                   coalesce into bigger batches (librdkafka builds no new request
+#                                   while one waits to be written: queue.buffering.backpressure.threshold)
 
 # -- connections, at the door of every listener (kera.rpc) -------------------------------
 MAX_CONNECTIONS = 10_000          # open connections per listener
@@ -134,6 +144,7 @@ ETCD_MAX_REQUEST = 3 * MiB // 2   # its --max-request-bytes, 1.5 MiB by default)
 METRICS_REQUEST = 16 * KiB        # bytes of a scrape's request head (a scrape's is a few hundred)
 
 # -- the relations --------------------------------------------------------------------
+assert KAFKA_INFLIGHT >= 1 and KAFKA_RCVBUF >= 64 * KiB, "room for a few 16 KiB batches"
 assert MAX_CHUNK <= MAX_SEGMENT_SIZE, "a chunk must fit a segment of the largest size"
 assert MAX_CHUNK <= MAX_REPLICATE_PAYLOAD <= MAX_PAYLOAD, "every chunk must be replicable"
 assert max(REPLICATE_BATCH, MAX_CHUNK) <= MAX_REPLICATE_PAYLOAD, "every entry must fit a replicate"

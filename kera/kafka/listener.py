@@ -8,7 +8,9 @@ order (so a connection's produces append in order and leave in one replication r
 a handler answers at once, with a ``Waiting`` answer settled later without a task (a
 produce once durable), or with a coroutine for the part that waits (a Fetch's long poll,
 the coordinator). At most ``MAX_INFLIGHT`` answers of a connection wait at once; past that
-it is not read (backpressure).
+it is not read, and its socket's receive buffer is as small as Kafka's own (``KAFKA_RCVBUF``),
+so backpressure reaches the client soon: librdkafka then makes fewer, bigger batches rather
+than queueing one-record requests in the kernel.
 
 What Kafka drops a connection for is dropped here: a frame of an impossible size, an API
 it does not know, a version out of range (except ApiVersions, answered
@@ -22,12 +24,14 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import socket
 
 import trio
 from kio.schema.errors import ErrorCode
 
 from ..door import Deadline
 from ..errors import ConnectionLimit, KeraError, ProtocolError
+from ..limits import KAFKA_INFLIGHT, KAFKA_RCVBUF
 from ..rpc.channel import Plain, Tls
 from ..rpc.writer import FrameWriter
 from ..server import _disconnect, _peer_addr
@@ -37,8 +41,7 @@ from .framing import Encoded
 
 log = logging.getLogger("kera.kafka")
 
-MAX_INFLIGHT = 1024    # answers of one connection ready or waiting at once (librdkafka keeps
-# up to max.in.flight = 1,000,000 requests in flight per connection when not idempotent)
+MAX_INFLIGHT = KAFKA_INFLIGHT   # answers of one connection ready or waiting at once
 
 
 class Conn:
@@ -68,6 +71,8 @@ class KafkaListener:
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host, backlog=1024)
+        for ls in listeners:   # accepted connections inherit it (the window is sized at the handshake)
+            ls.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, KAFKA_RCVBUF)
         task_status.started(listeners[0].socket.getsockname()[1])
         await trio.serve_listeners(self.connection, listeners)
 
