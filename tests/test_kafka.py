@@ -335,14 +335,14 @@ def test_list_offsets_by_time_and_topic_configs(cluster):
 
 
 def test_requests_past_the_answer_limit_in_one_read_are_all_answered(cluster):
-    """More requests than a connection may have answers waiting (``MAX_INFLIGHT``) in one
+    """More requests than a connection may have answers waiting (``KAFKA_INFLIGHT``) in one
     read: once the answers at the limit are written, the rest of the read is handled too,
     not left in the buffer until the client sends again (a client that waits for their
     answers, as librdkafka does once it sent all it had, would stall until its timeout)."""
     import struct
 
-    from kera.kafka.listener import MAX_INFLIGHT
-    n = MAX_INFLIGHT + 300
+    from kera.limits import KAFKA_INFLIGHT
+    n = KAFKA_INFLIGHT + 300
     s = _sock(cluster.kafka_bootstrap().split(",")[0])
     s.settimeout(20)
     for burst in range(3):

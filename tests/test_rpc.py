@@ -479,10 +479,8 @@ async def test_frames_over_tls_arrive_whole(tls_server, size, pieces):
     assert svc.connections == 1
 
 
-async def test_tls_seals_a_frame_of_chunks_a_piece_at_a_time(tls_contexts):
-    """A frame of 16 KB chunks (a replicate's, a produce's) leaves as one ciphertext buffer,
-    one system call, per ``TLS_PIECE`` of plaintext, not one per chunk, and decrypts to the
-    frame's bytes in order."""
+async def _tls_pair(tls_contexts) -> tuple[Tls, Tls]:
+    """A server and a client ``Tls`` over a socket pair, handshaken (the caller closes them)."""
     a, b = trio.socket.socketpair()
     server = Tls(trio.SocketStream(a), tls_contexts[0], server_side=True)
     client = Tls(trio.SocketStream(b), tls_contexts[1], server_side=False, server_hostname="localhost")
@@ -490,6 +488,14 @@ async def test_tls_seals_a_frame_of_chunks_a_piece_at_a_time(tls_contexts):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.handshake)
             nursery.start_soon(client.handshake)
+    return server, client
+
+
+async def test_tls_seals_a_frame_of_chunks_a_piece_at_a_time(tls_contexts):
+    """A frame of 16 KB chunks (a replicate's, a produce's) leaves as one ciphertext buffer,
+    one system call, per ``TLS_PIECE`` of plaintext, not one per chunk, and decrypts to the
+    frame's bytes in order."""
+    server, client = await _tls_pair(tls_contexts)
     parts = [memoryview(bytes([i]) * (TLS_RECORD + 184)) for i in range(64)]
     parts[10:10] = [memoryview(b"small") for _ in range(3)]
     sealed = list(client.sealing(parts))
@@ -561,13 +567,7 @@ async def test_tls_opens_records_cut_anywhere_without_reading_past_them(tls_cont
     records) opens to the frame's bytes in order, then the peer's close_notify to b"";
     a receive of whole records reads no further than them (an empty read raises, which
     costs as much as opening a small record)."""
-    a, b = trio.socket.socketpair()
-    server = Tls(trio.SocketStream(a), tls_contexts[0], server_side=True)
-    client = Tls(trio.SocketStream(b), tls_contexts[1], server_side=False, server_hostname="localhost")
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(server.handshake)
-            nursery.start_soon(client.handshake)
+    server, client = await _tls_pair(tls_contexts)
     server.obj = counting = _CountingReads(server.obj)
     plain = np.random.default_rng(7).integers(0, 256, 5 * TLS_RECORD + 999, dtype=np.uint8).tobytes()
     sealed = b"".join(client.sealing([memoryview(plain)]))

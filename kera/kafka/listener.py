@@ -7,7 +7,7 @@ address, idle, frame, handshake and send deadlines, a reply budget), reads Kafka
 order (so a connection's produces append in order and leave in one replication round);
 a handler answers at once, with a ``Waiting`` answer settled later without a task (a
 produce once durable), or with a coroutine for the part that waits (a Fetch's long poll,
-the coordinator). At most ``MAX_INFLIGHT`` answers of a connection wait at once; past that
+the coordinator). At most ``limits.KAFKA_INFLIGHT`` answers of a connection wait at once; past that
 it is not read, and its socket's receive buffer is as small as Kafka's own (``KAFKA_RCVBUF``),
 so backpressure reaches the client soon: librdkafka then makes fewer, bigger batches rather
 than queueing one-record requests in the kernel.
@@ -40,8 +40,6 @@ from .answers import Answers, Drop, Waiting
 from .framing import Encoded
 
 log = logging.getLogger("kera.kafka")
-
-MAX_INFLIGHT = KAFKA_INFLIGHT   # answers of one connection ready or waiting at once
 
 
 class Conn:
@@ -120,7 +118,7 @@ class KafkaListener:
 
             writer = FrameWriter(channel, nursery, lambda why: nursery.cancel_scope.cancel(),
                                  lim.send_timeout, lim.reply_budget)
-            answers = Answers(writer, drop, MAX_INFLIGHT)
+            answers = Answers(writer, drop, KAFKA_INFLIGHT)
             nursery.start_soon(answers.run)
             try:
                 with trio.CancelScope() as waiting:
