@@ -115,7 +115,16 @@ class Lookups:
     def _unpark(self, r: Route, held: list) -> None:
         """The records parked for ``r``, into its chunks in the order they were sent."""
         buf, append = self.buffer, self.acc.append
-        if all(k is None and t is None and cb is None for _, k, t, cb, _ in held[1:]):
+        if len(held) == 2:   # one record (most streams met for the first time): no generators
+            value, key, timestamp, cb, n = held[1]
+            if key is None and timestamp is None and cb is None:
+                buf.bytes -= n
+                buf.records -= 1
+                if self.acc.add_sealed(r, [value], n, held[0]):
+                    return
+                buf.bytes += n
+                buf.records += 1
+        elif all(k is None and t is None and cb is None for _, k, t, cb, _ in held[1:]):
             size = sum(rec[4] for rec in held[1:])
             buf.bytes -= size
             buf.records -= len(held) - 1

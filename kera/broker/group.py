@@ -19,7 +19,7 @@ from .segment import Segment, buffer_size
 
 class Group:
     __slots__ = ("id", "slot", "segment_size", "max_segments", "segments", "closed", "vlog", "memory",
-                 "start", "on_filled")
+                 "start", "owner")
 
     def __init__(self, id: int, slot: int, segment_size: int, max_segments: int, memory=None):
         self.id = id
@@ -31,11 +31,11 @@ class Group:
         self.vlog = None  # the virtual log its chunks go to (one per group, fixed once chosen)
         self.memory = memory  # the broker's budget, charged for every buffer allocated
         self.start = 0        # segments below were freed by retention
-        self.on_filled = None  # called with (group, segment) when a segment takes no more chunks
+        self.owner = None  # its streamlet: ``mark_filled(group, segment)`` when a segment takes no more chunks
 
     def _filled(self, seg: Segment) -> None:
-        if self.on_filled is not None:
-            self.on_filled(self, seg)
+        if self.owner is not None:
+            self.owner.mark_filled(self, seg)
 
     def append(self, chunk) -> tuple[Segment, int] | None:
         """Append one chunk; None if the group is full (it is then closed). A segment noted

@@ -264,7 +264,7 @@ class BrokerService(Service):
                             waits[v] = ref
                     continue
                 g, seg, soff = sl.append(payload[off:off + size], producer)
-                chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
+                chunk.place(seg.buf, soff, g.id, seg.id, soff, sl.kafka_base)
                 if placed is not None and (want is None or want[i]):
                     placed.append((i, g.id, seg.id, soff))
                 vlog = g.vlog or self.vlog_for(streams[sid], index, g)
@@ -336,7 +336,7 @@ class BrokerService(Service):
                 and isinstance(expect[1], int) and expect[1] >= max(sl.plain_last, sl.key_last.get(key, 0))):
             raise Conflict(f"stream {h.stream_id} streamlet {h.streamlet} changed since {expect}")
         g, seg, soff = sl.append(payload[off:off + h.size], h.producer_id)
-        chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
+        chunk.place(seg.buf, soff, g.id, seg.id, soff, sl.kafka_base)
         vlog = g.vlog or self.vlog_for(self.streams[h.stream_id], h.streamlet, g)
         idx = vlog.append(seg, soff, h.size, h.body_checksum)
         sl.note_producer(h.producer_id, h.sequence, vlog, idx, seg, soff + h.size)

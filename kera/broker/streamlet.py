@@ -25,7 +25,7 @@ from ..errors import (
     Recovering,
     UnknownProducer,
 )
-from ..kafka.log import OffsetLog
+from ..kafka.log import OffsetLog, W
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from ..stream_meta import StreamMeta
@@ -165,7 +165,7 @@ class Streamlet:
         if gid is None:
             gid = self.next_group
         g = Group(gid, slot, self.segment_size, self.max_segments, self.memory)
-        g.on_filled = self.mark_filled
+        g.owner = self
         self.groups[gid] = g
         self.next_group = max(self.next_group, gid + 1)
         return g
@@ -230,7 +230,7 @@ class Streamlet:
     @property
     def kafka_base(self) -> int:
         """The Kafka base offset of the chunk just appended."""
-        return self.offsets.bases[-1]
+        return self.offsets.rows[-W]
 
     def kafka_log(self) -> OffsetLog:
         if self.offsets is None:

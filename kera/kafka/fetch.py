@@ -190,7 +190,7 @@ async def _by_time(broker, sl, ts: int) -> tuple[int, int]:
     view = chunk.ChunkView(await _chunk(broker, sl, lo))
     stamps = view.timestamps
     k = int(np.argmax(stamps >= ts))
-    return log.bases[lo] + int(chunk.original_indices(view)[k]), int(stamps[k])
+    return log.base(lo) + int(chunk.original_indices(view)[k]), int(stamps[k])
 
 
 async def _list_offsets(gw, conn, req, version):

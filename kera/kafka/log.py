@@ -8,7 +8,7 @@ the chunk itself (``replayed``, then ``finish``). The index, one row per chunk i
 order (base, end, group, segment, offset in it, size), answers where an offset lies
 (``find``) with a bisection, the high watermark (every chunk below it durable:
 ``high_watermark``, a cursor moved once per chunk) and the log start offset (the first chunk
-still held after retention: ``log_start``). Per chunk: 32 bytes and O(1) work; nothing per
+still held after retention: ``log_start``). Per chunk: 48 bytes and O(1) work; nothing per
 record. Offsets of chunks compacted away or lost leave gaps, as in Kafka's compacted topics.
 """
 
@@ -23,39 +23,53 @@ import numpy as np
 RECENT = 5      # batches per producer whose offsets a duplicate's answer names (Kafka's 5)
 
 
+W = 6           # a row: base, end, group, segment, offset in it, size
+BASE, END, GROUP, SEG, OFF, SIZE = range(W)
+
+
 class OffsetLog:
-    __slots__ = ("bases", "ends", "groups", "segs", "offs", "sizes", "next", "durable", "first",
-                 "unsorted", "unknown", "recent")
+    """The rows are one flat array, ``W`` numbers a row: a streamlet holding one chunk costs
+    one array (its Python objects are what the broker's cyclic collector walks, once per
+    streamlet made), and the producers' recent batches and the rows of chunks written
+    before offsets were kept are made only when there are some."""
+
+    __slots__ = ("rows", "next", "durable", "first", "unsorted", "unknown", "recent")
 
     def __init__(self):
-        self.bases = array("q")
-        self.ends = array("q")
-        self.groups = array("I")
-        self.segs = array("I")
-        self.offs = array("I")
-        self.sizes = array("I")
+        self.rows = array("q")
         self.next = 0           # the offset the next record gets (Kafka's log end offset)
         self.durable = 0        # rows below are durable: the high watermark is their end
         self.first = 0          # rows below were freed (retention)
         self.unsorted = False   # replayed out of offset order: ``finish`` sorts
-        self.unknown: list = []  # replayed chunks written before offsets were kept
-        self.recent: dict = {}  # producer -> deque of (last sequence, base offset)
+        self.unknown: list | None = None  # replayed chunks written before offsets were kept
+        self.recent: dict | None = None   # producer -> deque of (last sequence, base offset)
 
     def __len__(self) -> int:
-        return len(self.bases)
+        return len(self.rows) // W
 
-    def _row(self, base: int, count: int, group: int, seg: int, off: int, size: int) -> None:
-        self.bases.append(base)
-        self.ends.append(base + count)
-        self.groups.append(group)
-        self.segs.append(seg)
-        self.offs.append(off)
-        self.sizes.append(size)
+    def base(self, i: int) -> int:
+        return self.rows[i * W]
+
+    def end(self, i: int) -> int:
+        return self.rows[i * W + END]
+
+    def place(self, i: int) -> tuple[int, int, int]:
+        """(group, segment, offset in it) of row ``i``."""
+        j = i * W
+        return self.rows[j + GROUP], self.rows[j + SEG], self.rows[j + OFF]
+
+    def row(self, i: int) -> tuple[int, int, int, int, int, int]:
+        """(base, end, group, segment, offset, size) of row ``i``."""
+        return tuple(self.rows[i * W:i * W + W])
+
+    def column(self, k: int) -> np.ndarray:
+        """A copy of column ``k`` of every row (a view would pin the array's size)."""
+        return np.frombuffer(self.rows, np.int64)[k::W].copy()
 
     def append(self, count: int, group: int, seg: int, off: int, size: int) -> int:
         """A chunk of ``count`` records just appended at [group, seg, off]: its base offset."""
         base = self.next
-        self._row(base, count, group, seg, off, size)
+        self.rows.extend((base, base + count, group, seg, off, size))
         self.next = base + count
         return base
 
@@ -64,11 +78,14 @@ class OffsetLog:
         """A chunk placed by a recovery, its base offset from its header (None: a chunk
         written before offsets were kept, numbered by ``finish``)."""
         if base is None:
+            if self.unknown is None:
+                self.unknown = []
             self.unknown.append((group, seg, off, count, size))
             return
-        if self.bases and base < self.bases[-1]:
+        rows = self.rows
+        if rows and base < rows[-W]:
             self.unsorted = True
-        self._row(base, count, group, seg, off, size)
+        rows.extend((base, base + count, group, seg, off, size))
         self.next = max(self.next, base + count)
 
     def reach(self, end: int) -> None:
@@ -90,74 +107,70 @@ class OffsetLog:
         known = kafka > 0
         for off, end, n in zip(starts[~known].tolist(), ends[~known].tolist(),
                                records[~known].tolist(), strict=True):   # old chunks only
-            self.unknown.append((group, seg, off, n, end - off))
+            self.replayed(None, n, group, seg, off, end - off)
         if not known.any():
             return
         bases = kafka[known].astype(np.int64) - 1
         tops = bases + records[known].astype(np.int64)
-        if self.bases and bases[0] < self.bases[-1]:
+        rows = self.rows
+        if rows and bases[0] < rows[-W]:
             self.unsorted = True
-        m = len(bases)
-        for a, col in ((self.bases, bases), (self.ends, tops), (self.groups, np.full(m, group)),
-                       (self.segs, np.full(m, seg)), (self.offs, starts[known]),
-                       (self.sizes, (ends - starts)[known])):
-            a.frombytes(col.astype(a.typecode).tobytes())
+        block = np.empty((len(bases), W), np.int64)
+        block[:, BASE], block[:, END], block[:, GROUP], block[:, SEG] = bases, tops, group, seg
+        block[:, OFF], block[:, SIZE] = starts[known], (ends - starts)[known]
+        rows.frombytes(block.tobytes())
         self.next = max(self.next, int(tops.max()))
 
     def finish(self) -> None:
         """A recovery placed every chunk: rows in offset order, unknown ones numbered after."""
         if self.unsorted:
             self.first = 0   # rows adopted may go before the retention cursor: looked at again
-            cols = [np.frombuffer(a, a.typecode).copy() for a in
-                    (self.bases, self.ends, self.groups, self.segs, self.offs, self.sizes)]
-            order = np.argsort(cols[0], kind="stable")
-            for a, c in zip((self.bases, self.ends, self.groups, self.segs, self.offs, self.sizes),
-                            cols, strict=True):
-                del a[:]
-                a.frombytes(c[order].tobytes())
+            block = np.frombuffer(self.rows, np.int64).reshape(-1, W)
+            block = block[np.argsort(block[:, BASE], kind="stable")]
+            self.rows = array("q", block.tobytes())
             self.unsorted = False
-        for group, seg, off, count, size in sorted(self.unknown):
+        for group, seg, off, count, size in sorted(self.unknown or ()):
             self.append(count, group, seg, off, size)
-        self.unknown = []
-        self.durable = min(self.durable, len(self.bases))
-        self.first = min(self.first, len(self.bases))
+        self.unknown = None
+        n = len(self)
+        self.durable = min(self.durable, n)
+        self.first = min(self.first, n)
 
     def find(self, offset: int) -> int:
         """The row of the first chunk holding ``offset`` or, in a gap, the first after it."""
-        i = bisect_right(self.bases, offset) - 1
+        i = bisect_right(range(len(self)), offset, key=self.base) - 1
         if i < 0:
             return 0
-        return i if self.ends[i] > offset else i + 1
+        return i if self.rows[i * W + END] > offset else i + 1
 
     def high_watermark(self, held) -> int:
         """The end of the durable prefix of rows (``held(group, seg)`` is the segment, or None
         once freed: a freed one was durable)."""
-        i, n = self.durable, len(self.bases)
+        rows = self.rows
+        i, n = self.durable, len(self)
         while i < n:
-            seg = held(self.groups[i], self.segs[i])
-            if seg is not None and seg.durable < self.offs[i] + self.sizes[i]:
+            j = i * W
+            seg = held(rows[j + GROUP], rows[j + SEG])
+            if seg is not None and seg.durable < rows[j + OFF] + rows[j + SIZE]:
                 break
             i += 1
         self.durable = i
-        return self.ends[i - 1] if i else (self.bases[0] if n else self.next)
+        return rows[(i - 1) * W + END] if i else (rows[BASE] if n else self.next)
 
     def log_start(self, held) -> int:
         """The first offset still held (retention frees segments from the front)."""
-        i, n = self.first, len(self.bases)
-        while i < n and held(self.groups[i], self.segs[i]) is None:
+        rows = self.rows
+        i, n = self.first, len(self)
+        while i < n and held(rows[i * W + GROUP], rows[i * W + SEG]) is None:
             i += 1
         self.first = i
-        return self.bases[i] if i < n else self.next
-
-    def row(self, i: int) -> tuple[int, int, int, int, int, int]:
-        return (self.bases[i], self.ends[i], self.groups[i], self.segs[i], self.offs[i],
-                self.sizes[i])
+        return rows[i * W] if i < n else self.next
 
     def by_time(self, ts_of, ts: int, held) -> int:
         """The first offset whose chunk's newest record is at or after ``ts`` (ms), the log
         end if none: a bisection over chunks by ``ts_of(row)`` (their newest timestamp),
         which producers make rise per partition as Kafka assumes."""
-        lo, hi = self.first, len(self.bases)
+        lo, hi = self.first, len(self)
         while lo < hi:
             mid = (lo + hi) // 2
             t = ts_of(mid)
@@ -165,10 +178,12 @@ class OffsetLog:
                 lo = mid + 1
             else:
                 hi = mid
-        return self.bases[lo] if lo < len(self.bases) else self.next
+        return self.rows[lo * W] if lo < len(self) else self.next
 
     def remember(self, producer: int, last_seq: int, base: int) -> None:
         """A producer's batch just appended: a resend of it is answered with ``base``."""
+        if self.recent is None:
+            self.recent = {}
         d = self.recent.get(producer)
         if d is None:
             d = self.recent[producer] = deque(maxlen=RECENT)
@@ -176,7 +191,7 @@ class OffsetLog:
 
     def duplicate_base(self, producer: int, last_seq: int) -> int:
         """The base offset a duplicate batch was given, -1 if no longer known."""
-        for s, b in self.recent.get(producer, ()):
+        for s, b in (self.recent or {}).get(producer, ()):
             if s == last_seq:
                 return b
         return -1

@@ -35,9 +35,9 @@ def position_of(sl, x: int) -> list:
     need = set(sl.groups)
     j = i
     while need and j < len(log) and j - i < 4096:
-        gid = log.groups[j]
+        gid, si, off = log.place(j)
         if gid in need:
-            base, _, _, si, off, _ = log.row(j)
+            base = log.base(j)
             groups[gid] = pack(si, off)
             if j == i and x > base:
                 skips[gid] = [groups[gid], x - base]
@@ -63,12 +63,12 @@ def offset_of(sl, low: int, groups: dict, skips: dict) -> int:
         i = _row_at(log, gid, si, off)
         if i is not None:
             skip = skips.get(gid)
-            best = min(best, log.bases[i] + (skip[1] if skip and skip[0] == pos else 0))
+            best = min(best, log.base(i) + (skip[1] if skip and skip[0] == pos else 0))
     for gid in sl.groups:   # groups past low not named: read from their start
         if gid >= low and gid not in groups:
             i = _row_at(log, gid, sl.groups[gid].start, 0)
             if i is not None:
-                best = min(best, log.bases[i])
+                best = min(best, log.base(i))
     return best
 
 
@@ -79,12 +79,13 @@ def _row_at(log, gid: int, si: int, off: int) -> int | None:
     key = (gid, si, off)
     while lo < hi:   # rows in offset order are in (group, segment, offset) order with Q = 1
         mid = (lo + hi) // 2
-        if (log.groups[mid], log.segs[mid], log.offs[mid]) < key:
+        if log.place(mid) < key:
             lo = mid + 1
         else:
             hi = mid
     for i in range(lo, min(len(log), lo + 4096)):
-        if log.groups[i] == gid and (log.segs[i], log.offs[i]) >= (si, off):
+        g, s, o = log.place(i)
+        if g == gid and (s, o) >= (si, off):
             return i
     return None
 
@@ -251,7 +252,7 @@ class Offsets:
                                          flags=chunk.SEQ_RESET if seq == 0 else 0))
             self.seqs[key] = seq + 1
             g, seg, soff = sl.append(data, self.producer)
-            chunk.place(seg.view, soff, g.id, seg.id, soff, sl.kafka_base)
+            chunk.place(seg.buf, soff, g.id, seg.id, soff, sl.kafka_base)
             vlog = g.vlog or broker.vlog_for(broker.streams[sl.stream_id], sl.index, g)
             idx = vlog.append(seg, soff, len(data), chunk.parse_header(data).body_checksum)
             sl.note_producer(self.producer, seq, vlog, idx, seg, soff + len(data))

@@ -80,7 +80,7 @@ def append(broker, stream, sl, data, b: batch.Batch, waits: dict) -> int:
     producer = b.producer_id if b.producer_id >= 0 else NO_PRODUCER
     c, digest = convert.wrapped(data, b.start, b, stream.id, sl.index, producer, kseq, base)
     g, seg, soff = sl.append(c, producer)
-    chunk.place(seg.view, soff, g.id, seg.id, soff, base)
+    chunk.place(seg.buf, soff, g.id, seg.id, soff, base)
     vlog = g.vlog or broker.vlog_for(stream, sl.index, g)
     idx = waits[vlog] = vlog.append(seg, soff, len(c), digest)
     sl.note_producer(producer, kseq, vlog, idx, seg, soff + len(c))
@@ -103,11 +103,12 @@ def duplicate_base(sl, producer: int, kseq: int) -> int:
     for i in range(len(log) - 1, max(len(log) - SCAN, 0) - 1, -1):
         if base >= 0:
             break
-        seg = held(log.groups[i], log.segs[i])
+        gid, si, off = log.place(i)
+        seg = held(gid, si)
         if seg is not None and seg.view is not None and seg.compacted is None:
-            f = chunk.HEADER.unpack_from(seg.view, log.offs[i])
+            f = chunk.HEADER.unpack_from(seg.view, off)
             if f[6] == producer and f[7] == kseq:
-                base = log.bases[i]
+                base = log.base(i)
     return base
 
 

@@ -119,7 +119,7 @@ class SimGroup(BrokerGroup):
 
     def __init__(self, id: int, slot: int, placement: SimPlacement):
         super().__init__(id, slot, placement.segment_size, placement.max_segments, placement.memory)
-        self.on_filled = placement.filled
+        self.owner = placement   # told when a segment takes no more chunks (``mark_filled``)
         self.close: SimChunk | None = None   # its close chunk, once full
 
     def new_segment(self, id: int, size: int) -> SimSegment:
@@ -213,8 +213,8 @@ class SimPlacement:
         self.memory.release(self.segment_size)
         return True
 
-    def filled(self, g: SimGroup, seg: SimSegment) -> None:
-        """``SimGroup.on_filled``: the segment takes no more chunks (``SimStreamlet._on_filled``)."""
+    def mark_filled(self, g: SimGroup, seg: SimSegment) -> None:
+        """The segment takes no more chunks (``Group.owner``, as ``Streamlet.mark_filled``)."""
         if not seg.filled_at:
             seg.filled_at = 1.0
             self.memory.filled(seg)
