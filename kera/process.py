@@ -1,4 +1,5 @@
-"""Running a server process: one trio loop, stopped cleanly by SIGTERM/SIGINT.
+"""Running a server process: one trio loop, stopped cleanly by SIGTERM/SIGINT, its cyclic
+collector as servers need it (``kera.collector``).
 
 With ``KERA_PROFILE=DIR`` in the environment, the process runs under cProfile
 and writes ``DIR/<pid>.prof`` when it stops (for finding hot spots).
@@ -6,54 +7,22 @@ and writes ``DIR/<pid>.prof`` when it stops (for finding hot spots).
 
 from __future__ import annotations
 
-import gc
-import logging
 import os
 import random
 import signal
 import socket
 import sys
-import time
 
 import trio
 
-# Servers hold millions of long-lived objects (streams, segments, chunk refs) and
-# allocate freely per request. With CPython's default thresholds (700, 10, 10) a
-# request that allocates a few thousand objects can land on a full collection
-# that walks the whole heap (100-300 ms at 100,000 streams). Collecting the young
-# generation after 50,000 allocations keeps those collections few; collecting the
-# middle one every 10 of them bounds what it walks (the survivors of 500,000
-# allocations, ~50 ms: with every 50, the middle generation held millions of new
-# streamlets' objects while a broker took its first chunks at 1,000,000 streams,
-# and each of its collections stood the event loop still for 0.3-0.6 s, long
-# enough to miss heartbeats); the full collections stay as rare as they were
-# (every 5,000 young ones). Reference counting frees almost everything anyway.
-GC_THRESHOLDS = (50_000, 10, 500)
-GC_PAUSE_LOG = 0.2   # seconds: a longer collection is logged
-
-
-_gc_started = 0.0
-
-
-def _gc_pauses(phase: str, info: dict) -> None:
-    """Log a collection long enough to matter to heartbeats (the event loop stands still)."""
-    global _gc_started
-    if phase == "start":
-        _gc_started = time.perf_counter()
-        return
-    took = time.perf_counter() - _gc_started
-    if took > GC_PAUSE_LOG:
-        logging.getLogger("kera.gc").warning(
-            "collection of generation %d took %.2f s (%d freed)", info["generation"], took,
-            info["collected"])
+from .collector import full_collections, install
 
 
 def run_until_signal(async_fn, *args) -> None:
-    gc.set_threshold(*GC_THRESHOLDS)
-    if _gc_pauses not in gc.callbacks:
-        gc.callbacks.append(_gc_pauses)
+    collector = install()
     async def main():
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(full_collections, collector)
             async def watch_signals():
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
                     async for _ in sigs:

@@ -6,19 +6,22 @@ import gc
 
 import pytest
 from kera_client import bulk as bulk_mod
-from kera_client.bulk import SETTLE_EVERY, bulk, settled
+from kera_client.bulk import BIG_STEP, SETTLE_EVERY, bulk, settled
+
+from kera.collector import GC_THRESHOLDS
 
 
 @pytest.fixture
 def fresh():
     """The collector on and nothing frozen or counted, before and after."""
-    was = gc.isenabled()
+    was, thresholds = gc.isenabled(), gc.get_threshold()
     gc.enable()
     gc.unfreeze()
     bulk_mod._unsettled = 0
     yield
     gc.unfreeze()
     bulk_mod._unsettled = 0
+    gc.set_threshold(*thresholds)
     (gc.enable if was else gc.disable)()
 
 
@@ -51,3 +54,13 @@ def test_settled_leaves_a_disabled_collector_alone(fresh):
     gc.disable()
     settled(2 * SETTLE_EVERY)
     assert gc.get_freeze_count() == 0 and not gc.isenabled()
+
+
+def test_a_big_step_makes_young_collections_rarer_at_once(fresh):
+    """Small steps leave the program's thresholds alone; the first step that learns a page of
+    entries sets the big client's, long before the first freeze."""
+    gc.set_threshold(700, 10, 10)
+    settled(BIG_STEP - 1)
+    assert gc.get_threshold() == (700, 10, 10)
+    settled(BIG_STEP)
+    assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() == 0
