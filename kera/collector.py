@@ -32,7 +32,7 @@ import time
 import trio
 
 GC_THRESHOLDS = (50_000, 10, 500)
-FULL_EVERY = GC_THRESHOLDS[1] * GC_THRESHOLDS[2]   # young collections between full ones
+FULL_EVERY = GC_THRESHOLDS[1] * GC_THRESHOLDS[2]   # collections between full ones
 FULL_CHECK = 1.0     # seconds between looks at whether a full collection is due
 PAUSE_LOG = 0.2      # seconds: a longer collection is logged
 
@@ -41,12 +41,12 @@ log = logging.getLogger("kera.gc")
 
 class Collector:
     """The collector's callback (``gc.callbacks``): logs long pauses, freezes what each
-    collection left, counts young collections for ``full_collections``."""
+    collection left, counts collections for ``full_collections``."""
 
     def __init__(self, freeze: bool = True):
         self.freeze = freeze
         self.started = 0.0
-        self.young = 0        # collections since the last full one
+        self.since = 0        # collections since the last full one (nearly all young ones)
         self.full = 0         # full collections run by ``full_now``
         self.kept = 0         # objects frozen right after the last full one
 
@@ -58,7 +58,7 @@ class Collector:
         if took > PAUSE_LOG:
             log.warning("collection of generation %d took %.2f s (%d freed)", info["generation"],
                         took, info["collected"])
-        self.young += 1
+        self.since += 1
         if self.freeze:
             gc.freeze()
 
@@ -66,12 +66,12 @@ class Collector:
         """CPython's own rule for a full collection: enough young collections, and the old
         objects grew by a quarter since the last one (else a stable heap is walked for
         nothing)."""
-        return self.freeze and self.young >= FULL_EVERY and gc.get_freeze_count() > 1.25 * self.kept
+        return self.freeze and self.since >= FULL_EVERY and gc.get_freeze_count() > 1.25 * self.kept
 
     def full_now(self) -> None:
         """Everything frozen looked at again: a full collection (its survivors frozen again
         by the callback)."""
-        self.young = 0
+        self.since = 0
         self.full += 1
         gc.unfreeze()
         gc.collect()
