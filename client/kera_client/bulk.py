@@ -71,18 +71,18 @@ def bulk():
 
 
 def settled(n: int) -> None:
-    """``n`` long-lived entries were just made (see the module doc): frozen every
-    ``SETTLE_EVERY``, unless the collector is off or paused (the program's choice, or a step
-    still running)."""
+    """``n`` long-lived entries were just made (see the module doc): the big client's
+    thresholds from a step of ``BIG_STEP``, frozen every ``SETTLE_EVERY``; nothing while
+    the program keeps the collector off, no freeze while a step still runs."""
     global _unsettled
-    if n >= BIG_STEP and gc.get_threshold()[0] < GC_THRESHOLDS[0]:
-        gc.set_threshold(*GC_THRESHOLDS)
     with _lock:
+        on = _was_on if _depth else gc.isenabled()   # the program's choice, a step aside
         _unsettled += n
-        if _unsettled < SETTLE_EVERY or _depth or not gc.isenabled():
-            return
-        _unsettled = 0
-    if gc.get_threshold()[0] < GC_THRESHOLDS[0]:
+        due = on and not _depth and _unsettled >= SETTLE_EVERY
+        if due:
+            _unsettled = 0
+    if on and (due or n >= BIG_STEP) and gc.get_threshold()[0] < GC_THRESHOLDS[0]:
         gc.set_threshold(*GC_THRESHOLDS)
-    gc.collect(1)
-    gc.freeze()
+    if due:
+        gc.collect(1)
+        gc.freeze()

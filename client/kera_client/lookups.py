@@ -116,22 +116,19 @@ class Lookups:
         """The records parked for ``r``, into its chunks in the order they were sent."""
         buf, append = self.buffer, self.acc.append
         if len(held) == 2:   # one record (most streams met for the first time): no generators
-            value, key, timestamp, cb, n = held[1]
-            if key is None and timestamp is None and cb is None:
-                buf.bytes -= n
-                buf.records -= 1
-                if self.acc.add_sealed(r, [value], n, held[0]):
-                    return
-                buf.bytes += n
-                buf.records += 1
-        elif all(k is None and t is None and cb is None for _, k, t, cb, _ in held[1:]):
+            value, key, timestamp, cb, size = held[1]
+            plain, values = key is None and timestamp is None and cb is None, [value]
+        else:
+            plain = all(k is None and t is None and cb is None for _, k, t, cb, _ in held[1:])
+            values = [rec[0] for rec in held[1:]] if plain else None
             size = sum(rec[4] for rec in held[1:])
+        if plain:
             buf.bytes -= size
-            buf.records -= len(held) - 1
-            if self.acc.add_sealed(r, [rec[0] for rec in held[1:]], size, held[0]):
+            buf.records -= len(values)
+            if self.acc.add_sealed(r, values, size, held[0]):
                 return
             buf.bytes += size
-            buf.records += len(held) - 1
+            buf.records += len(values)
         for value, key, timestamp, cb, n in held[1:]:
             buf.bytes -= n
             buf.records -= 1

@@ -25,7 +25,7 @@ from ..errors import (
     Recovering,
     UnknownProducer,
 )
-from ..kafka.log import OffsetLog, W
+from ..kafka.log import OffsetLog
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from ..stream_meta import StreamMeta
@@ -230,7 +230,7 @@ class Streamlet:
     @property
     def kafka_base(self) -> int:
         """The Kafka base offset of the chunk just appended."""
-        return self.offsets.rows[-W]
+        return self.offsets.last_base
 
     def kafka_log(self) -> OffsetLog:
         if self.offsets is None:

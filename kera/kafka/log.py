@@ -62,9 +62,10 @@ class OffsetLog:
         """(base, end, group, segment, offset, size) of row ``i``."""
         return tuple(self.rows[i * W:i * W + W])
 
-    def column(self, k: int) -> np.ndarray:
-        """A copy of column ``k`` of every row (a view would pin the array's size)."""
-        return np.frombuffer(self.rows, np.int64)[k::W].copy()
+    @property
+    def last_base(self) -> int:
+        """The base offset of the newest row (the chunk just appended)."""
+        return self.rows[-W]
 
     def append(self, count: int, group: int, seg: int, off: int, size: int) -> int:
         """A chunk of ``count`` records just appended at [group, seg, off]: its base offset."""
