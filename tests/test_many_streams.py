@@ -80,8 +80,9 @@ async def test_a_producer_looks_new_streams_up_together(make_cluster):
 
 async def test_a_pattern_subscription_reads_one_record_of_each_of_many_streams(make_cluster):
     """A consumer subscribed by pattern reads one record of each of many streams (pull
-    sessions on two brokers), then the streams created after it subscribed (found as the
-    streams created since its last look), and nothing twice."""
+    sessions on two brokers) while it is still learning them (the listing goes on after its
+    first page), then the streams created after it subscribed (found as the streams created
+    since its last look), and nothing twice."""
     cluster = make_cluster(2)
     coord = cluster.coordinator
     n = 5000
@@ -93,10 +94,11 @@ async def test_a_pattern_subscription_reads_one_record_of_each_of_many_streams(m
             for s in [*names, "other"]:
                 await p.send(s, s.encode())
         async with open_consumer(None, coord, pattern="p-*") as c:
+            assert MAX_LIST_PAGE <= len(c.streams) < n and not c._listed   # the first pages only
             got = []
             while len(got) < n:
                 got += [v for ch in await c.poll_chunks(1.0) for v in ch.values()]
-            assert sorted(got) == [s.encode() for s in names]
+            assert sorted(got) == [s.encode() for s in names] and c._listed
             assert len(c.sessions.links) == 2 and all(link.session for link in c.sessions.links.values())
             assert await c.poll_chunks(0.3) == []
             await create(coord, later, replication=1)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from contextlib import asynccontextmanager
 
+import trio
+
 from kera.rpc import open_pool, unwrapped
 from kera.security.client_config import credentials
 
@@ -76,10 +78,14 @@ async def open_consumer(streams=None, coordinator: str | None = None, config: di
                         **kw):
     """``async with open_consumer(["s"], start="earliest") as c: chunks = await c.poll_chunks()``;
     ``config``: the security settings (``kera.security.client_config``; default ``KERA_CONFIG``)."""
-    async with unwrapped(), open_pool(credentials=credentials(config)) as pool:
+    async with unwrapped(), open_pool(credentials=credentials(config)) as pool, \
+            trio.open_nursery() as n:
         c = AsyncConsumer(pool, coordinator or default_coordinator(), streams, **kw)
-        await c._metadata()
-        yield c
+        await c.open(n)   # a pattern's listing goes on in ``n`` while the consumer reads
+        try:
+            yield c
+        finally:
+            n.cancel_scope.cancel()
 
 
 class Consumer(Synced):
