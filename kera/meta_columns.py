@@ -12,11 +12,16 @@ nullable settings, keys of a newer writer) sparse, by row. A reader checks the
 page with a handful of array comparisons (``decode``: ``ProtocolError`` on any
 misfit) and keeps the arrays; ``view(i)`` makes one stream's ``StreamView`` for
 callers that want one, and the producer and consumer read the columns directly.
+
+The coordinator makes a page from *rows* (``row``: a stream's integers and
+creation time packed, then the owner of each streamlet), kept per usual stream
+by its catalog: joined and read as arrays, a page of 1,024 costs it about
+0.85 us a stream, where decoding the stored maps first cost about 2.9.
 """
 
 from __future__ import annotations
 
-from itertools import chain
+import struct
 from operator import itemgetter
 
 import numpy as np
@@ -28,40 +33,80 @@ from .stream_meta import StreamMeta
 INTS = ("id", "streamlets", "groups", "replication", "segment_size", "group_segments",
         "retention_bytes", "retention_ms")
 _ROW = itemgetter(*INTS)
-_NAME = itemgetter("name")
 _ROW_DEFAULTS = {"retention_bytes": -1, "retention_ms": -1}   # maps written before retention
 # settings left out of the columns when they have these values (``rare`` holds the others)
 _RARE = {"vlogs": None, "cleanup_policy": "delete", "delete_retention_ms": None, "segment_ms": None}
 _KNOWN = frozenset((*INTS, *_RARE, "name", "owners", "created"))
-_PLAIN = len(INTS) + 5   # the keys of a usual map: INTS, name, owners, created, vlogs, cleanup_policy
 ID, STREAMLETS, SEGMENT_SIZE = INTS.index("id"), INTS.index("streamlets"), INTS.index("segment_size")
 
 
-def encode(maps: list[dict], addr_of) -> dict:
-    """The columns of ``maps`` (stream maps as the coordinator stores them); ``addr_of(broker,
-    epoch)``: the address of that incarnation if it is alive, else None. A comprehension per
-    column, not a loop over the maps: a page of 1,024 streams costs 0.6 ms, not 0.75."""
-    n = len(maps)
+_FIXED = struct.Struct(f"<{len(INTS)}qd")   # a page row's INTS and creation time
+_OWNER = struct.Struct("<2q")                  # then (broker, epoch) per streamlet
+_PAIR = _OWNER.size
+_ONE = struct.Struct(_FIXED.format + "2q")     # the row of a stream of one streamlet
+_FIXED_DTYPE = np.dtype([("ints", "<i8", (len(INTS),)), ("created", "<f8")])
+_PLAIN_KEYS = frozenset((*INTS, "name", "owners", "created", "vlogs", "cleanup_policy"))
+_USUAL = len(_PLAIN_KEYS)
+
+
+def row(d: dict) -> tuple[bytes, dict]:
+    """Stream map ``d`` as a page row (bytes: its ``INTS`` and creation time, then the
+    (broker, epoch) owning each streamlet) and its rare settings (empty for a usual map).
+    The coordinator keeps the rows of usual maps, so a page of them is joined, not decoded
+    (``encode_rows``)."""
     try:
-        rows = list(map(_ROW, maps))
+        ints = _ROW(d)
     except KeyError:   # maps written before some settings were kept
-        rows = [tuple(d.get(k, _ROW_DEFAULTS.get(k)) for k in INTS) for d in maps]
-    held = [(b, e) for d in maps for b, e in d["owners"]]
-    members = {k: i for i, k in enumerate(dict.fromkeys(held))}
-    rare: dict[int, dict] = {}
-    for i in [i for i, d in enumerate(maps) if len(d) != _PLAIN or d.get("vlogs") is not None
-              or d.get("cleanup_policy") != "delete" or "created" not in d]:
-        d = maps[i]   # a setting off its default, or keys of another shape
-        odd = {k: d[k] for k, v in _RARE.items() if k in d and d[k] != v}
-        if not d.keys() <= _KNOWN:
-            odd.update((k, v) for k, v in d.items() if k not in _KNOWN)
+        ints = tuple(d.get(k, _ROW_DEFAULTS.get(k)) for k in INTS)
+    owners = d["owners"]
+    if len(owners) == 1:
+        b = _ONE.pack(*ints, d.get("created", 0.0), *owners[0])
+    else:
+        b = _FIXED.pack(*ints, d.get("created", 0.0)) + b"".join([_OWNER.pack(*o) for o in owners])
+    if len(d) == _USUAL and d.get("vlogs", 0) is None and d.get("cleanup_policy") == "delete" \
+            and d.keys() == _PLAIN_KEYS:
+        return b, {}
+    odd = {k: d[k] for k, v in _RARE.items() if k in d and d[k] != v}   # off its default
+    odd.update((k, v) for k, v in d.items() if k not in _KNOWN)          # keys of another shape
+    return b, odd
+
+
+def width(r: bytes) -> int:
+    """The streamlets of a page row."""
+    return (len(r) - _FIXED.size) // _PAIR
+
+
+def with_owner(r: bytes, i: int, owner) -> bytes:
+    """Page row ``r`` with streamlet ``i`` owned by ``owner`` (broker, epoch)."""
+    at = _FIXED.size + _PAIR * i
+    return r[:at] + _OWNER.pack(*owner) + r[at + _PAIR:]
+
+
+def encode_rows(names: list[str], rows: list[bytes], rare: dict[int, dict], addr_of) -> dict:
+    """The columns of a page of streams given as ``row``s (``rare``: row -> its rare
+    settings); ``addr_of(broker, epoch)``: the address of that incarnation if it is alive,
+    else None. Joins and a few array operations, nothing per stream but two slices."""
+    w = _FIXED.size
+    fixed = np.frombuffer(b"".join([r[:w] for r in rows]), _FIXED_DTYPE)
+    pairs = np.frombuffer(b"".join([r[w:] for r in rows]), "<i8").reshape(-1, 2)
+    if len(pairs):
+        held, which = np.unique(pairs, axis=0, return_inverse=True)
+    else:
+        held, which = pairs, np.zeros(0, np.int64)
+    return {"names": names, "ints": fixed["ints"].tobytes(), "created": fixed["created"].tobytes(),
+            "owners": which.reshape(-1).astype("<u4").tobytes(),
+            "members": [[b, e, addr_of(b, e)] for b, e in held.tolist()], "rare": rare}
+
+
+def encode(maps: list[dict], addr_of) -> dict:
+    """The columns of stream maps (``encode_rows`` of their ``row``s)."""
+    rows, rare = [], {}
+    for i, d in enumerate(maps):
+        r, odd = row(d)
+        rows.append(r)
         if odd:
             rare[i] = odd
-    ints = np.fromiter(chain.from_iterable(rows), "<i8", n * len(INTS)).reshape(n, len(INTS))
-    return {"names": list(map(_NAME, maps)), "ints": ints.tobytes(),
-            "created": np.array([d.get("created", 0.0) for d in maps], "<f8").tobytes(),
-            "owners": np.array([members[k] for k in held], "<u4").tobytes(),
-            "members": [[b, e, addr_of(b, e)] for (b, e) in members], "rare": rare}
+    return encode_rows([d["name"] for d in maps], rows, rare, addr_of)
 
 
 class Columns:

@@ -6,7 +6,8 @@ A million streams must fit a coordinator: as dicts (the store's map plus a
 msgpack bytes of its map, as the metadata store holds and writes it (a
 *packed* entry, ``kera.coordinator.metalog``), decoded into a ``StreamMeta`` only when a
 request needs that stream; beside it, per stream, a slot in the name index,
-the id index and the holdings (``kera.recovery.holdings``): a few hundred bytes in all.
+the id index and the holdings (``kera.recovery.holdings``), and the stream's page
+row (``entries``): a few hundred bytes in all.
 
 Nothing here walks every stream but the loading: a page of a listing starts
 with a binary search in the sorted names (re-sorted only after creates or
@@ -24,7 +25,7 @@ import struct
 from array import array
 from collections.abc import Callable, Iterable, Iterator
 
-from .. import limits
+from .. import limits, meta_columns
 from ..names import is_internal
 from ..recovery.holdings import Holdings
 from ..stream_meta import Owner, StreamMeta
@@ -109,9 +110,9 @@ class Page:
         return not self.streams or (len(self.streams) < self.limit and
                                     self.streamlets + streamlets <= limits.MAX_LIST_PAGE_STREAMLETS)
 
-    def add(self, d: dict) -> None:
-        self.streams.append(d)
-        self.streamlets += d["streamlets"]
+    def add(self, entry, streamlets: int) -> None:
+        self.streams.append(entry)
+        self.streamlets += streamlets
 
 
 class Catalog:
@@ -135,6 +136,7 @@ class Catalog:
         # resends the maps of those altered since its assign, and names the others by id
         self.alters = 0
         self._altered: dict[str, int] = {}
+        self._rows: dict[str, bytes] = {}   # name -> page row of a usual stream (``entries``)
 
     def __len__(self) -> int:
         return len(self._maps)
@@ -160,6 +162,27 @@ class Catalog:
         b = self._maps.get(name)
         return None if b is None else unpack(b)
 
+    def entries(self, names: list[str], columns: bool, describe: Callable[[dict], dict]) -> list:
+        """Per name, None if no such stream, else (what a page holds of it, its streamlets):
+        with ``columns`` (name, its ``meta_columns.row``, its rare settings), else
+        ``describe(map)``. The rows of usual streams are kept (``_rows``: made at their
+        creation, or from their maps the first time they are asked for, and dropped when
+        they change), so a page of them is decoded from nothing: decoding the maps was
+        two thirds of the coordinator's work answering a million streams' lookups."""
+        if not columns:
+            return [None if d is None else (describe(d), d["streamlets"]) for d in self.wires(names)]
+        rows = self._rows
+        out = [None if r is None else (n, r, None) for n, r in zip(names, map(rows.get, names),
+                                                                   strict=True)]
+        miss = [k for k, e in enumerate(out) if e is None]
+        for k, d in zip(miss, self.wires([names[k] for k in miss]) if miss else (), strict=True):
+            if d is not None:
+                r, odd = meta_columns.row(d)
+                if not odd:
+                    rows[names[k]] = r
+                out[k] = (names[k], r, odd or None)
+        return [None if e is None else (e, meta_columns.width(e[1])) for e in out]
+
     def wires(self, names: list[str]) -> list[dict | None]:
         """``wire`` of each name, decoded in one call (a page of a producer's lookup: one
         decoder call per stream cost a third of the coordinator's work answering them)."""
@@ -181,27 +204,27 @@ class Catalog:
 
     # -- pages -----------------------------------------------------------------------------
     def listing(self, page: Page, describe: Callable[[dict], dict], pattern: str | None,
-                after: str | None, skip=(), visible=None) -> str | None:
-        """Add ``describe(map)`` of the listed streams matching ``pattern`` (all if None), in
-        name order from just after ``after``, to ``page`` while it has room; returns the
-        ``after`` of the rest, None if none is left. ``visible(name)``: whether the caller may
-        see it (all if None)."""
+                after: str | None, skip=(), visible=None, columns: bool = False) -> str | None:
+        """Add the listed streams matching ``pattern`` (all if None), in name order from just
+        after ``after``, to ``page`` while it has room (as ``entries`` gives them); returns
+        the ``after`` of the rest, None if none is left. ``visible(name)``: whether the
+        caller may see it (all if None)."""
         return self._fill(page, describe, after, ((name, name, match and name not in skip)
                                                   for name, match in self.names.scan(pattern, after)),
-                          visible)
+                          visible, columns)
 
     def created(self, page: Page, describe: Callable[[dict], dict], pattern: str,
-                since: int, visible=None) -> int | None:
+                since: int, visible=None, columns: bool = False) -> int | None:
         """``listing`` of the streams created after id ``since``, in id order; returns the
         ``since`` of the rest, None if none is left."""
         return self._fill(page, describe, since, (
             (sid, name, not is_internal(name) and fnmatch.fnmatchcase(name, pattern))
-            for sid, name in self.created_after(since)), visible)
+            for sid, name in self.created_after(since)), visible, columns)
 
-    def _fill(self, page: Page, describe, start, items, visible=None):
+    def _fill(self, page: Page, describe, start, items, visible=None, columns: bool = False):
         """``items``: (cursor, name, wanted) in order; at most ``MAX_LIST_SCAN`` are looked at.
-        Returns the cursor to go on from, None once ``items`` is exhausted. The page's maps
-        are decoded in one call (``wires``) once its names are known."""
+        Returns the cursor to go on from, None once ``items`` is exhausted. The page's
+        ``entries`` are made together once its names are known."""
         room = page.limit - len(page.streams)
         names: list = []    # (the cursor before it, name) of the streams for this page
         last, scanned, rest = start, 0, None
@@ -216,16 +239,21 @@ class Catalog:
             if scanned == limits.MAX_LIST_SCAN:
                 rest = cursor
                 break
-        for (before, _), d in zip(names, self.wires([n for _, n in names]), strict=True):
-            if not page.fits(d["streamlets"]):
+        for (before, _), (entry, width) in zip(names, self.entries([n for _, n in names], columns,
+                                                                   describe), strict=True):
+            if not page.fits(width):
                 return before
-            page.add(describe(d))
+            page.add(entry, width)
         return rest
 
     # -- changes (each recorded in the store) ----------------------------------------------
     def create(self, s: StreamMeta, listed: bool = True) -> None:
         """A new stream; ``listed``: a user's (kera's internal streams are not listed)."""
-        self.store.set(("streams", s.name), pack(s.to_wire()))
+        d = s.to_wire()
+        self.store.set(("streams", s.name), pack(d))
+        r, odd = meta_columns.row(d)
+        if not odd:
+            self._rows[s.name] = r
         self.holdings.add(s.name, s.owners)
         if listed:
             self.names.add(s.name)
@@ -248,6 +276,9 @@ class Catalog:
         """Streamlet ``i`` of stream ``name``, served by ``old`` now, is served by ``owner``
         (a recovery hands over a third of a million at once: no stream is decoded here)."""
         self.store.set(("streams", name, "owners", i), list(owner))
+        r = self._rows.get(name)
+        if r is not None:
+            self._rows[name] = meta_columns.with_owner(r, i, owner)
         self.holdings.move(name, i, old, owner)
 
     def alter(self, s: StreamMeta, changes: dict) -> StreamMeta:
@@ -255,6 +286,7 @@ class Catalog:
         self._altered[s.name] = self.alters
         for key, v in changes.items():
             self.store.set(("streams", s.name, key), v)
+        self._rows.pop(s.name, None)
         return s.altered(changes)
 
     def altered_since(self, name: str, mark: int) -> bool:
@@ -264,6 +296,7 @@ class Catalog:
     def delete(self, s: StreamMeta) -> None:
         self._altered.pop(s.name, None)
         self.store.delete(("streams", s.name))
+        self._rows.pop(s.name, None)
         self.holdings.remove(s.name, s.owners)
         self.names.discard(s.name)
         k = bisect.bisect_left(self._ids, s.id)

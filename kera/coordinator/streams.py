@@ -36,10 +36,6 @@ from .placement import Placement
 log = logging.getLogger("kera.coordinator")
 
 
-def _as_stored(d: dict) -> dict:
-    return d
-
-
 def _describes(peer):
     """Whether ``peer`` may describe a stream of this name: a listing's filter."""
     return lambda name: peer.may("describe", "stream", name)
@@ -195,34 +191,39 @@ class StreamAdmin:
         pattern, after, since = meta.get("pattern"), meta.get("after"), meta.get("since")
         visible = _describes(peer)
         page = Page(meta.get("limit") or limits.MAX_LIST_PAGE)
-        # ``columns``: the page as ``kera.meta_columns`` (the maps, addressed there), not maps
-        describe = _as_stored if meta.get("columns") else self.addressed
+        # ``columns``: the page as ``kera.meta_columns`` (rows, addressed there), not maps
+        columns = bool(meta.get("columns"))
         out = {"streams": page.streams, "missing": [], "refused": [], "more": 0, "next": None,
                "top": self.metadata.state["next_stream_id"] - 1,
                "kafka": {m.id: m.kafka for m in self.roster.live("broker") if m.kafka}}
-        for k, (name, d) in enumerate(zip(names, self.streams.wires(names), strict=True)):
+        for k, (name, e) in enumerate(zip(names, self.streams.entries(names, columns, self.addressed),
+                                          strict=True)):
             if not visible(name):
                 out["refused"].append(name)
                 continue
-            if d is None:
+            if e is None:
                 out["missing"].append(name)
-            elif page.fits(d["streamlets"]):
-                page.add(describe(d))
+            elif page.fits(e[1]):
+                page.add(*e)
             else:
                 out["more"] = len(names) - k
                 out["next"] = (after if since is None else since) if pattern else None
-                return self._columns(out, meta)
+                return self._columns(out, columns)
         if pattern and since is not None:
-            out["next"] = self.streams.created(page, describe, pattern, since, visible)
+            out["next"] = self.streams.created(page, self.addressed, pattern, since, visible, columns)
         elif pattern:
-            out["next"] = self.streams.listing(page, describe, pattern, after,
-                                               skip=set(names), visible=visible)
-        return self._columns(out, meta)
+            out["next"] = self.streams.listing(page, self.addressed, pattern, after,
+                                               skip=set(names), visible=visible, columns=columns)
+        return self._columns(out, columns)
 
-    def _columns(self, out: dict, meta) -> dict:
-        """A metadata answer's streams as columns, if they were asked so."""
-        if meta.get("columns"):
-            out["columns"] = meta_columns.encode(out.pop("streams"), self._live_addr)
+    def _columns(self, out: dict, columns: bool) -> dict:
+        """A metadata answer's streams as columns (its page holds (name, row, rare) each), if
+        they were asked so."""
+        if columns:
+            entries = out.pop("streams")
+            out["columns"] = meta_columns.encode_rows(
+                [e[0] for e in entries], [e[1] for e in entries],
+                {i: e[2] for i, e in enumerate(entries) if e[2]}, self._live_addr)
         return out
 
     def _live_addr(self, broker: int, epoch: int) -> str | None:
