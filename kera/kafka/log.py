@@ -14,6 +14,7 @@ record. Offsets of chunks compacted away or lost leave gaps, as in Kafka's compa
 
 from __future__ import annotations
 
+import struct
 from array import array
 from bisect import bisect_right
 from collections import deque
@@ -25,6 +26,7 @@ RECENT = 5      # batches per producer whose offsets a duplicate's answer names 
 
 W = 6           # a row: base, end, group, segment, offset in it, size
 BASE, END, GROUP, SEG, OFF, SIZE = range(W)
+_ROW = struct.Struct(f"={W}q")   # a row as ``rows`` holds it: one copy, not six appends
 
 
 class OffsetLog:
@@ -70,7 +72,7 @@ class OffsetLog:
     def append(self, count: int, group: int, seg: int, off: int, size: int) -> int:
         """A chunk of ``count`` records just appended at [group, seg, off]: its base offset."""
         base = self.next
-        self.rows.extend((base, base + count, group, seg, off, size))
+        self.rows.frombytes(_ROW.pack(base, base + count, group, seg, off, size))
         self.next = base + count
         return base
 
@@ -86,7 +88,7 @@ class OffsetLog:
         rows = self.rows
         if rows and base < rows[-W]:
             self.unsorted = True
-        rows.extend((base, base + count, group, seg, off, size))
+        rows.frombytes(_ROW.pack(base, base + count, group, seg, off, size))
         self.next = max(self.next, base + count)
 
     def reach(self, end: int) -> None:
