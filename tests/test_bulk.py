@@ -66,3 +66,28 @@ def test_a_big_step_makes_young_collections_rarer_at_once(fresh):
     with bulk():   # inside a step too: the collector is paused, not the program's choice
         settled(BIG_STEP)
     assert gc.get_threshold() == GC_THRESHOLDS and gc.get_freeze_count() == 0
+
+
+async def test_a_burst_of_sends_to_streams_not_known_yet_makes_a_big_client(fresh, make_cluster):
+    """Records parked for streams met by the thousand, before any lookup answers, are long-lived
+    entries too: the thousandth stream met sets the big client's thresholds (with CPython's
+    the heap of a million parked records was walked whole a dozen times as it grew: 0.9 s of
+    the producer's CPU writing one record to each of 1,000,000 streams)."""
+    import trio
+    from kera_client import open_producer
+
+    from .workload import create
+
+    cluster = make_cluster(1)
+    names = [f"b{i:04d}" for i in range(BIG_STEP)]
+    with trio.fail_after(60):
+        await create(cluster.coordinator, names, replication=1)
+        async with open_producer(cluster.coordinator) as p:
+            gc.set_threshold(700, 10, 10)
+            for s in names[:-1]:
+                await p.send(s, b"v")
+            assert gc.get_threshold() == (700, 10, 10) and len(p.lookups.parked) == BIG_STEP - 1
+            await p.send(names[-1], b"v")
+            assert gc.get_threshold() == GC_THRESHOLDS
+            await p.flush()
+            assert p.acked == BIG_STEP

@@ -27,7 +27,12 @@ lookup), not only from the first freeze: a process that learns streams by the
 thousand allocates millions of objects a second, and until then the default
 thresholds collected every 700 (a tenth of a producer's CPU writing one record
 to each of 100,000 new streams: 1.15 -> 1.05 s with the thresholds set from the
-start). Both are the whole process's: a program holding a million
+start). Records parked for streams not known yet count as such entries too
+(``lookups``: one ``settled`` per ``BIG_STEP`` streams met): a burst of a
+million ``send()``s parks them all before the first lookup answers, and with
+CPython's thresholds the growing heap was walked whole a dozen times (the
+collector's share of the producer's CPU writing one record to each of
+1,000,000 streams 3.3 -> 1.9 s, the burst 3.6 -> 1.9 s). Both are the whole process's: a program holding a million
 streams' client is a big client. Reference counting still frees a frozen
 object that is dropped; only a cycle frozen while alive and dropped later,
 or dropped after it grew old and before the next freeze, is never

@@ -31,7 +31,7 @@ from kera.errors import KeraError, RecordTooLarge, Unavailable, UnknownStream
 from kera.limits import MAX_CHUNK
 
 from .accumulator import Accumulator, check_record
-from .bulk import bulk, settled
+from .bulk import BIG_STEP, bulk, settled
 from .delivery import TIMEOUT, Deliveries, error_for
 from .lanes import Buffer, Route, Waker
 from .metadata import fetch, refusal, unknown
@@ -84,6 +84,7 @@ class Lookups:
         self.streams: dict[str, Route] = {}
         self.by_id: dict[int, Route] = {}
         self.parked: dict[str, list] = {}       # name -> [since, (value, key, timestamp, cb, n), ...]
+        self.met = 0                            # streams parked since the last ``settled``
         self.next_round = Round()               # the streams the next lookup asks for
         self.lookup_at = math.inf               # when it starts (a linger after the first)
         self.looking = False                    # one lookup at a time
@@ -243,6 +244,10 @@ class Lookups:
         if held is None:
             held = self.parked[name] = [time.monotonic()]
             self._ask(name)
+            self.met += 1
+            if self.met == BIG_STEP:   # streams met by the thousand: a big client (``bulk``)
+                self.met = 0
+                settled(BIG_STEP)
         held.append((value, key, timestamp, cb, n))
         self.buffer.bytes += n
         self.buffer.records += 1
