@@ -112,9 +112,10 @@ class ReplicationHub:
                     d = v.next_deadline(now)
                     if d is not None:
                         deadline = min(deadline, d)
+                made: dict = {}   # a vseg range's parts, sliced once for all its backups
                 for backup, sends in out.items():
                     self._taken(backup)
-                    if not self._post(backup, sends, now):
+                    if not self._post(backup, sends, now, made):
                         nursery.start_soon(self._send, backup, sends)
                 for key, (t, conn, rid, backup, batch) in list(self.posted.items()):
                     if t <= now:
@@ -140,9 +141,11 @@ class ReplicationHub:
             self.busy.discard(backup)
         self.wake.set()
 
-    def _post(self, backup: int, sends: list[tuple[Replicator, Send]], now: float) -> bool:
+    def _post(self, backup: int, sends: list[tuple[Replicator, Send]], now: float,
+              made: dict | None = None) -> bool:
         """Send the one RPC ``sends`` make without a task, if the backup's connection is open
-        and free: its answer comes back through ``_done``, from the connection's reader."""
+        and free: its answer comes back through ``_done``, from the connection's reader.
+        ``made``: the parts of the vseg ranges already sliced this round (``_request``)."""
         sizes = [s.end - s.offset for _, s in sends]
         if len(rpc_batches(sizes)) > 1:
             return False  # ``_send`` sends them one RPC after the other
@@ -152,7 +155,7 @@ class ReplicationHub:
             return False  # ``_send`` reports it
         if conn is None:
             return False
-        meta, parts = self._request(sends, sum(sizes))
+        meta, parts = self._request(sends, sum(sizes), made)
         self._keys += 1
         key = self._keys
         rid = conn.post("replicate", meta, partial(self._done, key, backup, sends), parts=parts)
@@ -201,15 +204,27 @@ class ReplicationHub:
             r = e
         return self._answered(backup, batch, r)
 
-    def _request(self, batch: list[tuple[Replicator, Send]], size: int) -> tuple[dict, list]:
-        """A replicate's meta and payload parts, counted as sent."""
+    def _request(self, batch: list[tuple[Replicator, Send]], size: int,
+                 made: dict | None = None) -> tuple[dict, list]:
+        """A replicate's meta and payload parts, counted as sent. ``made``: the parts of vseg
+        ranges sliced for another backup this round, taken as they are (a memoryview per
+        chunk, made once, not once per copy: a tenth of a broker's CPU at R=3)."""
         broker, epoch = self.identity()
         meta = {"broker": broker, "epoch": epoch, "entries": [
             [r.log.id, s.vseg.id, s.offset, s.close, s.end - s.offset] for r, s in batch]}
         self.rpcs += 1
         self.entries += len(batch)
         self.bytes += size
-        return meta, [p for _, s in batch for p in s.parts()]
+        if made is None:
+            return meta, [p for _, s in batch for p in s.parts()]
+        parts: list = []
+        for _, s in batch:
+            key = (s.vseg, s.start, s.stop)
+            got = made.get(key)
+            if got is None:
+                got = made[key] = s.parts()
+            parts += got
+        return meta, parts
 
     def _answered(self, backup: int, batch: list[tuple[Replicator, Send]],
                   r: dict | KeraError) -> KeraError | None:
