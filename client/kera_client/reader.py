@@ -23,9 +23,8 @@ Metadata comes a page at a time, as columns (``metadata``); a consumer opened
 on a pattern reads the streams of the first pages while the rest are listed
 (``open``); a pattern's new streams are found by asking for those created since
 the last look, and only the streams whose owner refused or did not answer are
-looked up again. So nothing
-per poll walks every stream. ``consumer.AsyncConsumer`` adds consumer groups
-(committed positions) on top.
+looked up again. So nothing per poll walks every stream.
+``consumer.AsyncConsumer`` adds consumer groups (committed positions) on top.
 """
 
 from __future__ import annotations

@@ -166,9 +166,10 @@ class Catalog:
         """Per name, None if no such stream, else (what a page holds of it, its streamlets):
         with ``columns`` (name, its ``meta_columns.row``, its rare settings), else
         ``describe(map)``. The rows of usual streams are kept (``_rows``: made at their
-        creation, or from their maps the first time they are asked for, and dropped when
-        they change), so a page of them is decoded from nothing: decoding the maps was
-        two thirds of the coordinator's work answering a million streams' lookups."""
+        creation, or from their maps the first time they are asked for; patched when an
+        owner moves, dropped when altered or deleted), so a page of them is decoded from
+        nothing: decoding the maps was two thirds of the coordinator's work answering a
+        million streams' lookups."""
         if not columns:
             return [None if d is None else (describe(d), d["streamlets"]) for d in self.wires(names)]
         rows = self._rows
