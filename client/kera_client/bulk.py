@@ -32,8 +32,8 @@ start). Records parked for streams not known yet count as such entries too
 million ``send()``s parks them all before the first lookup answers, and with
 CPython's thresholds the growing heap was walked whole a dozen times (the
 collector's share of the producer's CPU writing one record to each of
-1,000,000 streams 3.3 -> 1.9 s, the burst 3.6 -> 1.9 s). Both are the whole process's: a program holding a million
-streams' client is a big client. Reference counting still frees a frozen
+1,000,000 streams 3.3 -> 1.9 s, the burst 3.6 -> 1.9 s). Both are the whole
+process's: a program holding a million streams' client is a big client. Reference counting still frees a frozen
 object that is dropped; only a cycle frozen while alive and dropped later,
 or dropped after it grew old and before the next freeze, is never
 reclaimed: at most what one interval of ``SETTLE_EVERY`` entries left.

@@ -216,7 +216,7 @@ class ReplicationHub:
         self.entries += len(batch)
         self.bytes += size
         if made is None:
-            return meta, [p for _, s in batch for p in s.parts()]
+            made = {}
         parts: list = []
         for _, s in batch:
             key = (s.vseg, s.start, s.stop)
