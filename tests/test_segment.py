@@ -196,3 +196,30 @@ def test_buffers_hold_their_chunks_and_the_budget_counts_them_exactly(capacity, 
             before = g.segments[s.id - 1].head if s.id else 0
             assert s.head <= s.held <= s.capacity
             assert s.held <= max(MIN_BUFFER, 2 * s.head - 1, buffer_size(before, capacity))
+
+
+def test_a_streamlets_first_record_costs_a_broker_little_memory():
+    """What a streamlet's first chunk adds on a broker, in Python objects (tracemalloc, the
+    mean over 5,000 streamlets): its group, segment, 256-byte buffer, per-chunk arrays, Kafka
+    offset row and producer state, and no long-lived view of the buffer (a memoryview and
+    its managed buffer were 312 of the 2,385 bytes it cost before)."""
+    import gc
+    import tracemalloc
+
+    n = 5000
+    sls = [Streamlet(stream_meta(name=f"m{i}", id=i), 0) for i in range(n)]
+    c = chunks(1)[0]
+    was = gc.isenabled()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for sl in sls:
+            g, seg, off = sl.append(c, 7)
+            sl.note_producer(7, 0, 1 << 40, 1 << 33, seg, off + len(c))
+        per = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+        if was:
+            gc.enable()
+    assert per <= 2200, f"{per:.0f} bytes per streamlet's first record"

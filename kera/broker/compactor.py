@@ -253,7 +253,7 @@ class Compactor:
         seg.held = held
         seg.capacity = len(new.buf)
         seg.compacted = new
-        seg.buf = seg.view = None
+        seg.buf = None
 
     def stats(self) -> dict:
         return {"passes": self.passes, "records_in": self.records_in, "records_out": self.records_out,

@@ -64,7 +64,7 @@ def _buffer(size: int):
 
 
 class Segment:
-    __slots__ = ("id", "capacity", "buf", "view", "held", "head", "durable", "ends", "vlog", "vsegs",
+    __slots__ = ("id", "capacity", "buf", "held", "head", "durable", "ends", "vlog", "vsegs",
                  "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed", "opened_at", "compacted",
                  "records")
 
@@ -72,8 +72,7 @@ class Segment:
         """``size``: the first buffer's (``buffer_size``; by default the whole capacity)."""
         self.id = id
         self.capacity = capacity
-        self.buf = _buffer(capacity if size is None else size)
-        self.view = memoryview(self.buf)
+        self.buf = _buffer(capacity if size is None else size)   # its bytes: ``view`` reads them
         self.held = len(self.buf)  # bytes its buffer takes: what the budget charges for it
         self.head = 0
         self.durable = 0
@@ -93,7 +92,7 @@ class Segment:
     def gone(cls, id: int) -> Segment:
         """A placeholder for a segment freed before this broker held its group (recovery)."""
         seg = cls.__new__(cls)
-        seg.id, seg.capacity, seg.buf, seg.view = id, 0, None, None
+        seg.id, seg.capacity, seg.buf = id, 0, None
         seg.held = seg.head = seg.durable = 0
         seg.ends, seg.vlog, seg.vsegs = [], None, []
         seg.records = array("Q")
@@ -108,22 +107,21 @@ class Segment:
 
     def space(self) -> int:
         """Bytes its buffer can still take before it must grow."""
-        return len(self.view) - self.head
+        return len(self.buf) - self.head
 
     def grow(self, size: int) -> None:
         """Move the bytes into a new buffer of ``size`` (the caller charged the budget). The old
         buffer is left to the slices still out of it."""
         buf = _buffer(size)
-        view = memoryview(buf)
-        view[:self.head] = self.view[:self.head]
-        self.buf, self.view, self.held = buf, view, size
+        memoryview(buf)[:self.head] = memoryview(self.buf)[:self.head]
+        self.buf, self.held = buf, size
 
     def append(self, chunk) -> int:
         """One memcpy; returns the chunk's offset."""
         off = self.head
         end = off + len(chunk)
-        assert end <= len(self.view) and end <= self.capacity, "caller checks room() and space()"
-        self.view[off:end] = chunk
+        assert end <= len(self.buf) and end <= self.capacity, "caller checks room() and space()"
+        self.buf[off:end] = chunk   # same length: never a resize, so slices out of it stay valid
         self.head = end
         self.ends.append(end)
         rec = self.records
@@ -161,7 +159,6 @@ class Segment:
     def drop_buffer(self) -> None:
         """Forget the bytes (slices still out, e.g. in a reply being sent, keep the mmap alive
         until they are gone; nothing here reads it again)."""
-        self.view = None
         self.buf = None
         self.compacted = None
         self.held = 0
@@ -189,7 +186,15 @@ class Segment:
         """The bytes ``span`` named, None if they are not in memory (evicted)."""
         if self.compacted is not None:
             return self.compacted.part(start, n)
-        return self.view[start:start + n] if self.view is not None else None
+        return memoryview(self.buf)[start:start + n] if self.buf is not None else None
+
+    @property
+    def view(self) -> memoryview | None:
+        """Its bytes without a copy (None once dropped). Made when asked, not kept: a
+        memoryview and its managed buffer are 312 bytes, an eighth of what a streamlet's first
+        record costs a broker (docs/retention.md)."""
+        b = self.buf
+        return memoryview(b) if b is not None else None
 
 
 class Compacted:

@@ -105,8 +105,8 @@ def duplicate_base(sl, producer: int, kseq: int) -> int:
             break
         gid, si, off = log.place(i)
         seg = held(gid, si)
-        if seg is not None and seg.view is not None and seg.compacted is None:
-            f = chunk.HEADER.unpack_from(seg.view, off)
+        if seg is not None and seg.buf is not None and seg.compacted is None:
+            f = chunk.HEADER.unpack_from(seg.buf, off)
             if f[6] == producer and f[7] == kseq:
                 base = log.base(i)
     return base
