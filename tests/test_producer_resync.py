@@ -91,6 +91,7 @@ def test_recovery_replay_notes_producers_in_any_order():
     sl.note_producer(7, 4, "a", 8)
     st = sl.producers[7]
     assert st.last_seq == 5 and sorted(st.waits()) == [("a", 10), ("b", 4)]
+    assert sl.tails == ["a", 8, "b", 4]   # each vlog's last chunk noted: a tail's barrier
 
 
 # -- real processes -----------------------------------------------------------------------

@@ -295,8 +295,9 @@ class BrokerService(Service):
         sl = self._streamlet(meta["stream_id"], meta["streamlet"])
         self._check_lease()
         token = [self.epoch, sl.appended_chunks]
-        for vlog, idx in list(sl.tails.items()):
-            await vlog.wait_durable(idx)
+        tails = list(sl.tails)
+        for i in range(0, len(tails), 2):
+            await tails[i].wait_durable(tails[i + 1])
         low, groups = sl.latest()
         return {"token": token, "low": low, "groups": groups}
 

@@ -64,7 +64,10 @@ class Streamlet:
         self.producers: dict[int, ProducerState] = NONE
         self.appended_chunks = 0
         self.appended_bytes = 0
-        self.tails: dict = NONE  # vlog -> ref of this streamlet's last chunk in it (a tail's barrier)
+        # per vlog its chunks went to, the ref of its last chunk there (a tail's barrier): one flat
+        # list [vlog, ref, ...], as a streamlet's chunks go to one vlog at a time (a dict of one
+        # entry is three times the size)
+        self.tails: list | tuple = ()
         # for append_if: appended_chunks after the last chunk appended by produce, and after
         # the last append_if of each key (a conditional write conflicts only with its key)
         self.plain_last = 0
@@ -373,8 +376,16 @@ class Streamlet:
         (with the chunk's segment and end), and the streamlet's tail in that vlog."""
         tails = self.tails
         if not tails:
-            tails = self.tails = {}
-        tails[vlog] = ref
+            self.tails = [vlog, ref]
+        elif tails[0] == vlog:
+            tails[1] = ref
+        else:
+            for i in range(2, len(tails), 2):
+                if tails[i] == vlog:
+                    tails[i + 1] = ref
+                    break
+            else:
+                tails += (vlog, ref)
         st = self.producers.get(producer)
         if st is None:
             if not self.producers:
