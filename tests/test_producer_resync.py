@@ -89,9 +89,15 @@ def test_recovery_replay_notes_producers_in_any_order():
     sl.note_producer(7, 5, "a", 10)
     sl.note_producer(7, 3, "b", 4)
     sl.note_producer(7, 4, "a", 8)
-    st = sl.producers[7]
+    st = sl.producer(7)
     assert st.last_seq == 5 and sorted(st.waits()) == [("a", 10), ("b", 4)]
     assert sl.tails == ["a", 8, "b", 4]   # each vlog's last chunk noted: a tail's barrier
+    assert sl.producers is st and sl.producer(9) is None   # one producer: its state alone
+    sl.note_producer(9, 0, "a", 11)
+    sl.note_adopted({9: 2, 11: 4})
+    assert sl.producers == {7: st, 9: sl.producer(9), 11: sl.producer(11)}
+    assert (sl.producer(9).last_seq, sl.producer(11).last_seq, sl.producer(7).last_seq) == (2, 4, 5)
+    assert sl.tails == ["a", 11, "b", 4] and sl.producer(8) is None
 
 
 # -- real processes -----------------------------------------------------------------------

@@ -17,9 +17,10 @@ class ProducerState:
     third of a dict of tuples.
     """
 
-    __slots__ = ("last_seq", "refs")
+    __slots__ = ("producer", "last_seq", "refs")
 
-    def __init__(self, last_seq: int, refs: list):
+    def __init__(self, producer: int, last_seq: int, refs: list):
+        self.producer = producer
         self.last_seq = last_seq
         self.refs = refs  # [vlog, ref, segment or None, end of the chunk in it, ...]
 

@@ -61,7 +61,10 @@ class Streamlet:
         self.groups: dict[int, Group] = {}
         self.active: list[Group | None] = [None] * self.q
         self.next_group = 0
-        self.producers: dict[int, ProducerState] = NONE
+        # its producers' states (``producer``, ``_add_producer``): NONE, the one producer's
+        # state (most streamlets are written by one producer; a dict of one entry is 224
+        # bytes), or a dict by producer id from the second on
+        self.producers: ProducerState | dict[int, ProducerState] = NONE
         self.appended_chunks = 0
         self.appended_bytes = 0
         # per vlog its chunks went to, the ref of its last chunk there (a tail's barrier): one flat
@@ -183,7 +186,7 @@ class Streamlet:
         otherwise): never a base taken on trust, which would make the producer's own
         chunks below it duplicates, acknowledged and never stored.
         """
-        st = self.producers.get(producer)
+        st = self.producer(producer)
         if st is None:
             if seq == 0 or reset:
                 return None
@@ -357,15 +360,29 @@ class Streamlet:
                     raise Recovering(f"stream {self.stream_id} streamlet {self.index}: groups {start}-{hi} "
                                      f"of a recovered broker's history are being adopted; retry")
 
+    def producer(self, producer: int) -> ProducerState | None:
+        """The state of ``producer`` here, None if it wrote nothing here."""
+        p = self.producers
+        if p.__class__ is ProducerState:
+            return p if p.producer == producer else None
+        return p.get(producer)
+
+    def _add_producer(self, st: ProducerState) -> None:
+        p = self.producers
+        if not p:
+            self.producers = st
+        elif p.__class__ is ProducerState:
+            self.producers = {p.producer: p, st.producer: st}
+        else:
+            p[st.producer] = st
+
     def note_adopted(self, highest: dict[int, int]) -> None:
         """Producers' highest sequences in adopted segments: a late resend of an adopted chunk
         stays a duplicate."""
         for p, q in highest.items():
-            st = self.producers.get(p)
+            st = self.producer(p)
             if st is None:
-                if not self.producers:
-                    self.producers = {}
-                self.producers[p] = ProducerState(q, [])
+                self._add_producer(ProducerState(p, q, []))
             elif q > st.last_seq:
                 st.last_seq = q
 
@@ -386,11 +403,9 @@ class Streamlet:
                     break
             else:
                 tails += (vlog, ref)
-        st = self.producers.get(producer)
+        st = self.producer(producer)
         if st is None:
-            if not self.producers:
-                self.producers = {}
-            self.producers[producer] = ProducerState(sequence, [vlog, ref, segment, end])
+            self._add_producer(ProducerState(producer, sequence, [vlog, ref, segment, end]))
             return
         if sequence > st.last_seq:
             st.last_seq = sequence

@@ -49,7 +49,7 @@ def check(sl, b: batch.Batch) -> tuple[int, int] | ErrorCode:
         return ErrorCode.invalid_txn_state
     epoch, last = b.producer_epoch, b.last_sequence
     seq = epoch << 32 | last
-    st = sl.producers.get(b.producer_id)
+    st = sl.producer(b.producer_id)
     if st is None:
         return (APPEND, seq) if b.base_sequence == 0 else ErrorCode.unknown_producer_id
     had_epoch, had = st.last_seq >> 32, st.last_seq & 0xFFFFFFFF
@@ -137,7 +137,7 @@ def _partition(broker, conn, topic: str, p, waits: dict, counts: dict) -> list:
             return [p.index, verdict, -1, -1, None]
         try:
             if verdict[0] == DUPLICATE:
-                st = sl.producers[b.producer_id]
+                st = sl.producer(b.producer_id)
                 for v, ref in st.waits():
                     waits[v] = max(waits.get(v, 0), ref)
                 base = duplicate_base(sl, b.producer_id, verdict[1])
