@@ -10,9 +10,10 @@ import pytest
 import trio
 from kera_client import open_admin, open_consumer, open_producer
 
-from kera.errors import UnknownStream
+from kera.errors import Unavailable, UnknownStream
 from kera.limits import MAX_LIST_PAGE, MAX_META
 
+from .conftest import free_port
 from .workload import create
 
 BIG = 200_000
@@ -110,6 +111,36 @@ async def test_a_pattern_subscription_reads_one_record_of_each_of_many_streams(m
                 more += [v for ch in await c.poll_chunks(1.0) for v in ch.values()]
             assert sorted(more) == sorted(b"again " + s.encode() for s in later + names[:3])
             assert len(c.positions) == n + len(later)
+
+
+
+async def test_a_listing_that_fails_after_its_first_page_is_told_by_the_next_poll(make_cluster):
+    """The coordinator dies while a consumer opened on a pattern is still listing (past its
+    first page): the next poll raises the listing's error, the consumer keeps reading what it
+    learnt, and once the coordinator is back the poll after lists again and every stream is
+    read, none twice."""
+    cluster = make_cluster(1, port=free_port())   # restarted where the consumer looks for it
+    coord = cluster.coordinator
+    n = 20 * MAX_LIST_PAGE
+    names = [f"l-{i:05d}" for i in range(n)]
+    with trio.fail_after(180):
+        await create(coord, names, replication=1)
+        async with open_producer(coord) as p:
+            for s in names:
+                await p.send(s, s.encode())
+        async with open_consumer(None, coord, pattern="l-*") as c:
+            assert not c._listed and len(c.streams) < n   # past its first page, not done
+            cluster.kill("coordinator")
+            got = []
+            with pytest.raises(Unavailable):
+                while True:   # reads what it learnt until the listing's error is told
+                    got += [v for ch in await c.poll_chunks(0.5) for v in ch.values()]
+            learnt = len(c.streams)
+            assert c._listed and learnt < n and len(got) <= learnt
+            cluster.restart("coordinator")
+            while len(got) < n:
+                got += [v for ch in await c.poll_chunks(1.0) for v in ch.values()]
+            assert sorted(got) == [s.encode() for s in names] and len(c.streams) == n
 
 
 def test_a_pull_session_reads_what_moved_or_was_touched():
