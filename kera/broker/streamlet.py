@@ -58,7 +58,7 @@ class Streamlet:
         self.q = stream.groups
         self.segment_size = stream.segment_size
         self.max_segments = stream.group_segments
-        self.groups: dict[int, Group] = {}
+        self.groups: dict[int, Group] = NONE   # made with its first group (``_new_group``)
         self.active: list[Group | None] = [None] * self.q
         self.next_group = 0
         # its producers' states (``producer``, ``_add_producer``): NONE, the one producer's
@@ -152,7 +152,7 @@ class Streamlet:
             self.ledger.expiring.pop(self, None)
             self.ledger.compacted.pop(self, None)
             self.ledger = None
-        self.groups = {}
+        self.groups = NONE
         self.producers = NONE
         return segs
 
@@ -172,6 +172,8 @@ class Streamlet:
             gid = self.next_group
         g = Group(gid, slot, self.segment_size, self.max_segments, self.memory)
         g.owner = self
+        if not self.groups:
+            self.groups = {}
         self.groups[gid] = g
         self.next_group = max(self.next_group, gid + 1)
         return g
