@@ -3,6 +3,8 @@ already appended is acknowledged again once durable, never stored twice)."""
 
 from __future__ import annotations
 
+from ..errors import OutOfOrderSequence, UnknownProducer
+
 
 class ProducerState:
     """A producer's newest sequence here, and per vlog its chunks went to, its newest ref.
@@ -45,3 +47,30 @@ class ProducerState:
             if seg is None or seg.durable < r[i + 3]:
                 keep += r[i:i + 4]
         self.refs = [*keep, vlog, ref, segment, end]
+
+
+def verdict(st: ProducerState | None, producer: int, seq: int, reset: int, stream_id: int,
+            streamlet: int) -> ProducerState | None:
+    """A chunk of ``producer`` with sequence ``seq`` on a streamlet where its state is ``st``:
+    the state if it is a duplicate (already appended), None if it is to be appended.
+
+    ``reset`` (the chunk's SEQ_RESET flag): a sequence past the next one is the producer's
+    new base, not a hole; older ones are duplicates all the same, so a late copy of a chunk
+    the producer gave up on is never stored. A producer's first chunk here starts at 0 or is
+    a reset (``UnknownProducer`` otherwise): never a base taken on trust, which would make
+    the producer's own chunks below it duplicates, acknowledged and never stored.
+    """
+    if st is None:
+        if seq == 0 or reset:
+            return None
+        raise UnknownProducer(f"producer {producer} is not known on stream {stream_id} "
+                              f"streamlet {streamlet}: its first chunk here is sequence 0 or "
+                              f"a reset, not {seq}")
+    if seq == st.last_seq + 1:
+        return None
+    if seq <= st.last_seq:
+        return st
+    if reset:
+        return None
+    raise OutOfOrderSequence(f"producer {producer} sent sequence {seq} after {st.last_seq} on "
+                             f"stream {stream_id} streamlet {streamlet}")

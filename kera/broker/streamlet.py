@@ -17,22 +17,16 @@ from collections import deque
 from types import MappingProxyType
 
 from .. import chunk as chunk_
-from ..errors import (
-    DataLoss,
-    OutOfOrderSequence,
-    OutOfRange,
-    RecordTooLarge,
-    Recovering,
-    UnknownProducer,
-)
+from ..errors import DataLoss, OutOfRange, RecordTooLarge
 from ..kafka.log import OffsetLog
 from ..limits import MAX_CHUNK
 from ..position import DONE, unpack
 from ..stream_meta import StreamMeta
 from .group import Group
 from .ledger import Ledger
+from .pending import Pending
 from .segment import Segment
-from .sequences import ProducerState
+from .sequences import ProducerState, verdict
 
 DELETE_RETENTION_MS = 86_400_000  # Kafka's delete.retention.ms default: tombstones kept a day
 SEGMENT_MS = 60_000  # segment.ms of compacted streams: their newest segment is compacted a minute on
@@ -47,7 +41,7 @@ class Streamlet:
 
     __slots__ = ("stream_id", "index", "q", "segment_size", "max_segments", "groups", "active",
                  "next_group", "producers", "appended_chunks", "appended_bytes", "tails",
-                 "plain_last", "key_last", "recovering", "pending", "pending_tops", "memory",
+                 "plain_last", "key_last", "recovering", "pending", "memory",
                  "ledger", "filled", "freed_bytes", "freed_segments", "waiting", "on_close",
                  "retention_bytes", "retention_ms", "compact", "delete_retention_ms", "segment_ms",
                  "tombstone_due", "offsets")
@@ -76,11 +70,9 @@ class Streamlet:
         self.plain_last = 0
         self.key_last: dict[bytes, int] = NONE
         self.recovering = False  # being rebuilt from backups: no produce, no pull yet
-        # dead incarnation -> its groups still to be adopted here after the hand-over (closed
-        # history, kera.recovery.adoption), as [lo, hi] ranges of ids: reads that reach them wait,
-        # retention waits
-        self.pending: dict[tuple[int, int], list[tuple[int, int]]] = NONE
-        self.pending_tops: dict[tuple[int, int], dict[int, int]] = NONE   # per source: slot -> newest
+        # the groups of dead incarnations still to be adopted here after the hand-over (closed
+        # history, kera.recovery.adoption): reads that reach them wait, retention waits
+        self.pending: Pending | MappingProxyType = NONE
         self.memory = memory     # the broker's budget (see MemoryBudget)
         self.ledger = ledger     # the broker's, over all its streamlets
         self.filled: deque = ()  # (group, segment) that take no more chunks, oldest first
@@ -179,31 +171,9 @@ class Streamlet:
         return g
 
     def check_sequence(self, producer: int, seq: int, reset: int = 0) -> ProducerState | None:
-        """The state of a duplicate (already appended), None for a chunk to append.
-
-        ``reset`` (the chunk's SEQ_RESET flag): a sequence past the next one is
-        the producer's new base, not a hole; older ones are duplicates all the
-        same, so a late copy of a chunk the producer gave up on is never stored.
-        A producer's first chunk here starts at 0 or is a reset (``UnknownProducer``
-        otherwise): never a base taken on trust, which would make the producer's own
-        chunks below it duplicates, acknowledged and never stored.
-        """
-        st = self.producer(producer)
-        if st is None:
-            if seq == 0 or reset:
-                return None
-            raise UnknownProducer(f"producer {producer} is not known on stream {self.stream_id} "
-                                  f"streamlet {self.index}: its first chunk here is sequence 0 or "
-                                  f"a reset, not {seq}")
-        if seq == st.last_seq + 1:
-            return None
-        if seq <= st.last_seq:
-            return st
-        if reset:
-            return None
-        raise OutOfOrderSequence(
-            f"producer {producer} sent sequence {seq} after {st.last_seq} on "
-            f"stream {self.stream_id} streamlet {self.index}")
+        """The state of a duplicate (already appended), None for a chunk to append
+        (``sequences.verdict``)."""
+        return verdict(self.producer(producer), producer, seq, reset, self.stream_id, self.index)
 
     @property
     def max_chunk(self) -> int:
@@ -298,39 +268,32 @@ class Streamlet:
 
     def pend(self, source: tuple[int, int], ranges, highest: dict, tops: dict, kafka_next=0) -> None:
         """``source``'s closed groups (``ranges`` of ids, [lo, hi] each; ``tops``: per slot,
-        the newest of them) are adopted here after we serve. Until ``unpend``: a read
-        reaching one of them is refused (``Recovering``, retried), retention frees nothing,
-        no new group takes their ids, and the groups held that are pending (partly adopted)
-        or older than a pending group of their slot take no more chunks; the producers'
-        highest sequences in them are noted now, so a resend of one of their chunks stays a
-        duplicate; ``kafka_next``: the end of their Kafka offsets, where appends go on."""
+        the newest of them) are adopted here after we serve (``Pending``). Until ``unpend``:
+        a read reaching one of them is refused (``Recovering``, retried), retention frees
+        nothing, no new group takes their ids, and the groups held that are pending (partly
+        adopted) or older than a pending group of their slot take no more chunks; the
+        producers' highest sequences in them are noted now, so a resend of one of their
+        chunks stays a duplicate; ``kafka_next``: the end of their Kafka offsets, where
+        appends go on."""
         if not self.pending:
-            self.pending, self.pending_tops = {}, {}
+            self.pending = Pending()
         self.kafka_log().reach(kafka_next)
-        self.pending[source] = sorted((lo, hi) for lo, hi in ranges)
-        self.pending_tops[source] = dict(tops)
-        self.next_group = max(self.next_group, self.pending_top() + 1)
+        self.pending.add(source, ranges, tops)
+        self.next_group = max(self.next_group, self.pending.top() + 1)
         self.note_adopted(highest)
         if not self.recovering:
             self._close_pending()
 
-    def pending_top(self) -> int:
-        """The newest pending group id, -1 if none."""
-        return max((hi for rs in self.pending.values() for _, hi in rs), default=-1)
-
     def is_pending(self, gid: int) -> bool:
-        return any(lo <= gid <= hi for rs in self.pending.values() for lo, hi in rs)
+        return self.pending.covers(gid) if self.pending else False
 
     def _close_pending(self) -> None:
         """A group held that is pending (partly adopted: adopted to its end, never appended
         to), or older than a pending group of its slot (that slot moved on), takes no more
         chunks, as ``finish_recovery`` closes a slot's older groups."""
-        tops: dict[int, int] = {}
-        for t in self.pending_tops.values():
-            for slot, top in t.items():
-                tops[slot] = max(tops.get(slot, -1), top)
+        tops = self.pending.slot_tops()
         for gid, g in self.groups.items():
-            if not g.closed and (gid < tops.get(g.slot, -1) or self.is_pending(gid)):
+            if not g.closed and (gid < tops.get(g.slot, -1) or self.pending.covers(gid)):
                 g.closed = True
                 for slot, a in enumerate(self.active):
                     if a is g:
@@ -338,29 +301,14 @@ class Streamlet:
 
     def unpend(self, source: tuple[int, int]) -> None:
         """``source``'s groups are adopted (durable, claimed): served like any other."""
-        if source in self.pending:
-            del self.pending[source]
-            del self.pending_tops[source]
+        if self.pending and self.pending.drop(source):
             self.kafka_log().finish()   # the adopted chunks' offsets in order
             self._closed_last()
             self.filled = deque(sorted(self.filled, key=lambda gs: (gs[0].id, gs[1].id)))
 
     def forget_pending(self) -> None:
         """A recovery attempt again: it tells what is pending anew."""
-        self.pending = self.pending_tops = NONE
-
-    def _check_pending(self, low: int, positions: dict) -> None:
-        """``Recovering`` if the reader may reach a pending group: one at or past ``low`` it
-        has not read to its end (a range is as long as the groups it holds, never walked)."""
-        for rs in self.pending.values():
-            for lo, hi in rs:
-                if hi < low:
-                    continue
-                start = max(lo, low)
-                done = sum(1 for gid, pos in positions.items() if start <= gid <= hi and pos == DONE)
-                if done < hi - start + 1:
-                    raise Recovering(f"stream {self.stream_id} streamlet {self.index}: groups {start}-{hi} "
-                                     f"of a recovered broker's history are being adopted; retry")
+        self.pending = NONE
 
     def producer(self, producer: int) -> ProducerState | None:
         """The state of ``producer`` here, None if it wrote nothing here."""
@@ -468,7 +416,7 @@ class Streamlet:
         the order they were sent.
         """
         if self.pending:
-            self._check_pending(low, positions)
+            self.pending.check(low, positions, f"stream {self.stream_id} streamlet {self.index}")
         out = []
         for gid, pos in positions.items():
             if pos == DONE or gid < low:
@@ -514,7 +462,6 @@ class Streamlet:
         positions = {}
         for gid, g in self.groups.items():
             positions[gid] = DONE if g.finished() else g.durable_end()
-        for rs in self.pending.values():
-            for lo, hi in rs:
-                positions.update(dict.fromkeys(range(lo, hi + 1), DONE))
+        if self.pending:
+            positions.update(self.pending.done())
         return 0, positions

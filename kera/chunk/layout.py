@@ -19,7 +19,7 @@ offsets of a partition are replayed with its chunks (``kera.kafka.log``).
 
 ``flags`` (one byte): ``SEQ_RESET`` marks the first chunk a producer sends
 after giving up on earlier ones of the streamlet; the broker takes its
-sequence as the producer's new base (see ``Streamlet.check_sequence``);
+sequence as the producer's new base (see ``sequences.verdict``);
 ``INDEX`` marks an index chunk, which lives only in a virtual log
 (``kera.recovery.index_chunk``); ``COMPACTED`` marks a chunk rewritten by key
 compaction (``kera.chunk.view.rewrite``): it keeps the placement of the chunk it
