@@ -1,12 +1,16 @@
-"""The same librdkafka client on both sides: kera's Kafka listener (R=1, R=3) beside the peer.
+"""The same librdkafka client on both sides: kera's Kafka listener (R=1, R=3) beside the peer,
+and kera's own client on the R=3 cluster as the listener's yardstick.
 
     python -m bench kafka [--quick] [--counts 1,128,512,2048] [--records N] [--repeats 3]
-                          [--systems peer,kera R=1,kera R=3]
+                          [--systems peer,kera R=1,kera R=3,kera R=3 own]
 
 One producer process, then one consumer process (confluent-kafka, ``bench.peer``'s workers,
 unchanged): 100-byte records round-robin over N one-partition topics, linger 5 ms,
 batch.size 16 KB, acks=all. Each cell is run ``repeats`` times with the systems in a
-rotating order; medians are reported. kera runs 3 nodes (broker + backup each) with a
+rotating order; medians are reported, and each target of the Kafka issue against them
+(``checks``). "kera R=3 own" is kera's own producer (Python, one ``send()`` per record,
+linger 5 ms, 16 KB chunks, acks=all) on the same cluster and topics: the same record
+shape through kera's protocol (produce only). kera runs 3 nodes (broker + backup each) with a
 Kafka listener per broker; topics are created with CreateTopics. Writes
 bench/results/kafka.json and kafka.png (not with --quick).
 
@@ -37,7 +41,8 @@ from .stage import run_stage, summarize
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 LINGER, BATCH, SIZE = 5, 16384, 100
-TARGETS = {"r3_over_peer_512": 3.0, "r3_over_peer_2048": 4.0, "r3_2048_over_own_1": 0.8}
+TARGETS = {"r3_over_peer_512": 3.0, "r3_over_peer_2048": 4.0, "r3_2048_over_own_1": 0.8,
+           "listener_over_own_512": 0.8}
 
 
 class KeraKafka:
@@ -74,6 +79,19 @@ class KeraKafka:
         return {**summarize([outs[("p", 0)]], [outs[("c", 0)]], outs[("c", 0)]["t_start"]),
                 "hops": hops(h0, h1)}
 
+    def run_own(self, n_records: int) -> dict:
+        """kera's own producer on the same topics (streams) with the same record shape: one
+        process, one ``send()`` per record round-robin, linger 5 ms, chunks of 16 KB,
+        acks=all; its first pass over the topics not counted (librdkafka's metadata
+        warm-up). Produce only: what it wrote is read by nobody."""
+        from .kera_side import produce_worker as own_producer
+        ctx = multiprocessing.get_context("spawn")
+        cfg = {"acks": "all", "linger.ms": LINGER, "chunk.size": BATCH}
+        pj = [("p", 0, own_producer, (self.cluster.coordinator, self.topics, n_records, SIZE, cfg),
+               {"warmup": len(self.topics)})]
+        out = run_stage(ctx, pj, 360)[("p", 0)]
+        return {"produce_rps": round(out["records"] / (out["t_end"] - out["t_start"]))}
+
     def counters(self) -> dict:
         """CPU seconds so far per kind of server, and the produce requests and batches the
         brokers' Kafka listeners took."""
@@ -108,6 +126,8 @@ def hops(h0: dict, h1: dict) -> dict:
 def cell(system: str, n_topics: int, n_records: int, clusters: dict) -> dict:
     if system == "peer":
         r = run_peer(n_topics, n_records, SIZE, 1, 1, LINGER, BATCH, sequential=True, touch=True)
+    elif system == OWN:
+        r = clusters["kera R=3"].run_own(n_records)
     else:
         r = clusters[system].run(n_records)
     return {"system": system, "topics": n_topics, "produce_rps": r["produce_rps"],
@@ -115,7 +135,8 @@ def cell(system: str, n_topics: int, n_records: int, clusters: dict) -> dict:
             "produce_p99_ms": r.get("produce_p99_ms"), **({"hops": r["hops"]} if "hops" in r else {})}
 
 
-SYSTEMS = ["peer", "kera R=1", "kera R=3"]
+OWN = "kera R=3 own"   # kera's own client against the R=3 cluster: the listener's yardstick
+SYSTEMS = ["peer", "kera R=1", "kera R=3", OWN]
 
 
 def run(counts: list[int], n_records: int, repeats: int, systems: list[str] = SYSTEMS) -> dict:
@@ -123,7 +144,8 @@ def run(counts: list[int], n_records: int, repeats: int, systems: list[str] = SY
     for n in counts:
         topics = [f"t{i:05d}" for i in range(n)]
         with contextlib.ExitStack() as stack:
-            clusters = {s: stack.enter_context(KeraKafka(int(s[-1]), topics)) for s in systems if s != "peer"}
+            kinds = {s for s in systems if s != "peer"} | ({"kera R=3"} if OWN in systems else set())
+            clusters = {s: stack.enter_context(KeraKafka(int(s[-1]), topics)) for s in sorted(kinds) if s != OWN}
             for rep in range(repeats):
                 order = systems[rep % len(systems):] + systems[:rep % len(systems)]
                 for s in order:
@@ -131,9 +153,25 @@ def run(counts: list[int], n_records: int, repeats: int, systems: list[str] = SY
                     r["repeat"] = rep
                     print(json.dumps(r), flush=True)
                     rows.append(r)
+    m = medians(rows)
     return {"experiment": "kafka", "records": n_records, "size": SIZE, "linger_ms": LINGER,
             "batch_size": BATCH, "acks": "all", "repeats": repeats, "rows": rows,
-            "medians": medians(rows), "hops": hop_medians(rows)}
+            "medians": m, "hops": hop_medians(rows), "targets": TARGETS, "checks": checks(m)}
+
+
+def checks(m: dict) -> dict:
+    """Each target against the run's medians of produce records/s (None: a cell not run)."""
+    def ratio(a: str, na: int, b: str, nb: int):
+        x, y = m.get(a, {}).get(na), m.get(b, {}).get(nb)
+        return round(x["produce"] / y["produce"], 3) if x and y and y["produce"] else None
+    got = {"r3_over_peer_512": ratio("kera R=3", 512, "peer", 512),
+           "r3_over_peer_2048": ratio("kera R=3", 2048, "peer", 2048),
+           "r3_2048_over_own_1": ratio("kera R=3", 2048, "kera R=3", 1),
+           "listener_over_own_512": ratio("kera R=3", 512, OWN, 512)}
+    out = {k: {"value": v, "bound": TARGETS[k], "pass": v is not None and v >= TARGETS[k]}
+           for k, v in got.items()}
+    out["listener_over_own"] = {n: ratio("kera R=3", n, OWN, n) for n in sorted(m.get(OWN, {}))}
+    return out
 
 
 def hop_medians(rows: list[dict]) -> dict:
@@ -152,8 +190,9 @@ def medians(rows: list[dict]) -> dict:
     for r in rows:
         out.setdefault(r["system"], {}).setdefault(r["topics"], {"produce": [], "consume": []})
         out[r["system"]][r["topics"]]["produce"].append(r["produce_rps"])
-        out[r["system"]][r["topics"]]["consume"].append(r["consume_rps"] or 0)
-    return {s: {n: {k: statistics.median(v) for k, v in d.items()} for n, d in by.items()}
+        if r.get("consume_rps") is not None:
+            out[r["system"]][r["topics"]]["consume"].append(r["consume_rps"])
+    return {s: {n: {k: statistics.median(v) if v else None for k, v in d.items()} for n, d in by.items()}
             for s, by in out.items()}
 
 
@@ -165,7 +204,8 @@ def plot(res: dict, path: str) -> None:
     for ax, what in zip(axes, ("produce", "consume"), strict=True):
         for s, by in res["medians"].items():
             ns = sorted(by)
-            ax.plot(ns, [by[n][what] for n in ns], marker="o", label=s)
+            if all(by[n][what] is not None for n in ns):
+                ax.plot(ns, [by[n][what] for n in ns], marker="o", label=s)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("topics (one partition each)")
         ax.set_ylabel("records/s (median)")
@@ -194,12 +234,14 @@ def main(argv=None) -> None:
     res["seconds"] = round(time.monotonic() - t0, 1)
     m = res["medians"]
     for s, by in m.items():
-        print(s, {k: (round(v["produce"]), round(v["consume"])) for k, v in sorted(by.items())})
+        print(s, {k: (round(v["produce"]), v["consume"] and round(v["consume"])) for k, v in sorted(by.items())})
     for s, by in res["hops"].items():
         for n, d in sorted(by.items()):
             print(s, n, "topics, CPU us per request / per batch:", {
                 kind: (d.get(f"{kind}_us_per_request"), d.get(f"{kind}_us_per_batch"))
                 for kind in ("broker", "backup", "coordinator")})
+    for k, c in res["checks"].items():
+        print(k, c)
     if not a.quick:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, "kafka.json"), "w") as f:
