@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from array import array
 
+import numpy as np
 import trio
 
 from ..errors import DataLoss, Fenced, KeraError, ProtocolError, Unavailable
@@ -106,9 +107,9 @@ def adopted_segments(ix: SegmentIndex, capacity: int, claims: Claims) -> list[Ad
     are converted once per run, each segment takes its slices."""
     vlog = ForeignVlog(ix.source, ix.vlog)
     ends = ix.rows[:, 0].tolist()
-    ids = array("Q", ix.rows[:, 1].tobytes())
-    offs = array("Q", ix.rows[:, 2].tobytes())
-    foreign = {v: claims.vseg(ix.source, ix.vlog, v, ix.copies[v]) for v in dict.fromkeys(ids)}
+    places = array("Q", np.ascontiguousarray(ix.rows[:, 1:3], np.uint64).tobytes())
+    foreign = {v: claims.vseg(ix.source, ix.vlog, v, ix.copies[v])
+               for v in dict.fromkeys(places[0::2])}
     out = []
     at = 0
     for i, c in enumerate(ix.counts):
@@ -118,10 +119,9 @@ def adopted_segments(ix: SegmentIndex, capacity: int, claims: Claims) -> list[Ad
         seg.evicted = True
         seg.ends = ends[at:at + c]
         seg.head = seg.durable = seg.ends[-1]
-        seg.vseg_ids = ids[at:at + c]
-        seg.vseg_offs = offs[at:at + c]
+        seg.vplaces = places[2 * at:2 * (at + c)]
         seg.vlog = vlog
-        seg.vsegs = [foreign[v] for v in dict.fromkeys(seg.vseg_ids)]
+        seg.vsegs = [foreign[v] for v in dict.fromkeys(seg.vplaces[0::2])]
         seg.foreign = list(seg.vsegs)
         seg.holder = None
         seg.kafka = (ix.rows[at:at + c, KAFKA], ix.rows[at:at + c, RECORDS])

@@ -65,7 +65,7 @@ def _buffer(size: int):
 
 class Segment:
     __slots__ = ("id", "capacity", "buf", "held", "head", "durable", "ends", "vlog", "vsegs",
-                 "vseg_ids", "vseg_offs", "filled_at", "evicted", "freed", "opened_at", "compacted",
+                 "vplaces", "filled_at", "evicted", "freed", "opened_at", "compacted",
                  "records")
 
     def __init__(self, id: int, capacity: int, size: int | None = None):
@@ -80,8 +80,8 @@ class Segment:
         self.records = array("Q")  # records in the chunks up to each one (lag and records out)
         self.vlog = None           # the replicator its chunks went to (one per group)
         self.vsegs: list = []      # the distinct virtual segments holding its chunks, in order
-        self.vseg_ids = array("Q")   # per chunk: its virtual segment id ...
-        self.vseg_offs = array("Q")  # ... and byte offset there (where a backup holds it)
+        self.vplaces = array("Q")  # per chunk, its virtual segment id and byte offset there
+                                   # (where a backup holds it): [id, offset, id, offset, ...]
         self.filled_at = 0.0       # wall time it stopped taking chunks (retention.ms)
         self.evicted = False       # buffer dropped, chunks on backups only
         self.freed = False         # retention or deletion: gone for good
@@ -96,7 +96,7 @@ class Segment:
         seg.held = seg.head = seg.durable = 0
         seg.ends, seg.vlog, seg.vsegs = [], None, []
         seg.records = array("Q")
-        seg.vseg_ids, seg.vseg_offs = array("Q"), array("Q")
+        seg.vplaces = array("Q")
         seg.filled_at, seg.evicted, seg.freed = 0.0, False, True
         seg.opened_at, seg.compacted = 0.0, None
         return seg
@@ -146,8 +146,8 @@ class Segment:
         if not self.vsegs or self.vsegs[-1] is not vs:
             self.vsegs.append(vs)
             vs.live += 1
-        self.vseg_ids.append(vs.id)
-        self.vseg_offs.append(vseg_offset)
+        self.vplaces.append(vs.id)
+        self.vplaces.append(vseg_offset)
 
     def replicated(self) -> bool:
         """Every vseg holding its chunks is closed and on all its copies: the bytes are safe

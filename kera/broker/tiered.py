@@ -50,7 +50,8 @@ class TieredReader:
         runs: list[tuple[object, list]] = []  # (vseg, [(vseg offset, size, segment offset)])
         by_id = {vs.id: vs for vs in seg.vsegs}
         start = 0
-        for vid, voff, end in zip(seg.vseg_ids, seg.vseg_offs, seg.ends, strict=True):
+        places = seg.vplaces
+        for vid, voff, end in zip(places[0::2], places[1::2], seg.ends, strict=True):
             if not runs or runs[-1][0].id != vid:
                 runs.append((by_id[vid], []))
             runs[-1][1].append((voff, end - start, start))
