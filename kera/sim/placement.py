@@ -69,8 +69,8 @@ class SimSegment:
     length) as the broker's and moves its ``durable``; eviction drops ``buf`` as the broker
     drops the bytes, after which a replicate could not be built from it."""
 
-    __slots__ = ("id", "capacity", "held", "head", "durable", "chunks", "at", "vlog", "vsegs", "vseg_ids",
-                 "vseg_offs", "buf", "evicted", "filled_at")
+    __slots__ = ("id", "capacity", "held", "head", "durable", "chunks", "at", "vlog", "vsegs", "vplaces",
+                 "buf", "evicted", "filled_at")
     replicated = BrokerSegment.replicated  # the broker's own rule for what may be evicted
     noted = BrokerSegment.noted            # ... and its own record of the vsegs holding its chunks
 
@@ -82,8 +82,7 @@ class SimSegment:
         self.at: dict[int, SimChunk] = {}   # offset -> chunk
         self.vlog = None               # has ``.log``: the VirtualLog, as a broker Replicator
         self.vsegs: list = []          # the distinct vsegs holding its chunks, in order
-        self.vseg_ids: list[int] = []  # per chunk: its vseg and offset there (``noted``)
-        self.vseg_offs: list[int] = []
+        self.vplaces: list[int] = []   # per chunk: its vseg and offset there (``noted``)
         self.buf = True
         self.evicted = False
         self.filled_at = 0.0   # > 0 once noted filled (takes no more chunks)
