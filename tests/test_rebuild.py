@@ -131,3 +131,51 @@ def test_a_backup_that_found_damage_is_asked_and_its_damaged_copies_go_elsewhere
     backups.set_live({2: ("n2", 1), 3: ("n3", 1)})   # backup 1 left: its count is kept
     del found[1]
     assert rb.changed() == []
+
+
+def test_a_whole_copy_the_vlog_gave_up_on_is_taken_once_no_known_copy_is_left():
+    """The vlog gives up on a slow backup's copy and makes it elsewhere, yet what it had sent
+    may still land there whole (found by the simulator, seed 12172: backup 1 paused, the copy
+    moved to backups 3 and 4, both then lost for good, backup 1 still holding it whole). A
+    frozen vseg with no whole copy known on a live backup is an orphan: the live backups'
+    listings are read for it, each once per incarnation and set of orphans, and a copy one
+    lists closed, at the vseg's size and undamaged becomes its source; short, open or damaged
+    ones do not, nor does anything for a vseg that still has a known copy."""
+    from types import SimpleNamespace
+
+    from kera.vlog import BackupSet
+    from kera.vlog.virtual_segment import Copy
+
+    backups = BackupSet("n0")
+    backups.set_live({1: ("n1", 1), 2: ("n2", 1), 3: ("n3", 1)})
+    vsegs = []
+    for i in range(4):
+        vs = _vseg(_chunks())
+        vs.id, vs.live = i, 1
+        vs.copies = {4: Copy(4, 1), 5: Copy(5, 1)} if i != 3 else {2: Copy(2, 1), 5: Copy(5, 1)}
+        for c in vs.copies.values():   # backups 4 and 5 are gone: 0-2 have no known copy left
+            c.acked, c.closed = vs.size, True
+        vsegs.append(vs)
+    log = SimpleNamespace(id=7, vsegs=vsegs, floor=0, need=2)
+    rb = Rebuilder(None, None, None, backups, lambda: [SimpleNamespace(log=log)], lambda: {})
+    orphans = rb.orphans()
+    assert [vs.id for _, vs in orphans] == [0, 1, 2]
+    assert rb.to_search(orphans) == [1, 2, 3]
+    size = vsegs[0].size
+    listed = [{"vlog": 7, "vseg": 0, "length": size, "closed": True, "corrupt": []},
+              {"vlog": 7, "vseg": 1, "length": size - 1, "closed": False, "corrupt": []},
+              {"vlog": 7, "vseg": 2, "length": size, "closed": True, "corrupt": [{"offset": 0}]},
+              {"vlog": 7, "vseg": 3, "length": size, "closed": True, "corrupt": []},
+              {"vlog": 8, "vseg": 2, "length": size, "closed": True, "corrupt": []},  # another vlog's
+              "not a replica", ["vlog", 7]]
+    assert rb.found(1, listed, orphans) == 1
+    assert rb.whole(vsegs[0]) == [1] and not rb.whole(vsegs[1]) and not rb.whole(vsegs[2])
+    assert 1 not in vsegs[3].copies   # it has a known copy: nothing taken for it
+    assert rb.to_search(orphans) == [2, 3]   # backup 1 was read for these orphans
+    assert rb.targets(vsegs[0], 1) != [1] and rb.stats()["strays"] == 1
+    orphans = rb.orphans()
+    assert [vs.id for _, vs in orphans] == [1, 2]
+    assert rb.to_search(orphans) == [1, 2, 3]   # the orphans changed: read again
+    backups.set_live({1: ("n1", 2), 2: ("n2", 1), 3: ("n3", 1)})
+    assert rb.found(2, [], orphans) == 0 and rb.to_search(orphans) == [1, 3]
+    assert rb.to_search([]) == []

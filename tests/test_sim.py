@@ -58,6 +58,7 @@ def test_repointing_seeds_run_clean(seed, what):
     1002713,  # kera: an answer from a torn backup's process before its restart counted its copy whole
     1008298,  # kera: the same, the copy counted 3,893 bytes long with 5 chunks torn off
     1011799,  # simulator: a paused backup declared dead, restarted by a torn tail, never re-admitted
+    12172,  # kera: a frozen vseg's known copies lost, a whole one the vlog gave up on never looked for
 ])
 def test_seeds_found_failing_run_clean(seed):
     World(seed, window=1).run()

@@ -13,6 +13,11 @@ no longer counts a frozen copy it lists short, not closed or damaged as whole
 scrubber: ``kera.backup.scrub``) says so in its heartbeats (``damage``) and is
 asked the same way. A damaged copy cannot be mended in place (the backup takes
 a resend of bytes it holds as a duplicate), so it is made on another backup.
+A frozen vseg none of whose known copies is on a live backup may still be
+whole on one the vlog gave up on (slow, its copy moved elsewhere, what it
+had been sent landing there after all): the live backups' listings are read
+for such orphans, and a copy listed closed, whole and undamaged is their
+source again (``found``).
 After each membership change the rebuilder finds every frozen vseg with
 fewer whole copies on live backups than the vlog needs, picks new backups as
 for any copy (``BackupSet.choose``) and fills each from a surviving copy,
@@ -78,6 +83,8 @@ class Rebuilder:
         self.seen: dict[int, tuple] = {}    # backup -> (incarnation, damage) at the last pass
         self.damaged: dict = {}     # vseg -> backups whose copy of it has a corrupt chunk
         self.dropped = 0            # frozen copies a restarted backup no longer held whole (counted)
+        self.searched: dict[int, tuple] = {}   # backup -> (incarnation, orphans) its listing was read for
+        self.strays = 0             # whole copies found that the vlog had given up on (taken again)
         self.delay = RETRY
 
     def poke(self) -> None:
@@ -88,7 +95,7 @@ class Rebuilder:
         """Counters as of the last pass (heartbeats ask often: no walk over the vsegs here)."""
         return {"rebuilt": self.rebuilt, "rebuilt_bytes": self.bytes, "rebuild_failures": self.failures,
                 "under_replicated": self.under, "without_copy": len(self.short),
-                "dropped": self.dropped}
+                "dropped": self.dropped, "strays": self.strays}
 
     def whole(self, vs) -> list[int]:
         """Backups alive now holding ``vs`` whole and closed, none of its chunks corrupt there."""
@@ -105,6 +112,43 @@ class Rebuilder:
                         len(self.whole(vs)) < v.need:
                     out.append((r, vs))
         return out
+
+    def orphans(self) -> list:
+        """(replicator, vseg) of the frozen vsegs to rebuild that no live backup holds whole as
+        far as their vlog knows: nothing to copy from, unless a backup holds a stray copy."""
+        return [(r, vs) for r, vs in self.todo() if not self.whole(vs)]
+
+    def to_search(self, orphans: list) -> list[int]:
+        """Live backups whose listing may hold a stray whole copy of ``orphans``: each asked
+        once per incarnation while the orphans stay the same (``found`` records it)."""
+        key = frozenset((r.log.id, vs.id) for r, vs in orphans)
+        return [b for b, e in self.backups.epochs.items() if self.searched.get(b) != (e, key)] \
+            if orphans else []
+
+    def found(self, backup: int, segments: list, orphans: list) -> int:
+        """Stray copies in ``backup``'s listing: a copy of one of ``orphans`` it lists closed, at
+        the vseg's size and undamaged is taken as a copy again, so the vseg has a source. The
+        vlog gives up on a copy whose backup is slow (it moves the copy elsewhere), yet what
+        it had sent may still land there whole; once the copies it moved to are lost, that
+        stray is the one left. Its chunks are checked against the vseg's record as they are
+        read (``_check``), as any source's. Returns how many were taken."""
+        self.searched[backup] = (self.backups.incarnation(backup),
+                                 frozenset((r.log.id, vs.id) for r, vs in orphans))
+        held = {(s.get("vlog"), s.get("vseg")): s for s in segments if isinstance(s, dict)}
+        n = 0
+        for r, vs in orphans:
+            s = held.get((r.log.id, vs.id))
+            if s is None or not s.get("closed") or s.get("length") != vs.size or s.get("corrupt") \
+                    or s.get("error") or backup in self.damaged.get(vs, ()) or vs.released:
+                continue
+            c = vs.copies.get(backup) or Copy(backup, self.backups.incarnation(backup))
+            c.acked, c.closed = vs.size, True
+            vs.copies[backup] = c
+            n += 1
+            log.warning("vlog %d vseg %d: backup %d holds a whole copy the vlog had given up on, "
+                        "and no other live backup does: taken as a source", r.log.id, vs.id, backup)
+        self.strays += n
+        return n
 
     def changed(self) -> list[int]:
         """Backups alive now that restarted since the last pass (a new incarnation: they
@@ -167,6 +211,9 @@ class Rebuilder:
             short = False
             for b in self.changed():
                 short |= not await self._verify(b)
+            orphans = self.orphans()
+            for b in self.to_search(orphans):
+                short |= not await self._search(b, orphans)
             for r, vs in self.todo():
                 try:
                     short |= not await self.rebuild(r, vs)
@@ -296,20 +343,39 @@ class Rebuilder:
             log.warning("vseg %d from backup %d at %d: %s", vs.id, source, off, e)
             return None
 
-    async def _verify(self, backup: int) -> bool:
-        """Ask a backup that restarted or found damage what it holds (``list``) and ``verify``
-        it; False if it could not be asked (asked again on the next pass)."""
+    async def _listing(self, backup: int, why: str) -> list | None:
+        """``backup``'s listing of our replicas (``list``); None if it could not be asked."""
         broker, _ = self.identity()
-        only = self.frozen_on(backup)   # frozen after the listing was made: not judged by it
         try:
             r, _ = await self.pool.call(self.addr_of(backup), "list", {"broker": broker},
                                         timeout=TIMEOUT)
-            self.verify(backup, r["segments"], only)
-            return True
+            segments = r["segments"]
+            if not isinstance(segments, list):
+                raise ProtocolError(f"a listing of {type(segments).__name__}")
+            return segments
         except (KeraError, KeyError, TypeError, AttributeError) as e:
-            log.warning("backup %d restarted or found damage; its listing failed: %s", backup, e)
+            log.warning("backup %d: its listing (%s) failed: %s", backup, why, e)
+            return None
+
+    async def _verify(self, backup: int) -> bool:
+        """Ask a backup that restarted or found damage what it holds (``list``) and ``verify``
+        it; False if it could not be asked (asked again on the next pass)."""
+        only = self.frozen_on(backup)   # frozen after the listing was made: not judged by it
+        segments = await self._listing(backup, "it restarted or found damage")
+        if segments is None:
             self.seen[backup] = -1   # taken as restarted again next pass
             return False
+        self.verify(backup, segments, only)
+        return True
+
+    async def _search(self, backup: int, orphans: list) -> bool:
+        """Read a live backup's listing for stray copies of ``orphans`` (``found``); False if it
+        could not be asked (asked again on the next pass)."""
+        segments = await self._listing(backup, "a stray copy of a vseg with none known")
+        if segments is None:
+            return False
+        self.found(backup, segments, orphans)
+        return True
 
     async def _trim(self, r, backup: int) -> None:
         """The vlog's floor to ``backup``, which may hold a file of a vseg released during its

@@ -58,6 +58,8 @@ def _fill(svc, f, top_streams: int) -> None:
             "rebuild pass", rb.get("under_replicated", 0))
     f.gauge("without_copy_vsegs", "Frozen vsegs with no whole copy on a live backup",
             rb.get("without_copy", 0))
+    f.counter("stray_copies_found", "Whole copies of frozen vsegs the vlog had given up on, "
+              "taken as sources once no known copy was left", rb.get("strays", 0))
     f.counter("recoveries_served", "Assignments of a dead broker's streamlets rebuilt here",
               s["recoveries_served"])
     vlogs = s["vlogs"]

@@ -23,7 +23,7 @@ __all__ = ["Violation", "World", "run_seeds"]
 
 REPOINTED = ("adopted_segments", "adopted_closed", "adopted_chunks", "adopted_unacked", "skipped_vsegs",
              "index_refused", "evictions", "refused", "budget_closes", "adopted_beside", "rebuilt",
-             "lost_for_good", "copies_dropped", "index_rows", "index_runs")
+             "lost_for_good", "copies_dropped", "strays_found", "index_rows", "index_runs")
 
 
 def run_seeds(seeds) -> dict:

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
           f"{sums['refused']} chunks refused (budget), {sums['budget_closes']} idle vlogs' open vsegs "
           f"closed for it; {sums['lost_for_good']} backups lost for good one after the other, "
           f"{sums['rebuilt']} copies of frozen vsegs made again, {sums['copies_dropped']} dropped as "
-          f"short after a restart")
+          f"short after a restart, {sums['strays_found']} whole copies the vlog had given up on "
+          f"taken as sources")
     return 0
 
 

@@ -42,6 +42,9 @@ class SimRebuild:
         ids = {v.id for v in w.vlogs}
         for b in rb.changed():   # what it reloaded, as its ``list`` answers
             w.stats["copies_dropped"] += rb.verify(b, w.backups[b].listing(ids))
+        orphans = rb.orphans()   # no whole copy known: a stray one may be on a live backup
+        for b in rb.to_search(orphans):
+            w.stats["strays_found"] += rb.found(b, w.backups[b].listing(ids), orphans)
         for r, vs in rb.todo():
             v = r.log
             if (v.id, vs.id) in self.busy:
