@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 
@@ -645,6 +646,54 @@ def test_frozen_vsegs_get_lost_copies_back_from_a_survivor(make_cluster):
           f"copies made again ({stats['rebuild']['rebuilt_bytes'] / MiB:.1f} MiB); {len(got)} records read "
           f"back, {stats['tiered_bytes'] / MiB:.1f} MiB of them from backups; after the owner's kill and "
           f"recovery, {len(again)}")
+
+
+def test_a_whole_copy_the_vlog_does_not_know_of_is_the_source_once_the_known_ones_are_lost(make_cluster):
+    """Both known copies of frozen vsegs lost at once, a whole copy of each on a third backup
+    that the vlog does not know of (as a copy it gave up on, a slow backup's, whose bytes
+    landed after all: here the files of every frozen vseg held by the two backups to be
+    killed are put on the third while it is down, then it restarts and lists them). kill -9
+    the two: the broker reads the live backups' listings for vsegs with no known copy left,
+    takes those copies as sources (``Rebuilder.found``) and makes the second copies from
+    them; every frozen vseg is whole on two live backups again and every record reads back
+    once, in order. Without it those vsegs stayed on one copy, their records unreadable."""
+    h = FrozenHistory(make_cluster)
+    c, n = h.c, h.n
+
+    async def main():
+        await h.start()
+        _, k = h.middle_of(_most(h.frozen.values()))
+        assert len(h.frozen[k]) == 2, h.frozen[k]
+        a, b = sorted(h.frozen[k])
+        pair = [v for v, cs in h.frozen.items() if cs == {a, b}]
+        z = min(set(h.names) - {a, b})
+        c.kill(h.names[z])
+        for v in pair:
+            shutil.copyfile(h.file_of(a, v), h.file_of(z, v))
+        c.restart(h.names[z])
+
+        async def listed():
+            got = await h.holders(set())
+            return all(z in got.get(v, ()) for v in pair)
+
+        await wait_for(listed, "the third backup to list the copies put there", timeout=60)
+        c.kill(h.names[a])
+        c.kill(h.names[b])
+
+        async def whole():
+            got = await h.holders({a, b})
+            return all(len(got.get(v, ())) >= 2 for v in h.frozen)
+
+        await wait_for(whole, "every frozen vseg whole on two live backups", timeout=90)
+        got = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
+        return pair, (await h.broker("stats"))["rebuild"], got
+
+    pair, st, got = trio.run(main)
+    assert (got == np.arange(n, dtype=np.uint64)).all(), "not every record, once, in order"
+    assert st["strays"] >= len(pair) and st["without_copy"] == 0, st
+    print(f"\n{len(pair)} frozen vsegs had both known copies killed: {st['strays']} copies the vlog "
+          f"did not know of taken as sources, {st['rebuilt']} copies made again; {len(got)} records "
+          f"read back")
 
 
 def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
