@@ -110,6 +110,34 @@ def test_a_backup_that_says_its_length_is_resumed_there():
     assert v.durable == 3
 
 
+def test_a_stale_length_after_the_close_was_acknowledged_gets_the_copy_asked_again():
+    """Answers of one copy may land out of order: here the close is acknowledged, then an
+    earlier message's answer says the backup held less (it answered before taking the rest).
+    The copy is asked again from there, the backup says what it holds, the close is sent
+    again, and the vseg is done. Taken as it came, the copy stayed closed but short and the
+    vseg was never done again (its segments never evictable: simulator seed 55786)."""
+    bs = backups({1: "n1"})
+    v = VirtualLog(1, 1, 1 << 20, bs, batch=100, window=4)
+    append(v, 3)
+    (s1,) = v.poll(0.0)
+    (s2,) = v.poll(0.0)
+    assert v.close_open(durable=False)
+    (s3,) = v.poll(0.0)
+    assert (s1.offset, s2.offset, s3.offset, s3.close) == (0, 100, 200, True)
+    v.on_reply(s3.token, 300, 0.1)                 # the close, answered first
+    vs = v.vsegs[0]
+    assert v.done(vs) and v.poll(0.1) == []
+    v.on_error(s2.token, 0.2, length=100)          # stale: it held 100 when s2 arrived
+    assert not v.done(vs)
+    (again,) = v.poll(0.2)
+    assert again.offset == 100 and not again.close
+    v.on_error(again.token, 0.3, length=300)       # it holds everything
+    (close,) = v.poll(0.3)
+    assert (close.offset, close.start, close.stop, close.close) == (300, 3, 3, True)
+    v.on_reply(close.token, 300, 0.4)
+    assert v.done(vs) and v.poll(0.4) == [] and v.durable == 3
+
+
 def test_a_length_that_is_not_ours_gives_the_copy_up():
     bs = backups({1: "n1", 2: "n2"})
     v = VirtualLog(1, 2, 1 << 20, bs)

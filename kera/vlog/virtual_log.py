@@ -308,11 +308,20 @@ class VirtualLog:
         return False
 
     def _resync(self, vs: VirtualSegment, c: Copy, length: int, now: float) -> bool:
-        """The copy holds ``length`` bytes: a prefix of ours continues from there."""
+        """The copy holds ``length`` bytes: a prefix of ours continues from there. An answer
+        may land after later ones of the same copy (the backup answered it before taking
+        them): one saying less than the copy acknowledged since, its close included, is
+        stale or the copy lost bytes; either way the copy is asked again from there (not
+        closed any more, back among the vsegs polled even if it looked done), and the
+        backup's answer says what it holds. Taken as it came, it left a closed vseg's copy
+        short and the vseg never done, its segments never evicted (simulator seed 55786)."""
         if 0 <= length <= vs.size and vs.boundary(length):
+            if length < c.acked:
+                c.closed = False
             c.acked = length
             c.fails, c.retry_at = 0, 0.0
             self._forget(c)   # the messages after the one answered start elsewhere
+            self.active[vs.id] = vs
             return self._confirm(vs)
         self._failed(vs, c, now, give_up=True)  # not our bytes: a copy that cannot be trusted
         return False
