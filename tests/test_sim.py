@@ -60,6 +60,7 @@ def test_repointing_seeds_run_clean(seed, what):
     1011799,  # simulator: a paused backup declared dead, restarted by a torn tail, never re-admitted
     12172,  # kera: a frozen vseg's known copies lost, a whole one the vlog gave up on never looked for
     55786,  # kera: a stale length answer after the close left a copy closed but short, never asked again
+    58572,  # kera: a copy made again on a backup that restarted with a torn tail meanwhile, counted whole
 ])
 def test_seeds_found_failing_run_clean(seed):
     World(seed, window=1).run()

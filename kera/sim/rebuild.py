@@ -17,7 +17,6 @@ import random
 from types import SimpleNamespace
 
 from ..broker.rebuild import Rebuilder
-from ..vlog.virtual_segment import Copy
 
 RETRY = 1.0
 
@@ -57,7 +56,8 @@ class SimRebuild:
             t = targets[0]   # one copy at a time per vseg: the next pass makes the next one
             rb.partial[vs] = t
             self.busy.add((v.id, vs.id))
-            w.at(w.now + self.rng.expovariate(1 / w.delay), self._copy, v, vs, sources, t)
+            w.at(w.now + self.rng.expovariate(1 / w.delay), self._copy, v, vs, sources, t,
+                 w.set.incarnation(t))
         if short:
             self._retry()
 
@@ -70,7 +70,7 @@ class SimRebuild:
         self.due = False
         self.run()
 
-    def _copy(self, v, vs, sources: list[int], t: int) -> None:
+    def _copy(self, v, vs, sources: list[int], t: int, inc: int) -> None:
         w = self.w
         key = (1, v.id, vs.id)
         mine = [c for c in w.by_vlog[v.id] if c.vseg == vs.id]   # the vseg's chunks, in order
@@ -100,7 +100,7 @@ class SimRebuild:
             if at == len(mine):
                 ok = True
                 break
-        w.at(w.now + self.rng.expovariate(1 / w.delay), self._done, v, vs, t, ok, target_failed)
+        w.at(w.now + self.rng.expovariate(1 / w.delay), self._done, v, vs, t, inc, ok, target_failed)
 
     @staticmethod
     def _write(tb, v, vs, mine: list, at: int, piece: list, close: bool) -> int | None:
@@ -116,15 +116,12 @@ class SimRebuild:
             kind, val = tb.replicate(v.id, vs.id, val, piece[j - at:], close)
         return at + len(piece) if kind == "ok" else None
 
-    def _done(self, v, vs, t: int, ok: bool, target_failed: bool) -> None:
+    def _done(self, v, vs, t: int, inc: int, ok: bool, target_failed: bool) -> None:
         w, rb = self.w, self.rb
         self.busy.discard((v.id, vs.id))
         if w.broker_dead:
             return
-        if ok and w.set.alive(t) and not vs.released:
-            c = vs.copies[t] = Copy(t, w.set.incarnation(t))
-            c.acked, c.closed = vs.size, True
-            rb.partial.pop(vs, None)
+        if ok and rb.made(vs, t, inc):
             w.stats["rebuilt"] += 1
             w.note(f"vlog {v.id} vseg {vs.id}: copy made again on backup {t}")
             self.run()
