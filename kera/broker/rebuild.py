@@ -385,10 +385,12 @@ class Rebuilder:
     async def _search(self, backup: int, orphans: list) -> bool:
         """Read a live backup's listing for stray copies of ``orphans`` (``found``); False if it
         could not be asked (asked again on the next pass)."""
+        inc = self.backups.incarnation(backup)
         segments = await self._listing(backup, "a stray copy of a vseg with none known")
         if segments is None:
             return False
-        self.found(backup, segments, orphans)
+        if self.backups.incarnation(backup) == inc:   # else restarted meanwhile: asked again
+            self.found(backup, segments, orphans)
         return True
 
     async def _trim(self, r, backup: int) -> None:
