@@ -76,7 +76,8 @@ def test_a_restarted_backup_listing_less_loses_its_frozen_copies():
               {"vlog": 7, "vseg": 2, "length": size, "closed": False, "corrupt": []},
               {"vlog": 7, "vseg": 3, "length": size, "closed": True, "corrupt": [{"offset": 0}]},
               {"vlog": 8, "vseg": 4, "length": size, "closed": True, "corrupt": []},  # another vlog's
-              "not a replica", ["vlog", 7]]   # bad entries: no copy taken from them
+              "not a replica", ["vlog", 7],   # bad entries: no copy taken from them
+              {"vlog": [7], "vseg": 5, "closed": True}, {"vlog": 7, "vseg": {}, "closed": True}]
     assert rb.verify(1, listed) == 4
     # whole: vseg 0, and vseg 5 (not frozen: the vlog itself asks it again); 1-3 kept at the
     # length listed (reads find their intact chunks there), 4 not listed at all: dropped
@@ -167,7 +168,7 @@ def test_a_whole_copy_the_vlog_gave_up_on_is_taken_once_no_known_copy_is_left():
               {"vlog": 7, "vseg": 2, "length": size, "closed": True, "corrupt": [{"offset": 0}]},
               {"vlog": 7, "vseg": 3, "length": size, "closed": True, "corrupt": []},
               {"vlog": 8, "vseg": 2, "length": size, "closed": True, "corrupt": []},  # another vlog's
-              "not a replica", ["vlog", 7]]
+              "not a replica", ["vlog", 7], {"vlog": [7], "vseg": 2, "closed": True}]  # malformed
     assert rb.found(1, listed, orphans) == 1
     assert rb.whole(vsegs[0]) == [1] and not rb.whole(vsegs[1]) and not rb.whole(vsegs[2])
     assert 1 not in vsegs[3].copies   # it has a known copy: nothing taken for it
@@ -176,8 +177,11 @@ def test_a_whole_copy_the_vlog_gave_up_on_is_taken_once_no_known_copy_is_left():
     orphans = rb.orphans()
     assert [vs.id for _, vs in orphans] == [1, 2]
     assert rb.to_search(orphans) == [1, 2, 3]   # the orphans changed: read again
+    odd = [{"vlog": 7, "vseg": 1, "length": size, "closed": "yes", "corrupt": []},
+           {"vlog": 7, "vseg": 2, "length": True, "closed": True, "corrupt": []}]
+    assert rb.found(3, odd, orphans) == 0 and not rb.whole(vsegs[1]) and not rb.whole(vsegs[2])
     backups.set_live({1: ("n1", 2), 2: ("n2", 1), 3: ("n3", 1)})
-    assert rb.found(2, [], orphans) == 0 and rb.to_search(orphans) == [1, 3]
+    assert rb.found(2, [], orphans) == 0 and rb.to_search(orphans) == [1]   # 2, 3 read; 1 restarted
     assert rb.to_search([]) == []
 
 

@@ -756,9 +756,10 @@ def test_a_restarted_backup_holding_a_short_frozen_copy_gets_it_made_again(make_
 
         async def whole():
             got = await h.holders(set())
-            return all(len(got.get(k, ())) >= 2 for k in h.frozen)
+            st = (await h.broker("stats"))["rebuild"]   # counted once its close is answered,
+            return st["rebuilt"] >= 1 and all(len(got.get(k, ())) >= 2 for k in h.frozen)  # after the listing shows it
 
-        await wait_for(whole, "the short copy to be made again", timeout=60)
+        await wait_for(whole, "the short copy to be made again and counted", timeout=60)
         return (await h.broker("stats"))["rebuild"]
 
     st = trio.run(main)

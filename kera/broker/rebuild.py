@@ -57,6 +57,20 @@ RETRY = 1.0               # after a pass that left copies to make, the next one 
 MAX_RETRY = 30.0          # membership changes), doubling while passes keep falling short
 
 
+def listed(segments: list) -> dict:
+    """A backup's listing by (vlog, vseg): its well-formed entries (a dict with integer ids);
+    anything else in it is no copy at all. It runs outside the listing call's error
+    handling, so nothing in an entry may raise here."""
+    return {(s["vlog"], s["vseg"]): s for s in segments
+            if isinstance(s, dict) and type(s.get("vlog")) is int and type(s.get("vseg")) is int}
+
+
+def listed_whole(s: dict, size: int) -> bool:
+    """Listed closed, at ``size`` bytes, with no corrupt chunk and no error."""
+    return s.get("closed") is True and type(s.get("length")) is int and s["length"] == size \
+        and not s.get("corrupt") and not s.get("error")
+
+
 class SourceFailed(BackupError):
     """No surviving copy could give the rest of the vseg: the target is not to blame."""
 
@@ -134,12 +148,12 @@ class Rebuilder:
         read (``_check``), as any source's. Returns how many were taken."""
         self.searched[backup] = (self.backups.incarnation(backup),
                                  frozenset((r.log.id, vs.id) for r, vs in orphans))
-        held = {(s.get("vlog"), s.get("vseg")): s for s in segments if isinstance(s, dict)}
+        held = listed(segments)
         n = 0
         for r, vs in orphans:
             s = held.get((r.log.id, vs.id))
-            if s is None or not s.get("closed") or s.get("length") != vs.size or s.get("corrupt") \
-                    or s.get("error") or backup in self.damaged.get(vs, ()) or vs.released:
+            if s is None or not listed_whole(s, vs.size) or backup in self.damaged.get(vs, ()) \
+                    or vs.released:
                 continue
             c = vs.copies.get(backup) or Copy(backup, self.backups.incarnation(backup))
             c.acked, c.closed = vs.size, True
@@ -174,7 +188,7 @@ class Rebuilder:
         length (reads still find its intact chunks there); one not listed at all is dropped.
         A damaged copy of a vseg not frozen yet is remembered, not counted once it freezes.
         Returns how many whole copies were lost."""
-        held = {(s.get("vlog"), s.get("vseg")): s for s in segments if isinstance(s, dict)}
+        held = listed(segments)
         lost = 0
         for r in self.vlogs():
             v = r.log
@@ -189,7 +203,7 @@ class Rebuilder:
                 was = c.closed and c.acked == vs.size and counted
                 if s is None:
                     del vs.copies[backup]
-                elif not s.get("closed") or s.get("length") != vs.size or s.get("corrupt") or s.get("error"):
+                elif not listed_whole(s, vs.size):
                     length = s.get("length")
                     c.acked = min(length, vs.size) if type(length) is int and length >= 0 else 0
                     c.closed = False
@@ -313,14 +327,18 @@ class Rebuilder:
         while True:
             if vs.released:
                 return False
-            if src >= len(sources):
-                raise SourceFailed(f"no copy could give vseg {vs.id} of vlog {r.log.id} from offset {off}")
-            data = await self._read(key, sources[src], vs, off, timeout)
-            if data is None:   # this source is corrupt or failing there: the next one
-                src += 1
-                continue
-            if vs.released:
-                return False
+            if off == vs.size:   # the target said it holds every byte (an answer lost, a copy
+                data = memoryview(b"")   # not counted): the close alone, as the vlog sends one
+            else:
+                if src >= len(sources):
+                    raise SourceFailed(f"no copy could give vseg {vs.id} of vlog {r.log.id} "
+                                       f"from offset {off}")
+                data = await self._read(key, sources[src], vs, off, timeout)
+                if data is None:   # this source is corrupt or failing there: the next one
+                    src += 1
+                    continue
+                if vs.released:
+                    return False
             close = off + len(data) == vs.size
             try:
                 a, _ = await self.pool.call(self.addr_of(target), "replicate", {
