@@ -130,6 +130,8 @@ ACL_CACHE = 4096                  # ACL decisions a connection keeps (a listing 
 INDEX_VSEGS = 256   # vsegs one backup index request may name (a recovery asks that many at a time)
 INDEX_ANSWER = 16 * MiB           # bytes of rows and index chunks one index answer carries (its
 #                                   first vseg's, whatever their size: the others are asked again)
+INDEX_VERIFY = 256 * MiB          # file bytes one verified index answer reads back and checks (past
+#                                   them the rest is put off, "later"), well inside its timeout
 ADOPT_BATCH = 8 * MiB             # bytes of index chunks one adopt request carries, or one if larger
 CHUNK_ROWS_NEWEST = 8 * MiB       # default of the coordinator's --chunk-rows-newest: bytes of each
 #                                   vlog's newest settled vsegs a recovery plans from a row per chunk

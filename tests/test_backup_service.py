@@ -912,6 +912,49 @@ async def test_index_lists_headers_from_memory_and_file_and_refuses_a_damaged_on
                     await pool.call(bk.addr, "index", bad)
 
 
+async def test_a_verified_index_reads_every_body_back_and_refuses_a_rotten_copy(backups):
+    """``index`` asked ``[vlog, vseg, runs, true]`` (a copy a recovery would adopt from alone)
+    reads the copy's bodies back from its file and verifies them first: a flipped bit in a
+    chunk's body, which no header shows and the rows kept since the close do not see, is a
+    ``checksum`` error naming the chunk, the replica is marked corrupt (listed so, indexed no
+    more), nothing stored changes; an intact copy, on file or still in memory, gets the
+    same rows as unverified; a fifth element is refused."""
+    a = chunks_for(40)
+    starts = [sum(map(len, a[:i])) for i in range(len(a))]
+    bk = backups(args=["--fsync", "always"])
+    with trio.fail_after(20):
+        async with open_members() as pool:
+            async def index(vseg, verify):
+                meta, parts = await pool.call(bk.addr, "index", {"broker": 1, "vsegs": [[0, vseg, False, verify]]})
+                (e,) = meta["answers"]
+                data = b"".join(parts) if isinstance(parts, list) else bytes(parts)
+                return e if "error" in e else data
+
+            for vseg in (0, 1):
+                la = await send_all(pool, bk.addr, vseg, a)
+                await replicate(pool, bk.addr, vseg, la, close=True)
+            rows = await index(0, False)
+            assert await index(0, True) == rows   # in memory (verified as it came) or on file
+            await until(lambda: _memory_zero(pool, bk.addr), "memory released")
+            before = (await stats(pool, bk.addr))["verified_bytes"]
+            assert await index(0, True) == rows == await index(1, True)   # read back from the file
+            flip_bits(bk.seg(1, 0, 0), sf.FILE_HEADER_SIZE + starts[23] + chunk.HEADER_SIZE + 3, 1 << 5)
+            rotted = open(bk.seg(1, 0, 0), "rb").read()
+            assert await index(0, False) == rows   # the rows kept since the close: no body read
+            e = await index(0, True)
+            assert e["error"] == "checksum" and f"chunk at {starts[23]} is corrupt" in e["message"]
+            assert (await index(0, False))["error"] == "backup"   # marked corrupt: indexed no more
+            listed, _ = await pool.call(bk.addr, "list", {"broker": 1})
+            (rep,) = [r for r in listed["segments"] if r["vseg"] == 0]
+            assert [c["offset"] for c in rep["corrupt"]] == [starts[23]]
+            assert open(bk.seg(1, 0, 0), "rb").read() == rotted
+            assert await index(1, True) == rows   # the other vseg of the request's kind: served
+            # each read whole three times; the rotten one counts nothing
+            assert (await stats(pool, bk.addr))["verified_bytes"] - before == 3 * la
+            with pytest.raises(InvalidArgument):
+                await pool.call(bk.addr, "index", {"broker": 1, "vsegs": [[0, 1, False, True, True]]})
+
+
 async def test_read_chunks_takes_each_chunk_where_it_is(backups):
     """``read_chunks`` of an evicted segment whose chunks lie below the memory base (in the
     file only), in written bytes still in memory and in bytes not written yet (periodic mode:

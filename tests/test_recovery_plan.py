@@ -19,7 +19,9 @@ from kera.recovery.plan import (
     RecoveryPlan,
     Step,
     Truncated,
+    backup_copies,
 )
+from kera.recovery.repoint import _asked
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -380,6 +382,23 @@ def test_after_a_hand_over_a_vseg_is_adopted_from_its_whole_copies_alone():
     assert plan_of(vsegs).settled(VLOG, any_whole=True) == [(0, [1]), (1, [1]), (2, [1, 2])]
     nowhere = {1: [seg(0, 1000, closed=True, corrupt=[(0, 10)]), seg(1, 800, closed=True)]}
     assert plan_of(nowhere).settled(VLOG, any_whole=True) == []
+
+
+def test_a_settled_vseg_whole_on_fewer_backups_than_its_chunks_need_is_indexed_verified():
+    """Found by the simulator (seed 125905, before the fix): R=3, a vseg never made durable
+    (its other copy's backup crashed) was closed and whole on one backup, where a bit of an
+    unacknowledged chunk's body had flipped. The listing and the headers cannot show it: the
+    segment was adopted naming that copy alone, a chunk nobody can read. A vseg held whole
+    by fewer backups than ``need`` (its chunks' acknowledged copies, R - 1 of the streams')
+    is asked verified (bodies read back first), a rotten copy then refuses it and the
+    replay, which reads every chunk, takes it from there."""
+    assert [backup_copies(rs) for rs in ([3, 3], [1], [2, 3], [], [5])] == [2, 1, 1, 1, 4]
+    listings = {1: [seg(0, 1000, closed=True), seg(1, 800, closed=True)], 2: [seg(0, 1000, closed=True)]}
+    for need, verified in ((1, [False, False]), (2, [True, False]), (3, [True, True])):
+        plan = RecoveryPlan(BROKER, EPOCH, listings, need=need)
+        asked = _asked(plan, {VLOG: plan.settled(VLOG)}, False, 0)
+        assert [(v, s, bs, verify) for v, s, bs, _, verify in asked] == [
+            (VLOG, 1, [1], verified[0]), (VLOG, 0, [1, 2], verified[1])]
 
 
 def test_the_settled_prefix_follows_its_copies_once_a_step_changed_them():

@@ -89,15 +89,21 @@ class ReadBack:
         (missing, open, damaged: the caller asks another copy), or ``{"later": true}`` once
         the answer holds ``limits.INDEX_ANSWER`` bytes (asked again; the first vseg is never put off).
         A vseg asked as ``[vlog, vseg, true]`` gets rows of runs of chunks instead
-        (``index_runs``: ``RUN_COLUMNS`` u64s, the last a count)."""
+        (``index_runs``: ``RUN_COLUMNS`` u64s, the last a count); as ``[vlog, vseg, runs,
+        true]``, its chunks' bodies are read back and verified first (a copy a recovery
+        would adopt from alone: rot in a body shows in no header), and one failing marks the
+        replica corrupt and answers an error."""
         broker, vsegs = meta["broker"], meta["vsegs"]
-        answers, parts, size = [], [], 0
-        for vlog, vseg, *as_runs in vsegs:
-            if size >= limits.INDEX_ANSWER:
+        answers, parts, size, read = [], [], 0, 0
+        for vlog, vseg, *how in vsegs:
+            if size >= limits.INDEX_ANSWER or read >= limits.INDEX_VERIFY:
                 answers.append({"later": True})
                 continue
             try:
-                mine = await self._vseg_index(self.store.get((broker, vlog, vseg)), bool(as_runs and as_runs[0]))
+                rep = self.store.get((broker, vlog, vseg))
+                if len(how) > 1 and how[1]:
+                    read += await self._verify(rep)
+                mine = await self._vseg_index(rep, bool(how and how[0]))
             except KeraError as e:
                 answers.append({"error": e.code, "message": str(e)})
                 continue
@@ -133,6 +139,25 @@ class ReadBack:
                 raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
             parts.append(data)
         return parts
+
+    async def _verify(self, rep: Replica) -> int:
+        """Read back what ``rep`` holds in its file (below its memory base, bounded reads of
+        ``limits.MAX_READ``) and verify every chunk; raise ``ChecksumError`` at the first that
+        fails, marked corrupt. Bytes still in memory were verified as they came. Returns the
+        bytes read."""
+        if not rep.closed or rep.corrupt or rep.damaged:
+            raise BackupError(f"replica {rep.key} is not closed and intact; not indexed")
+        base, at = rep.mem_base, 0
+        while at < base:
+            _, stop, _, _ = rep.plan_read(at, limits.MAX_READ)
+            starts, ends = BackupStore.chunk_bounds(rep, at, stop)
+            _, bad = await self.read_replica(rep, disk.read_verified, rep.path, at, stop, starts, ends)
+            if bad is not None:
+                off, _, reason = self.corrupt(rep, bad)
+                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+            self.counters["verified_bytes"] += stop - at
+            at = stop
+        return at
 
     async def _index_rows(self, rep: Replica) -> bytes:
         """The index rows of a replica that kept none: its headers gathered with one fancy

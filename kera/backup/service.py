@@ -52,7 +52,7 @@ SEGMENTS_DIR = "segments"
 COUNTERS = ("replicate_rpcs", "replicate_entries", "chunks", "bytes_received", "duplicates",
             "bytes_flushed", "fsyncs", "errors", "write_errors", "reads", "bytes_read", "drops",
             "trims", "tiered_reads", "tiered_bytes", "claims", "releases", "scrubbed_bytes",
-            "scrub_passes", "damage")
+            "scrub_passes", "damage", "verified_bytes")
 
 
 class BackupService(Service):

@@ -27,6 +27,8 @@ COUNTERS = {   # counters of the backup service: metric name, help
     "bytes_read": ("bytes_read", "Their bytes"),
     "tiered_reads": ("tiered_reads", "Evicted segments read back for brokers"),
     "scrubbed_bytes": ("scrubbed_bytes", "Bytes read back and verified by the scrubber"),
+    "verified_bytes": ("index_verified_bytes", "Bytes read back and verified before indexing a vseg "
+                       "whole on fewer copies than its chunks need (recoveries)"),
     "scrub_passes": ("scrub_passes", "Scrubbing passes"),
     "damage": ("corrupt_chunks", "Corrupt chunks found on disk"),
 }

@@ -45,7 +45,7 @@ from .. import failpoints
 from ..errors import Unavailable
 from .listing import list_backups
 from .needs import Liveness, MetaStore, RecoveredList
-from .plan import RecoveryPlan
+from .plan import RecoveryPlan, backup_copies
 from .repoint import repoint
 from .state import Recovery
 
@@ -235,7 +235,8 @@ class Adoptions:
                 rs, tops, kafka = pending[(sid, i)]
                 calls.setdefault((m, (broker, epoch)), []).append([sid, i, rs, [], tops, kafka])
             await self.pend(calls)   # again: a new term or a retry starts from the record
-            await self._repoint(broker, epoch, owners, only)
+            await self._repoint(broker, epoch, owners, only,
+                                backup_copies(s.replication for s in live.values()))
             async with trio.open_nursery() as n:
                 for (m, src), entries in calls.items():
                     n.start_soon(self._call, m, "pend", {"source": list(src),
@@ -245,12 +246,13 @@ class Adoptions:
             self.recovered.add(broker, epoch, r["covered"])
         await md.commit()
 
-    async def _repoint(self, broker: int, epoch: int, owners: dict, only: dict) -> None:
-        """The pending groups adopted from the backups' copies, durable and claimed."""
+    async def _repoint(self, broker: int, epoch: int, owners: dict, only: dict, need: int) -> None:
+        """The pending groups adopted from the backups' copies, durable and claimed (``need``:
+        the backup copies their chunks were acknowledged on, ``RecoveryPlan``'s)."""
         backups = self.roster.live("backup")
         listings, floors = await list_backups(self.pool(), backups, broker)
         rec = Recovery(broker, epoch, [])   # repoint's phase timers and counters
-        plan = RecoveryPlan(broker, epoch, listings, [], floors)
+        plan = RecoveryPlan(broker, epoch, listings, [], floors, need)
         got = await repoint(self.pool(), rec, plan, {b.id: b.addr for b in backups}, owners, only=only)
         missing = {(sid, i, g) for (sid, i), gs in only.items() for g in gs} - got.ended
         if missing:

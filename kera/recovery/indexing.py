@@ -108,10 +108,15 @@ def _rows(e: dict, part: memoryview, runs: bool) -> int:
     return rows
 
 
+def _vseg(vlog: int, vseg: int, runs: bool, verify: bool) -> list:
+    """How a vseg is named in an ``index`` request: [vlog, vseg, runs of chunks?, verified?]."""
+    return [vlog, vseg, runs, True] if verify else [vlog, vseg, True] if runs else [vlog, vseg]
+
+
 async def _ask(pool, addr: str, broker: int, batch: list) -> tuple[list, memoryview]:
     """One ``index`` call for ``batch``: one answer per vseg asked, and the payload."""
     meta, payload = await pool.call(addr, "index", {
-        "broker": broker, "vsegs": [[v, s, True] if runs else [v, s] for v, s, runs, _ in batch]},
+        "broker": broker, "vsegs": [_vseg(v, s, runs, verify) for v, s, runs, verify, _ in batch]},
         timeout=INDEX_TIMEOUT)
     data = memoryview(b"".join(payload) if isinstance(payload, list) else bytes(payload))
     entries = meta["answers"]
@@ -129,9 +134,9 @@ async def _ask_backup(pool, broker: int, b: int, addrs: dict, items: list, faile
         try:
             entries, data = await _ask(pool, addrs[b], broker, batch)
         except InvalidArgument as e:
-            if any(runs for _, _, runs, _ in batch):   # a backup that answers no runs: per chunk
+            if any(runs for _, _, runs, _, _ in batch):   # a backup that answers no runs: per chunk
                 log.info("index of %d vsegs on backup %d: %s; asking for chunks' rows", len(batch), b, e)
-                items = [(v, s, False, rest) for v, s, _, rest in batch] + items
+                items = [(v, s, False, verify, rest) for v, s, _, verify, rest in batch] + items
                 continue
             log.warning("index of %d vsegs on backup %d: %s", len(batch), b, e)
             failed += batch
@@ -143,7 +148,7 @@ async def _ask_backup(pool, broker: int, b: int, addrs: dict, items: list, faile
         at = 0
         plain: tuple[list, list] = ([], [])   # (item, its rows): answers without index chunks
         for i, (item, e) in enumerate(zip(batch, entries, strict=True)):
-            vlog, vseg, runs, _ = item
+            vlog, vseg, runs, *_ = item
             try:
                 part = _part(e, i == 0, data, at)
                 if part is None:
@@ -164,16 +169,17 @@ async def _ask_backup(pool, broker: int, b: int, addrs: dict, items: list, faile
 
 async def index(pool, broker: int, addrs: dict, vsegs: list):
     """Ask the backups for the index of ``vsegs`` ([(vlog, vseg, backups holding it whole,
-    as runs of chunks or not)]): each of one of its copies' backups (spread over them), in
+    as runs of chunks or not, bodies verified first or not)]): each of one of its copies'
+    backups (spread over them), in
     batches; one that fails there is asked of its next copy, in the next round. Returns the
     rows (arrays of (n, COLUMNS)), the index chunks by (vlog, vseg, offset), and per vlog the
     first vseg no copy could index."""
     got = _Gathered()
     cut: dict[int, int] = {}
     todo: dict[int, list] = {}
-    for vlog, vseg, backups, runs in vsegs:
+    for vlog, vseg, backups, runs, verify in vsegs:
         k = vseg % len(backups)
-        todo.setdefault(backups[k], []).append((vlog, vseg, runs, backups[k + 1:] + backups[:k]))
+        todo.setdefault(backups[k], []).append((vlog, vseg, runs, verify, backups[k + 1:] + backups[:k]))
     while todo:
         failed: dict[int, list] = {}
         async with trio.open_nursery() as n:
@@ -182,9 +188,9 @@ async def index(pool, broker: int, addrs: dict, vsegs: list):
                 n.start_soon(_ask_backup, pool, broker, b, addrs, items, failed[b], got)
         todo = {}
         for items in failed.values():
-            for vlog, vseg, runs, rest in items:
+            for vlog, vseg, runs, verify, rest in items:
                 if rest:
-                    todo.setdefault(rest[0], []).append((vlog, vseg, runs, rest[1:]))
+                    todo.setdefault(rest[0], []).append((vlog, vseg, runs, verify, rest[1:]))
                 else:
                     cut[vlog] = min(cut.get(vlog, vseg), vseg)
     return got.answers, got.indexes, cut

@@ -72,6 +72,7 @@ from .plan import (
     RecoveryPlan,
     Step,
     Truncated,
+    backup_copies,
 )
 from .repoint import repoint
 from .routes import pack_routes
@@ -220,12 +221,6 @@ class RecoveryManager:
                 await trio.sleep(0)
         return out
 
-    @staticmethod
-    def _need(streams: dict) -> int:
-        """Backup copies of the incarnation's least replicated vlog: of its streams' (vlogs
-        never mix replication factors), those of streamlets it still owns."""
-        return min((max(1, s.replication - 1) for s in streams.values()), default=1)
-
     def _prove(self, rec: Recovery, backups: list, need: int) -> None:
         """Raise ``BackupsAwaited`` unless the live ``backups`` hold a copy of every chunk the
         incarnation had acknowledged (see the module doc); past the grace, note on ``rec``
@@ -248,7 +243,7 @@ class RecoveryManager:
         md, members = self.metadata, self.roster.members
         backups = self.roster.live("backup")
         streams = await self._streams(rec)
-        self._prove(rec, backups, self._need(streams))
+        self._prove(rec, backups, backup_copies(s.replication for s in streams.values()))
         # 1. fence the dead incarnation everywhere it could still write
         with rec.phase("fence"):
             md.fence(rec.broker, rec.epoch)
@@ -341,7 +336,8 @@ class RecoveryManager:
             listings, floors = await list_backups(self.pool(), backups, rec.broker)
         addrs = {b.id: b.addr for b in backups}
         with rec.phase("plan"):
-            replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors)
+            replay_plan = RecoveryPlan(rec.broker, rec.epoch, listings, self._durable_vlogs(rec), floors,
+                                       backup_copies(s.replication for s in streams.values()))
         rows, owners = [], {}
         for k, ((n, i), m) in enumerate(plan.items()):
             sid = streams[n].id

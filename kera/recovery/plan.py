@@ -49,6 +49,12 @@ REFUSED = "refused"  # the new owner refused the chunk: a hole in its group befo
 REASONS = (END, CORRUPT, FAILED, REFUSED)
 
 
+def backup_copies(replications: Iterable[int]) -> int:
+    """The backup copies a chunk of an incarnation's vlogs was acknowledged on, from its
+    streams' replication factors: its least replicated vlog's (vlogs never mix factors)."""
+    return min((max(1, r - 1) for r in replications), default=1)
+
+
 class PlanError(ValueError):
     """The driver broke the protocol (a step reported that was not given out)."""
 
@@ -187,11 +193,17 @@ class RecoveryPlan:
     """The replay plan of one dead incarnation (broker, epoch), all of its vlogs."""
 
     def __init__(self, broker: int, epoch: int, listings: Mapping[int, Iterable[dict] | Listing],
-                 expected: Iterable[int] = (), floors: Mapping[int, int] | None = None):
+                 expected: Iterable[int] = (), floors: Mapping[int, int] | None = None,
+                 need: int = 1):
         """``expected``: vlogs known to hold durable chunks (the broker said so while alive);
         one that no backup listed has lost everything, rather than never existed.
-        ``floors``: per vlog, the vsegs below it were released (retention), not lost."""
-        self.broker, self.epoch = broker, epoch
+        ``floors``: per vlog, the vsegs below it were released (retention), not lost.
+        ``need``: the backup copies a chunk is acknowledged on (R - 1); a settled vseg with
+        fewer whole copies is indexed only once its bodies are read and verified
+        (``kera.recovery.indexing``): rot a listing cannot show (a flipped bit in a chunk's
+        body) may sit in its one copy, where an adopted segment would name a chunk nobody
+        can read."""
+        self.broker, self.epoch, self.need = broker, epoch, need
         floors = {v: f for v, f in (floors or {}).items() if vlog_epoch(v) == epoch and f > 0}
         self._vlogs: dict[int, _Vlog] = {v: _Vlog(v, {}) for v in expected if vlog_epoch(v) == epoch}
         for v, f in floors.items():

@@ -98,8 +98,9 @@ class _Decided:
 
 def _asked(plan: RecoveryPlan, settled: dict, runs: bool, newest: int) -> list:
     """The settled vsegs to index, newest first in each vlog: (vlog, vseg, backups holding it
-    whole, as runs of chunks or not). A recovery (``runs``) plans the older history from runs
-    of chunks (a row per run, ``index_runs``): its groups are closed, adopted after the
+    whole, as runs of chunks or not, verified or not: held whole by fewer backups than
+    ``plan.need``, its bodies are read and checked first). A recovery (``runs``) plans the
+    older history from runs of chunks (a row per run, ``index_runs``): its groups are closed, adopted after the
     hand-over. The segments it adopts before the replay (groups the replay continues, mostly
     in the newest ``newest`` bytes) need their chunks' own rows (their index chunks name
     every chunk): asked again where only runs came. The adoption after a hand-over builds
@@ -108,7 +109,7 @@ def _asked(plan: RecoveryPlan, settled: dict, runs: bool, newest: int) -> list:
     for vlog, vsegs in settled.items():
         below = 0   # bytes of the vlog's settled vsegs newer than this one
         for vseg, backups in reversed(vsegs):
-            items.append((vlog, vseg, backups, runs and below >= newest))
+            items.append((vlog, vseg, backups, runs and below >= newest, len(backups) < plan.need))
             below += plan.vseg_length(vlog, vseg)
     return items
 
@@ -243,7 +244,9 @@ async def _chunk_rows(pool, broker: int, addrs: dict, runs: list, whole: dict) -
     need = sorted(set(map(tuple, at.tolist())))
     try:
         await failpoints.hit("repoint.chunk_rows", broker)
-        answers, _, short = await index(pool, broker, addrs, [(v, s, list(whole[v][s]), False) for v, s in need])
+        # verified already, if they had to be, by the first round
+        answers, _, short = await index(pool, broker, addrs,
+                                        [(v, s, list(whole[v][s]), False, False) for v, s in need])
     except failpoints.FailpointError as e:   # as if no copy answered
         log.warning("chunks' rows of %d vsegs: %s", len(need), e)
         answers, short = [], {}

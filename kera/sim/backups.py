@@ -92,16 +92,17 @@ class SimBackup:
                         "checksum": None})
         return out
 
-    def index(self, vlog: int, vseg: int, rows_of) -> np.ndarray | None:
+    def index(self, vlog: int, vseg: int, rows_of, verify: bool = False) -> np.ndarray | None:
         """The index rows of a closed, intact copy; None when the backup refuses it, as the real
         ``index`` does: missing, not closed, known corrupt, or a header found rotten (then
         marked corrupt) when the copy was reloaded from its file; rows kept since the close
-        are not checked again, so rot in a copy never reloaded is found only when read."""
+        are not checked again, so rot in a copy never reloaded is found only when read, or
+        when the index is asked ``verify`` (every body read back: a flip found is marked)."""
         rep = self.replicas.get((BROKER, vlog, vseg))
         if rep is None or not rep.closed or rep.known_bad:
             return None
-        if rep.reloaded and rep.headers:
-            rep.known_bad |= rep.headers
+        if rep.reloaded and rep.headers or verify and rep.bad:
+            rep.known_bad |= rep.headers if not verify else rep.bad
             return None
         return rows_of(vlog, vseg, [cid for cid, _ in rep.chunks], rep.ends)
 

@@ -3,8 +3,9 @@
 The coordinator's part of ``kera.recovery.repoint`` over simulated backups: each vseg
 of a vlog's settled prefix (``RecoveryPlan.settled``) is indexed by one of
 its whole copies, asked in the coordinator's order, the next one when a copy
-refuses (not closed, known corrupt, or rot found reading a reloaded file's
-headers); the prefix ends at a vseg no copy indexes. The real
+refuses (not closed, known corrupt, rot found reading a reloaded file's
+headers, or in a body read back: a vseg whole on fewer copies than its chunks
+need is asked verified); the prefix ends at a vseg no copy indexes. The real
 ``plan_repoint`` decides, ``RecoveryPlan.skip`` drops the vsegs it names and
 the replay leaves out chunks below ``replay_from``. ``check`` holds what the
 new owners end with to the invariants (see ``World._recover``), among them
@@ -43,7 +44,7 @@ def repoint(plan: RecoveryPlan, backups: dict, rows_of, replayed: frozenset,
             k = vseg % len(copies)
             rows = None
             for b in copies[k:] + copies[:k]:
-                if (rows := backups[b].index(vlog, vseg, rows_of)) is not None:
+                if (rows := backups[b].index(vlog, vseg, rows_of, len(copies) < plan.need)) is not None:
                     break
                 stats["index_refused"] += 1
             if rows is None:

@@ -285,7 +285,7 @@ class World:
         backups, and check what the new owners end with (``repointing.check``)."""
         ids = {v.id for v in self.vlogs}
         listings = {b.id: b.listing(ids) for b in self.backups.values() if b.up}
-        plan = RecoveryPlan(BROKER, EPOCH, listings)
+        plan = RecoveryPlan(BROKER, EPOCH, listings, need=self.vlogs[0].need)
         h = self._headers = np.zeros((len(self.chunks), cols.COLUMNS), np.uint64)
         h[:, [cols.VLOG, cols.VSEG, cols.VOFF, cols.SIZE, cols.STREAMLET, cols.GROUP, cols.SEGMENT, cols.OFFSET,
               cols.PRODUCER, cols.SEQUENCE, cols.FLAGS]] = [

@@ -293,7 +293,7 @@ BACKUP_RPCS = named({
     "stats": Rpc(Client("describe")),
     "read_chunks": Rpc(Members(BROKER), {**REPLICA, "ranges": ListOf(PAIR, MANY, 1)}),
     "index": Rpc(Members(COORDINATOR), {
-        "broker": UINT, "vsegs": ListOf(Tuple(UINT, UINT, BOOL, least=2), limits.INDEX_VSEGS, 1)}),
+        "broker": UINT, "vsegs": ListOf(Tuple(UINT, UINT, BOOL, BOOL, least=2), limits.INDEX_VSEGS, 1)}),
     "read": Rpc(Members(COORDINATOR, BROKER), {**REPLICA, "offset?": UINT, "max_bytes?": UINT}),
     "replay": Rpc(Members(COORDINATOR), {
         **REPLICA, "offset?": UINT, "owners": ListOf(Tuple(ADDR, UINT), MANY),   # routes: payload
