@@ -701,6 +701,38 @@ def test_a_whole_copy_the_vlog_does_not_know_of_is_the_source_once_the_known_one
           f"read back")
 
 
+def test_a_recovery_verifies_the_one_live_copy_it_adopts_from(make_cluster):
+    """The backup holding the most frozen copies and the owner are killed -9 at once: the
+    frozen vsegs it held are whole on one live backup only, fewer than their chunks were
+    acknowledged on, so the recovery's index of each reads that copy's bodies back and
+    verifies them before adopting from it (``kera_backup_index_verified_bytes_total``);
+    nothing is lost and every record reads back once, in order."""
+    h = FrozenHistory(make_cluster)
+    c, n = h.c, h.n
+
+    async def main():
+        await h.start()
+        first = _most(h.frozen.values())
+        alone = [k for k, cs in h.frozen.items() if first in cs]
+        c.kill(h.names[first])
+        c.kill(next(name for name, addr in c.addrs.items() if addr == h.owner))
+        rec = await wait_recovered(c, h.s, timeout=90, dead=h.id)
+        got = (await read_all(c.coordinator, ["big"], idle=15.0, want=n))["big"]
+        async with open_pool() as pool:
+            verified = [(await pool.call(c.addrs[name], "stats", {}))[0]["verified_bytes"]
+                        for b, name in h.names.items() if b != first]
+        return alone, rec, got, verified
+
+    alone, rec, got, verified = trio.run(main)
+    assert alone and not rec["lost"], rec
+    assert rec["adopted_segments"] > 0, rec
+    assert sum(verified) >= len(alone) * MiB // 2, verified   # 1 MiB vsegs, most of each on file
+    assert (got == np.arange(n, dtype=np.uint64)).all(), "not every record, once, in order"
+    print(f"\n{len(alone)} frozen vsegs left on one live copy; the recovery verified "
+          f"{sum(verified) / MiB:.1f} MiB of them, adopted {rec['adopted_segments']} segments; "
+          f"{len(got)} records read back")
+
+
 def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
     """The surviving copy of a frozen vseg has a chunk rotten on disk when the other copy's
     backup is killed -9: no copy is made of it (the backup's read stops at the bad chunk, a
