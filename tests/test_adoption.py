@@ -74,7 +74,7 @@ def _adoptions() -> Adoptions:
 
     def put(path, v):
         meta[path[0]][path[1]] = v
-    streams = _Streams(s=SimpleNamespace(id=1, groups=4))
+    streams = _Streams(s=SimpleNamespace(id=1, groups=4, replication=3))
     return Adoptions(roster=None, metadata=SimpleNamespace(state=meta, set=put, streams=streams),
                      recovered=None, pool=None)
 

@@ -170,10 +170,9 @@ async def _ask_backup(pool, broker: int, b: int, addrs: dict, items: list, faile
 async def index(pool, broker: int, addrs: dict, vsegs: list):
     """Ask the backups for the index of ``vsegs`` ([(vlog, vseg, backups holding it whole,
     as runs of chunks or not, bodies verified first or not)]): each of one of its copies'
-    backups (spread over them), in
-    batches; one that fails there is asked of its next copy, in the next round. Returns the
-    rows (arrays of (n, COLUMNS)), the index chunks by (vlog, vseg, offset), and per vlog the
-    first vseg no copy could index."""
+    backups (spread over them), in batches; one that fails there is asked of its next copy,
+    in the next round. Returns the rows (arrays of (n, COLUMNS)), the index chunks by (vlog,
+    vseg, offset), and per vlog the first vseg no copy could index."""
     got = _Gathered()
     cut: dict[int, int] = {}
     todo: dict[int, list] = {}
