@@ -23,6 +23,7 @@ from kera_client import open_admin, open_consumer, open_producer
 
 from kera import chunk
 from kera.backup.segment_file import file_name
+from kera.broker.memory import LOW_WATER
 from kera.errors import Fenced, InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
 from kera.recovery.state import PHASES
 from kera.rpc import open_pool
@@ -552,14 +553,20 @@ class FrozenHistory:
         await produce(c.coordinator, "big", self.n, step=2000)
         self.owner = self.s.addrs[0]
 
-        async def evicted():
-            return (await self.broker("stats"))["evicted_bytes"] >= self.history // 2
+        async def settled():
+            """The vsegs once eviction is over (memory under the budget's low-water mark, so
+            nothing more is evicted) and every frozen vseg is closed: no vseg freezes or
+            closes later with copies the test did not count."""
+            st = await self.broker("stats")
+            vsegs = (await self.broker("vsegs"))["vsegs"]
+            return st["evicted_bytes"] >= self.history // 2 and \
+                st["memory"] <= LOW_WATER * st["memory_limit"] and \
+                all(done for _, _, _, done, _, _, fz in vsegs if fz) and vsegs
 
-        await wait_for(evicted, "the owner to evict half the history")
+        vsegs = await wait_for(settled, "the owner to evict half the history, and settle")
         self.id = (await self.broker("stats"))["broker"]
         # frozen vseg -> the backups holding it, and its (length, checksum) as they list it
-        self.frozen = {(v, i): set(copies) for v, i, _, done, copies, _, fz in
-                       (await self.broker("vsegs"))["vsegs"] if done and fz}
+        self.frozen = {(v, i): set(copies) for v, i, _, done, copies, _, fz in vsegs if fz}
         self.sums = {(sg["vlog"], sg["vseg"]): (sg["length"], sg["checksum"])
                      for segs in (await backup_listings(c)).values() for sg in segs
                      if sg["broker"] == self.id and sg["closed"]}
@@ -760,12 +767,18 @@ def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
         listed = await backup_listings(c)
         copies = [(bid, sg) for bid, segs in listed.items() for sg in segs
                   if sg["broker"] == h.id and (sg["vlog"], sg["vseg"]) == bad]
-        return st, copies, survivor, await h.status()
+        got = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
+        return st, copies, survivor, await h.status(), got
 
-    st, copies, survivor, status = trio.run(main)
+    st, copies, survivor, status, got = trio.run(main)
     assert all(not sg["closed"] for bid, sg in copies if bid != survivor), copies  # a prefix at most
     assert [sg["corrupt"] for bid, sg in copies if bid == survivor][0], copies
     assert "short of copies=1" in status, status
+    # the records before the rotten chunk read back; a pull reaching it is refused with a
+    # typed error (no copy could be read), never an internal one
+    assert 0 < len(got) < h.n and (got == np.arange(len(got), dtype=np.uint64)).all()
+    owner = c.log(next(name for name, addr in c.addrs.items() if addr == h.owner))
+    assert "reading evicted segment" in owner and "internal error" not in owner
     print(f"\n{st['rebuilt']} copies made again, {st['rebuild_failures']} failed tries of the corrupt one")
 
 

@@ -22,6 +22,7 @@ import trio
 from .. import limits
 from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering, Unauthorized
 from ..position import DONE, unpack
+from ..rpc import unwrapped
 from ..security.mechanisms import CLIENT
 from .pull_sessions import PullSession, PullSessions
 from .streamlet import Streamlet
@@ -251,14 +252,16 @@ class Pulls:
         return entries, parts, errors, moved
 
     async def _read_evicted(self, parts: list) -> list:
-        """The parts of evicted segments, fetched from the backups (segments in parallel)."""
+        """The parts of evicted segments, fetched from the backups (segments in parallel); one
+        that cannot be read fails the pull with its typed error (``BackupError``), the reader
+        asks again."""
         need = {p[0]: p[1] for p in parts if isinstance(p, tuple)}
         got: dict = {}
 
         async def one(seg, gid):
             got[seg] = await self.broker.tiered.segment(seg, gid)
 
-        async with trio.open_nursery() as n:
+        async with unwrapped(), trio.open_nursery() as n:
             for seg, gid in need.items():
                 n.start_soon(one, seg, gid)
         return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]

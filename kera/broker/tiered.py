@@ -20,6 +20,7 @@ import trio
 
 from .. import chunk as chunkfmt
 from ..errors import BackupError, ChecksumError, KeraError, ProtocolError, Unavailable
+from ..rpc import unwrapped
 
 log = logging.getLogger("kera.broker")
 
@@ -56,7 +57,7 @@ class TieredReader:
                 runs.append((by_id[vid], []))
             runs[-1][1].append((voff, end - start, start))
             start = end
-        async with trio.open_nursery() as n:
+        async with unwrapped(), trio.open_nursery() as n:   # a copy none can read: typed
             for vs, chunks in runs:
                 n.start_soon(self._fetch, seg, group, vs, chunks, buf)
         self.reads += 1
