@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 import trio
 from kera_client import open_admin, open_consumer, open_producer
+from kio.schema.errors import ErrorCode
 
 from kera import chunk
 from kera.backup.segment_file import file_name
 from kera.broker.memory import LOW_WATER
 from kera.errors import Fenced, InvalidArgument, NotOwner, OutOfRange, ProtocolError, Unavailable
+from kera.process import free_ports
 from kera.recovery.state import PHASES
 from kera.rpc import open_pool
 
@@ -541,9 +543,9 @@ class FrozenHistory:
     budget, history = 8 * MiB, 24 * MiB
     n = history // SIZE
 
-    def __init__(self, make_cluster, backup_args=()):
+    def __init__(self, make_cluster, backup_args=(), kafka: bool = False):
         self.c = make_cluster(4, broker_args=["--memory", str(self.budget), "--vseg-size", str(1 * MiB)],
-                              backup_args=list(backup_args))
+                              backup_args=list(backup_args), kafka_port=free_ports(4) if kafka else None)
 
     async def start(self) -> None:
         c = self.c
@@ -745,8 +747,10 @@ def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
     backup is killed -9: no copy is made of it (the backup's read stops at the bad chunk, a
     new copy is never closed), the vseg is reported short of copies (broker stats, ``kera
     status``), the bad chunk is marked on the survivor, and every other frozen vseg the dead
-    backup held is copied again."""
-    h = FrozenHistory(make_cluster)
+    backup held is copied again. A reader gets the records before the bad chunk, and every
+    record of another stream read in the same pulls; a Kafka Fetch of both is told
+    ``KAFKA_STORAGE_ERROR`` for that partition and gets the other's batches."""
+    h = FrozenHistory(make_cluster, kafka=True)
     c = h.c
 
     async def main():
@@ -767,19 +771,56 @@ def test_a_frozen_vseg_is_not_copied_from_a_corrupt_survivor(make_cluster):
         listed = await backup_listings(c)
         copies = [(bid, sg) for bid, segs in listed.items() for sg in segs
                   if sg["broker"] == h.id and (sg["vlog"], sg["vseg"]) == bad]
-        got = (await read_all(c.coordinator, ["big"], idle=2.0))["big"]
-        return st, copies, survivor, await h.status(), got
+        # a stream with a streamlet on the same broker, read in the same pulls as "big"
+        async with open_admin(c.coordinator) as a:
+            small = await a.create_stream("small", streamlets=8, replication=3)
+        assert h.owner in small.addrs, small.addrs
+        await produce(c.coordinator, "small", 4000, step=4000)
+        got = await read_all(c.coordinator, ["big", "small"], idle=3.0)
+        # one pull of both from their start, its budget past the rotten chunk
+        mine = small.addrs.index(h.owner)
+        async with open_pool() as pool:
+            one, _ = await pool.call(h.owner, "pull", {"streamlets": [[h.s.id, 0, 0, {}], [small.id, mine, 0, {}]],
+                                                       "max_bytes": 32 * MiB})
+        node = int(next(name for name, addr in c.addrs.items() if addr == h.owner)[4:].split("-")[0])
+        fetched = await trio.to_thread.run_sync(_fetch_both, f"127.0.0.1:{c.kafka_port + node - 1}", mine)
+        return st, copies, survivor, await h.status(), got["big"], got["small"], one, small.id, fetched
 
-    st, copies, survivor, status, got = trio.run(main)
+    st, copies, survivor, status, got, small, one, small_id, fetched = trio.run(main)
     assert all(not sg["closed"] for bid, sg in copies if bid != survivor), copies  # a prefix at most
     assert [sg["corrupt"] for bid, sg in copies if bid == survivor][0], copies
     assert "short of copies=1" in status, status
-    # the records before the rotten chunk read back; a pull reaching it is refused with a
-    # typed error (no copy could be read), never an internal one
+    # the records before the rotten chunk read back; a pull reaching it refuses that
+    # streamlet with a typed error (no copy could be read), never an internal one, and
+    # serves the other streamlets it reads ("small"'s on the same broker)
     assert 0 < len(got) < h.n and (got == np.arange(len(got), dtype=np.uint64)).all()
+    assert sorted(small.tolist()) == list(range(4000))
+    assert one["errors"] == [[h.s.id, 0, "backup"]], one["errors"]
+    assert {e[0] for e in one["entries"]} == {small_id} and sum(e[5] for e in one["entries"]) > 0
+    assert fetched == {"big": (ErrorCode.kafka_storage_error, 0), "small": (ErrorCode.none, True)}, fetched
     owner = c.log(next(name for name, addr in c.addrs.items() if addr == h.owner))
     assert "reading evicted segment" in owner and "internal error" not in owner
     print(f"\n{st['rebuilt']} copies made again, {st['rebuild_failures']} failed tries of the corrupt one")
+
+
+def _fetch_both(addr: str, mine: int) -> dict:
+    """A Kafka Fetch (v12) of "big" partition 0 and "small" partition ``mine`` from their start,
+    at broker ``addr``: per topic (error code, records' bytes or whether there were any)."""
+    from kera.kafka import versions
+
+    from .test_kafka import _call, _sock
+    req = versions.make(versions.request_class(1, 12), replica_id=-1, max_wait=0, min_bytes=1,
+                        max_bytes=32 * MiB, session_epoch=-1, topics=[
+                            {"topic": t, "partitions": [{"partition": p, "fetch_offset": 0,
+                                                         "partition_max_bytes": 32 * MiB}]}
+                            for t, p in (("big", 0), ("small", mine))])
+    r = _call(_sock(addr), 1, 12, 1, req)
+    out = {}
+    for t in r.responses:
+        (p,) = t.partitions
+        n = len(p.records or b"")
+        out[t.topic] = (p.error_code, n if p.error_code != ErrorCode.none else n > 0)
+    return out
 
 
 def test_a_restarted_backup_holding_a_short_frozen_copy_gets_it_made_again(make_cluster):

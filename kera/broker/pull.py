@@ -22,7 +22,6 @@ import trio
 from .. import limits
 from ..errors import InvalidArgument, KeraError, OutOfRange, Recovering, Unauthorized
 from ..position import DONE, unpack
-from ..rpc import unwrapped
 from ..security.mechanisms import CLIENT
 from .pull_sessions import PullSession, PullSessions
 from .streamlet import Streamlet
@@ -79,7 +78,7 @@ class Pulls:
             entries, parts, errors, moved = self._collect(reqs, max_bytes, peer)
             if parts or errors or moved or trio.current_time() >= deadline:
                 if any(isinstance(p, tuple) for p in parts):
-                    parts = await self._read_evicted(parts)
+                    entries, parts = await self._read_evicted(entries, parts, errors)
                 return {"entries": _shaped(entries, meta.get("columns")), "errors": errors}, parts
             with trio.move_on_at(deadline):
                 await event.wait()
@@ -112,7 +111,7 @@ class Pulls:
             if parts or errors or more or trio.current_time() >= deadline:
                 s.epoch += 1   # before any wait: an answer that never goes out is read again
                 if any(isinstance(p, tuple) for p in parts):
-                    parts = await self._read_evicted(parts)
+                    entries, parts = await self._read_evicted(entries, parts, errors, s)
                 return {"session": s.id, "epoch": s.epoch, "errors": errors,
                         "entries": _shaped(entries, meta.get("columns"))}, parts
             with trio.move_on_at(deadline):
@@ -251,20 +250,28 @@ class Pulls:
             budget -= sum(e[3] for e in got)
         return entries, parts, errors, moved
 
-    async def _read_evicted(self, parts: list) -> list:
-        """The parts of evicted segments, fetched from the backups (segments in parallel); one
-        that cannot be read fails the pull with its typed error (``BackupError``), the reader
-        asks again."""
+    async def _read_evicted(self, entries: list, parts: list, errors: list,
+                            s: PullSession | None = None) -> tuple[list, list]:
+        """The entries and parts of a pull with its evicted segments' parts fetched from the
+        backups (segments in parallel). A streamlet one of whose segments no copy can be
+        read leaves the answer (and the session) with its error, ``BackupError``: its reader
+        asks again; the other streamlets are served."""
         need = {p[0]: p[1] for p in parts if isinstance(p, tuple)}
         got: dict = {}
+        failed: dict = {}
 
         async def one(seg, gid):
-            got[seg] = await self.broker.tiered.segment(seg, gid)
+            try:
+                got[seg] = await self.broker.tiered.segment(seg, gid)
+            except KeraError as e:
+                failed[seg] = e
 
-        async with unwrapped(), trio.open_nursery() as n:
+        async with trio.open_nursery() as n:
             for seg, gid in need.items():
                 n.start_soon(one, seg, gid)
-        return [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
+        if failed:
+            entries, parts = _without(entries, parts, failed, errors, s)
+        return entries, [got[p[0]][p[2]:p[2] + p[3]] if isinstance(p, tuple) else p for p in parts]
 
     def offsets(self, meta, payload, peer):
         """Latest durable positions of streamlets (at most ``MAX_PULL_STREAMLETS``): where a
@@ -358,3 +365,21 @@ def _after(low: int, positions: dict, got: list) -> tuple[int, dict]:
         del groups[low]
         low += 1
     return low, groups
+
+
+def _without(entries: list, parts: list, failed: dict, errors: list, s: PullSession | None) -> tuple[list, list]:
+    """``entries`` and ``parts`` (one per entry carrying bytes) without the streamlets one of
+    whose parts lies in a segment of ``failed`` (segment -> its error), each of those noted
+    in ``errors`` and dropped from the session ``s``, as any streamlet that fails."""
+    bad: dict = {}
+    it = iter(parts)
+    shares = [next(it) if e[5] else None for e in entries]
+    for e, p in zip(entries, shares, strict=True):
+        if type(p) is tuple and p[0] in failed:
+            bad.setdefault((e[0], e[1]), failed[p[0]])
+    kept = [(e, p) for e, p in zip(entries, shares, strict=True) if (e[0], e[1]) not in bad]
+    for (sid, index), err in bad.items():
+        errors.append([sid, index, err.code])
+        if s is not None:
+            s.drop((sid, index))
+    return [e for e, _ in kept], [p for _, p in kept if p is not None]

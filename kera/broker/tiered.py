@@ -20,7 +20,6 @@ import trio
 
 from .. import chunk as chunkfmt
 from ..errors import BackupError, ChecksumError, KeraError, ProtocolError, Unavailable
-from ..rpc import unwrapped
 
 log = logging.getLogger("kera.broker")
 
@@ -57,9 +56,12 @@ class TieredReader:
                 runs.append((by_id[vid], []))
             runs[-1][1].append((voff, end - start, start))
             start = end
-        async with unwrapped(), trio.open_nursery() as n:   # a copy none can read: typed
+        failed: list[BackupError] = []
+        async with trio.open_nursery() as n:
             for vs, chunks in runs:
-                n.start_soon(self._fetch, seg, group, vs, chunks, buf)
+                n.start_soon(self._fetch, seg, group, vs, chunks, buf, failed)
+        if failed:   # a vseg no copy of which could be read (the others were read meanwhile)
+            raise failed[0]
         self.reads += 1
         self.bytes += seg.head
         self.seconds += trio.current_time() - t0
@@ -77,7 +79,9 @@ class TieredReader:
         if data is not None:
             self.cached -= len(data)
 
-    async def _fetch(self, seg, group: int, vs, chunks: list, buf: bytearray) -> None:
+    async def _fetch(self, seg, group: int, vs, chunks: list, buf: bytearray, failed: list) -> None:
+        """``chunks`` of ``vs`` into ``buf``, from the first copy that serves them all
+        verified; if none does, a ``BackupError`` saying why each failed goes to ``failed``."""
         errors = []
         for backup in sorted(vs.copies) or [None]:
             if backup is None:
@@ -100,8 +104,8 @@ class TieredReader:
                 errors.append(f"backup {backup}: {e}")
                 log.warning("reading evicted segment %d (vlog %d vseg %d) from backup %s: %s",
                             seg.id, seg.vlog.id, vs.id, backup, e)
-        raise BackupError(f"no copy of vlog {seg.vlog.id} vseg {vs.id} could be read: "
-                          f"{'; '.join(errors) or 'no copies left'}")
+        failed.append(BackupError(f"no copy of vlog {seg.vlog.id} vseg {vs.id} could be read: "
+                                  f"{'; '.join(errors) or 'no copies left'}"))
 
     @staticmethod
     def _place(seg, group: int, chunks: list, payload: memoryview, buf: bytearray) -> None:

@@ -5,7 +5,9 @@ holds them: what kera's consumers read up to). A Fetch finds its offset's chunk 
 partition's ``OffsetLog`` and answers whole batches from there: a Kafka producer's chunk
 as the batch it holds (a view of the segment, never copied), a kera producer's chunk
 converted (``convert.to_batch``); chunks of segments evicted under the memory budget are
-read back from a backup first, as kera's pull reads them. It waits up to ``max_wait_ms``
+read back from a backup first, as kera's pull reads them (a partition no copy of whose
+batches can be read is ``KAFKA_STORAGE_ERROR``, retriable; the others are answered). It
+waits up to ``max_wait_ms``
 for ``min_bytes``; it answers at most ``max_bytes`` and each partition's
 ``partition_max_bytes``, but always the first batch (Kafka's KIP-74). An offset below
 the log start or past the log end is ``OFFSET_OUT_OF_RANGE``; one between the high
@@ -14,6 +16,7 @@ watermark and the log end waits, as Kafka's does.
 
 from __future__ import annotations
 
+import logging
 import struct
 
 import numpy as np
@@ -21,10 +24,13 @@ import trio
 from kio.schema.errors import ErrorCode
 
 from .. import chunk
+from ..errors import KeraError
 from ..names import is_internal
 from . import convert
 from .framing import Records
 from .produce import _held
+
+log = logging.getLogger("kera.kafka")
 
 MAX_WAIT = 30.0
 LATEST, EARLIEST, MAX_TIMESTAMP = -1, -2, -3
@@ -147,7 +153,11 @@ async def _fetch(gw, conn, req, version):
         for r in t["partitions"]:
             if r["records"] is not None:
                 counts["fetch_batches"] += len(r["records"])
-                r["records"] = Records(await _bytes(broker, r["records"]))
+                try:
+                    r["records"] = Records(await _bytes(broker, r["records"]))
+                except KeraError as e:   # evicted batches no copy of which could be read
+                    log.warning("Fetch of %s partition %d: %s", t["topic"], r["partition_index"], e)
+                    r["error_code"], r["records"] = ErrorCode.kafka_storage_error, Records([])
             else:
                 r["records"] = Records([])
             counts["fetch_partitions"] += 1
