@@ -7,11 +7,10 @@ as the batch it holds (a view of the segment, never copied), a kera producer's c
 converted (``convert.to_batch``); chunks of segments evicted under the memory budget are
 read back from a backup first, as kera's pull reads them (a partition no copy of whose
 batches can be read is ``KAFKA_STORAGE_ERROR``, retriable; the others are answered). It
-waits up to ``max_wait_ms``
-for ``min_bytes``; it answers at most ``max_bytes`` and each partition's
-``partition_max_bytes``, but always the first batch (Kafka's KIP-74). An offset below
-the log start or past the log end is ``OFFSET_OUT_OF_RANGE``; one between the high
-watermark and the log end waits, as Kafka's does.
+waits up to ``max_wait_ms`` for ``min_bytes``; it answers at most ``max_bytes`` and each
+partition's ``partition_max_bytes``, but always the first batch (Kafka's KIP-74). An
+offset below the log start or past the log end is ``OFFSET_OUT_OF_RANGE``; one between
+the high watermark and the log end waits, as Kafka's does.
 """
 
 from __future__ import annotations
