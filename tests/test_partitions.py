@@ -95,18 +95,25 @@ async def serves(addr: str) -> bool:
 async def healthy(coord, nodes: int = 3, cli: bool = False) -> dict:
     """Until every broker and backup is alive and each broker serves under its lease, with no
     recovery under way nor any that lost data; then (``cli``) ``kera status`` must say so too."""
-    while True:
-        try:
-            st = await status(coord)
-        except KeraError:
-            st = None
-        if st is not None:
-            alive = [m for m in st["brokers"] + st["backups"] if m["alive"]]
-            busy = [r for r in st["recoveries"] if r["state"] not in ("done",) or r["lost"]]
-            if len(alive) == 2 * nodes and not busy and not st["adoptions"]:
-                if all([await serves(b["addr"]) for b in st["brokers"]]):
+    why = "no status yet"
+    try:
+        while True:
+            try:
+                st = await status(coord)
+            except KeraError as e:
+                st, why = None, f"status: {e}"
+            if st is not None:
+                alive = [m for m in st["brokers"] + st["backups"] if m["alive"]]
+                busy = [r for r in st["recoveries"] if r["state"] not in ("done",) or r["lost"]]
+                serving = [await serves(b["addr"]) for b in st["brokers"]]
+                if len(alive) == 2 * nodes and not busy and not st["adoptions"] and all(serving):
                     break
-        await trio.sleep(0.2)
+                why = (f"{len(alive)} alive, recoveries {busy}, adoptions {st['adoptions']}, brokers "
+                       f"serving {serving}")
+            await trio.sleep(0.2)
+    except trio.Cancelled:   # a deadline of the caller's: say what was missing
+        print(f"not healthy: {why}")
+        raise
     if not cli:
         return st
     out = await trio.to_thread.run_sync(lambda: subprocess.run(
