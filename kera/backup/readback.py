@@ -69,8 +69,7 @@ class ReadBack:
 
         got, bad = await self.read_replica(rep, work)
         if bad is not None:
-            off, size, reason = self.corrupt(rep, bad)
-            raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+            self._rotten(rep, bad)
         read = dict(zip((off for off, _ in below), got, strict=True))
         parts = []
         for off, _ in ranges:
@@ -133,11 +132,7 @@ class ReadBack:
             if s >= rep.mem_base:
                 parts.append(b"".join(rep.memory_parts(s, e)))
                 continue
-            data, bad = await self.read_replica(rep, disk.read_verified, rep.path, s, e, [s], [e])
-            if bad is not None:
-                off, _, reason = self.corrupt(rep, bad)
-                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
-            parts.append(data)
+            parts.append(await self._read_checked(rep, s, e, [s], [e]))
         return parts
 
     async def _verify(self, rep: Replica) -> int:
@@ -151,10 +146,7 @@ class ReadBack:
         while at < base:
             _, stop, _, _ = rep.plan_read(at, limits.MAX_READ)
             starts, ends = BackupStore.chunk_bounds(rep, at, stop)
-            _, bad = await self.read_replica(rep, disk.read_verified, rep.path, at, stop, starts, ends)
-            if bad is not None:
-                off, _, reason = self.corrupt(rep, bad)
-                raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
+            await self._read_checked(rep, at, stop, starts, ends)
             self.counters["verified_bytes"] += stop - at
             at = stop
         return at
@@ -214,6 +206,19 @@ class ReadBack:
         if rep.dropped:  # what was read may be of another file: not served
             raise BackupError(f"replica {rep.key} was dropped")
         return out
+
+    async def _read_checked(self, rep: Replica, start: int, stop: int, starts: list, ends: list) -> bytes:
+        """[start, stop) of ``rep``'s file, every chunk (``starts``, ``ends``) verified; the
+        first that fails is marked and raised (``_rotten``)."""
+        data, bad = await self.read_replica(rep, disk.read_verified, rep.path, start, stop, starts, ends)
+        if bad is not None:
+            self._rotten(rep, bad)
+        return data
+
+    def _rotten(self, rep: Replica, bad: tuple) -> None:
+        """Raise ``ChecksumError`` for the chunk ``bad`` that failed verification, marked."""
+        off, _, reason = self.corrupt(rep, bad)
+        raise ChecksumError(f"replica {rep.key}: chunk at {off} is corrupt: {reason}")
 
     def corrupt(self, rep: Replica, bad: tuple) -> tuple:
         """A chunk that failed verification on read: logged, marked, never served, and
